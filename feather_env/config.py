@@ -1,0 +1,91 @@
+"""Typed, validated configuration objects shared by every part of the toolkit.
+
+Every knob of a run lives in a dataclass; YAML or dict input is turned into one
+with :func:`from_mapping`, which rejects unknown keys with a message that lists
+the valid ones (a typo in a config must never be silently ignored).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration file or mapping is invalid (unknown key, wrong type, bad value)."""
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Convert ``value`` to ``annotation`` where that is unambiguous (int -> float, list -> tuple)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(annotation)
+        if value is None and type(None) in args:
+            return None
+        non_none = [a for a in args if a is not type(None)]
+        if len(non_none) == 1:
+            return _coerce(value, non_none[0], where)
+        return value
+    if dataclasses.is_dataclass(annotation) and isinstance(value, Mapping):
+        return from_mapping(annotation, value, where=where)
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if origin is tuple and isinstance(value, list):
+        return tuple(value)
+    if annotation in (int, float, str, bool) and not isinstance(value, annotation):
+        raise ConfigError(f"{where}: expected {annotation.__name__}, got {value!r}")
+    if annotation is int and isinstance(value, bool):
+        raise ConfigError(f"{where}: expected int, got {value!r}")
+    return value
+
+
+def from_mapping(cls: type[T], data: Mapping[str, Any] | None, *, where: str = "") -> T:
+    """Build dataclass ``cls`` from ``data``; unknown keys raise :class:`ConfigError`.
+
+    ``where`` names the source (file and section) in error messages.
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where or cls.__name__}: expected a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - set(fields))
+    label = where or cls.__name__
+    if unknown:
+        raise ConfigError(
+            f"{label}: unknown key(s) {unknown}; valid keys are {sorted(fields)}"
+        )
+    hints = typing.get_type_hints(cls)
+    kwargs = {
+        name: _coerce(value, hints[name], f"{label}.{name}") for name, value in data.items()
+    }
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # a required field is missing
+        raise ConfigError(f"{label}: {exc}") from exc
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping; a missing or malformed file is a :class:`ConfigError` naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: malformed YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at top level, got {type(data).__name__}")
+    return data
