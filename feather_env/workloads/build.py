@@ -1,0 +1,196 @@
+"""One config object for every workload kind, and :func:`build_workload` that turns it into one.
+
+A run's ``workload:`` section (YAML) becomes a :class:`WorkloadConfig` through
+:func:`feather_env.config.from_mapping`, so a misspelt key is an error listing the valid ones.
+``build_workload`` then loads the data, samples the episode's requests and assigns arrivals,
+in that order:
+
+1. load: ``leval`` | ``longbench`` | ``sharegpt`` | ``splitwise`` | ``arxiv`` (the three vidur
+   CSVs in the data's ``traces/``) | ``synthetic``;
+2. ``num_groups`` (with ``max_per_group``): keep that many whole prefix groups (for
+   ``synthetic`` it is the number of groups generated);
+3. ``num_requests``: keep that many requests at random;
+4. ``arrival``: ``"burst"`` | ``"poisson:RATE"`` | ``"trace"``; ``None`` means ``"trace"``
+   for a workload with its own timestamps (splitwise) and ``"burst"`` otherwise.
+
+Every step is seeded by ``seed``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from feather_env.config import ConfigError, from_mapping
+from feather_env.workloads.arrivals import parse_arrival
+from feather_env.workloads.datadir import resolve_data_dir
+from feather_env.workloads.leval import DEFAULT_INSTRUCTION_TEMPLATE, load_leval
+from feather_env.workloads.longbench import load_longbench
+from feather_env.workloads.synthetic import parse_length_spec, synthetic_workload
+from feather_env.workloads.tokenizer import load_tokenizer
+from feather_env.workloads.traces import TRACE_FILES, load_trace
+from feather_env.workloads.workload import Workload
+
+WORKLOAD_KINDS = ("leval", "longbench", *TRACE_FILES, "synthetic")
+DEFAULT_MAX_OUTPUT_TOKENS = {"leval": 512}
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    """Every knob of a workload.
+
+    Attributes:
+        kind: ``leval`` | ``longbench`` | ``sharegpt`` | ``splitwise`` | ``arxiv`` | ``synthetic``.
+        data_dir: data root (or the kind's own folder); ``None``: ``$FEATHER_DATA_DIR``, else
+            ``../shared/data`` beside the repository.
+        tasks: L-Eval / LongBench task names (``None``: all).
+        max_prompt_tokens: prompt cap (``None``: none); ``overflow`` decides what happens above it.
+        max_output_tokens: output cap; ``None``: 512 for L-Eval (the L-Eval baselines' cap),
+            the task's max new tokens for LongBench, none for traces and synthetic.
+        overflow: ``"truncate"`` or ``"error"``.
+        arrival: ``"burst"`` | ``"poisson:RATE"`` | ``"trace"`` | ``None`` (see module docstring).
+        num_requests: keep this many requests at random (``None``: all).
+        num_groups: keep this many whole prefix groups (synthetic: groups to generate).
+        max_per_group: at most this many requests per kept group.
+        seed: seeds content, sampling and arrivals.
+        instruction_template: L-Eval question template (``{instruction}``).
+        tokens_per_word, tokens_per_char_zh, output, group_size, question_tokens: LongBench
+            (see :func:`~feather_env.workloads.longbench.load_longbench`).
+        per_group, prefix_len, suffix_len, output_len: synthetic lengths (int or spec such as
+            ``"uniform:LO:HI"``, see :func:`~feather_env.workloads.synthetic.parse_length_spec`).
+        vocab_size: range of synthetic token ids, ``[3, vocab_size)``.
+    """
+
+    kind: str = "leval"
+    data_dir: str | None = None
+    tasks: tuple[str, ...] | None = None
+    max_prompt_tokens: int | None = 16384
+    max_output_tokens: int | None = None
+    overflow: str = "truncate"
+    arrival: str | None = None
+    num_requests: int | None = None
+    num_groups: int | None = None
+    max_per_group: int | None = None
+    seed: int = 0
+    instruction_template: str = DEFAULT_INSTRUCTION_TEMPLATE
+    tokens_per_word: float = 1.3
+    tokens_per_char_zh: float = 1.0
+    output: str = "answer"
+    group_size: int = 1
+    question_tokens: int = 32
+    per_group: int | str = 8
+    prefix_len: int | str = 4000
+    suffix_len: int | str = 20
+    output_len: int | str = 128
+    vocab_size: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.kind not in WORKLOAD_KINDS:
+            raise ConfigError(
+                f"workload.kind: unknown kind {self.kind!r}; valid: {list(WORKLOAD_KINDS)}"
+            )
+        if self.overflow not in ("truncate", "error"):
+            raise ConfigError(
+                f"workload.overflow must be 'truncate' or 'error', got {self.overflow!r}"
+            )
+        if self.output not in ("answer", "max"):
+            raise ConfigError(f"workload.output must be 'answer' or 'max', got {self.output!r}")
+        if isinstance(self.tasks, str):
+            object.__setattr__(self, "tasks", (self.tasks,))
+        for name in (
+            "num_requests",
+            "num_groups",
+            "max_per_group",
+            "max_prompt_tokens",
+            "max_output_tokens",
+        ):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"workload.{name} must be >= 1 or null, got {value}")
+        if self.arrival is not None:
+            parse_arrival(self.arrival)
+        for name in ("per_group", "prefix_len", "suffix_len", "output_len"):
+            parse_length_spec(getattr(self, name), name=f"workload.{name}")
+
+    @classmethod
+    def from_mapping(
+        cls, data: Mapping[str, Any] | None, where: str = "workload"
+    ) -> WorkloadConfig:
+        """From a dict or YAML section; unknown keys raise :class:`ConfigError` (lists keys)."""
+        return from_mapping(cls, data, where=where)
+
+
+def build_workload(
+    cfg: WorkloadConfig | Mapping[str, Any], tokenizer: Tokenizer | None = None
+) -> Workload:
+    """Load, sample and time a workload as ``cfg`` says (see the module docstring).
+
+    ``tokenizer`` (default: the bundled one) encodes L-Eval text and LongBench answers.
+    """
+    if not isinstance(cfg, WorkloadConfig):
+        cfg = WorkloadConfig.from_mapping(cfg)
+    max_out = cfg.max_output_tokens
+    if max_out is None:
+        max_out = DEFAULT_MAX_OUTPUT_TOKENS.get(cfg.kind)
+    if cfg.kind == "leval":
+        workload = load_leval(
+            cfg.data_dir,
+            tokenizer if tokenizer is not None else load_tokenizer(),
+            tasks=cfg.tasks,
+            max_prompt_tokens=cfg.max_prompt_tokens,
+            max_output_tokens=max_out,
+            overflow=cfg.overflow,
+            instruction_template=cfg.instruction_template,
+        )
+    elif cfg.kind == "longbench":
+        workload = load_longbench(
+            cfg.data_dir,
+            tasks=cfg.tasks,
+            tokenizer=tokenizer if tokenizer is not None else load_tokenizer(),
+            tokens_per_word=cfg.tokens_per_word,
+            tokens_per_char_zh=cfg.tokens_per_char_zh,
+            output=cfg.output,
+            max_output_tokens=max_out,
+            group_size=cfg.group_size,
+            question_tokens=cfg.question_tokens,
+            seed=cfg.seed,
+            max_prompt_tokens=cfg.max_prompt_tokens,
+            overflow=cfg.overflow,
+            vocab_size=cfg.vocab_size,
+        )
+    elif cfg.kind in TRACE_FILES:
+        workload = load_trace(
+            resolve_data_dir(cfg.data_dir, "traces") / TRACE_FILES[cfg.kind],
+            max_prompt_tokens=cfg.max_prompt_tokens,
+            max_output_tokens=max_out,
+            overflow=cfg.overflow,
+            seed=cfg.seed,
+            vocab_size=cfg.vocab_size,
+            name=cfg.kind,
+        )
+    else:
+        workload = synthetic_workload(
+            cfg.num_groups if cfg.num_groups is not None else 8,
+            cfg.per_group,
+            cfg.prefix_len,
+            cfg.suffix_len,
+            cfg.output_len,
+            seed=cfg.seed,
+            vocab_size=cfg.vocab_size,
+            max_prompt_tokens=cfg.max_prompt_tokens,
+            max_output_tokens=max_out,
+            overflow=cfg.overflow,
+        )
+    if cfg.num_groups is not None and cfg.kind != "synthetic":
+        workload = workload.sample_groups(cfg.num_groups, cfg.seed, cfg.max_per_group)
+    elif cfg.max_per_group is not None:
+        workload = workload.sample_groups(workload.num_groups, cfg.seed, cfg.max_per_group)
+    if cfg.num_requests is not None:
+        workload = workload.sample(cfg.num_requests, cfg.seed)
+    arrival = cfg.arrival
+    if arrival is None:
+        arrival = "trace" if workload.arrivals == "trace" else "burst"
+    return workload.with_arrivals(parse_arrival(arrival), cfg.seed)

@@ -1,0 +1,240 @@
+"""A named, immutable list of requests: what a scheduler or an environment episode consumes.
+
+The order of a :class:`Workload` is its queue order: the order in which requests reach the
+scheduler when arrival times tie (all of them, for a burst). Sampling shuffles that order by
+default, because a workload whose questions arrive grouped by document would already be
+prefix-homogeneous under FCFS and leave the scheduler nothing to do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, overload
+
+import numpy as np
+
+from feather_env.workloads.request import Request
+
+if TYPE_CHECKING:
+    from feather_env.workloads.arrivals import ArrivalProcess
+
+
+class WorkloadError(ValueError):
+    """A workload cannot be built or used: empty, duplicate ids, malformed input, bad sample."""
+
+
+def _common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(a.size, b.size)
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A named, immutable sequence of :class:`Request` with unique ids.
+
+    Attributes:
+        name: what the workload is (``"leval"``, ``"splitwise_conv"``, ...); samples extend it.
+        requests: the requests in queue order.
+        arrivals: where the requests' ``arrival_time`` values come from: ``None`` when none
+            were assigned (all 0), ``"trace"`` when read from the data, else the spec of the
+            arrival process applied by :meth:`with_arrivals` (``"burst"``, ``"poisson:2.0"``).
+
+    An empty workload, or two requests with one id, raise :class:`WorkloadError`.
+    """
+
+    name: str
+    requests: tuple[Request, ...] = field(repr=False)
+    arrivals: str | None = None
+    _index: dict[str, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        requests = tuple(self.requests)
+        object.__setattr__(self, "requests", requests)
+        if not requests:
+            raise WorkloadError(f"workload {self.name!r} is empty: it has no requests")
+        index: dict[str, int] = {}
+        for i, req in enumerate(requests):
+            if not isinstance(req, Request):
+                raise WorkloadError(
+                    f"workload {self.name!r}: item {i} is a {type(req).__name__}, not a Request"
+                )
+            if req.request_id in index:
+                raise WorkloadError(
+                    f"workload {self.name!r}: duplicate request id {req.request_id!r} "
+                    f"(positions {index[req.request_id]} and {i})"
+                )
+            index[req.request_id] = i
+        object.__setattr__(self, "_index", index)
+
+    def __repr__(self) -> str:
+        return (
+            f"Workload(name={self.name!r}, requests={len(self)}, groups={self.num_groups}, "
+            f"arrivals={self.arrivals!r})"
+        )
+
+    # -- sequence protocol -------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self.requests)
+
+    @overload
+    def __getitem__(self, key: int) -> Request: ...
+    @overload
+    def __getitem__(self, key: str) -> Request: ...
+    def __getitem__(self, key: int | str) -> Request:
+        """A request by position or by id."""
+        if isinstance(key, str):
+            return self.requests[self._index[key]]
+        return self.requests[key]
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._index
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [r.request_id for r in self.requests]
+
+    # -- groups ------------------------------------------------------------------------------
+    @cached_property
+    def _groups(self) -> dict[int, tuple[Request, ...]]:
+        groups: dict[int, list[Request]] = {}
+        for req in self.requests:
+            groups.setdefault(req.prefix_group, []).append(req)
+        return {g: tuple(members) for g, members in groups.items()}
+
+    def groups(self) -> dict[int, tuple[Request, ...]]:
+        """Requests by ``prefix_group``, groups in order of first appearance."""
+        return dict(self._groups)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self._groups)
+
+    # -- derived workloads -------------------------------------------------------------------
+    def _derive(self, requests: Sequence[Request], name: str) -> Workload:
+        return Workload(name, tuple(requests), self.arrivals)
+
+    def sample(self, n: int, seed: int, *, shuffle: bool = True) -> Workload:
+        """``n`` requests drawn without replacement, deterministic for ``seed``.
+
+        With ``shuffle`` the result is in random order (a new queue order); without, the
+        original relative order is kept.
+        """
+        if not 1 <= n <= len(self):
+            raise WorkloadError(
+                f"workload {self.name!r}: cannot sample {n} requests from {len(self)}"
+            )
+        rng = np.random.default_rng(seed)
+        idx = rng.choice(len(self), size=n, replace=False)
+        if not shuffle:
+            idx = np.sort(idx)
+        return self._derive([self.requests[i] for i in idx], f"{self.name}/sample{n}@{seed}")
+
+    def sample_groups(
+        self, n_groups: int, seed: int, max_per_group: int | None = None, *, shuffle: bool = True
+    ) -> Workload:
+        """Whole prefix groups (e.g. L-Eval documents with all their questions).
+
+        Picks ``n_groups`` distinct groups at random (deterministic for ``seed``). With
+        ``max_per_group`` a larger group contributes a random subset of that many requests.
+        With ``shuffle`` the requests of the chosen groups are interleaved in random order;
+        without, groups keep their original order and members stay together.
+        """
+        groups = list(self._groups.values())
+        if not 1 <= n_groups <= len(groups):
+            raise WorkloadError(
+                f"workload {self.name!r}: cannot sample {n_groups} prefix groups from {len(groups)}"
+            )
+        if max_per_group is not None and max_per_group < 1:
+            raise WorkloadError(f"max_per_group must be >= 1, got {max_per_group}")
+        rng = np.random.default_rng(seed)
+        chosen = np.sort(rng.choice(len(groups), size=n_groups, replace=False))
+        picked: list[Request] = []
+        for g in chosen:
+            members = groups[g]
+            if max_per_group is not None and len(members) > max_per_group:
+                keep = np.sort(rng.choice(len(members), size=max_per_group, replace=False))
+                members = tuple(members[i] for i in keep)
+            picked.extend(members)
+        if shuffle:
+            picked = [picked[i] for i in rng.permutation(len(picked))]
+        cap = "" if max_per_group is None else f"x{max_per_group}"
+        return self._derive(picked, f"{self.name}/groups{n_groups}{cap}@{seed}")
+
+    def shuffled(self, seed: int) -> Workload:
+        """The same requests in a random queue order."""
+        perm = np.random.default_rng(seed).permutation(len(self))
+        return self._derive([self.requests[i] for i in perm], f"{self.name}/shuffled@{seed}")
+
+    def with_arrivals(self, process: ArrivalProcess | str, seed: int = 0) -> Workload:
+        """Assign arrival times with ``process`` (or its spec, see ``parse_arrival``).
+
+        Times are drawn for the current queue order; the result is sorted by arrival time
+        (stable, so ties keep the queue order).
+        """
+        from feather_env.workloads.arrivals import parse_arrival
+
+        if isinstance(process, str):
+            process = parse_arrival(process)
+        times = np.asarray(process.arrival_times(self, seed), dtype=np.float64)
+        if times.shape != (len(self),):
+            raise WorkloadError(
+                f"{process.spec}: produced {times.shape} arrival times for {len(self)} requests"
+            )
+        order = np.argsort(times, kind="stable")
+        reqs = [self.requests[i].with_arrival(float(times[i])) for i in order]
+        return Workload(self.name, tuple(reqs), process.spec)
+
+    # -- summaries ---------------------------------------------------------------------------
+    def unique_prompt_tokens(self) -> int:
+        """Prompt tokens after merging each group's common prefix (what a prefix cache stores)."""
+        total = 0
+        for members in self._groups.values():
+            first = members[0].prompt_token_ids
+            common = first.size
+            for req in members[1:]:
+                common = min(common, _common_prefix_len(first, req.prompt_token_ids))
+            total += common + sum(r.prompt_len - common for r in members)
+        return total
+
+    def describe(self) -> dict[str, Any]:
+        """Summary statistics.
+
+        ``reuse_factor`` is total prompt tokens over :meth:`unique_prompt_tokens`: how many
+        times each stored prefix token is used (1.0 without sharing).
+        """
+        prompt = np.array([r.prompt_len for r in self.requests], dtype=np.int64)
+        output = np.array([r.output_len for r in self.requests], dtype=np.int64)
+        arrivals = np.array([r.arrival_time for r in self.requests])
+        unique = self.unique_prompt_tokens()
+        return {
+            "name": self.name,
+            "requests": len(self),
+            "groups": self.num_groups,
+            "prompt_tokens_total": int(prompt.sum()),
+            "prompt_tokens_mean": float(prompt.mean()),
+            "prompt_tokens_max": int(prompt.max()),
+            "output_tokens_mean": float(output.mean()),
+            "output_tokens_max": int(output.max()),
+            "unique_prompt_tokens": unique,
+            "reuse_factor": float(prompt.sum() / unique),
+            "arrivals": self.arrivals,
+            "arrival_span_s": float(arrivals.max() - arrivals.min()),
+        }
+
+    def fingerprint(self) -> str:
+        """sha256 over ids, tokens, groups, output lengths and arrivals: equal iff same content."""
+        h = hashlib.sha256()
+        for r in self.requests:
+            h.update(r.request_id.encode())
+            h.update(b"\0")
+            h.update(np.ascontiguousarray(r.prompt_token_ids, dtype="<i4").tobytes())
+            h.update(np.array([r.prefix_group, r.output_len], dtype="<i8").tobytes())
+            h.update(np.array([r.arrival_time], dtype="<f8").tobytes())
+        return h.hexdigest()
