@@ -1,0 +1,216 @@
+"""The paper's core experiment on the real vLLM engine: prefix-homogeneous vs heterogeneous decode.
+
+N requests in G prefix groups are decoded (a) as one heterogeneous batch and (b) as
+G homogeneous batches (one group each). Decode throughput is measured by
+:class:`feather_env.backends.VLLMBackend` over decode-only engine steps, with each
+group's prefix warmed first (an isolated decode loop, as in the paper). A sweep of
+batch size x number of groups follows. Runs alternate inside one process and
+report medians, since this machine is shared and noisy.
+
+    python -m benchmarks.prefix_homogeneity --json results/prefix_homogeneity.json \
+        --plot results/prefix_homogeneity.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from benchmarks.common import format_table, machine_info, write_json
+from feather_env.backends import BatchResult, VLLMBackend
+from feather_env.engine import EngineConfig
+from feather_env.workloads.request import Request
+
+
+def grouped_requests(
+    groups: int, per_group: int, prefix_len: int, suffix_len: int, output_len: int,
+    *, seed: int, prefix_pool: Sequence[np.ndarray] | None = None, tag: str = "",
+) -> list[Request]:
+    """``groups`` x ``per_group`` requests: a shared random prefix per group + unique suffixes."""
+    rng = np.random.default_rng(seed)
+    pool = prefix_pool or [rng.integers(3, 8192, prefix_len, dtype=np.int32) for _ in range(groups)]
+    if len(pool) < groups:
+        raise ValueError(f"prefix pool has {len(pool)} prefixes, need {groups}")
+    out = []
+    for g in range(groups):
+        for i in range(per_group):
+            suffix = rng.integers(3, 8192, suffix_len, dtype=np.int32)
+            out.append(Request(f"{tag}g{g}-{i}", np.concatenate([pool[g], suffix]), g, output_len))
+    return out
+
+
+def interleaved(requests: Sequence[Request], seed: int) -> list[Request]:
+    """The batch in a random arrival order, as FCFS admits a mixed stream.
+
+    Order matters on CPU: vLLM runs attention request by request in batch order,
+    so a heterogeneous batch sorted by group keeps each document's KV in cache
+    while its requests are processed. The "sorted" variant is reported too.
+    """
+    order = np.random.default_rng(seed).permutation(len(requests))
+    return [requests[i] for i in order]
+
+
+def aggregate(results: Sequence[BatchResult]) -> float:
+    """Decode throughput of several batches run one after another (total tokens / total time)."""
+    tokens = sum(r.decode_tokens for r in results)
+    seconds = sum(r.decode_seconds for r in results)
+    return tokens / seconds if seconds else 0.0
+
+
+def run(args: argparse.Namespace) -> dict:
+    engine = EngineConfig(
+        kv_cache_gib=args.kv_cache_gib,
+        max_num_seqs=max(args.groups * args.per_group, max(args.sweep_batch, default=1)),
+        max_model_len=args.prefix_len + args.suffix_len + args.output_len + 128,
+    )
+    t0 = time.perf_counter()
+    backend = VLLMBackend(engine, warm_prefixes=True)
+    print(f"engine ready in {time.perf_counter() - t0:.1f} s")
+    rng = np.random.default_rng(args.seed)
+    n_prefixes = max(args.groups, max(args.sweep_groups, default=1))
+    pool = [rng.integers(3, 8192, args.prefix_len, dtype=np.int32) for _ in range(n_prefixes)]
+
+    # -- default shape: one heterogeneous batch vs G homogeneous batches -------------------
+    hom_runs, het_runs, sorted_runs, ratios = [], [], [], []
+    for rep in range(args.repeats):
+        reqs = grouped_requests(args.groups, args.per_group, args.prefix_len, args.suffix_len,
+                                args.output_len, seed=args.seed + rep, prefix_pool=pool,
+                                tag=f"r{rep}")
+        order = ["het", "hom", "sorted"] if rep % 2 == 0 else ["sorted", "hom", "het"]
+        for kind in order:
+            if kind == "het":
+                het = aggregate([backend.run_batch(interleaved(reqs, seed=rep))])
+            elif kind == "sorted":
+                het_sorted = aggregate([backend.run_batch(reqs)])
+            else:
+                hom = aggregate([backend.run_batch([r for r in reqs if r.prefix_group == g])
+                                 for g in range(args.groups)])
+        het_runs.append(het)
+        hom_runs.append(hom)
+        sorted_runs.append(het_sorted)
+        ratios.append(hom / het)
+        print(f"repeat {rep}: homogeneous {hom:,.0f} tok/s, heterogeneous {het:,.0f} tok/s "
+              f"(sorted by group: {het_sorted:,.0f}), ratio {hom / het:.2f}")
+
+    # -- sweep: batch size x groups in the batch --------------------------------------------
+    sweep = []
+    for batch in args.sweep_batch:
+        for g in args.sweep_groups:
+            if g > batch or batch % g:
+                continue
+            vals = []
+            for rep in range(args.sweep_repeats):
+                reqs = grouped_requests(g, batch // g, args.prefix_len, args.suffix_len,
+                                        args.sweep_output_len, seed=1000 + rep,
+                                        prefix_pool=pool, tag=f"s{batch}-{g}-{rep}")
+                vals.append(backend.run_batch(interleaved(reqs, seed=rep)).decode_tok_s)
+            sweep.append({"batch_size": batch, "groups": g,
+                          "decode_tok_s": statistics.median(vals), "runs": vals})
+            print(f"sweep batch {batch:4d} groups {g:3d}: {statistics.median(vals):,.0f} tok/s")
+    backend.close()
+
+    result = {
+        "benchmark": "prefix_homogeneity",
+        "machine": machine_info(),
+        "engine": engine.to_dict(),
+        "shape": {"groups": args.groups, "per_group": args.per_group,
+                  "prefix_len": args.prefix_len, "suffix_len": args.suffix_len,
+                  "output_len": args.output_len, "repeats": args.repeats},
+        "homogeneous_tok_s": statistics.median(hom_runs),
+        "heterogeneous_tok_s": statistics.median(het_runs),
+        "ratio": statistics.median(ratios),
+        "heterogeneous_sorted_tok_s": statistics.median(sorted_runs),
+        "runs": {"homogeneous": hom_runs, "heterogeneous": het_runs,
+                 "heterogeneous_sorted": sorted_runs, "ratio": ratios},
+        "sweep": sweep,
+        "wall_s": time.perf_counter() - t0,
+    }
+    return result
+
+
+def print_report(res: dict) -> None:
+    s = res["shape"]
+    print()
+    print(f"Prefix homogeneity, {s['groups']} groups x {s['per_group']} requests, "
+          f"{s['prefix_len']}-token prefixes, {s['suffix_len']}-token suffixes, "
+          f"{s['output_len']} output tokens ({res['machine']['date']}, {res['machine']['cpu']}, "
+          f"{res['machine']['cores']} cores)")
+    print(format_table(
+        ["schedule", "decode tok/s"],
+        [[f"{s['groups']} homogeneous batches of {s['per_group']}", res["homogeneous_tok_s"]],
+         [f"1 heterogeneous batch of {s['groups'] * s['per_group']} (arrival order)",
+          res["heterogeneous_tok_s"]],
+         ["same batch, sorted by prefix group", res["heterogeneous_sorted_tok_s"]],
+         ["ratio (median of repeats)", res["ratio"]]]))
+    if res["sweep"]:
+        groups = sorted({r["groups"] for r in res["sweep"]})
+        batches = sorted({r["batch_size"] for r in res["sweep"]})
+        cell = {(r["batch_size"], r["groups"]): r["decode_tok_s"] for r in res["sweep"]}
+        print()
+        print("Sweep: decode tok/s by batch size (rows) and prefix groups in the batch (columns)")
+        print(format_table(["batch"] + [f"{g} groups" for g in groups],
+                           [[b] + [cell.get((b, g), "-") for g in groups] for b in batches]))
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for b in sorted({r["batch_size"] for r in res["sweep"]}):
+        pts = sorted((r["groups"], r["decode_tok_s"]) for r in res["sweep"] if r["batch_size"] == b)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"batch {b}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prefix groups in the batch")
+    ax.set_ylabel("decode throughput (tok/s)")
+    s = res["shape"]
+    ax.set_title(f"Decode throughput vs prefix heterogeneity\n"
+                 f"{s['prefix_len']}-token prefixes, tiny Llama on vLLM CPU, {res['machine']['date']}",
+                 fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--per-group", type=int, default=64)
+    p.add_argument("--prefix-len", type=int, default=12000)
+    p.add_argument("--suffix-len", type=int, default=20)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--sweep-batch", type=lambda s: [int(x) for x in s.split(",") if x],
+                   default=[32, 64, 128])
+    p.add_argument("--sweep-groups", type=lambda s: [int(x) for x in s.split(",") if x],
+                   default=[1, 2, 4, 8])
+    p.add_argument("--sweep-output-len", type=int, default=32)
+    p.add_argument("--sweep-repeats", type=int, default=1)
+    p.add_argument("--kv-cache-gib", type=float, default=4.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true",
+                   help="small shape for a smoke run (4 groups x 16, 4000-token prefixes)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.groups, args.per_group, args.prefix_len, args.output_len = 4, 16, 4000, 32
+        args.sweep_batch, args.sweep_groups = [16], [1, 4]
+    res = run(args)
+    print_report(res)
+    write_json(args.json, res)
+    if args.plot and res["sweep"]:
+        plot(res, args.plot)
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,355 @@
+"""Engine backends: run one formed batch and report what it cost.
+
+A backend turns a batch (a list of :class:`Request`) into a :class:`BatchResult`.
+:class:`VLLMBackend` runs it on the real vLLM V1 engine, in-process, and measures
+decode throughput from the engine steps that schedule no prefill token; prefill
+time is reported apart. The simulated backend (fitted to this one) lives in
+:mod:`feather_env.sim`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from feather_env.engine import EngineConfig, build_llm
+from feather_env.workloads.request import Request
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running a batch; the batch's requests were not all served."""
+
+
+@dataclass
+class BatchResult:
+    """What running one batch cost.
+
+    Attributes:
+        num_requests: requests in the batch.
+        decode_tokens: tokens generated in decode-only steps (the throughput numerator).
+        decode_seconds: wall time of the decode-only steps.
+        prefill_seconds: wall time of steps that scheduled any prefill token.
+        output_tokens: all tokens generated (including the first token of each request).
+        prompt_tokens: prompt tokens of the batch.
+        prefix_hit_tokens: prompt tokens served from the prefix cache.
+        kv_blocks_used: peak KV blocks held during the batch.
+        step_times: wall time of each decode-only step (seconds).
+        step_batch_sizes: running requests in each decode-only step.
+    """
+
+    num_requests: int
+    decode_tokens: int
+    decode_seconds: float
+    prefill_seconds: float
+    output_tokens: int
+    prompt_tokens: int
+    prefix_hit_tokens: int = 0
+    kv_blocks_used: int = 0
+    step_times: list[float] = field(default_factory=list)
+    step_batch_sizes: list[int] = field(default_factory=list)
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Decode throughput (tokens/s) over decode-only steps; 0 when there were none."""
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def total_seconds(self) -> float:
+        return self.decode_seconds + self.prefill_seconds
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["decode_tok_s"] = self.decode_tok_s
+        return d
+
+
+class Backend(Protocol):
+    """Runs one batch to completion."""
+
+    def run_batch(self, requests: Sequence[Request]) -> BatchResult: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class _StepRecord:
+    new_reqs: int
+    prefill_hit_tokens: int
+    scheduled_tokens: int
+    scheduled_reqs: int
+
+
+class _StepRecorder:
+    """Wraps a scheduler instance's ``schedule`` to keep the last ``SchedulerOutput`` summary."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.last: _StepRecord | None = None
+        original = scheduler.schedule
+
+        def schedule(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            self.last = _StepRecord(
+                new_reqs=len(out.scheduled_new_reqs),
+                prefill_hit_tokens=sum(r.num_computed_tokens for r in out.scheduled_new_reqs),
+                scheduled_tokens=out.total_num_scheduled_tokens,
+                scheduled_reqs=len(out.num_scheduled_tokens),
+            )
+            return out
+
+        scheduler.schedule = schedule
+
+
+def engine_core_of(llm: Any) -> Any:
+    """The in-process ``EngineCore`` of a ``vllm.LLM`` (needs VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    client = llm.llm_engine.engine_core
+    core = getattr(client, "engine_core", None)
+    if core is None:
+        raise EngineError(
+            "the vLLM engine runs in a separate process; set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
+            "before vLLM is imported (feather_env.engine.build_llm does this)"
+        )
+    return core
+
+
+class VLLMBackend:
+    """Runs batches on a real in-process vLLM engine, one batch at a time.
+
+    The engine is built once and reused across batches and episodes. A batch runs
+    to completion before ``run_batch`` returns, so nothing leaks into the next one.
+
+    Args:
+        engine: engine configuration (``max_num_seqs`` bounds the batch size).
+        warm_prefixes: before timing a batch, prefill each prefix group's common
+            prefix once, so the timed batch only prefills its unique suffixes (the
+            paper measured an isolated decode loop). Decode throughput is measured
+            over decode-only steps either way; warming makes that window cover the
+            whole batch instead of its tail.
+        reset_prefix_cache: drop the prefix cache before each batch (each batch then
+            pays its full prefill; off by default, as in a serving engine).
+        llm: an already built ``vllm.LLM`` to reuse (e.g. one per test session).
+    """
+
+    def __init__(
+        self,
+        engine: EngineConfig | None = None,
+        *,
+        warm_prefixes: bool = True,
+        reset_prefix_cache: bool = False,
+        llm: Any = None,
+    ) -> None:
+        self.engine_config = engine or EngineConfig()
+        self.warm_prefixes = warm_prefixes
+        self.reset_prefix_cache = reset_prefix_cache
+        self.llm = llm if llm is not None else build_llm(self.engine_config)
+        self._engine = self.llm.llm_engine
+        core = engine_core_of(self.llm)
+        self._scheduler = core.scheduler
+        # One recorder per scheduler, shared by every backend built over the same engine.
+        recorder = getattr(self._scheduler, "_feather_step_recorder", None)
+        if recorder is None:
+            recorder = _StepRecorder(self._scheduler)
+            self._scheduler._feather_step_recorder = recorder
+        self._recorder = recorder
+        self._batch_no = 0
+        self._closed = False
+
+    # -- public ---------------------------------------------------------------
+    @property
+    def max_batch_size(self) -> int:
+        return self.engine_config.max_num_seqs
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """KV cache capacity in tokens, as the engine allocated it."""
+        pool = self._scheduler.kv_cache_manager.block_pool
+        return (pool.num_gpu_blocks - 1) * self.engine_config.block_size
+
+    def run_batch(self, requests: Sequence[Request]) -> BatchResult:
+        """Run ``requests`` as one batch to completion and measure it.
+
+        Raises:
+            ValueError: empty batch, duplicate ids, batch larger than ``max_num_seqs``,
+                or a request longer than the engine's ``max_model_len``.
+            EngineError: the engine failed or did not return every request exactly once
+                with its requested number of tokens.
+        """
+        if self._closed:
+            raise EngineError("backend is closed")
+        self._validate(requests)
+        if self._engine.has_unfinished_requests():
+            raise EngineError("engine has unfinished requests from elsewhere; batches must be isolated")
+        self._batch_no += 1
+        tag = f"b{self._batch_no}"
+        try:
+            if self.reset_prefix_cache:
+                self.llm.reset_prefix_cache()
+            if self.warm_prefixes:
+                self._warm(requests, tag)
+            return self._run(requests, tag)
+        except EngineError:
+            self._abort_all()
+            raise
+        except Exception as exc:  # engine internals: report which batch failed and why
+            self._abort_all()
+            raise EngineError(f"vLLM engine failed during batch {tag} "
+                              f"({len(requests)} requests): {exc!r}") from exc
+
+    def close(self) -> None:
+        """Release the engine (the process can build a new one afterwards)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            engine_core_of(self.llm).shutdown()
+        except Exception:  # noqa: BLE001 - closing must not mask the original error
+            pass
+        self.llm = None
+        self._engine = None
+
+    # -- internals ------------------------------------------------------------
+    def _validate(self, requests: Sequence[Request]) -> None:
+        if not requests:
+            raise ValueError("empty batch")
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError("duplicate request ids in batch")
+        if len(requests) > self.engine_config.max_num_seqs:
+            raise ValueError(f"batch of {len(requests)} exceeds max_num_seqs="
+                             f"{self.engine_config.max_num_seqs}")
+        limit = self.engine_config.max_model_len
+        for r in requests:
+            if r.peak_tokens > limit:
+                raise ValueError(f"request {r.request_id!r}: prompt {r.prompt_len} + output "
+                                 f"{r.output_len} tokens exceeds max_model_len={limit}")
+
+    def _sampling(self, max_tokens: int) -> Any:
+        from vllm import SamplingParams
+
+        return SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True,
+                              detokenize=False, temperature=0.0)
+
+    def _warm(self, requests: Sequence[Request], tag: str) -> None:
+        """Prefill each group's common prefix once (one token generated, discarded)."""
+        from vllm.inputs import TokensPrompt
+
+        prefixes = common_prefixes(requests)
+        for i, prefix in enumerate(prefixes):
+            self._engine.add_request(f"{tag}-warm{i}", TokensPrompt(prompt_token_ids=prefix),
+                                     self._sampling(1))
+        while self._engine.has_unfinished_requests():
+            self._engine.step()
+
+    def _run(self, requests: Sequence[Request], tag: str) -> BatchResult:
+        from vllm.inputs import TokensPrompt
+
+        expected = {f"{tag}-{r.request_id}": r.output_len for r in requests}
+        for r in requests:
+            self._engine.add_request(
+                f"{tag}-{r.request_id}",
+                TokensPrompt(prompt_token_ids=r.prompt_token_ids.tolist()),
+                self._sampling(r.output_len),
+            )
+        pool = self._scheduler.kv_cache_manager.block_pool
+        decode_tokens = 0
+        decode_s = prefill_s = 0.0
+        hits = 0
+        peak_blocks = 0
+        step_times: list[float] = []
+        step_sizes: list[int] = []
+        produced: dict[str, int] = {}
+        max_steps = 4 * (sum(expected.values()) + sum(r.prompt_len for r in requests)) + 100
+        for _ in range(max_steps):
+            if not self._engine.has_unfinished_requests():
+                break
+            self._recorder.last = None
+            t0 = time.perf_counter()
+            outputs = self._engine.step()
+            dt = time.perf_counter() - t0
+            rec = self._recorder.last
+            peak_blocks = max(peak_blocks, pool.num_gpu_blocks - pool.get_num_free_blocks())
+            if rec is not None and rec.scheduled_reqs:
+                hits += rec.prefill_hit_tokens
+                if rec.new_reqs == 0 and rec.scheduled_tokens == rec.scheduled_reqs:
+                    decode_tokens += rec.scheduled_reqs
+                    decode_s += dt
+                    step_times.append(dt)
+                    step_sizes.append(rec.scheduled_reqs)
+                else:
+                    prefill_s += dt
+            for out in outputs:
+                if not out.finished:
+                    continue
+                if out.request_id in produced:
+                    raise EngineError(f"request {out.request_id} finished twice")
+                produced[out.request_id] = len(out.outputs[0].token_ids)
+        else:
+            raise EngineError(f"batch {tag} did not finish within {max_steps} engine steps")
+        missing = sorted(set(expected) - set(produced))
+        if missing:
+            raise EngineError(f"batch {tag}: {len(missing)} requests never finished: {missing[:5]}")
+        wrong = {k: (produced[k], v) for k, v in expected.items() if produced[k] != v}
+        if wrong:
+            raise EngineError(f"batch {tag}: wrong token counts (got, want): {dict(list(wrong.items())[:5])}")
+        return BatchResult(
+            num_requests=len(requests),
+            decode_tokens=decode_tokens,
+            decode_seconds=decode_s,
+            prefill_seconds=prefill_s,
+            output_tokens=sum(produced.values()),
+            prompt_tokens=sum(r.prompt_len for r in requests),
+            prefix_hit_tokens=hits,
+            kv_blocks_used=peak_blocks,
+            step_times=step_times,
+            step_batch_sizes=step_sizes,
+        )
+
+    def _abort_all(self) -> None:
+        """Leave the engine empty after a failure so the next batch starts clean."""
+        try:
+            ids = list(self._scheduler.requests)
+            if ids:
+                self._engine.abort_request(ids)
+        except Exception:  # noqa: BLE001 - best effort; the original error is re-raised
+            pass
+
+
+def prefix_groups(requests: Sequence[Request]) -> list[tuple[list[int], int]]:
+    """Group the batch by prefix group: ``(member indices, their common prefix length)``.
+
+    Groups come in first-seen order; a request without a group (``prefix_group < 0``)
+    is a group of its own. A group of one request has common prefix length 0.
+    """
+    members: dict[int, list[int]] = {}
+    for i, r in enumerate(requests):
+        key = r.prefix_group if r.prefix_group >= 0 else -1 - i
+        members.setdefault(key, []).append(i)
+    out = []
+    for idx in members.values():
+        first = requests[idx[0]].prompt_token_ids
+        n = first.size if len(idx) > 1 else 0
+        for j in idx[1:]:
+            other = requests[j].prompt_token_ids
+            m = min(n, other.size)
+            diff = np.flatnonzero(first[:m] != other[:m])
+            n = int(diff[0]) if diff.size else m
+        out.append((idx, n))
+    return out
+
+
+def common_prefixes(requests: Sequence[Request]) -> list[list[int]]:
+    """Token prefix to warm for each prefix group of ``requests`` (first-seen order).
+
+    A group's longest common prefix; a group of one request yields its whole prompt
+    minus the last token (vLLM always computes the last prompt token).
+    """
+    out = []
+    for idx, n in prefix_groups(requests):
+        first = requests[idx[0]].prompt_token_ids
+        n = n if len(idx) > 1 else first.size - 1
+        if n > 0:
+            out.append(first[:n].tolist())
+    return out

@@ -1,0 +1,48 @@
+"""Shared fixtures: the real vLLM engine is started once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parent.parent
+DATA_DIR = Path(os.environ.get("FEATHER_DATA_DIR", REPO.parent / "shared" / "data"))
+
+# The engine every engine test shares: small KV cache, eager mode (~7 s to start).
+TEST_ENGINE = dict(kv_cache_gib=2.0, max_num_seqs=128, max_model_len=20480,
+                   max_num_batched_tokens=8192)
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    if not DATA_DIR.is_dir():
+        pytest.fail(f"workload data not found at {DATA_DIR}; set FEATHER_DATA_DIR")
+    return DATA_DIR
+
+
+@pytest.fixture(scope="session")
+def engine_config():
+    from feather_env.engine import EngineConfig
+
+    return EngineConfig(**TEST_ENGINE)
+
+
+@pytest.fixture(scope="session")
+def llm(engine_config):
+    """One in-process vLLM engine for the whole session."""
+    from feather_env.engine import build_llm
+
+    engine = build_llm(engine_config)
+    yield engine
+
+
+@pytest.fixture(scope="session")
+def vllm_backend(llm, engine_config):
+    from feather_env.backends import VLLMBackend
+
+    return VLLMBackend(engine_config, llm=llm)
