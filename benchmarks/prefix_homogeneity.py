@@ -66,9 +66,11 @@ def run(args: argparse.Namespace) -> dict:
         kv_cache_gib=args.kv_cache_gib,
         max_num_seqs=max(args.groups * args.per_group, max(args.sweep_batch, default=1)),
         max_model_len=args.prefix_len + args.suffix_len + args.output_len + 128,
+        cpu_cores=args.cpu_cores,
     )
     t0 = time.perf_counter()
     backend = VLLMBackend(engine, warm_prefixes=True)
+    backend.warmup()
     print(f"engine ready in {time.perf_counter() - t0:.1f} s")
     rng = np.random.default_rng(args.seed)
     n_prefixes = max(args.groups, max(args.sweep_groups, default=1))
@@ -196,11 +198,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--sweep-repeats", type=int, default=1)
     p.add_argument("--kv-cache-gib", type=float, default=4.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu-cores", default="auto",
+                   help="cores to pin the engine to (VLLM_CPU_OMP_THREADS_BIND); 'auto' for vLLM's default")
     p.add_argument("--quick", action="store_true",
                    help="small shape for a smoke run (4 groups x 16, 4000-token prefixes)")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     args = p.parse_args(argv)
+    if args.cpu_cores == "auto":
+        args.cpu_cores = None
     if args.quick:
         args.groups, args.per_group, args.prefix_len, args.output_len = 4, 16, 4000, 32
         args.sweep_batch, args.sweep_groups = [16], [1, 4]

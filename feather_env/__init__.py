@@ -1,7 +1,16 @@
-"""Feather toolkit: an RL environment and runtime scheduler for prefix-aware LLM batch scheduling.
+"""Feather toolkit: an RL environment for prefix-aware LLM batch scheduling on a real vLLM engine.
 
-Subpackages: ``feather_env.workloads`` (requests and the benchmark workloads that produce
-them), plus the environment, the Chunked Hash Tree and the SVF ordering added by later modules.
+- :mod:`feather_env.env`: :class:`FeatherEnv`, registered as ``feather/Batching-v0``;
+- :mod:`feather_env.backends`: :class:`VLLMBackend` (the real engine) and :class:`BatchResult`;
+- :mod:`feather_env.sim`: :class:`SimBackend`, a cost model fitted to the engine
+  (:mod:`feather_env.calibrate` fits and validates it);
+- :mod:`feather_env.engine`: the one factory that builds every vLLM engine of the project;
+- :mod:`feather_env.workloads`: requests and the benchmark workloads that produce them.
+
+Heavy modules (vLLM, the environment) are imported lazily, so ``import feather_env`` is cheap.
 """
 
-# exports added by later modules
+import gymnasium as _gym
+
+if "feather/Batching-v0" not in _gym.registry:
+    _gym.register(id="feather/Batching-v0", entry_point="feather_env.env:FeatherEnv")

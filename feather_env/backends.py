@@ -198,6 +198,12 @@ class VLLMBackend:
             raise EngineError(f"vLLM engine failed during batch {tag} "
                               f"({len(requests)} requests): {exc!r}") from exc
 
+    def warmup(self, batch_size: int = 8, prompt_len: int = 512, output_len: int = 8) -> None:
+        """Run a throw-away batch: the first steps after start-up are much slower than steady state."""
+        rng = np.random.default_rng(12345)
+        self.run_batch([Request(f"warmup{i}", rng.integers(3, 8192, prompt_len), -1, output_len)
+                        for i in range(min(batch_size, self.max_batch_size))])
+
     def close(self) -> None:
         """Release the engine (the process can build a new one afterwards)."""
         if self._closed:

@@ -41,6 +41,12 @@ class EngineConfig:
         seed: sampling seed.
         skip_tokenizer_init: token-id prompts only (no text in, no text out).
         load_format: ``"dummy"`` for random weights.
+        cpu_cores: CPU backend only: the cores the engine's OpenMP threads are pinned to
+            (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"1"`` or ``"0-1"``); ``None`` keeps vLLM's
+            automatic binding (every physical core). Benchmarks on a shared 2-core machine pin
+            one core: vLLM's threads meet at a barrier every layer, so with two threads a
+            single competing process can slow a step ~10x, while a pinned single thread
+            leaves the other core to the competitor.
         extra: further keyword arguments passed to ``vllm.LLM`` unchanged.
     """
 
@@ -57,6 +63,7 @@ class EngineConfig:
     seed: int = 0
     skip_tokenizer_init: bool = True
     load_format: str = "dummy"
+    cpu_cores: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -117,6 +124,8 @@ def build_llm(config: EngineConfig | None = None, **overrides: Any):  # -> vllm.
     # Scheduler and model in the calling process, so step() is synchronous and
     # the scheduler object is reachable (set before vLLM is imported).
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if config.cpu_cores is not None:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_cores
     from vllm import LLM
 
     kwargs: dict[str, Any] = dict(

@@ -1,0 +1,215 @@
+"""A fast simulator of the real engine: predicts a batch's :class:`BatchResult` from its composition.
+
+The cost model is fitted to measurements of :class:`~feather_env.backends.VLLMBackend`
+by :mod:`feather_env.calibrate`; its error on fresh compositions is measured there too.
+
+Decode step time (one token for every running request) is modelled as::
+
+    t_step = c0 + c1 * B + c2 * T + c3 * M
+
+with B the running requests, T the KV tokens they reference (sum of context lengths)
+and M the KV tokens that miss a last-level cache of ``cache_tokens`` tokens when the
+batch is walked in its order (an LRU reuse-distance model: a group's shared prefix is a
+hit when it was read recently enough, every request's own tokens are a miss). M is what
+makes a prefix-homogeneous batch cheap: its shared prefix is read once per layer and
+then served from cache, while a heterogeneous batch in arrival order streams each
+document from DRAM again and again. ``cache_tokens`` is fitted by grid search, the
+coefficients by least squares.
+
+Prefill (the batch's uncached prompt tokens, chunked by the engine's token budget)::
+
+    t_prefill = p0 * steps + p1 * N + p2 * sum_i(n_i * s_i)
+
+with N the uncached tokens, n_i and s_i each request's uncached and total prompt tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from feather_env.backends import BatchResult, prefix_groups
+from feather_env.config import ConfigError
+from feather_env.workloads.request import Request
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_PROFILE = REPO_ROOT / "configs" / "profiles" / "cpu-tiny-llama.json"
+PROFILE_VERSION = 1
+
+
+@dataclass
+class CostModel:
+    """Fitted coefficients (seconds) of the decode-step and prefill models above."""
+
+    cache_tokens: float
+    decode: tuple[float, float, float, float]  # c0, c1 (per request), c2 (per KV token), c3 (per miss)
+    prefill: tuple[float, float, float]  # p0 (per step), p1 (per token), p2 (per token x context)
+    block_size: int = 128
+    max_num_batched_tokens: int = 16384
+
+
+@dataclass
+class Composition:
+    """A batch as the cost model sees it (in batch order)."""
+
+    prompt: np.ndarray  # prompt tokens per request
+    shared: np.ndarray  # tokens of the request's group prefix shared inside the batch (block-aligned)
+    group: np.ndarray  # group index per request (0..G-1), in batch order
+    output: np.ndarray  # output tokens per request
+
+
+def composition_of(requests: Sequence[Request], block_size: int = 128) -> Composition:
+    """Shared prefix per request = its group's common prefix in the batch, cut to whole blocks."""
+    group = np.empty(len(requests), dtype=np.int64)
+    shared = np.zeros(len(requests), dtype=np.int64)
+    for g, (idx, lcp) in enumerate(prefix_groups(requests)):
+        group[idx] = g
+        shared[idx] = (lcp // block_size) * block_size
+    prompt = np.array([r.prompt_len for r in requests], dtype=np.int64)
+    output = np.array([r.output_len for r in requests], dtype=np.int64)
+    return Composition(prompt=prompt, shared=np.minimum(shared, prompt), group=group, output=output)
+
+
+def step_features(comp: Composition, active: np.ndarray, generated: float,
+                  cache_tokens: float) -> tuple[float, float, float]:
+    """(B, T, M) of one decode step over the ``active`` requests (a boolean mask, batch order)."""
+    idx = np.flatnonzero(active)
+    if idx.size == 0:
+        return 0.0, 0.0, 0.0
+    ctx = comp.prompt[idx] + generated
+    own = ctx - comp.shared[idx]
+    total = float(ctx.sum())
+    groups = comp.group[idx]
+    shared = comp.shared[idx]
+    # LRU reuse distance over the batch order: distinct tokens read since the group's
+    # prefix was last read. Own tokens are read once per step (always a miss).
+    misses = float(own.sum())
+    read = 0.0
+    last: dict[int, float] = {}
+    for g, p, o in zip(groups.tolist(), shared.tolist(), own.tolist(), strict=True):
+        if p > 0:
+            seen = last.get(g)
+            if seen is None or read - seen + p > cache_tokens:
+                misses += p
+                read += p
+            last[g] = read
+        read += o
+    return float(idx.size), total, misses
+
+
+class SimBackend:
+    """Predicts :class:`BatchResult` for a batch with a fitted :class:`CostModel` (deterministic).
+
+    Mirrors :class:`~feather_env.backends.VLLMBackend` with ``warm_prefixes=True``: each
+    group's common prefix is cached before the batch, the first output token comes from
+    the prefill step, and the remaining ``output_len - 1`` tokens from decode steps.
+    """
+
+    deterministic = True
+
+    def __init__(self, model: CostModel, *, kv_capacity_tokens: int = 1 << 20,
+                 max_batch_size: int = 256, profile: dict[str, Any] | None = None) -> None:
+        self.model = model
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.max_batch_size = max_batch_size
+        self.profile = profile or {}
+
+    @classmethod
+    def from_profile(cls, path: str | Path | None = None) -> SimBackend:
+        """Load a calibrated profile (default: the shipped CPU profile)."""
+        profile = load_profile(path or DEFAULT_PROFILE)
+        m = profile["model"]
+        model = CostModel(cache_tokens=m["cache_tokens"], decode=tuple(m["decode"]),
+                          prefill=tuple(m["prefill"]), block_size=m["block_size"],
+                          max_num_batched_tokens=m["max_num_batched_tokens"])
+        eng = profile.get("engine", {})
+        return cls(model, kv_capacity_tokens=int(profile.get("kv_capacity_tokens", 1 << 20)),
+                   max_batch_size=int(eng.get("max_num_seqs", 256)), profile=profile)
+
+    def predict_step(self, comp: Composition, active: np.ndarray, generated: float) -> float:
+        c0, c1, c2, c3 = self.model.decode
+        b, t, m = step_features(comp, active, generated, self.model.cache_tokens)
+        return c0 + c1 * b + c2 * t + c3 * m
+
+    def predict_prefill(self, comp: Composition) -> float:
+        p0, p1, p2 = self.model.prefill
+        new = np.maximum(comp.prompt - comp.shared, 1)
+        steps = max(1, math.ceil(new.sum() / self.model.max_num_batched_tokens))
+        return p0 * steps + p1 * float(new.sum()) + p2 * float((new * comp.prompt).sum())
+
+    def run_batch(self, requests: Sequence[Request]) -> BatchResult:
+        if not requests:
+            raise ValueError("empty batch")
+        if len(requests) > self.max_batch_size:
+            raise ValueError(f"batch of {len(requests)} exceeds max batch size {self.max_batch_size}")
+        comp = composition_of(requests, self.model.block_size)
+        # Decode steps run in segments between request completions; within a segment the
+        # step time is linear in the generated count, so its midpoint gives the exact sum.
+        steps_needed = comp.output - 1
+        bounds = np.unique(np.concatenate([[0], steps_needed]))
+        decode_s = 0.0
+        decode_tokens = 0
+        step_times: list[float] = []
+        sizes: list[int] = []
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            active = steps_needed > a
+            n = int(b - a)
+            t_mid = self.predict_step(comp, active, 1 + (a + b - 1) / 2)
+            decode_s += n * t_mid
+            decode_tokens += n * int(active.sum())
+            step_times.append(t_mid)
+            sizes.append(int(active.sum()))
+        return BatchResult(
+            num_requests=len(requests),
+            decode_tokens=decode_tokens,
+            decode_seconds=decode_s,
+            prefill_seconds=self.predict_prefill(comp),
+            output_tokens=int(comp.output.sum()),
+            prompt_tokens=int(comp.prompt.sum()),
+            prefix_hit_tokens=int(comp.shared.sum()),
+            kv_blocks_used=0,
+            step_times=step_times,
+            step_batch_sizes=sizes,
+        )
+
+    def close(self) -> None:
+        pass
+
+
+def load_profile(path: str | Path) -> dict[str, Any]:
+    """Read and check a profile JSON; a missing or malformed file is a clear error."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"simulator profile not found: {path} "
+                          "(make one with `python -m feather_env.calibrate --out PATH`)")
+    try:
+        profile = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: malformed profile JSON: {exc}") from exc
+    if profile.get("version") != PROFILE_VERSION:
+        raise ConfigError(f"{path}: profile version {profile.get('version')!r}, "
+                          f"this toolkit reads version {PROFILE_VERSION}")
+    model = profile.get("model", {})
+    missing = [k for k in ("cache_tokens", "decode", "prefill", "block_size",
+                           "max_num_batched_tokens") if k not in model]
+    if missing:
+        raise ConfigError(f"{path}: profile model lacks {missing}")
+    return profile
+
+
+@dataclass
+class Measurement:
+    """One calibration point: a composition and what the real engine measured for it."""
+
+    spec: dict[str, Any]
+    decode_steps: list[tuple[float, float, float, float]] = field(default_factory=list)
+    prefill: tuple[float, float, float, float] | None = None  # (steps, N, sum n*s, seconds)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
