@@ -19,6 +19,7 @@ from feather_env.config import ConfigError
 from feather_env.workloads import Workload, WorkloadConfig, build_workload, synthetic_workload
 from feather_env.workloads.request import Request
 from scheduler_runtime.cht import ChunkedHashTree
+from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 
 STOP, ADD = 0, 1
 REWARDS = ("makespan", "throughput")
@@ -128,7 +129,7 @@ class FeatherEnv(gym.Env):
         *,
         waiting: int = 64,
         max_batch_size: int = 64,
-        chunk_size: int = 256,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
         groups_per_episode: int | None = None,
         max_per_group: int | None = None,
         reward: str = "makespan",

@@ -1,0 +1,110 @@
+"""Rewrite the README's figure sections from the JSON files that the benchmarks wrote.
+
+Each figure section of README.md sits between ``<!-- BEGIN name -->`` and
+``<!-- END name -->``; this script replaces its body with a table rendered from
+``results/<file>.json`` (with the date and machine recorded in that JSON), so no
+figure in the README is typed by hand. ``make bench`` runs it last.
+
+    python scripts/update_readme.py [--results results] [--readme README.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import format_table  # noqa: E402
+
+
+def _machine(res: dict[str, Any]) -> str:
+    m = res.get("machine") or {}
+    if isinstance(m, str):
+        return m
+    return f"measured {m.get('date', '?')} on {m.get('cpu', '?')}, {m.get('cores', '?')} cores"
+
+
+def render_prefix_homogeneity(res: dict[str, Any]) -> str:
+    s = res["shape"]
+    out = [f"{s['groups']} groups x {s['per_group']} requests, {s['prefix_len']}-token prefixes, "
+           f"{s['suffix_len']}-token suffixes, {s['output_len']} output tokens ({_machine(res)}):", ""]
+    out.append(format_table(["schedule", "decode tok/s"], [
+        [f"{s['groups']} homogeneous batches of {s['per_group']}", res["homogeneous_tok_s"]],
+        [f"1 heterogeneous batch of {s['groups'] * s['per_group']}, arrival order",
+         res["heterogeneous_tok_s"]],
+        ["the same batch sorted by prefix group", res.get("heterogeneous_sorted_tok_s", "-")],
+        ["**homogeneous / heterogeneous**", f"**{res['ratio']:.2f}x**"],
+    ]))
+    if res.get("sweep"):
+        groups = sorted({r["groups"] for r in res["sweep"]})
+        batches = sorted({r["batch_size"] for r in res["sweep"]})
+        cell = {(r["batch_size"], r["groups"]): r["decode_tok_s"] for r in res["sweep"]}
+        out += ["", "Sweep, decode tok/s (rows: batch size; columns: prefix groups in the batch, "
+                "arrival order):", ""]
+        out.append(format_table(["batch"] + [f"{g} groups" for g in groups],
+                                [[b] + [cell.get((b, g), "-") for g in groups] for b in batches]))
+    return "\n".join(out)
+
+
+def render_cht_overhead(res: dict[str, Any]) -> str:
+    rows = [[r["structure"], r["waiting"], r["prompt_tokens"], r["decision_us"], r["insert_us"],
+             r.get("decisions_measured", "-")] for r in res["results"]]
+    out = [f"Chunk size {res.get('chunk_size')} tokens ({_machine(res)}):", "",
+           format_table(["structure", "waiting", "prompt tokens", "decision us", "insert us",
+                         "decisions measured"], rows)]
+    targets = res.get("targets")
+    if targets:
+        out += ["", "Targets: " + "; ".join(
+            f"{k}: {v.get('value', v) if isinstance(v, dict) else v}"
+            + (f" ({'met' if v.get('met') else 'NOT met'})" if isinstance(v, dict) and 'met' in v else "")
+            for k, v in targets.items())]
+    return "\n".join(out)
+
+
+def render_sim_validation(res: dict[str, Any]) -> str:
+    return (f"Simulator error on {res['n']} fresh compositions measured on the real engine: "
+            f"**MAPE {res['mape']:.3f}** (median APE {res['median_ape']:.3f}) of the mean decode "
+            f"step time ({_machine(res)}; `python -m feather_env.calibrate --validate "
+            f"{res['profile']} --json results/sim_validation.json`).")
+
+
+RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
+    "prefix_homogeneity": ("prefix_homogeneity.json", render_prefix_homogeneity),
+    "cht_overhead": ("cht_overhead.json", render_cht_overhead),
+    "sim_validation": ("sim_validation.json", render_sim_validation),
+}
+
+
+def update(readme: str, results: Path, renderers=RENDERERS) -> tuple[str, list[str]]:
+    done = []
+    for name, (fname, render) in renderers.items():
+        path = results / fname
+        pattern = re.compile(rf"(<!-- BEGIN {re.escape(name)} -->\n).*?(<!-- END {re.escape(name)} -->)",
+                             re.S)
+        if not path.is_file() or not pattern.search(readme):
+            continue
+        body = render(json.loads(path.read_text()))
+        readme = pattern.sub(lambda m, body=body: m.group(1) + body + "\n" + m.group(2), readme)
+        done.append(name)
+    return readme, done
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--results", default="results")
+    p.add_argument("--readme", default="README.md")
+    args = p.parse_args()
+    readme = Path(args.readme)
+    text, done = update(readme.read_text(), Path(args.results))
+    readme.write_text(text)
+    print(f"updated README sections: {', '.join(done) or 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
