@@ -1,0 +1,1 @@
+"""Benchmarks that produce the numbers and figures in the README (run as modules)."""
