@@ -33,9 +33,12 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
+# Every headline figure of the README, then the README's figure sections from the JSON.
 bench: $(STAMP)
-	$(BIN)/python -m benchmarks.cht_overhead --json results/cht_overhead.json
 	$(BIN)/python -m benchmarks.prefix_homogeneity --json results/prefix_homogeneity.json --plot results/prefix_homogeneity.png
+	$(BIN)/python -m feather_env.calibrate --validate configs/profiles/cpu-tiny-llama.json --json results/sim_validation.json
+	$(BIN)/python -m benchmarks.cht_overhead --json results/cht_overhead.json
+	$(BIN)/python scripts/update_readme.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -87,7 +87,7 @@ class _StepRecord:
     scheduled_reqs: int
 
 
-class _StepRecorder:
+class StepRecorder:
     """Wraps a scheduler instance's ``schedule`` to keep the last ``SchedulerOutput`` summary."""
 
     def __init__(self, scheduler: Any) -> None:
@@ -155,7 +155,7 @@ class VLLMBackend:
         # One recorder per scheduler, shared by every backend built over the same engine.
         recorder = getattr(self._scheduler, "_feather_step_recorder", None)
         if recorder is None:
-            recorder = _StepRecorder(self._scheduler)
+            recorder = StepRecorder(self._scheduler)
             self._scheduler._feather_step_recorder = recorder
         self._recorder = recorder
         self._batch_no = 0

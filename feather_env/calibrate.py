@@ -110,7 +110,7 @@ def random_specs(n_points: int, seed: int) -> list[dict[str, Any]]:
         prefixes = [int(x) for x in rng.integers(800, 14000, g)]
         specs.append(dict(batch=b, groups=g, sizes=[int(s) for s in sizes], prefixes=prefixes,
                           order=str(rng.choice(["sorted", "interleaved"])),
-                          outputs=[int(x) for x in rng.integers(6, 25, b)]))
+                          outputs=[int(x) for x in rng.integers(12, 41, b)]))
     return specs
 
 
@@ -329,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", help="with --validate: write {'mape', 'n', ...} here")
     p.add_argument("--points", type=int, default=None,
                    help="compositions to measure (default 48 for --out, 24 for --validate)")
-    p.add_argument("--output-len", type=int, default=12, help="grid output tokens per request")
+    p.add_argument("--output-len", type=int, default=24, help="grid output tokens per request")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--kv-cache-gib", type=float, default=4.0)
     args = p.parse_args(argv)

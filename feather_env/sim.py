@@ -76,31 +76,54 @@ def composition_of(requests: Sequence[Request], block_size: int = 128) -> Compos
     return Composition(prompt=prompt, shared=np.minimum(shared, prompt), group=group, output=output)
 
 
-def step_features(comp: Composition, active: np.ndarray, generated: float,
-                  cache_tokens: float) -> tuple[float, float, float]:
-    """(B, T, M) of one decode step over the ``active`` requests (a boolean mask, batch order)."""
+def prefix_miss_flags(comp: Composition, cache_tokens: float, active: np.ndarray | None = None,
+                      generated: float = 1.0) -> np.ndarray:
+    """Whether each request's shared prefix misses the cache when the batch is walked in order.
+
+    An LRU stack-distance model: a group's prefix is a hit when the distinct KV tokens read
+    since its last read (other groups' prefixes, hit or not, once each, plus every request's
+    own tokens) and the prefix itself fit ``cache_tokens``. Requests outside ``active`` are
+    skipped (their flag is False).
+    """
+    n = comp.prompt.size
+    active = np.ones(n, dtype=bool) if active is None else active
+    flags = np.zeros(n, dtype=bool)
+    own_read = 0.0  # cumulative own tokens read so far
+    last_pos: dict[int, int] = {}  # group -> access counter at its last read
+    own_at: dict[int, float] = {}  # group -> own_read at its last read
+    prefix_of: dict[int, int] = {}
+    counter = 0
+    for i in np.flatnonzero(active).tolist():
+        g, p = int(comp.group[i]), int(comp.shared[i])
+        own = float(comp.prompt[i] - p) + generated
+        if p > 0:
+            seen = last_pos.get(g)
+            if seen is None:
+                flags[i] = True
+            else:
+                others = sum(prefix_of[h] for h, pos in last_pos.items() if pos > seen)
+                flags[i] = (own_read - own_at[g]) + others + p > cache_tokens
+            counter += 1
+            last_pos[g], own_at[g], prefix_of[g] = counter, own_read, p
+        own_read += own
+    return flags
+
+
+def step_features(comp: Composition, active: np.ndarray, generated: float, cache_tokens: float,
+                  flags: np.ndarray | None = None) -> tuple[float, float, float]:
+    """(B, T, M) of one decode step over the ``active`` requests (a boolean mask, batch order).
+
+    ``flags``: precomputed :func:`prefix_miss_flags` (else computed for this active set).
+    """
     idx = np.flatnonzero(active)
     if idx.size == 0:
         return 0.0, 0.0, 0.0
+    if flags is None:
+        flags = prefix_miss_flags(comp, cache_tokens, active, generated)
     ctx = comp.prompt[idx] + generated
     own = ctx - comp.shared[idx]
-    total = float(ctx.sum())
-    groups = comp.group[idx]
-    shared = comp.shared[idx]
-    # LRU reuse distance over the batch order: distinct tokens read since the group's
-    # prefix was last read. Own tokens are read once per step (always a miss).
-    misses = float(own.sum())
-    read = 0.0
-    last: dict[int, float] = {}
-    for g, p, o in zip(groups.tolist(), shared.tolist(), own.tolist(), strict=True):
-        if p > 0:
-            seen = last.get(g)
-            if seen is None or read - seen + p > cache_tokens:
-                misses += p
-                read += p
-            last[g] = read
-        read += o
-    return float(idx.size), total, misses
+    misses = float(own.sum() + comp.shared[idx][flags[idx]].sum())
+    return float(idx.size), float(ctx.sum()), misses
 
 
 class SimBackend:
@@ -132,9 +155,10 @@ class SimBackend:
         return cls(model, kv_capacity_tokens=int(profile.get("kv_capacity_tokens", 1 << 20)),
                    max_batch_size=int(eng.get("max_num_seqs", 256)), profile=profile)
 
-    def predict_step(self, comp: Composition, active: np.ndarray, generated: float) -> float:
+    def predict_step(self, comp: Composition, active: np.ndarray, generated: float,
+                     flags: np.ndarray | None = None) -> float:
         c0, c1, c2, c3 = self.model.decode
-        b, t, m = step_features(comp, active, generated, self.model.cache_tokens)
+        b, t, m = step_features(comp, active, generated, self.model.cache_tokens, flags)
         return c0 + c1 * b + c2 * t + c3 * m
 
     def predict_prefill(self, comp: Composition) -> float:
@@ -153,6 +177,9 @@ class SimBackend:
         # step time is linear in the generated count, so its midpoint gives the exact sum.
         steps_needed = comp.output - 1
         bounds = np.unique(np.concatenate([[0], steps_needed]))
+        # Which prefixes miss is decided on the full batch: requests that finish early
+        # shorten later reuse distances a little, which the model ignores.
+        flags = prefix_miss_flags(comp, self.model.cache_tokens)
         decode_s = 0.0
         decode_tokens = 0
         step_times: list[float] = []
@@ -160,7 +187,7 @@ class SimBackend:
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             active = steps_needed > a
             n = int(b - a)
-            t_mid = self.predict_step(comp, active, 1 + (a + b - 1) / 2)
+            t_mid = self.predict_step(comp, active, 1 + (a + b - 1) / 2, flags)
             decode_s += n * t_mid
             decode_tokens += n * int(active.sum())
             step_times.append(t_mid)

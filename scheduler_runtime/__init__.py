@@ -14,12 +14,30 @@ from scheduler_runtime.prefix_index import (
 )
 from scheduler_runtime.radix import RadixTree
 
+
+def __getattr__(name: str):
+    # The policy loader and the vLLM scheduler classes are imported on first use, so that
+    # `import scheduler_runtime` stays cheap and free of vLLM.
+    if name in ("load_policy", "PolicyFormatError"):
+        from scheduler_runtime import policy
+
+        return getattr(policy, name)
+    if name in ("FeatherScheduler", "FeatherAsyncScheduler"):
+        from scheduler_runtime import vllm_scheduler
+
+        return getattr(vllm_scheduler, name)
+    raise AttributeError(f"module 'scheduler_runtime' has no attribute {name!r}")
+
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "Candidate",
     "ChunkedHashTree",
+    "FeatherAsyncScheduler",
+    "FeatherScheduler",
+    "PolicyFormatError",
     "DuplicateRequestError",
     "PrefixIndex",
     "RadixTree",
     "UnknownRequestError",
+    "load_policy",
 ]

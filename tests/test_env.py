@@ -84,9 +84,9 @@ def test_kv_capacity_masks_add():
 
 def test_homogeneous_batches_beat_mixed_ones_on_the_sim():
     """The fitted model must carry the paper's effect: one group per batch decodes faster."""
-    wl = synthetic_workload(num_groups=8, per_group=16, prefix_len=8000, suffix_len=20,
+    wl = synthetic_workload(num_groups=8, per_group=32, prefix_len=12000, suffix_len=20,
                             output_len=32, seed=5, name="eight")
-    env = FeatherEnv("sim", wl, waiting=128, max_batch_size=128)
+    env = FeatherEnv("sim", wl, waiting=256, max_batch_size=256)
     by_group = {}
     for r in wl:
         by_group.setdefault(r.prefix_group, []).append(r)
@@ -102,9 +102,9 @@ def test_config_validation():
     with pytest.raises(ConfigError, match="waiting"):
         FeatherEnv("sim", SMALL, waiting=10_000)
     with pytest.raises(ConfigError, match="backend"):
-        FeatherEnv("gpu", SMALL)
+        FeatherEnv("gpu", SMALL, waiting=10)
     with pytest.raises(ConfigError, match="valid keys"):
-        FeatherEnv("sim", {"kind": "synthetic", "num_groupz": 3})
+        FeatherEnv("sim", {"kind": "synthetic", "num_groupz": 3}, waiting=10)
 
 
 @pytest.mark.engine
