@@ -143,9 +143,9 @@ def measure(backend: VLLMBackend, specs: Sequence[dict[str, Any]], seed: int, ou
     return out
 
 
-def _wls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+def _wls(X: np.ndarray, y: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
     """Least squares on relative error, with non-negative coefficients (drop-and-refit)."""
-    w = 1.0 / y
+    w = (1.0 / y) * (np.sqrt(weights) if weights is not None else 1.0)
     keep = list(range(X.shape[1]))
     while True:
         coef = np.zeros(X.shape[1])
@@ -199,23 +199,49 @@ def _composition(m: dict[str, Any]) -> Composition:
                        group=np.array(m["group"]), output=np.array(m["output"]))
 
 
+def segments(m: dict[str, Any]) -> list[tuple[Composition, np.ndarray, float, float, int]]:
+    """A measured batch's decode steps grouped by running batch size.
+
+    Returns ``(composition, active mask, generated tokens, robust step time, steps)`` per
+    group of at least two steps whose size matches the requests still running there.
+    """
+    comp = _composition(m)
+    times = np.asarray(m["step_times"], dtype=float)
+    sizes = np.asarray(m["step_sizes"])
+    steps_needed = comp.output - 1
+    out = []
+    for size in sorted(set(sizes.tolist()), reverse=True):
+        idx = np.flatnonzero(sizes == size)
+        if idx.size < 2:
+            continue
+        # decode step k runs the requests that still need more than k tokens
+        offset = int(steps_needed.max()) - len(times)  # decode steps before the window
+        k = float(idx.mean()) + offset
+        active = steps_needed > k
+        if int(active.sum()) != size:
+            continue
+        out.append((comp, active, 1.0 + k, robust_step_time(times[idx]), int(idx.size)))
+    return out
+
+
 def fit(measurements: Sequence[dict[str, Any]], block_size: int,
         max_batched: int) -> tuple[CostModel, float]:
-    """Fit the decode model (grid over cache size) and the prefill model; returns model and MAPE."""
-    comps, ys, gens = [], [], []
-    for m in measurements:
-        if not m["step_times"] or m.get("foreign_cpu", 0.0) > MAX_FOREIGN_LOAD:
-            continue
-        comps.append(_composition(m))
-        ys.append(robust_step_time(m["step_times"]))
-        gens.append(1 + len(m["step_times"]) / 2)
+    """Fit the decode model (grid over cache size) and the prefill model; returns model and MAPE.
+
+    Every measured batch contributes one point per running batch size (see :func:`segments`),
+    weighted by its number of steps; the MAPE is over those points, weighted the same way.
+    """
+    segs = [seg for m in measurements
+            if m["step_times"] and m.get("foreign_cpu", 0.0) <= MAX_FOREIGN_LOAD
+            for seg in segments(m)]
+    ys = [seg[3] for seg in segs]
+    weights = np.array([seg[4] for seg in segs], dtype=float)
     y = np.array(ys)
     best = None
     for cache in CACHE_CANDIDATES:
-        X = np.array([(1.0, *step_features(c, np.ones(c.prompt.size, bool), g, cache))
-                      for c, g in zip(comps, gens, strict=True)])
-        coef = _wls(X, y)
-        mape = float(np.mean(np.abs(X @ coef - y) / y))
+        X = np.array([(1.0, *step_features(c, act, g, cache)) for c, act, g, _, _ in segs])
+        coef = _wls(X, y, weights)
+        mape = float(np.average(np.abs(X @ coef - y) / y, weights=weights))
         if best is None or mape < best[0]:
             best = (mape, cache, coef)
     mape, cache, coef = best
@@ -244,6 +270,10 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
     backend.warmup()
     specs = grid_specs(args.points, args.seed)
     points = measure(backend, specs, args.seed, args.output_len, "grid")
+    if args.random_points:
+        # unequal groups and per-request outputs, like the environment's batches
+        points += measure(backend, random_specs(args.random_points, args.seed + 1), args.seed + 1,
+                          args.output_len, "rand")
     raw = [raw_measurement(s, r, res, engine.block_size) for s, r, res in points]
     model, train_mape = fit(raw, engine.block_size, engine.max_num_batched_tokens)
     profile = {
@@ -330,6 +360,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--points", type=int, default=None,
                    help="compositions to measure (default 48 for --out, 24 for --validate)")
     p.add_argument("--output-len", type=int, default=24, help="grid output tokens per request")
+    p.add_argument("--random-points", type=int, default=24,
+                   help="with --out: random compositions measured besides the grid")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--kv-cache-gib", type=float, default=4.0)
     args = p.parse_args(argv)
@@ -337,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         refit(args.refit, args.json)
         return 0
     if args.out:
-        args.points = args.points or 48
+        args.points = args.points or 40
         args.seed = 0 if args.seed is None else args.seed
         profile = calibrate(args)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -177,15 +177,19 @@ class SimBackend:
         # step time is linear in the generated count, so its midpoint gives the exact sum.
         steps_needed = comp.output - 1
         bounds = np.unique(np.concatenate([[0], steps_needed]))
-        # Which prefixes miss is decided on the full batch: requests that finish early
-        # shorten later reuse distances a little, which the model ignores.
+        # Which prefixes miss depends on the running set: recompute it when the set has
+        # shrunk by a tenth since the last computation (cheap enough for fast simulation).
         flags = prefix_miss_flags(comp, self.model.cache_tokens)
+        flags_at = len(requests)
         decode_s = 0.0
         decode_tokens = 0
         step_times: list[float] = []
         sizes: list[int] = []
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             active = steps_needed > a
+            if active.sum() < 0.9 * flags_at:
+                flags_at = int(active.sum())
+                flags = prefix_miss_flags(comp, self.model.cache_tokens, active, 1 + a)
             n = int(b - a)
             t_mid = self.predict_step(comp, active, 1 + (a + b - 1) / 2, flags)
             decode_s += n * t_mid
