@@ -364,7 +364,8 @@ class FeatherEnv(gym.Env):
         obs[0] = len(self._batch)
         cand = self._candidate
         if cand is not None:
-            obs[1] = np.clip(cand.depth_before - cand.depth_after, -self.delta_clip, self.delta_clip)
+            delta = cand.depth_before - cand.depth_after
+            obs[1] = max(-self.delta_clip, min(delta, self.delta_clip))
             obs[2] = min(cand.w, self.waiting)
         if self.extended_obs:
             obs[3] = self.cht.num_waiting

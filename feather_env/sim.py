@@ -177,25 +177,35 @@ class SimBackend:
         # step time is linear in the generated count, so its midpoint gives the exact sum.
         steps_needed = comp.output - 1
         bounds = np.unique(np.concatenate([[0], steps_needed]))
-        # Which prefixes miss depends on the running set: recompute it when the set has
-        # shrunk by a tenth since the last computation (cheap enough for fast simulation).
-        flags = prefix_miss_flags(comp, self.model.cache_tokens)
-        flags_at = len(requests)
-        decode_s = 0.0
-        decode_tokens = 0
-        step_times: list[float] = []
-        sizes: list[int] = []
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-            active = steps_needed > a
-            if active.sum() < 0.9 * flags_at:
-                flags_at = int(active.sum())
-                flags = prefix_miss_flags(comp, self.model.cache_tokens, active, 1 + a)
-            n = int(b - a)
-            t_mid = self.predict_step(comp, active, 1 + (a + b - 1) / 2, flags)
-            decode_s += n * t_mid
-            decode_tokens += n * int(active.sum())
-            step_times.append(t_mid)
-            sizes.append(int(active.sum()))
+        lo, hi = bounds[:-1], bounds[1:]
+        # Requests still running in a segment are the ones needing the most steps: sorted
+        # that way, segment j runs the first n[j] of them, and its features are prefix sums.
+        order = np.argsort(-steps_needed, kind="stable")
+        n = np.searchsorted(-steps_needed[order], -lo, side="left")
+        gen = 1 + (lo + hi - 1) / 2  # generated tokens at the segment's midpoint step
+        own_cum = np.concatenate([[0], np.cumsum((comp.prompt - comp.shared)[order])])
+        prompt_cum = np.concatenate([[0], np.cumsum(comp.prompt[order])])
+        # Which prefixes miss depends on the running set: recompute it whenever the set has
+        # shrunk by a tenth since the last computation.
+        missed = np.empty(len(n), dtype=float)
+        j = 0
+        while j < len(n):
+            active = steps_needed > lo[j]
+            flags = prefix_miss_flags(comp, self.model.cache_tokens, active, 1 + lo[j])
+            miss_cum = np.concatenate([[0], np.cumsum((comp.shared * flags)[order])])
+            k = j + 1
+            while k < len(n) and n[k] >= 0.9 * n[j]:
+                k += 1
+            missed[j:k] = miss_cum[n[j:k]]
+            j = k
+        c0, c1, c2, c3 = self.model.decode
+        t_step = (c0 + c1 * n + c2 * (prompt_cum[n] + n * gen)
+                  + c3 * (own_cum[n] + n * gen + missed))
+        steps = hi - lo
+        decode_s = float((steps * t_step).sum())
+        decode_tokens = int((steps * n).sum())
+        step_times = t_step.tolist()
+        sizes = n.tolist()
         return BatchResult(
             num_requests=len(requests),
             decode_tokens=decode_tokens,
