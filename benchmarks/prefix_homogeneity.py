@@ -85,11 +85,11 @@ def run(args: argparse.Namespace) -> dict:
         order = ["het", "hom", "sorted"] if rep % 2 == 0 else ["sorted", "hom", "het"]
         for kind in order:
             if kind == "het":
-                het = aggregate([backend.run_batch(interleaved(reqs, seed=rep))])
+                het = aggregate([backend.run_batch_quiet(interleaved(reqs, seed=rep))])
             elif kind == "sorted":
-                het_sorted = aggregate([backend.run_batch(reqs)])
+                het_sorted = aggregate([backend.run_batch_quiet(reqs)])
             else:
-                hom = aggregate([backend.run_batch([r for r in reqs if r.prefix_group == g])
+                hom = aggregate([backend.run_batch_quiet([r for r in reqs if r.prefix_group == g])
                                  for g in range(args.groups)])
         het_runs.append(het)
         hom_runs.append(hom)
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> dict:
                 reqs = grouped_requests(g, batch // g, args.prefix_len, args.suffix_len,
                                         args.sweep_output_len, seed=1000 + rep,
                                         prefix_pool=pool, tag=f"s{batch}-{g}-{rep}")
-                vals.append(backend.run_batch(interleaved(reqs, seed=rep)).decode_tok_s)
+                vals.append(backend.run_batch_quiet(interleaved(reqs, seed=rep)).decode_tok_s)
             sweep.append({"batch_size": batch, "groups": g,
                           "decode_tok_s": statistics.median(vals), "runs": vals})
             print(f"sweep batch {batch:4d} groups {g:3d}: {statistics.median(vals):,.0f} tok/s")
