@@ -340,9 +340,12 @@ class VLLMBackend:
     def _abort_all(self) -> None:
         """Leave the engine empty after a failure so the next batch starts clean."""
         try:
-            ids = list(self._scheduler.requests)
-            if ids:
-                self._engine.abort_request(ids)
+            # The scheduler keys requests by internal id; the output processor by ours.
+            internal = list(self._scheduler.requests)
+            if internal:
+                self._engine.abort_request(internal, internal=True)
+            if self._engine.has_unfinished_requests():
+                self._engine.abort_request(list(self._engine.output_processor.request_states))
         except Exception:  # noqa: BLE001 - best effort; the original error is re-raised
             pass
 
