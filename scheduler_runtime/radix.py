@@ -3,12 +3,30 @@
 The tree is SGLang's ``RadixCache`` with page size 1, reduced to what ordering needs: nodes
 hold token-id sequences, children are keyed by their first token, a match compares token by
 token in Python (like ``_key_match_page_size1``) and splits the node it stops inside (like
-``_match_prefix_helper``). It holds the tokens of the *active* batch, i.e. the same working set
-as the CHT; a finished request's tokens leave the tree (SGLang would keep them as cache until
-eviction; here the point of comparison is the batch).
+``_match_prefix_helper``). What the tree that waiting requests are matched against holds
+depends on ``cache_finished``:
+
+* ``cache_finished=False`` (the default): the tokens of the *active* batch only, i.e. the same
+  working set as the CHT; a finished request's tokens leave the tree.
+* ``cache_finished=True``: SGLang's semantics, the tree is the *KV prefix cache*. It holds the
+  tokens of the running requests (referenced, SGLang's ``lock_ref > 0``) and of every finished
+  request (``finish`` keeps them as cached, unreferenced KV, like ``cache_finished_req``), so a
+  waiting request matches its whole cached prefix, token by token, whether or not that prefix
+  is in the running batch. ``remove`` (an abort) drops only the nodes that the aborted request
+  alone referenced: tokens also held by an active request or cached by a finished one stay.
+  Nothing is evicted unless ``cache_tokens`` is set: the KV cache is assumed large enough to
+  keep everything (``benchmarks/cht_overhead.py`` relies on that). With ``cache_tokens=N``,
+  whenever an activation makes the tree hold more than N tokens, unreferenced leaves are
+  evicted least recently used first (SGLang's default ``lru`` policy: a match or an insert
+  refreshes the nodes on its path; a parent left childless and unreferenced becomes
+  evictable) until it fits or only referenced tokens remain; whole nodes go, so it may end
+  below N. SGLang evicts when an allocation needs room; here the budget is on the tree alone.
+  Eviction finds the evictable leaves with one walk over the tree (it runs only on activations
+  that exceed the budget); SGLang keeps a set of them instead.
 
 Orderings (SGLang's ``python/sglang/srt/managers/schedule_policy.py``; DFS-weight's walk is
-``_dfs_weight_order`` in ``python/sglang/srt/mem_cache/base_prefix_cache.py``):
+``_dfs_weight_order`` in ``python/sglang/srt/mem_cache/base_prefix_cache.py``), both over the
+tree above (the cache when ``cache_finished``):
 
 * ``"lpm"``, longest prefix match: every waiting request is matched against the tree and the
   longest match wins, earliest inserted among ties (SGLang sorts stably by ``-matched``). When
@@ -17,21 +35,35 @@ Orderings (SGLang's ``python/sglang/srt/managers/schedule_policy.py``; DFS-weigh
   short cache match is shared by another waiting request is not modelled.
 * ``"dfs-weight"``: every waiting request is matched; its *last node* is where its match ends.
   A node's weight is the number of waiting requests whose last node lies in its subtree. The
-  order is a depth-first walk that visits children in descending weight (ties in the children
-  dict's order, as SGLang's stable sort), emitting a node's own requests after its children's.
-  The candidate is the first request of that order. With an empty batch every match ends at
-  the root, so it is the earliest inserted request. SGLang has no FCFS fallback for it.
+  order is a depth-first walk over the whole tree that visits children in descending weight
+  (ties in the children dict's order, as SGLang's stable sort), emitting a node's own requests
+  after its children's. The candidate is the first request of that order. With an empty tree
+  every match ends at the root, so it is the earliest inserted request. SGLang has no FCFS
+  fallback for it.
 
 Both report :class:`~scheduler_runtime.prefix_index.Candidate` fields in chunks with the CHT's
-definition, derived from token match lengths, so the two structures can be compared field by
-field. ``w`` is read from a second radix tree over the waiting requests (counts of requests per
-node, like SGLang's ``waiting_queue_radix_tree``), walked node by node, not token by token.
-Cost: one decision matches every waiting request, so it grows with W x matched prompt length;
-that is what the CHT avoids.
+definition, relative to the *active batch* in both modes (``depth_before``, ``depth_after``:
+shared prefix of the running requests before and after adding the candidate; ``w``: other
+waiting requests sharing the candidate's first ``depth_after`` chunks), so the structures can be
+compared field by field. With ``cache_finished=True`` the active part of a match is read off
+the cache match without matching again (the referenced nodes on its path), so the cache costs
+no extra token comparisons. ``w`` is read from a second radix tree over the waiting requests
+(counts of requests per node, like SGLang's ``waiting_queue_radix_tree``), walked node by node,
+not token by token.
+
+Which request is chosen may differ from the CHT's choice (the CHT picks the fewest chunks
+missing from the active batch), and with ``cache_finished=True`` it may also differ from the
+active-batch tree's: a request whose prefix is cached but no longer in the running batch can
+win LPM, or weigh in DFS-weight. That is SGLang's behaviour, and the point of the cache.
+
+Cost: one decision matches every waiting request, so it grows with W x matched prompt length
+(with the cache, the whole cached prefix of each waiting request); DFS-weight also walks every
+node of the tree (with the cache, every cached prompt's nodes). That is what the CHT avoids.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from typing import Literal
 
@@ -55,14 +87,18 @@ Ordering = Literal["lpm", "dfs-weight"]
 class _Node:
     """A radix node: a run of tokens, children by first token, and request counts."""
 
-    __slots__ = ("children", "parent", "key", "ref", "ends")
+    __slots__ = ("children", "parent", "key", "ref", "ends", "cached", "last_access")
 
     def __init__(self, key: list[int], parent: _Node | None) -> None:
         self.children: dict[int, _Node] = {}
         self.parent = parent
         self.key = key
-        self.ref = 0  # requests whose tokens pass through this whole node
-        self.ends = 0  # requests whose tokens end exactly at this node's last token
+        self.ref = 0  # active requests whose tokens pass through this whole node
+        self.ends = 0  # active requests whose tokens end exactly at this node's last token
+        # A finished request's tokens cover this node: it stays (cached KV) when ref drops
+        # to 0. Only set with cache_finished; a cached node's ancestors are cached too.
+        self.cached = False
+        self.last_access = 0  # logical clock of the last match/insert through it (for LRU)
 
 
 # Prompts are kept as lists of ints, the representation the token-by-token match is fastest
@@ -107,6 +143,8 @@ def _split(child: _Node, split_len: int) -> _Node:
     assert parent is not None
     upper = _Node(child.key[:split_len], parent)
     upper.ref = child.ref
+    upper.cached = child.cached
+    upper.last_access = child.last_access
     upper.children = {child.key[split_len]: child}
     # Same dict key as before, so the parent's children keep their order.
     parent.children[child.key[0]] = upper
@@ -115,15 +153,18 @@ def _split(child: _Node, split_len: int) -> _Node:
     return upper
 
 
-def _match(root: _Node, key: list[int]) -> tuple[int, _Node]:
+def _match(root: _Node, key: list[int], stamp: int | None = None) -> tuple[int, _Node]:
     """Match ``key`` against the tree; (matched tokens, node where the match ends).
 
-    Splits the node the match stops inside, so the end is always a node boundary.
+    Splits the node the match stops inside, so the end is always a node boundary. With a
+    ``stamp``, the nodes on the path record it as their last access (for LRU eviction).
     """
     node = root
     matched = 0
     while len(key) > 0 and key[0] in node.children:
         child = node.children[key[0]]
+        if stamp is not None:
+            child.last_access = stamp
         prefix_len = _key_match(child.key, key)
         matched += prefix_len
         if prefix_len < len(child.key):
@@ -134,8 +175,26 @@ def _match(root: _Node, key: list[int]) -> tuple[int, _Node]:
     return matched, node
 
 
-def _add(root: _Node, key: list[int]) -> None:
-    """Insert ``key``, counting one more request through each node on its path."""
+def _active_depth(node: _Node) -> int:
+    """Tokens of the path to ``node`` that the active batch holds (nodes with ``ref > 0``).
+
+    Active requests pass through whole nodes, and a node's active requests pass through its
+    parent, so the active part of a match is the path up to its deepest referenced node.
+    """
+    while node.parent is not None and node.ref == 0:
+        node = node.parent
+    depth = 0
+    while node.parent is not None:
+        depth += len(node.key)
+        node = node.parent
+    return depth
+
+
+def _add(root: _Node, key: list[int], stamp: int | None = None) -> int:
+    """Insert ``key``, counting one more request through each node on its path.
+
+    Returns the number of tokens that were not in the tree before (the new leaf's).
+    """
     node = root
     pos = 0
     while pos < len(key):
@@ -144,30 +203,56 @@ def _add(root: _Node, key: list[int]) -> None:
             leaf = _Node(key[pos:], node)
             leaf.ref = 1
             leaf.ends = 1
+            if stamp is not None:
+                leaf.last_access = stamp
             node.children[key[pos]] = leaf
-            return
+            return len(key) - pos
         prefix_len = _key_match(child.key, key[pos:])
         if prefix_len < len(child.key):
             child = _split(child, prefix_len)
         child.ref += 1
+        if stamp is not None:
+            child.last_access = stamp
         pos += prefix_len
         node = child
     node.ends += 1
+    return 0
 
 
-def _discard(root: _Node, key: list[int]) -> None:
-    """Undo ``_add(root, key)``; nodes no request passes through any more are dropped."""
+def _discard(root: _Node, key: list[int]) -> int:
+    """Undo ``_add(root, key)``; nodes nobody references any more and no finished request
+    cached are dropped. Returns the number of tokens dropped.
+    """
     node = root
     pos = 0
     while True:
         first = key[pos]
         child = node.children[first]
         child.ref -= 1
-        pos += len(child.key)
-        if child.ref == 0:
-            # Its whole subtree counts at most child.ref requests, so it is empty too.
+        if child.ref == 0 and not child.cached:
+            # Its whole subtree counts at most child.ref requests and holds no cached node (a
+            # cached node's ancestors are cached), so it is the rest of this key's path.
             del node.children[first]
-            return
+            return len(key) - pos
+        pos += len(child.key)
+        if pos == len(key):
+            child.ends -= 1
+            return 0
+        node = child
+
+
+def _release_to_cache(root: _Node, key: list[int], stamp: int | None) -> None:
+    """A finished request: unreference its path and keep it as cached (SGLang's
+    ``cache_finished_req``: insert, then ``dec_lock_ref``)."""
+    node = root
+    pos = 0
+    while True:
+        child = node.children[key[pos]]
+        child.ref -= 1
+        child.cached = True
+        if stamp is not None:
+            child.last_access = stamp
+        pos += len(child.key)
         if pos == len(key):
             child.ends -= 1
             return
@@ -225,6 +310,11 @@ class RadixTree:
         chunk_size: tokens per chunk for the reported depths (>= 1).
         lpm_fcfs_fallback: with ``"lpm"``, serve FCFS when more requests than this wait
             (SGLang: 128); ``None`` always matches.
+        cache_finished: match against SGLang's KV prefix cache (running + finished requests'
+            tokens) instead of the active batch's tokens; the Candidate fields stay relative to
+            the active batch, the choice may differ (module docstring).
+        cache_tokens: with ``cache_finished``, the most tokens the tree keeps before evicting
+            unreferenced nodes, least recently used first; ``None`` (default) never evicts.
     """
 
     def __init__(
@@ -232,15 +322,30 @@ class RadixTree:
         ordering: Ordering,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         lpm_fcfs_fallback: int | None = 128,
+        *,
+        cache_finished: bool = False,
+        cache_tokens: int | None = None,
     ) -> None:
         if ordering not in ("lpm", "dfs-weight"):
             raise ValueError(f"ordering must be 'lpm' or 'dfs-weight', got {ordering!r}")
         if lpm_fcfs_fallback is not None and lpm_fcfs_fallback < 0:
             raise ValueError(f"lpm_fcfs_fallback must be >= 0 or None, got {lpm_fcfs_fallback}")
+        if cache_tokens is not None:
+            if not cache_finished:
+                raise ValueError("cache_tokens needs cache_finished=True")
+            if isinstance(cache_tokens, bool) or not isinstance(cache_tokens, int | np.integer):
+                raise ValueError(f"cache_tokens must be an int or None, got {cache_tokens!r}")
+            if cache_tokens < 0:
+                raise ValueError(f"cache_tokens must be >= 0 or None, got {cache_tokens}")
         self.ordering: Ordering = ordering
         self.chunk_size = check_chunk_size(chunk_size)
         self.lpm_fcfs_fallback = lpm_fcfs_fallback
-        self._root = _Node([], None)  # active batch's tokens
+        self.cache_finished = bool(cache_finished)
+        self.cache_tokens = None if cache_tokens is None else int(cache_tokens)
+        # Tokens of the active batch, plus the cached ones with cache_finished.
+        self._root = _Node([], None)
+        self._tree_tokens = 0
+        self._clock = 0  # logical time of matches and inserts, only kept for LRU eviction
         self._waiting_root = _Node([], None)  # waiting requests' tokens, for w
         self._waiting: dict[str, _Request] = {}
         self._active: dict[str, _Request] = {}
@@ -261,19 +366,22 @@ class RadixTree:
         if not self._waiting:
             return None
         if self.ordering == "lpm":
-            req, matched = self._lpm_choice()
+            req, matched, node = self._lpm_choice()
         else:
-            order, reqs, matched_lens = self._dfs_weight_ranking()
-            req, matched = reqs[order[0]], matched_lens[order[0]]
+            order, reqs, matched_lens, last_nodes = self._dfs_weight_ranking()
+            req, matched, node = reqs[order[0]], matched_lens[order[0]], last_nodes[order[0]]
+        if self.cache_finished:
+            matched = _active_depth(node)  # the match against the active batch alone
         return self._candidate(req, matched)
 
     def dfs_weight_order(self) -> list[str]:
         """All waiting ids in SGLang's DFS-weight order (the first one is the candidate)."""
-        order, reqs, _ = self._dfs_weight_ranking()
+        order, reqs, _, _ = self._dfs_weight_ranking()
         return [reqs[i].request_id for i in order]
 
     def match_length(self, request_id: str) -> int:
-        """Tokens of a waiting request's prompt that match the active batch's tree."""
+        """Tokens of a waiting request's prompt that match the tree LPM matches against: the
+        active batch's tokens, or with ``cache_finished`` the cache (active + finished)."""
         req = self._waiting.get(request_id)
         if req is None:
             raise UnknownRequestError(f"request {request_id!r} is not waiting")
@@ -285,22 +393,36 @@ class RadixTree:
         if req is None:
             raise UnknownRequestError(self._state_message(request_id, "waiting"))
         _discard(self._waiting_root, req.tokens)
-        _add(self._root, req.tokens)
+        self._tree_tokens += _add(self._root, req.tokens, self._tick())
         self._active[request_id] = req
         self._shared = None
+        if self.cache_tokens is not None and self._tree_tokens > self.cache_tokens:
+            self._evict(self.cache_tokens)
 
     def finish(self, request_id: str) -> None:
-        """Drop an active request that completed (UnknownRequestError if not active)."""
+        """An active request completed (UnknownRequestError if not active).
+
+        Its tokens leave the tree, or with ``cache_finished`` stay in it as cached KV.
+        """
         req = self._active.pop(request_id, None)
         if req is None:
             raise UnknownRequestError(self._state_message(request_id, "active"))
-        _discard(self._root, req.tokens)
+        if self.cache_finished:
+            _release_to_cache(self._root, req.tokens, self._tick())
+        else:
+            self._tree_tokens -= _discard(self._root, req.tokens)
         self._shared = None
 
     def remove(self, request_id: str) -> None:
-        """Abort a waiting or active request (UnknownRequestError if neither)."""
-        if request_id in self._active:
-            self.finish(request_id)
+        """Abort a waiting or active request (UnknownRequestError if neither).
+
+        An aborted active request's tokens leave the tree, except those another active
+        request holds or (with ``cache_finished``) a finished request cached.
+        """
+        req = self._active.pop(request_id, None)
+        if req is not None:
+            self._tree_tokens -= _discard(self._root, req.tokens)
+            self._shared = None
             return
         req = self._waiting.pop(request_id, None)
         if req is None:
@@ -314,6 +436,26 @@ class RadixTree:
     @property
     def num_active(self) -> int:
         return len(self._active)
+
+    @property
+    def num_tree_tokens(self) -> int:
+        """Tokens held by the tree waiting requests are matched against (O(1))."""
+        return self._tree_tokens
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens of that tree no active request references: the cached, evictable KV.
+
+        Always 0 without ``cache_finished``. Walks the whole tree (for tests and reports).
+        """
+        total = 0
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.ref == 0:
+                total += len(node.key)
+            stack.extend(node.children.values())
+        return total
 
     @property
     def shared_depth(self) -> int:
@@ -330,7 +472,8 @@ class RadixTree:
         return list(self._active)
 
     def is_empty_tree(self) -> bool:
-        """True when neither tree holds any node (everything finished or removed)."""
+        """True when neither tree holds any node (everything finished or removed, and with
+        ``cache_finished`` nothing cached: only aborts, or everything evicted)."""
         return not self._root.children and not self._waiting_root.children
 
     def __contains__(self, request_id: object) -> bool:
@@ -341,39 +484,79 @@ class RadixTree:
 
     # ------------------------------------------------------------------ internals
 
-    def _lpm_choice(self) -> tuple[_Request, int]:
+    def _tick(self) -> int | None:
+        """A new access time for LRU, or None when nothing is ever evicted."""
+        if self.cache_tokens is None:
+            return None
+        self._clock += 1
+        return self._clock
+
+    def _lpm_choice(self) -> tuple[_Request, int, _Node]:
         fallback = self.lpm_fcfs_fallback
+        stamp = self._tick()
         if fallback is not None and len(self._waiting) > fallback:
             req = next(iter(self._waiting.values()))
-            return req, _match(self._root, req.tokens)[0]
+            return req, *_match(self._root, req.tokens, stamp)
         best: _Request | None = None
         best_len = -1
+        best_node = self._root
+        root = self._root
         for req in self._waiting.values():
-            matched, _ = _match(self._root, req.tokens)
+            matched, node = _match(root, req.tokens, stamp)
             if matched > best_len:
-                best, best_len = req, matched
+                best, best_len, best_node = req, matched, node
         assert best is not None
-        return best, best_len
+        return best, best_len, best_node
 
-    def _dfs_weight_ranking(self) -> tuple[list[int], list[_Request], list[int]]:
+    def _dfs_weight_ranking(self) -> tuple[list[int], list[_Request], list[int], list[_Node]]:
         reqs = list(self._waiting.values())
         last_nodes: list[_Node] = []
         matched_lens: list[int] = []
+        stamp = self._tick()
         for req in reqs:
-            matched, node = _match(self._root, req.tokens)
+            matched, node = _match(self._root, req.tokens, stamp)
             matched_lens.append(matched)
             last_nodes.append(node)
-        return _dfs_weight_order(self._root, last_nodes), reqs, matched_lens
+        return _dfs_weight_order(self._root, last_nodes), reqs, matched_lens, last_nodes
+
+    def _evict(self, budget: int) -> None:
+        """Drop unreferenced leaves, least recently used first, until the tree fits ``budget``
+        tokens or nothing unreferenced is left (SGLang's ``RadixCache.evict``)."""
+        heap: list[tuple[int, int, _Node]] = []
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            elif node.ref == 0:
+                heap.append((node.last_access, len(heap), node))
+        heapq.heapify(heap)
+        serial = len(heap)
+        while self._tree_tokens > budget and heap:
+            leaf = heapq.heappop(heap)[2]
+            parent = leaf.parent
+            assert parent is not None
+            del parent.children[leaf.key[0]]
+            self._tree_tokens -= len(leaf.key)
+            if parent is not self._root and not parent.children and parent.ref == 0:
+                heapq.heappush(heap, (parent.last_access, serial, parent))
+                serial += 1
 
     def _shared_prefix(self) -> tuple[int, bool]:
         """(tokens every active request shares, whether they are all that long exactly)."""
         if self._shared is None:
+            if not self._active:
+                self._shared = (0, False)
+                return self._shared
             n_active = len(self._active)
+            # Nodes every active request passes through lie on any one active request's path
+            # (walking it, not the children, skips the cached branches beside it).
+            key = next(iter(self._active.values())).tokens
             node = self._root
             depth = 0
-            while True:
-                nxt = next((c for c in node.children.values() if c.ref == n_active), None)
-                if nxt is None:
+            while depth < len(key):
+                nxt = node.children[key[depth]]
+                if nxt.ref != n_active:
                     break
                 depth += len(nxt.key)
                 node = nxt
@@ -381,6 +564,7 @@ class RadixTree:
         return self._shared
 
     def _candidate(self, req: _Request, matched: int) -> Candidate:
+        """Fields for ``req``; ``matched`` is its token match against the active batch."""
         chunk = self.chunk_size
         n = len(req.tokens)
         depth_before = self.shared_depth

@@ -1,12 +1,20 @@
 """Radix-tree baseline: SGLang's LPM and DFS-weight orderings, and field agreement with the CHT.
 
-The brute-force reference and workload driver live in ``tests/test_cht.py``.
+The brute-force reference and workload driver live in ``tests/test_cht.py``; this file extends
+the reference with SGLang's KV prefix cache (finished requests' tokens stay matchable) and with
+a token-trie model of DFS-weight, for both the active-batch tree and the cache tree.
 """
 
 from __future__ import annotations
 
+from collections import Counter, defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from unittest import mock
+
 import numpy as np
 import pytest
+import test_cht
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_cht import (
@@ -23,58 +31,219 @@ from scheduler_runtime.prefix_index import (
     UnknownRequestError,
 )
 
+# ---------------------------------------------------------------------------- reference
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+class CacheReference(ReferenceIndex):
+    """The brute-force reference plus SGLang's KV prefix cache (no eviction).
+
+    The cache is the set of prompts of the active and of the finished requests; an aborted
+    request (``remove``) leaves nothing behind. Matching is a plain longest common prefix.
+    """
+
+    def __init__(self, chunk_size: int) -> None:
+        super().__init__(chunk_size)
+        self.finished: list[tuple[int, ...]] = []
+
+    def finish(self, rid: str) -> None:
+        self.finished.append(self.tokens[rid])
+        super().finish(rid)
+
+    def active_prompts(self) -> list[tuple[int, ...]]:
+        return [self.tokens[a] for a in self.active]
+
+    def cache_prompts(self) -> list[tuple[int, ...]]:
+        return self.active_prompts() + self.finished
+
+    def cache_match(self, rid: str) -> int:
+        return _lcp_with_any(self.tokens[rid], self.cache_prompts())
+
+    def best_lpm_cached(self, fallback: int | None) -> str:
+        """LPM against the cache: longest cached match, earliest inserted among ties."""
+        if fallback is not None and len(self.waiting) > fallback:
+            return self.waiting[0]
+        return max(self.waiting, key=lambda r: (self.cache_match(r), -self.seq[r]))
+
+
+@contextmanager
+def cache_reference() -> Iterator[None]:
+    """Make ``run_workload`` drive a :class:`CacheReference` (a superset of the reference)."""
+    with mock.patch.object(test_cht, "ReferenceIndex", CacheReference):
+        yield
+
+
+def _lcp_with_any(tokens: Sequence[int], prompts: list[tuple[int, ...]]) -> int:
+    best = 0
+    for p in prompts:
+        i = 0
+        while i < min(len(tokens), len(p)) and tokens[i] == p[i]:
+            i += 1
+        best = max(best, i)
+    return best
+
+
+def _prefixes(prompts: list[tuple[int, ...]]) -> set[tuple[int, ...]]:
+    """Every non-empty prefix: the nodes of the token trie, one per token of a radix tree."""
+    return {p[:k] for p in prompts for k in range(1, len(p) + 1)}
+
+
+class TrieModel:
+    """A token trie of what a radix tree holds, with its branches in the radix tree's order.
+
+    A radix node's children dict keeps a branch where it was first added (a split keeps the
+    key in place), and a branch that disappears and comes back is appended again; so siblings
+    are ordered by when their prefix last came into the tree. ``update`` is called after
+    every operation, each of which adds at most one new branch.
+    """
+
+    def __init__(self) -> None:
+        self.born: dict[tuple[int, ...], int] = {}
+        self.clock = 0
+
+    def update(self, prompts: list[tuple[int, ...]]) -> None:
+        present = _prefixes(prompts)
+        for p in [p for p in self.born if p not in present]:
+            del self.born[p]
+        for p in sorted(present - self.born.keys(), key=len):
+            self.born[p] = self.clock
+            self.clock += 1
+
+    def match(self, tokens: Sequence[int]) -> int:
+        k = 0
+        while k < len(tokens) and tuple(tokens[: k + 1]) in self.born:
+            k += 1
+        return k
+
+    def dfs_weight_order(self, waiting: list[tuple[int, ...]]) -> list[int]:
+        """SGLang's DFS-weight order, on the uncompressed trie.
+
+        A request's last node is the trie node where its match ends; a node weighs the
+        requests ending in its subtree; children are visited heaviest first (ties in branch
+        order), a node's own requests (queue order) after its children. Compressing chains
+        into radix nodes changes nothing: matches split nodes, so no match ends inside one.
+        """
+        ends = [tuple(w[: self.match(w)]) for w in waiting]
+        weight: Counter = Counter()
+        for e in ends:
+            for k in range(len(e) + 1):
+                weight[e[:k]] += 1
+        children: dict[tuple[int, ...], list[tuple[int, ...]]] = defaultdict(list)
+        for p in sorted(self.born, key=self.born.__getitem__):
+            children[p[:-1]].append(p)
+        at: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        for i, e in enumerate(ends):
+            at[e].append(i)
+        order: list[int] = []
+        stack: list[tuple[tuple[int, ...], bool]] = [((), False)]
+        while stack:
+            node, done = stack.pop()
+            if done:
+                order.extend(at[node])
+                continue
+            stack.append((node, True))
+            kids = sorted(children[node], key=lambda c: -weight[c])
+            stack.extend((c, False) for c in reversed(kids))
+        return order
+
+
+@pytest.mark.parametrize("cache", [False, True], ids=["active-batch", "kv-cache"])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     data=st.data(),
     chunk_size=st.integers(1, 8),
     fallback=st.one_of(st.none(), st.integers(0, 6)),
 )
 def test_radix_and_cht_agree_with_reference(
-    data: st.DataObject, chunk_size: int, fallback: int | None
+    cache: bool, data: st.DataObject, chunk_size: int, fallback: int | None
 ) -> None:
     """All three structures, driven in lockstep, report the reference's fields for their pick.
 
     They may pick different requests (that is the point of an ordering), never different
-    depths or ``w`` for the same request.
+    depths or ``w`` for the same request. The radix trees hold the active batch's prompts, or
+    with ``cache_finished`` the KV cache's (active and finished prompts, not aborted ones):
+    their tokens, match lengths, LPM choice and whole DFS-weight order follow that content.
     """
     candidates: dict[str, Candidate | None] = {}
+    tries: dict[int, TrieModel] = {}
+    last_ref: list[CacheReference] = []
 
-    def check(index, ref: ReferenceIndex, cand: Candidate | None) -> None:
+    def check(index, ref: CacheReference, cand: Candidate | None) -> None:
         if isinstance(index, ChunkedHashTree):
             candidates["cht"] = cand
             if cand is not None:
                 assert cand.request_id == ref.best_cht()
             return
         assert isinstance(index, RadixTree)
+        last_ref[:] = [ref]
+        held = ref.cache_prompts() if cache else ref.active_prompts()
+        trie = tries.setdefault(id(index), TrieModel())
+        trie.update(held)
+        assert index.num_tree_tokens == len(trie.born)
+        assert index.num_cached_tokens == len(trie.born) - len(_prefixes(ref.active_prompts()))
+        for rid in ref.waiting:
+            assert index.match_length(rid) == trie.match(ref.tokens[rid])
         if index.ordering == "lpm":
             if cand is not None:
-                assert cand.request_id == ref.best_lpm(fallback)
-                for rid in ref.waiting:
-                    assert index.match_length(rid) == ref.token_match(rid)
-        elif cand is not None:
-            assert index.dfs_weight_order()[0] == cand.request_id
-            assert sorted(index.dfs_weight_order()) == sorted(ref.waiting)
-            # With an empty batch every match ends at the root: insertion order.
-            if not ref.active:
-                assert cand.request_id == ref.waiting[0]
+                best = ref.best_lpm_cached(fallback) if cache else ref.best_lpm(fallback)
+                assert cand.request_id == best
+        else:
+            order = index.dfs_weight_order()
+            expected = trie.dfs_weight_order([ref.tokens[r] for r in ref.waiting])
+            assert order == [ref.waiting[i] for i in expected]
+            if cand is not None:
+                assert cand.request_id == order[0]
+            # With an empty tree every match ends at the root: insertion order.
+            if not held:
+                assert order == ref.waiting
         # Same request as the CHT's candidate -> identical Candidate.
         other = candidates.get("cht")
         if cand is not None and other is not None and other.request_id == cand.request_id:
             assert cand == other
 
-    indexes = run_workload(
-        data,
-        chunk_size,
-        [
-            ChunkedHashTree,
-            lambda c: RadixTree("lpm", chunk_size=c, lpm_fcfs_fallback=fallback),
-            lambda c: RadixTree("dfs-weight", chunk_size=c),
-        ],
-        check,
-    )
+    with cache_reference():
+        indexes = run_workload(
+            data,
+            chunk_size,
+            [
+                ChunkedHashTree,
+                lambda c: RadixTree("lpm", chunk_size=c, lpm_fcfs_fallback=fallback, cache_finished=cache),
+                lambda c: RadixTree("dfs-weight", chunk_size=c, cache_finished=cache),
+            ],
+            check,
+        )
+    # Everything finished or aborted: only the finished prompts stay, and only in the cache.
+    finished = last_ref[0].finished if cache else []
     for index in indexes[1:]:
-        assert index.is_empty_tree()
+        assert index.num_tree_tokens == len(_prefixes(finished))
+        assert index.is_empty_tree() == (not finished)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), chunk_size=st.integers(1, 4), budget=st.integers(0, 40))
+def test_lru_budget_evicts_only_cached_tokens(data: st.DataObject, chunk_size: int, budget: int) -> None:
+    """With ``cache_tokens``: every active token stays, nothing outside the cache appears, an
+    activation leaves the tree within budget unless only referenced tokens remain, matches lie
+    between the active-batch match and the unbounded cache's, and the fields stay exact."""
+    active_before: dict[int, set[str]] = {}
+
+    def check(index, ref: CacheReference, cand: Candidate | None) -> None:
+        cached = index.num_cached_tokens
+        assert index.num_tree_tokens - cached == len(_prefixes(ref.active_prompts()))
+        assert index.num_tree_tokens <= len(_prefixes(ref.cache_prompts()))
+        now = set(ref.active)
+        if now - active_before.get(id(index), set()):  # this step activated a request
+            assert index.num_tree_tokens <= budget or cached == 0
+        active_before[id(index)] = now
+        for rid in ref.waiting:
+            assert ref.token_match(rid) <= index.match_length(rid) <= ref.cache_match(rid)
+        if cand is not None and index.ordering == "dfs-weight":
+            assert index.dfs_weight_order()[0] == cand.request_id
+
+    def make(ordering: str):
+        return lambda c: RadixTree(ordering, c, None, cache_finished=True, cache_tokens=budget)
+
+    with cache_reference():
+        run_workload(data, chunk_size, [make("lpm"), make("dfs-weight")], check)
 
 
 def _tree(ordering: str, active: list[list[int]], waiting: list[list[int]], **kw) -> RadixTree:
@@ -224,3 +393,168 @@ def test_check_against_reference_helper_on_fixed_case() -> None:
         ref.activate("p")
         cand = check_against_reference(index, ref)
         assert cand is not None and cand.depth_before == 2
+
+
+# ------------------------------------------------------------------ KV cache semantics
+
+
+def _cache_tree(
+    ordering: str,
+    finished: list[list[int]],
+    active: list[list[int]],
+    waiting: list[list[int]],
+    **kw,
+) -> RadixTree:
+    """Finished prompts f0.. (cached), then active a0.., then waiting x1.. (chunk size 1)."""
+    tree = RadixTree(ordering, chunk_size=1, cache_finished=True, **kw)
+    for i, prompt in enumerate(finished):
+        tree.insert(f"f{i}", prompt)
+        tree.activate(f"f{i}")
+        tree.finish(f"f{i}")
+    for i, prompt in enumerate(active):
+        tree.insert(f"a{i}", prompt)
+        tree.activate(f"a{i}")
+    for i, prompt in enumerate(waiting, start=1):
+        tree.insert(f"x{i}", prompt)
+    return tree
+
+
+def test_finished_prefix_stays_matchable_only_with_cache() -> None:
+    for cache in (False, True):
+        tree = RadixTree("lpm", chunk_size=2, cache_finished=cache)
+        tree.insert("a", [1, 2, 3, 4, 5])
+        tree.activate("a")
+        tree.finish("a")
+        tree.insert("b", [1, 2, 3, 9])
+        assert tree.match_length("b") == (3 if cache else 0)
+        assert tree.num_tree_tokens == (5 if cache else 0)
+        assert tree.num_cached_tokens == (5 if cache else 0)
+        assert tree.num_active == 0 and "a" not in tree and len(tree) == 1
+        # The batch is empty, so the fields are those of an empty batch either way.
+        assert tree.best_candidate() == Candidate("b", 0, 2, 0)
+        tree.activate("b")  # reuses the cached [1 2 3]: only [9] is new
+        assert tree.num_tree_tokens == (6 if cache else 4)
+        assert tree.num_cached_tokens == (2 if cache else 0)
+
+
+def test_lpm_picks_longest_cached_match() -> None:
+    """Cached A = 1 2 3 4 5 (finished), active B = 7 8 9.
+
+    Against the cache x2 matches 4 tokens, x1 only 2 (in the batch), x3 2: cache-LPM picks x2,
+    batch-only LPM picks x1, and so does the CHT (fewest chunks missing from the batch). x2's
+    fields are relative to the batch: it shares nothing with B, so depth_after = 0.
+    """
+    finished = [[1, 2, 3, 4, 5]]
+    active = [[7, 8, 9]]
+    waiting = [[7, 8, 0], [1, 2, 3, 4, 0], [1, 2, 0]]
+    tree = _cache_tree("lpm", finished, active, waiting, lpm_fcfs_fallback=None)
+    assert [tree.match_length(f"x{i}") for i in (1, 2, 3)] == [2, 4, 2]
+    assert tree.best_candidate() == Candidate("x2", 3, 0, 2)
+    batch_only = _tree("lpm", active, waiting, lpm_fcfs_fallback=None)
+    assert batch_only.best_candidate() == Candidate("x1", 3, 2, 0)
+    cht = ChunkedHashTree(chunk_size=1)
+    cht.insert("a0", active[0])
+    cht.activate("a0")
+    for i, prompt in enumerate(waiting, start=1):
+        cht.insert(f"x{i}", prompt)
+    assert cht.best_candidate() == Candidate("x1", 3, 2, 0)
+    # Above the FCFS threshold the cache does not matter.
+    tree = _cache_tree("lpm", finished, active, waiting, lpm_fcfs_fallback=2)
+    assert tree.best_candidate() == Candidate("x1", 3, 2, 0)
+
+
+def test_dfs_weight_weighs_the_cache_tree() -> None:
+    """Cached A = 1 2 3 (finished), active B = 5 6; the root's children: [1 2 3], [5 6].
+
+    Matches: x1 ends at [5 6]; x2 and x4 split A to end at [1 2]; x3 ends at [3]. Weights:
+    [1 2] = 3 (x2, x4, x3 below), [5 6] = 1. DFS: [1 2]'s child [3] (x3), then [1 2]'s own
+    x2 x4, then [5 6]: x1. Batch-only, only x1 matches anything: x1 first, then queue order.
+    """
+    waiting = [[5, 6, 7], [1, 2, 9], [1, 2, 3, 4], [1, 2, 8]]
+    tree = _cache_tree("dfs-weight", [[1, 2, 3]], [[5, 6]], waiting)
+    assert tree.dfs_weight_order() == ["x3", "x2", "x4", "x1"]
+    assert tree.best_candidate() == Candidate("x3", 2, 0, 3)
+    batch_only = _tree("dfs-weight", [[5, 6]], waiting)
+    assert batch_only.dfs_weight_order() == ["x1", "x2", "x3", "x4"]
+    assert batch_only.best_candidate() == Candidate("x1", 2, 2, 0)
+
+
+def test_remove_of_active_request_drops_only_what_it_alone_held() -> None:
+    tree = _cache_tree("lpm", [[1, 2, 3, 4]], [[7, 8, 1]], [])
+    assert tree.num_tree_tokens == 7 and tree.num_cached_tokens == 4
+    for rid, prompt in [("b", [1, 2, 3, 9, 9]), ("c", [5, 6]), ("d", [7, 8, 2])]:
+        tree.insert(rid, prompt)
+        tree.activate(rid)
+    assert tree.num_tree_tokens == 7 + 2 + 2 + 1 and tree.num_cached_tokens == 1
+    tree.remove("b")  # [9 9] was b's alone; [1 2 3] is cached by f0
+    tree.remove("c")  # nothing of [5 6] is cached or held by another request
+    tree.remove("d")  # [7 8] stays for a0
+    assert tree.num_tree_tokens == 7 and tree.num_cached_tokens == 4
+    tree.insert("x", [1, 2, 3, 9])
+    tree.insert("y", [5, 6])
+    tree.insert("z", [7, 8, 2])
+    assert [tree.match_length(r) for r in "xyz"] == [3, 0, 2]
+    # A waiting request's abort never touches the cache.
+    tree.remove("x")
+    assert tree.num_tree_tokens == 7
+    # The last active request finishing leaves its tokens cached, and the batch empty.
+    tree.finish("a0")
+    assert tree.num_cached_tokens == 7 and tree.shared_depth == 0
+    # Empty batch, yet LPM still prefers z, whose [7 8] is cached, over the earlier y.
+    assert tree.best_candidate() == Candidate("z", 0, 3, 0)
+
+
+def test_lru_budget_evicts_least_recently_used_leaves() -> None:
+    """Budget 6 tokens; cached A = 1 2 3 (finished first) and B = 4 5 6, then D = 7 8 activates.
+
+    Without a match since, A's node is the oldest: it goes and the tree fits (5 tokens). If a
+    waiting request matched A's prefix in between (an LPM decision), the match refreshed A's
+    nodes (and split A into [1 2] -> [3], both refreshed as in SGLang), so B goes instead.
+    """
+    for touched in (False, True):
+        tree = _cache_tree("lpm", [[1, 2, 3], [4, 5, 6]], [], [], cache_tokens=6)
+        assert tree.num_tree_tokens == 6
+        tree.insert("c", [1, 2, 9])
+        if touched:
+            assert tree.best_candidate().request_id == "c"
+        tree.insert("d", [7, 8])
+        tree.activate("d")
+        assert tree.num_tree_tokens == 5 and tree.num_cached_tokens == 3
+        tree.insert("e", [4, 5])
+        assert tree.match_length("c") == (2 if touched else 0)
+        assert tree.match_length("e") == (0 if touched else 2)
+
+
+def test_lru_budget_never_evicts_referenced_tokens() -> None:
+    tree = _cache_tree("dfs-weight", [[1, 2, 3]], [], [], cache_tokens=0)
+    # Eviction runs when an activation overflows the budget, not on finish.
+    assert tree.num_cached_tokens == 3
+    tree.insert("a", [1, 2, 4])
+    tree.insert("b", [1, 2, 5])
+    tree.activate("a")
+    # [1 2] is a's now: only the cached [3] could go, and did.
+    assert tree.num_tree_tokens == 3 and tree.num_cached_tokens == 0
+    assert tree.best_candidate() == Candidate("b", 3, 2, 0)
+    tree.finish("a")
+    tree.activate("b")
+    assert tree.num_tree_tokens == 3 and tree.num_cached_tokens == 0
+    tree.finish("b")
+    tree.insert("c", [9])
+    tree.activate("c")
+    assert tree.num_tree_tokens == 1
+    tree.finish("c")
+    tree.insert("d", [8])
+    tree.activate("d")
+    tree.remove("d")
+    assert tree.is_empty_tree()
+
+
+def test_cache_options_are_validated() -> None:
+    with pytest.raises(ValueError):
+        RadixTree("lpm", cache_tokens=10)  # needs cache_finished
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError):
+            RadixTree("lpm", cache_finished=True, cache_tokens=bad)  # type: ignore[arg-type]
+    tree = RadixTree("lpm", 16, None, cache_finished=True, cache_tokens=0)
+    assert tree.cache_finished and tree.cache_tokens == 0 and tree.lpm_fcfs_fallback is None
+    assert not RadixTree("lpm").cache_finished  # the default is unchanged
