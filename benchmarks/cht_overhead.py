@@ -20,14 +20,29 @@ over the group honestly. ``insert_us`` is the median ``insert()`` over the W ins
 Radix rows. ``radix-lpm`` and ``radix-dfs-weight`` are SGLang's orderings over SGLang's KV
 prefix cache (``RadixTree(cache_finished=True)``): the tree holds the running requests' tokens
 and every finished request's, kept as cached KV (no eviction: the KV cache is assumed large
-enough for the whole drain), and every decision matches every waiting request against it,
-token by token in Python, so each one matches its whole cached prefix. That is the structure
-the CHT replaces, and the LPM target is judged against ``radix-lpm``. ``radix-lpm-active`` and
+enough for the whole drain), and every decision matches every waiting request against it, token
+by token in Python, so each one matches its whole cached prefix. ``radix-lpm`` is SGLang's LPM
+as shipped: it also runs SGLang's in-batch prefix caching check on every decision
+(``RadixTree``'s default ``lpm_in_batch_check=True``, thresholds 32/32): each waiting request
+whose cache match is at most 32 tokens is matched, token by token, against a temporary radix
+tree of the waiting queue rebuilt for that decision, and is either deprioritized (it shares >=
+32 tokens with an earlier waiting request) or inserted into it. In this workload nearly every
+waiting request's cache match is 0, so each decision walks the shared 90% of every waiting
+prompt once more, token by token, against the first waiting prompt of its group (which was
+inserted, a copy); that dominates its cost. That is the structure the CHT replaces, and the LPM
+target is judged against ``radix-lpm``. ``radix-lpm-nocheck`` is the same LPM without the check
+(its ratio is stored beside the target's); the check changes no candidate here (with SGLang's
+thresholds it never changes the first request of the order, see
+``scheduler_runtime/radix.py``), only the cost. ``radix-lpm-active`` and
 ``radix-dfs-weight-active`` match against the active batch's tokens only
 (``cache_finished=False``; the tree empties at every batch boundary), the CHT's working set;
-they are extra rows, so that the effect of the cache is visible. The Candidate fields are
+LPM there runs without the check, as before the check was modelled, so that
+``radix-lpm-nocheck`` vs ``radix-lpm-active`` shows the effect of the cache alone and
+``radix-lpm`` vs ``radix-lpm-nocheck`` that of the check alone. The Candidate fields are
 relative to the active batch in every row; the cache rows may pick other requests than the
-active rows (a request whose prefix is cached but not running), as SGLang would.
+active rows (a request whose prefix is cached but not running), as SGLang would. SGLang
+computes the order once per scheduling pass and admits several requests from it; here every
+decision (one admission) recomputes it, for the check as for the cache matches.
 ``tree_tokens`` is the size of the matched tree after the measured drain: the cached tokens for
 the cache rows, 0 for the active rows. In this workload all requests arrive at once and both
 orderings drain a group before opening the next (a batch of 32 holds two whole groups), so a
@@ -35,12 +50,13 @@ waiting request has a cached prefix only while its own group is being drained: t
 few matched tokens to LPM here, and it makes DFS-weight walk every cached node per decision.
 
 The radix orderings cannot drain 10,000 x 32K tokens in reasonable time: each radix cell has a
-time budget (``--budget-s``); it measures as many decisions of the drain as fit, finishes the
+time budget (``--budget-s``, 12 s); it measures as many decisions of the drain as fit (at least
+one: a single ``radix-lpm`` decision at W=10000 x 32K takes longer than that), finishes the
 open batch, and records ``decisions_measured``. Radix-LPM runs without SGLang's FCFS fallback
-(which skips the matching above 128 waiting requests, i.e. stops being LPM), and without
-SGLang's in-batch prefix check (not modelled by ``RadixTree``). Ratios compare the radix mean
-with the CHT mean over the *same first decisions* of the same drain, so a radix cell that only
-saw the start of the drain (large W) is compared with the CHT at the same queue lengths.
+(which skips all matching, the in-batch check included, above 128 waiting requests, i.e. stops
+being LPM). Ratios compare the radix mean with the CHT mean over the *same first decisions* of
+the same drain, so a radix cell that only saw the start of the drain (large W) is compared with
+the CHT at the same queue lengths (where the radix decisions are the most expensive).
 
 Timing: wall clock (``perf_counter``) around each call, with the garbage collector off during
 the drain (as ``timeit`` does). The CHT drains each cell ``--repeats`` times (each on a freshly
@@ -51,7 +67,7 @@ decision (``thread_time``): when other processes load the machine, wall time gro
 mostly does not; the load average before and after is printed and stored.
 
 ``--quick``: W in {100, 1000}, prompts of 1K and 10K tokens, 2 s radix budget (a smoke test).
-The full grid takes about 7 minutes on a 2-core machine and ~3 GB of memory (radix cells hold
+The full grid takes about 7.5 minutes on a 2-core machine and ~3.2 GB of memory (radix cells hold
 10,000 prompts of 32K tokens as Python lists, and the cache rows every finished prompt too).
 
 Chunk size: ``DEFAULT_CHUNK_SIZE`` (512) unless ``--chunk-size``. The authors' code used 50 and
@@ -84,14 +100,25 @@ from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 from scheduler_runtime.radix import RadixTree
 
 #: ``radix-lpm`` / ``radix-dfs-weight`` match against SGLang's KV prefix cache (running and
-#: finished requests' tokens, ``RadixTree(cache_finished=True)``); the ``-active`` variants
-#: against the active batch's tokens only (``cache_finished=False``).
-STRUCTURES = ("cht", "radix-lpm", "radix-dfs-weight", "radix-lpm-active", "radix-dfs-weight-active")
+#: finished requests' tokens, ``RadixTree(cache_finished=True)``), ``radix-lpm`` with SGLang's
+#: in-batch prefix check (SGLang's LPM as shipped); ``radix-lpm-nocheck`` is the same LPM
+#: without that check; the ``-active`` variants match against the active batch's tokens only
+#: (``cache_finished=False``), LPM without the check, as before the check was modelled.
+STRUCTURES = (
+    "cht",
+    "radix-lpm",
+    "radix-lpm-nocheck",
+    "radix-dfs-weight",
+    "radix-lpm-active",
+    "radix-dfs-weight-active",
+)
+#: structure -> (ordering, cache_finished, lpm_in_batch_check)
 RADIX = {
-    "radix-lpm": ("lpm", True),
-    "radix-dfs-weight": ("dfs-weight", True),
-    "radix-lpm-active": ("lpm", False),
-    "radix-dfs-weight-active": ("dfs-weight", False),
+    "radix-lpm": ("lpm", True, True),
+    "radix-lpm-nocheck": ("lpm", True, False),
+    "radix-dfs-weight": ("dfs-weight", True, False),
+    "radix-lpm-active": ("lpm", False, False),
+    "radix-dfs-weight-active": ("dfs-weight", False, False),
 }
 
 
@@ -107,7 +134,7 @@ class BenchConfig:
     shared_fraction: float = 0.9
     vocab: int = 8192
     batch_size: int = 32
-    budget_s: float = 20.0  # per radix cell (the CHT always drains everything)
+    budget_s: float = 12.0  # per radix cell (the CHT always drains everything)
     repeats: int = 3  # CHT drains per cell; the median run is reported
     seed: int = 0
     quick: bool = False
@@ -167,10 +194,16 @@ def make_index(structure: str, chunk_size: int) -> ChunkedHashTree | RadixTree:
         return ChunkedHashTree(chunk_size)
     if structure not in RADIX:
         raise ValueError(f"unknown structure {structure!r}")
-    ordering, cache = RADIX[structure]
+    ordering, cache, check = RADIX[structure]
     # No FCFS fallback for LPM (it would stop matching above 128 waiting); no eviction: the
     # KV cache is assumed large enough to keep every finished prompt of the drain.
-    return RadixTree(ordering, chunk_size=chunk_size, lpm_fcfs_fallback=None, cache_finished=cache)
+    return RadixTree(
+        ordering,
+        chunk_size=chunk_size,
+        lpm_fcfs_fallback=None,
+        cache_finished=cache,
+        lpm_in_batch_check=check,
+    )
 
 
 def run_cell(cfg: BenchConfig, structure: str, work: Workload) -> CellResult:
@@ -329,8 +362,9 @@ def check_targets(cells: list[CellResult], ratios: list[dict[str, object]]) -> l
         )
         return None if r is None else float(r["radix_over_cht"])
 
-    # Judged against LPM over SGLang's KV prefix cache, the structure the CHT replaces; the
-    # active-batch-only LPM's ratio is stored beside it for reference, it decides nothing.
+    # Judged against SGLang's LPM as shipped (KV prefix cache + in-batch prefix check), the
+    # structure the CHT replaces; the ratios against LPM without the check and against the
+    # active-batch-only LPM are stored beside it for reference, they decide nothing.
     value = ratio("radix-lpm")
     targets.append(
         {
@@ -338,6 +372,7 @@ def check_targets(cells: list[CellResult], ratios: list[dict[str, object]]) -> l
             "structure": "radix-lpm",
             "value_ratio": value,
             "met": None if value is None else value >= 1000.0,
+            "radix_lpm_nocheck_ratio": ratio("radix-lpm-nocheck"),
             "radix_lpm_active_ratio": ratio("radix-lpm-active"),
         }
     )
@@ -370,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
             quick=True,
         )
     else:
-        cfg = BenchConfig(budget_s=20.0 if args.budget_s is None else args.budget_s)
+        cfg = BenchConfig(budget_s=12.0 if args.budget_s is None else args.budget_s)
     cfg = BenchConfig(
         **{
             **asdict(cfg),
@@ -387,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     cells: list[CellResult] = []
     header = (
-        f"{'structure':<24}{'W':>7}{'tokens':>8}{'decision_us':>13}{'(cpu_us)':>10}"
+        f"{'structure':<24}{'W':>7}{'tokens':>8}{'decision_us':>14}{'(cpu_us)':>13}"
         f"{'insert_us':>11}{'decisions_measured':>20}{'tree_tokens':>13}"
     )
     print(header, flush=True)
@@ -401,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
                 tree = "-" if res.tree_tokens_after is None else str(res.tree_tokens_after)
                 print(
                     f"{res.structure:<24}{res.waiting:>7}{res.prompt_tokens:>8}"
-                    f"{res.decision_us:>13.1f}{res.decision_cpu_us:>10.1f}"
+                    f"{res.decision_us:>14.1f}{res.decision_cpu_us:>13.1f}"
                     f"{res.insert_us:>11.1f}{measured:>20}{tree:>13}",
                     flush=True,
                 )
@@ -423,9 +458,14 @@ def main(argv: list[str] | None = None) -> int:
         shown = "-" if value is None else f"{value:.1f}"
         note = ""
         if "radix_lpm_active_ratio" in t:
+            nocheck = t["radix_lpm_nocheck_ratio"]
             active = t["radix_lpm_active_ratio"]
+            nocheck_shown = "-" if nocheck is None else f"{nocheck:.1f}"
             active_shown = "-" if active is None else f"{active:.1f}"
-            note = f" (vs {t['structure']}; vs radix-lpm-active: {active_shown})"
+            note = (
+                f" (vs {t['structure']}; vs radix-lpm-nocheck: {nocheck_shown};"
+                f" vs radix-lpm-active: {active_shown})"
+            )
         print(f"  [{verdict}] {t['target']}: {shown}{note}")
     wall = time.perf_counter() - t_start
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

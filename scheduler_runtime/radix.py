@@ -31,8 +31,33 @@ tree above (the cache when ``cache_finished``):
 * ``"lpm"``, longest prefix match: every waiting request is matched against the tree and the
   longest match wins, earliest inserted among ties (SGLang sorts stably by ``-matched``). When
   more than ``lpm_fcfs_fallback`` requests wait, SGLang skips the matching and serves FCFS
-  (it uses 128); ``None`` disables that. SGLang's in-batch deprioritization of requests whose
-  short cache match is shared by another waiting request is not modelled.
+  (it uses 128); ``None`` disables that. With ``lpm_in_batch_check`` (the default, as SGLang
+  ships it) each decision also runs SGLang's *in-batch prefix caching* check
+  (``_compute_prefix_matches``): a temporary radix tree of the waiting queue is built from
+  scratch (SGLang's ``waiting_queue_radix_tree``, reset on every scheduling pass); the waiting
+  requests are visited in queue (insertion) order, and each one whose match against the tree
+  above is at most ``in_batch_check_threshold`` tokens (SGLang's
+  ``IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD``, 32; negative disables) is also matched, token by
+  token, against that temporary tree. If that match is at least
+  ``in_batch_deprioritize_threshold`` tokens (``IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD``,
+  32; SGLang compares with ``>=``), an earlier waiting request already shares its prefix and it
+  is deprioritized (sorted behind every other request, SGLang's ``float("inf")`` key);
+  otherwise its whole prompt is inserted into the temporary tree (a second walk, as SGLang's
+  ``insert``). The candidate is the longest match among the requests not deprioritized
+  (earliest inserted among ties), or the earliest inserted request if all were. Requests whose
+  match exceeds the check threshold are neither matched against nor inserted into the
+  temporary tree. Above the FCFS fallback none of this runs, as in SGLang. The check costs up
+  to two token-level walks of the shared part of every short-matched waiting prompt per
+  decision, on top of the cache match. Not modelled: SGLang also runs the check for
+  DFS-weight (its cost only, the order ignores it); it re-sorts its queue in place, so later
+  passes visit it in the previous pass's order, not in arrival order; and its LPM sort key is
+  the match capped at the prompt length minus one (``_compute_max_prefix_len``).
+  With SGLang's thresholds (deprioritize >= check) the check never changes the *candidate*: a
+  deprioritized request shares at least the check threshold of tokens with an earlier request
+  of the temporary tree, and both matches are at most that threshold, so they are equal; the
+  earliest longest match is therefore never deprioritized. It reorders the rest of the queue
+  (:meth:`RadixTree.lpm_order`), which SGLang admits from within one pass, and it costs time.
+  With a deprioritize threshold below the check threshold the candidate can change.
 * ``"dfs-weight"``: every waiting request is matched; its *last node* is where its match ends.
   A node's weight is the number of waiting requests whose last node lies in its subtree. The
   order is a depth-first walk over the whole tree that visits children in descending weight
@@ -57,8 +82,11 @@ active-batch tree's: a request whose prefix is cached but no longer in the runni
 win LPM, or weigh in DFS-weight. That is SGLang's behaviour, and the point of the cache.
 
 Cost: one decision matches every waiting request, so it grows with W x matched prompt length
-(with the cache, the whole cached prefix of each waiting request); DFS-weight also walks every
-node of the tree (with the cache, every cached prompt's nodes). That is what the CHT avoids.
+(with the cache, the whole cached prefix of each waiting request); LPM's in-batch check adds,
+for every short-matched waiting request, a match against the temporary waiting-queue tree
+(the prefix it shares with earlier waiting requests) and, unless deprioritized, an insert of
+its prompt, rebuilt on every decision; DFS-weight also walks every node of the tree (with the
+cache, every cached prompt's nodes). That is what the CHT avoids.
 """
 
 from __future__ import annotations
@@ -79,9 +107,20 @@ from scheduler_runtime.prefix_index import (
     num_chunks,
 )
 
-__all__ = ["RadixTree"]
+__all__ = [
+    "IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD",
+    "IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD",
+    "RadixTree",
+]
 
 Ordering = Literal["lpm", "dfs-weight"]
+
+#: SGLang's defaults (``managers/schedule_policy.py``, both overridable there by environment
+#: variables of the same name): a waiting request whose cache match is at most this many tokens
+#: is checked against the other waiting requests (-1 disables the check) ...
+IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD = 32
+#: ... and deprioritized when an earlier waiting request shares at least this many tokens.
+IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD = 32
 
 
 class _Node:
@@ -269,6 +308,17 @@ def _node_at(root: _Node, key: list[int], depth: int) -> _Node:
     return node
 
 
+def _dismantle(root: _Node) -> None:
+    """Break a discarded tree's parent/child cycles, so it is freed at once, not by the cyclic
+    garbage collector (which the benchmark turns off while it measures)."""
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        node.children = {}
+        node.parent = None
+
+
 def _dfs_weight_order(root: _Node, last_nodes: list[_Node]) -> list[int]:
     """SGLang's DFS-weight order of the requests whose matches end at ``last_nodes``."""
     at_node: dict[_Node, list[int]] = {}
@@ -315,6 +365,17 @@ class RadixTree:
             the active batch, the choice may differ (module docstring).
         cache_tokens: with ``cache_finished``, the most tokens the tree keeps before evicting
             unreferenced nodes, least recently used first; ``None`` (default) never evicts.
+        lpm_in_batch_check: with ``"lpm"``, run SGLang's in-batch prefix caching check on every
+            decision (default ``True``, as SGLang): a waiting request whose match is short
+            (<= ``in_batch_check_threshold`` tokens) and whose prefix an earlier waiting
+            request shares (>= ``in_batch_deprioritize_threshold`` tokens) goes behind every
+            other request (module docstring). ``False`` is plain LPM. Ignored for DFS-weight.
+        in_batch_check_threshold: SGLang's ``IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD`` (32);
+            negative disables the check.
+        in_batch_deprioritize_threshold: SGLang's
+            ``IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD`` (32).
+
+    ``batching.py`` passes the first three arguments positionally; the rest are keyword-only.
     """
 
     def __init__(
@@ -325,6 +386,9 @@ class RadixTree:
         *,
         cache_finished: bool = False,
         cache_tokens: int | None = None,
+        lpm_in_batch_check: bool = True,
+        in_batch_check_threshold: int = IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD,
+        in_batch_deprioritize_threshold: int = IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD,
     ) -> None:
         if ordering not in ("lpm", "dfs-weight"):
             raise ValueError(f"ordering must be 'lpm' or 'dfs-weight', got {ordering!r}")
@@ -337,7 +401,16 @@ class RadixTree:
                 raise ValueError(f"cache_tokens must be an int or None, got {cache_tokens!r}")
             if cache_tokens < 0:
                 raise ValueError(f"cache_tokens must be >= 0 or None, got {cache_tokens}")
+        for name, value in (
+            ("in_batch_check_threshold", in_batch_check_threshold),
+            ("in_batch_deprioritize_threshold", in_batch_deprioritize_threshold),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int | np.integer):
+                raise ValueError(f"{name} must be an int, got {value!r}")
         self.ordering: Ordering = ordering
+        self.lpm_in_batch_check = bool(lpm_in_batch_check)
+        self.in_batch_check_threshold = int(in_batch_check_threshold)
+        self.in_batch_deprioritize_threshold = int(in_batch_deprioritize_threshold)
         self.chunk_size = check_chunk_size(chunk_size)
         self.lpm_fcfs_fallback = lpm_fcfs_fallback
         self.cache_finished = bool(cache_finished)
@@ -378,6 +451,32 @@ class RadixTree:
         """All waiting ids in SGLang's DFS-weight order (the first one is the candidate)."""
         order, reqs, _, _ = self._dfs_weight_ranking()
         return [reqs[i].request_id for i in order]
+
+    def lpm_order(self) -> list[str]:
+        """All waiting ids in SGLang's LPM order (the first one is the LPM candidate).
+
+        Longest match first, ties in queue order, requests deprioritized by the in-batch check
+        last (in queue order); above ``lpm_fcfs_fallback`` waiting, the queue order (FCFS).
+        SGLang's ``PrefillAdder`` admits from the front of this order within one pass.
+        """
+        if self.lpm_fcfs_fallback is not None and len(self._waiting) > self.lpm_fcfs_fallback:
+            return list(self._waiting)
+        stamp = self._tick()
+        root = self._root
+        check = self.lpm_in_batch_check and self.in_batch_check_threshold >= 0
+        queue_root = _Node([], None)
+        keyed: list[tuple[float, str]] = []
+        for req in self._waiting.values():
+            matched = _match(root, req.tokens, stamp)[0]
+            if check and matched <= self.in_batch_check_threshold:
+                if _match(queue_root, req.tokens)[0] >= self.in_batch_deprioritize_threshold:
+                    keyed.append((float("inf"), req.request_id))
+                    continue
+                _add(queue_root, req.tokens)
+            keyed.append((-matched, req.request_id))
+        _dismantle(queue_root)
+        keyed.sort(key=lambda item: item[0])  # stable, as SGLang's list.sort
+        return [rid for _, rid in keyed]
 
     def match_length(self, request_id: str) -> int:
         """Tokens of a waiting request's prompt that match the tree LPM matches against: the
@@ -497,15 +596,45 @@ class RadixTree:
         if fallback is not None and len(self._waiting) > fallback:
             req = next(iter(self._waiting.values()))
             return req, *_match(self._root, req.tokens, stamp)
+        root = self._root
+        if self.lpm_in_batch_check and self.in_batch_check_threshold >= 0:
+            return self._lpm_choice_in_batch_checked(stamp)
         best: _Request | None = None
         best_len = -1
-        best_node = self._root
-        root = self._root
+        best_node = root
         for req in self._waiting.values():
             matched, node = _match(root, req.tokens, stamp)
             if matched > best_len:
                 best, best_len, best_node = req, matched, node
         assert best is not None
+        return best, best_len, best_node
+
+    def _lpm_choice_in_batch_checked(self, stamp: int | None) -> tuple[_Request, int, _Node]:
+        """LPM with SGLang's in-batch prefix caching check (``_compute_prefix_matches`` +
+        ``_sort_by_longest_prefix``): the longest match among the requests not deprioritized."""
+        root = self._root
+        check_threshold = self.in_batch_check_threshold
+        deprioritize_threshold = self.in_batch_deprioritize_threshold
+        queue_root = _Node([], None)  # SGLang's waiting_queue_radix_tree, reset every pass
+        best: _Request | None = None
+        best_len = -1
+        best_node = root
+        first_deprioritized: tuple[_Request, int, _Node] | None = None
+        for req in self._waiting.values():
+            tokens = req.tokens
+            matched, node = _match(root, tokens, stamp)
+            if matched <= check_threshold:
+                if _match(queue_root, tokens)[0] >= deprioritize_threshold:
+                    if first_deprioritized is None:
+                        first_deprioritized = (req, matched, node)
+                    continue
+                _add(queue_root, tokens)
+            if matched > best_len:
+                best, best_len, best_node = req, matched, node
+        _dismantle(queue_root)
+        if best is None:  # all deprioritized: SGLang's stable sort keeps the queue order
+            assert first_deprioritized is not None
+            return first_deprioritized
         return best, best_len, best_node
 
     def _dfs_weight_ranking(self) -> tuple[list[int], list[_Request], list[int], list[_Node]]:

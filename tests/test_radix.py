@@ -64,6 +64,27 @@ class CacheReference(ReferenceIndex):
             return self.waiting[0]
         return max(self.waiting, key=lambda r: (self.cache_match(r), -self.seq[r]))
 
+    def lpm_order(self, fallback: int | None, cache: bool, in_batch: tuple[int, int] | None) -> list[str]:
+        """SGLang's LPM order, brute force (``_compute_prefix_matches`` then
+        ``_sort_by_longest_prefix``). ``in_batch`` = (check, deprioritize) thresholds, or None
+        without the in-batch check. In queue order, a request matching at most ``check`` tokens
+        is deprioritized if it shares at least ``deprioritize`` tokens with a request kept
+        before it (the temporary waiting-queue tree), else kept; then a stable sort by
+        -match, deprioritized requests last."""
+        if fallback is not None and len(self.waiting) > fallback:
+            return list(self.waiting)
+        kept: list[tuple[int, ...]] = []
+        keyed: list[tuple[float, str]] = []
+        for r in self.waiting:
+            m = self.cache_match(r) if cache else self.token_match(r)
+            if in_batch is not None and m <= in_batch[0]:
+                if _lcp_with_any(self.tokens[r], kept) >= in_batch[1]:
+                    keyed.append((float("inf"), r))
+                    continue
+                kept.append(tuple(self.tokens[r]))
+            keyed.append((-m, r))
+        return [r for _, r in sorted(keyed, key=lambda x: x[0])]
+
 
 @contextmanager
 def cache_reference() -> Iterator[None]:
@@ -152,16 +173,24 @@ class TrieModel:
     data=st.data(),
     chunk_size=st.integers(1, 8),
     fallback=st.one_of(st.none(), st.integers(0, 6)),
+    # LPM's in-batch check: off, SGLang's (32, 32) (never triggers on these <= 30-token
+    # prompts), or small (check, deprioritize) thresholds so that it does.
+    in_batch=st.one_of(st.none(), st.just((32, 32)), st.tuples(st.integers(-1, 6), st.integers(0, 6))),
 )
 def test_radix_and_cht_agree_with_reference(
-    cache: bool, data: st.DataObject, chunk_size: int, fallback: int | None
+    cache: bool,
+    data: st.DataObject,
+    chunk_size: int,
+    fallback: int | None,
+    in_batch: tuple[int, int] | None,
 ) -> None:
     """All three structures, driven in lockstep, report the reference's fields for their pick.
 
     They may pick different requests (that is the point of an ordering), never different
     depths or ``w`` for the same request. The radix trees hold the active batch's prompts, or
     with ``cache_finished`` the KV cache's (active and finished prompts, not aborted ones):
-    their tokens, match lengths, LPM choice and whole DFS-weight order follow that content.
+    their tokens, match lengths, LPM choice and order (with or without the in-batch check)
+    and whole DFS-weight order follow that content.
     """
     candidates: dict[str, Candidate | None] = {}
     tries: dict[int, TrieModel] = {}
@@ -183,9 +212,15 @@ def test_radix_and_cht_agree_with_reference(
         for rid in ref.waiting:
             assert index.match_length(rid) == trie.match(ref.tokens[rid])
         if index.ordering == "lpm":
+            checked = None if in_batch is None or in_batch[0] < 0 else in_batch
+            order = index.lpm_order()
+            assert order == ref.lpm_order(fallback, cache, checked)
             if cand is not None:
-                best = ref.best_lpm_cached(fallback) if cache else ref.best_lpm(fallback)
-                assert cand.request_id == best
+                assert cand.request_id == order[0]
+                plain = ref.best_lpm_cached(fallback) if cache else ref.best_lpm(fallback)
+                # Deprioritize >= check threshold (SGLang's): the candidate is plain LPM's.
+                if checked is None or checked[1] >= checked[0]:
+                    assert cand.request_id == plain
         else:
             order = index.dfs_weight_order()
             expected = trie.dfs_weight_order([ref.tokens[r] for r in ref.waiting])
@@ -206,7 +241,21 @@ def test_radix_and_cht_agree_with_reference(
             chunk_size,
             [
                 ChunkedHashTree,
-                lambda c: RadixTree("lpm", chunk_size=c, lpm_fcfs_fallback=fallback, cache_finished=cache),
+                lambda c: RadixTree(
+                    "lpm",
+                    chunk_size=c,
+                    lpm_fcfs_fallback=fallback,
+                    cache_finished=cache,
+                    lpm_in_batch_check=in_batch is not None,
+                    **(
+                        {}
+                        if in_batch is None
+                        else {
+                            "in_batch_check_threshold": in_batch[0],
+                            "in_batch_deprioritize_threshold": in_batch[1],
+                        }
+                    ),
+                ),
                 lambda c: RadixTree("dfs-weight", chunk_size=c, cache_finished=cache),
             ],
             check,
@@ -287,6 +336,81 @@ def test_lpm_falls_back_to_fcfs_above_threshold() -> None:
     assert tree.best_candidate().request_id == "x2"
     tree = _tree("lpm", ACTIVE, WAITING, lpm_fcfs_fallback=None)
     assert tree.best_candidate().request_id == "x2"
+
+
+# SGLang's in-batch prefix caching check, thresholds 32/32. P: the active (or cached) prompt,
+# D and E: documents nobody has run yet.
+P = list(range(1000, 1040))  # 40 tokens
+D = list(range(100, 150))  # 50 tokens
+E = list(range(200, 250))  # 50 tokens
+IN_BATCH_WAITING = [
+    D + [1],  # x1: match 0 <= 32, checked; the waiting-queue tree is empty: kept, inserted
+    D + [2],  # x2: match 0, shares 50 >= 32 with x1: deprioritized
+    P[:20] + E,  # x3: match 20, shares 0: kept, inserted
+    P + [3],  # x4: match 40 > 32: not checked (neither matched against nor inserted)
+    P[:20] + E[:12] + [4],  # x5: match 20, shares exactly 32 with x3: deprioritized (>=)
+    P[:20] + E[:11] + [5],  # x6: match 20, shares 31 with x3: kept, inserted
+    P + [6],  # x7: match 40, shares 40 with x4, but x4 is not in that tree: not checked anyway
+    P[:32] + [7],  # x8: match 32, at the check threshold: checked, shares 31 with x6: kept
+    P[:32] + [8],  # x9: match 32, shares 32 with x8: deprioritized
+]
+
+
+@pytest.mark.parametrize("cache", [False, True], ids=["active-batch", "kv-cache"])
+def test_lpm_in_batch_check_deprioritizes_shared_short_matches(cache: bool) -> None:
+    """Worked out by hand from SGLang's ``_compute_prefix_matches`` and
+    ``_sort_by_longest_prefix`` (``managers/schedule_policy.py``): sort keys x1..x9 are
+    0, inf, -20, -40, inf, -20, -40, -32, inf; a stable sort puts x4 x7 (40) x8 (32) x3 x6 (20)
+    x1 (0) first and the deprioritized x2 x5 x9 last, in queue order. Plain LPM keeps x9 with
+    x8, x5 between x3 and x6 and x2 after x1. The candidate is x4 either way: a deprioritized
+    request always has an earlier kept one with the same match (module docstring).
+    """
+    if cache:
+        tree = _cache_tree("lpm", [P], [], IN_BATCH_WAITING, lpm_fcfs_fallback=None)
+        fields = Candidate("x4", 0, 41, 0)  # relative to the (empty) active batch
+    else:
+        tree = _tree("lpm", [P], IN_BATCH_WAITING, lpm_fcfs_fallback=None)
+        fields = Candidate("x4", 40, 40, 1)  # x7 shares its first 40 tokens
+    assert [tree.match_length(f"x{i}") for i in range(1, 10)] == [0, 0, 20, 40, 20, 20, 40, 32, 32]
+    checked = ["x4", "x7", "x8", "x3", "x6", "x1", "x2", "x5", "x9"]
+    plain = ["x4", "x7", "x8", "x9", "x3", "x5", "x6", "x1", "x2"]
+    assert tree.lpm_in_batch_check  # the default, as in SGLang
+    assert tree.lpm_order() == checked
+    assert tree.best_candidate() == fields
+    tree.lpm_in_batch_check = False
+    assert tree.lpm_order() == plain
+    assert tree.best_candidate() == fields
+    # A negative check threshold disables the check (SGLang's -1).
+    tree.lpm_in_batch_check = True
+    tree.in_batch_check_threshold = -1
+    assert tree.lpm_order() == plain
+    # Above the FCFS fallback nothing is matched, in-batch check included: queue order.
+    tree.in_batch_check_threshold = 32
+    tree.lpm_fcfs_fallback = 8
+    assert tree.lpm_order() == [f"x{i}" for i in range(1, 10)]
+    assert tree.best_candidate().request_id == "x1"
+    # Once x4 x7 x8 x3 x6 x1 are admitted, the deprioritized ones match what their kept twins
+    # brought into the batch: x2 50 tokens (> 32, not checked), x5 32 (x3's P[:20] + E[:12])
+    # and x9 32 (x8's P[:32]), both checked and sharing only 20 tokens: all kept.
+    tree.lpm_fcfs_fallback = None
+    for rid in ["x4", "x7", "x8", "x3", "x6", "x1"]:
+        tree.activate(rid)
+    assert [tree.match_length(r) for r in ("x2", "x5", "x9")] == [50, 32, 32]
+    assert tree.lpm_order() == ["x2", "x5", "x9"]
+
+
+def test_lpm_in_batch_check_can_change_the_candidate_below_the_check_threshold() -> None:
+    """With SGLang's environment overrides, deprioritize (4) < check (32): x2 matches 20 tokens
+    along a1's branch, more than x1's 10 along a0's, but shares 5 >= 4 tokens with x1 (kept
+    before it), so it is deprioritized and x1 leads. With 32/32 x2 leads, as in plain LPM."""
+    active = [P, P[:5] + list(range(300, 320))]
+    waiting = [P[:10] + [1], P[:5] + list(range(300, 315)) + [2]]
+    tree = _tree("lpm", active, waiting, in_batch_deprioritize_threshold=4)
+    assert [tree.match_length("x1"), tree.match_length("x2")] == [10, 20]
+    assert tree.lpm_order() == ["x1", "x2"]
+    assert tree.best_candidate().request_id == "x1"
+    assert _tree("lpm", active, waiting).best_candidate().request_id == "x2"
+    assert _tree("lpm", active, waiting, lpm_in_batch_check=False).lpm_order() == ["x2", "x1"]
 
 
 def test_dfs_weight_order_follows_sglang() -> None:
@@ -558,3 +682,16 @@ def test_cache_options_are_validated() -> None:
     tree = RadixTree("lpm", 16, None, cache_finished=True, cache_tokens=0)
     assert tree.cache_finished and tree.cache_tokens == 0 and tree.lpm_fcfs_fallback is None
     assert not RadixTree("lpm").cache_finished  # the default is unchanged
+
+
+def test_in_batch_check_options() -> None:
+    # batching.py's positional construction: the check is on by default, SGLang's thresholds.
+    tree = RadixTree("lpm", 16, 128)
+    assert tree.lpm_in_batch_check
+    assert (tree.in_batch_check_threshold, tree.in_batch_deprioritize_threshold) == (32, 32)
+    assert not RadixTree("lpm", lpm_in_batch_check=False).lpm_in_batch_check
+    for bad in (2.5, True, None):
+        with pytest.raises(ValueError):
+            RadixTree("lpm", in_batch_check_threshold=bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError):
+            RadixTree("lpm", in_batch_deprioritize_threshold=bad)  # type: ignore[arg-type]
