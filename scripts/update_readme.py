@@ -26,7 +26,8 @@ def _machine(res: dict[str, Any]) -> str:
     m = res.get("machine") or {}
     if isinstance(m, str):
         return m
-    return f"measured {m.get('date', '?')} on {m.get('cpu', '?')}, {m.get('cores', '?')} cores"
+    date = m.get("date") or res.get("date", "?")
+    return f"measured {date} on {m.get('cpu', '?')}, {m.get('cores') or m.get('cpus', '?')} cores"
 
 
 def render_prefix_homogeneity(res: dict[str, Any]) -> str:
@@ -53,16 +54,18 @@ def render_prefix_homogeneity(res: dict[str, Any]) -> str:
 
 def render_cht_overhead(res: dict[str, Any]) -> str:
     rows = [[r["structure"], r["waiting"], r["prompt_tokens"], r["decision_us"], r["insert_us"],
-             r.get("decisions_measured", "-")] for r in res["results"]]
+             f"{r.get('decisions_measured', '-')}/{r['waiting']}"] for r in res["results"]]
     out = [f"Chunk size {res.get('chunk_size')} tokens ({_machine(res)}):", "",
            format_table(["structure", "waiting", "prompt tokens", "decision us", "insert us",
-                         "decisions measured"], rows)]
-    targets = res.get("targets")
-    if targets:
-        out += ["", "Targets: " + "; ".join(
-            f"{k}: {v.get('value', v) if isinstance(v, dict) else v}"
-            + (f" ({'met' if v.get('met') else 'NOT met'})" if isinstance(v, dict) and 'met' in v else "")
-            for k, v in targets.items())]
+                         "decisions measured"], rows), "", "Targets:", ""]
+    for t in res.get("targets", []):
+        value = (f"{t['value_us']:.1f} us" if "value_us" in t else f"{t['value_ratio']:,.0f}x")
+        extra = ""
+        if "radix_lpm_nocheck_ratio" in t:
+            extra = (f" (against LPM without SGLang's in-batch prefix check: "
+                     f"{t['radix_lpm_nocheck_ratio']:,.0f}x; against a tree of the running batch "
+                     f"only: {t['radix_lpm_active_ratio']:,.0f}x)")
+        out.append(f"- {'met' if t['met'] else '**NOT met**'}: {t['target']}: {value}{extra}")
     return "\n".join(out)
 
 
@@ -73,10 +76,48 @@ def render_sim_validation(res: dict[str, Any]) -> str:
             f"{res['profile']} --json results/sim_validation.json`).")
 
 
+def _num(value: Any, fmt: str = "{:.2f}") -> str:
+    return "n/a" if value is None else fmt.format(value)
+
+
+def render_evaluation(res: dict[str, Any]) -> str:
+    """results/evaluation.json (benchmarks/evaluation.py): one table per cell, then the targets."""
+    quick = " **quick smoke run, not the real figures**" if res.get("quick") else ""
+    out = [f"`python -m benchmarks.evaluation` ({_machine(res)}; wall time {res.get('wall_s', 0):.0f} s; "
+           f"engine pinned to one core){quick}. Latencies in seconds from arrival; decode tok/s over "
+           f"decode-only engine steps; slowdown = latency / the request's time alone on the idle engine.", ""]
+    policy = (res.get("policy") or {}).get("path")
+    out += [f"Trained Feather policy: {policy or 'none'} ({(res.get('policy') or {}).get('note', '')}).", ""]
+    headers = ["scheduler", "done", "decode tok/s", "e2e tok/s", "latency mean", "P95", "P99", "TTFT mean",
+               "max wait", "max slowdown", "batch", "prefix hit", "sched overhead", "foreign CPU"]
+    for cell, payload in res.get("cells", {}).items():
+        w = payload["workload"]
+        out += [f"**{cell}**: {w['requests']} requests, {w['groups']} prefix groups, prompts mean "
+                f"{w['prompt_tokens_mean']:.0f} / max {w['prompt_tokens_max']} tokens, outputs mean "
+                f"{w['output_tokens_mean']:.1f} / max {w['output_tokens_max']} tokens, arrivals "
+                f"{w['arrivals']}, KV cache {payload['engine']['kv_cache_gib']:g} GiB:", ""]
+        rows = []
+        for name, m in payload["schedulers"].items():
+            rows.append([f"`{name}`", f"{m['completed']}/{m['submitted']}", _num(m["decode_tok_s"], "{:.1f}"),
+                         _num(m["e2e_tok_s"], "{:.1f}"), _num(m["latency_mean_s"]), _num(m["latency_p95_s"]),
+                         _num(m["latency_p99_s"]), _num(m["ttft_mean_s"]), _num(m["max_wait_s"]),
+                         _num(m["max_slowdown"], "{:.1f}"), _num(m["mean_running_batch"], "{:.1f}"),
+                         _num(m["prefix_hit_rate"], "{:.0%}"), _num(m["scheduler_overhead_frac"], "{:.2%}"),
+                         _num(m["foreign_cpu"], "{:.0%}")])
+        out += [format_table(headers, rows), ""]
+    targets = res.get("targets") or {}
+    if targets:
+        out += ["Targets (issue 6):", ""]
+        out += [f"- {'met' if t['met'] else '**NOT met**'}: {name}: {t['value']} (target {t['target']}; "
+                f"{t['detail']})" for name, t in targets.items()]
+    return "\n".join(out).rstrip()
+
+
 RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "prefix_homogeneity": ("prefix_homogeneity.json", render_prefix_homogeneity),
     "cht_overhead": ("cht_overhead.json", render_cht_overhead),
     "sim_validation": ("sim_validation.json", render_sim_validation),
+    "evaluation": ("evaluation.json", render_evaluation),
 }
 
 

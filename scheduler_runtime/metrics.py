@@ -1,0 +1,125 @@
+"""Prometheus counters of the Feather scheduler, for vLLM's ``/metrics`` endpoint.
+
+The scheduler runs in vLLM's engine-core process, while ``/metrics`` is served by the API
+server process. prometheus_client's multiprocess mode bridges the two: when
+``PROMETHEUS_MULTIPROC_DIR`` is set *before* prometheus_client is imported (``feather-serve``
+does it), every process writes its metrics to files in that directory, and vLLM's
+``/metrics`` (which then reads the directory with a ``MultiProcessCollector``) shows the
+scheduler's counters next to vLLM's own. Without that variable the counters live in the
+process's default registry (in-process engines: read them with
+``prometheus_client.generate_latest()`` or the scheduler's ``feather_stats()``).
+
+Exported (label ``scheduler``: the scheduler name):
+
+=========================================  ====================================================
+``feather_scheduler_decisions_total``      ADD/STOP policy decisions
+``feather_scheduler_add_total``            ... that were ADD
+``feather_scheduler_stop_total``           ... that were STOP
+``feather_scheduler_released_total``       requests released to the engine, label ``reason``
+                                           (``policy``, ``seed``, ``max_wait``, ``order``)
+``feather_scheduler_capacity_stops_total`` releases refused by the KV admission check
+``feather_scheduler_preempted_total``      preemptions of released requests by the engine
+``feather_scheduler_decision_seconds_total``  time spent deciding (the core's ``plan``)
+``feather_scheduler_schedule_calls_total`` ``schedule()`` calls
+``feather_scheduler_prediction_seconds_total``  time spent predicting output lengths
+``feather_scheduler_held_requests``        requests held back now (gauge)
+``feather_scheduler_batch_requests``       requests in the formed batch now (gauge)
+=========================================  ====================================================
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = ["METRIC_NAMES", "SchedulerMetrics"]
+
+_COUNTERS = {
+    # metric suffix: (snapshot key, help)
+    "decisions": ("decisions", "ADD/STOP decisions asked of the batching policy"),
+    "add": ("adds", "Policy decisions that were ADD"),
+    "stop": ("stops", "Policy decisions that were STOP"),
+    "capacity_stops": ("capacity_stops", "Releases refused by the KV admission (peak) check"),
+    "preempted": ("preempted", "Preemptions of released requests by the engine"),
+    "decision_seconds": ("decision_seconds", "Seconds spent in the scheduler's own decisions"),
+    "schedule_calls": ("plan_calls", "schedule() calls that ran the decision loop"),
+    "prediction_seconds": ("prediction_seconds", "Seconds spent predicting output lengths"),
+}
+METRIC_NAMES = tuple(f"feather_scheduler_{k}_total" for k in (*_COUNTERS, "released")) + (
+    "feather_scheduler_held_requests",
+    "feather_scheduler_batch_requests",
+)
+
+_metrics: dict[str, Any] | None = None
+
+
+def _create() -> dict[str, Any] | None:
+    """The process's metric objects, created once (a second engine reuses them)."""
+    global _metrics
+    if _metrics is not None:
+        return _metrics
+    try:
+        from prometheus_client import Counter, Gauge
+    except ImportError:  # metrics are optional; the counters stay readable via feather_stats()
+        return None
+    # In multiprocess mode a gauge needs an aggregation across processes; one engine core
+    # per server holds these, so the live processes' sum is the value.
+    gauge_kw = {"multiprocess_mode": "livesum"} if os.environ.get("PROMETHEUS_MULTIPROC_DIR") else {}
+    metrics: dict[str, Any] = {
+        key: Counter(f"feather_scheduler_{key}", help_text, ["scheduler"])
+        for key, (_, help_text) in _COUNTERS.items()
+    }
+    metrics["released"] = Counter("feather_scheduler_released", "Requests released to the engine",
+                                  ["scheduler", "reason"])
+    metrics["held"] = Gauge("feather_scheduler_held_requests", "Requests held back by the scheduler",
+                            ["scheduler"], **gauge_kw)
+    metrics["batch"] = Gauge("feather_scheduler_batch_requests", "Requests in the formed batch",
+                             ["scheduler"], **gauge_kw)
+    _metrics = metrics
+    return metrics
+
+
+class SchedulerMetrics:
+    """Pushes a scheduler's counters to Prometheus as increments since the last push.
+
+    Called after every ``schedule()``: it reads the counters' attributes directly and keeps
+    the labelled children, so a push costs a few microseconds.
+    """
+
+    def __init__(self, scheduler_name: str) -> None:
+        self.name = scheduler_name
+        self._last: dict[str, float] = {}
+        self._children: dict[str, Any] = {}
+        metrics = _create()
+        if metrics is None:
+            return
+        # Created now, so /metrics lists every series (at 0) from the start.
+        for key, metric in metrics.items():
+            if key == "released":
+                for reason in ("policy", "seed", "max_wait", "order"):
+                    self._children[f"released/{reason}"] = metric.labels(scheduler_name, reason)
+            else:
+                self._children[key] = metric.labels(scheduler_name)
+
+    def push(self, stats: Any, runtime_stats: Any, held: int, batch: int) -> None:
+        """Export a :class:`~scheduler_runtime.batching.CoreStats` and its runtime's stats."""
+        children = self._children
+        if not children:
+            return
+        last = self._last
+        for key, (field, _) in _COUNTERS.items():
+            value = getattr(stats, field, None)
+            if value is None:
+                value = getattr(runtime_stats, field)
+            delta = value - last.get(key, 0)
+            if delta > 0:
+                children[key].inc(delta)
+                last[key] = value
+        for reason, value in stats.released.items():
+            key = f"released/{reason}"
+            delta = value - last.get(key, 0)
+            if delta > 0:
+                children[key].inc(delta)
+                last[key] = value
+        children["held"].set(held)
+        children["batch"].set(batch)

