@@ -1,0 +1,155 @@
+"""The contextual bandit of the Feather authors' code (UCB over binned states).
+
+State bins (:class:`scheduler_runtime.policy.TableBins`): ``(min(B // 4, 10), clip(delta, -5, 5),
+min(w // 4, 10))``, 11 x 11 x 11 states, two arms (STOP, ADD) each.
+
+Decisions, in order: the mask (ADD invalid -> STOP); an empty batch -> ADD (never reaches the
+agent: the environment admits each batch's first request itself); ``delta == 0`` -> ADD (the
+candidate costs no shared prefix); otherwise UCB over the state's arms: an untried arm first
+(at random among untried ones), else ``argmax mean(s, a) + c * sqrt(ln(N(s) + 1) / n(s, a))`` with
+``N(s)`` the state's pulls; ``c`` is in reward units (200 for tokens/s, the authors' value).
+
+Credit: when a batch is dispatched, its reward is credited to every decision that formed it
+(every arm pulled by a UCB decision since the batch started, including the STOP that closed it;
+decisions forced by a mask or by the two rules above are not arms and are not credited).
+
+Which reward: by default the batch's **decode throughput** (``info["batch"]["decode_tok_s"]``,
+tokens/s), as in the paper, whatever the environment's own reward. The environment's default
+reward, minus the batch's seconds, would be the wrong credit for a per-batch bandit: it is
+minimized by dispatching tiny batches (each costs few seconds) even though the episode then
+takes longer. Throughput is scale-free per batch and says directly whether this composition
+decoded fast. ``credit: env`` uses the environment's reward instead.
+
+The deployed (exported) policy is greedy: the valid arm of highest mean among visited arms,
+ADD for states never visited (:func:`scheduler_runtime.policy.table_decision`).
+
+Parallel workers (``train.py --n-envs N``) merge exactly: counts add up, means are pooled
+(count-weighted) over what each worker added since the last merge.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from agents.base import ADD, STOP, EpisodicAgent
+from scheduler_runtime.policy import Policy, TableBins, TablePolicy, table_decision
+
+
+@dataclass(frozen=True)
+class UCBConfig:
+    """Bandit knobs: exploration constant (reward units), credit, bins."""
+
+    c: float = 200.0
+    credit: str = "decode_tok_s"
+    batch_div: int = 4
+    batch_max: int = 10
+    delta_clip: int = 5
+    w_div: int = 4
+    w_max: int = 10
+
+    def __post_init__(self) -> None:
+        if self.credit not in ("decode_tok_s", "env"):
+            raise ValueError(f"ucb.credit must be 'decode_tok_s' or 'env', got {self.credit!r}")
+        if self.c < 0:
+            raise ValueError(f"ucb.c must be >= 0, got {self.c}")
+
+    @property
+    def bins(self) -> TableBins:
+        return TableBins(self.batch_div, self.batch_max, self.delta_clip, self.w_div, self.w_max)
+
+
+class UCBAgent(EpisodicAgent):
+    """Contextual UCB bandit (see the module docstring)."""
+
+    name = "ucb"
+    trainable = True
+    config_cls = UCBConfig
+
+    def __init__(self, config: UCBConfig | None = None, *, seed: int = 0) -> None:
+        super().__init__(config or UCBConfig(), seed=seed)
+        self.bins = self.config.bins
+        n = self.bins.num_states
+        self.counts = np.zeros((n, 2), dtype=np.int64)
+        self.means = np.zeros((n, 2), dtype=np.float64)
+        self._pending: list[tuple[int, int]] = []
+        self._abs_err: list[float] = []
+
+    # -- decisions -----------------------------------------------------------------------------
+    def _forced(self, obs: np.ndarray, mask: np.ndarray) -> int | None:
+        if not mask[ADD]:
+            return STOP
+        if not mask[STOP] or obs[0] <= 0 or int(obs[1]) == 0:
+            return ADD
+        return None
+
+    def act(self, obs: np.ndarray, mask: np.ndarray) -> int:
+        return table_decision(self.bins, self.means.ravel(), self.counts.ravel(), True, obs, mask)
+
+    def explore(self, obs: np.ndarray, mask: np.ndarray) -> int:
+        forced = self._forced(obs, mask)
+        if forced is not None:
+            return forced
+        s = self.bins.index(obs)
+        n = self.counts[s]
+        untried = np.flatnonzero(n == 0)
+        if untried.size:
+            a = int(self.rng.choice(untried))
+        else:
+            bonus = self.config.c * np.sqrt(math.log(n.sum() + 1) / n)
+            a = int(np.argmax(self.means[s] + bonus))
+        self._pending.append((s, a))
+        return a
+
+    def observe(self, obs: np.ndarray, action: int, reward: float, next_obs: np.ndarray,
+                next_mask: np.ndarray, done: bool, info: dict[str, Any]) -> None:
+        if action != STOP or "batch" not in info:
+            return
+        credit = info["batch"]["decode_tok_s"] if self.config.credit == "decode_tok_s" else reward
+        for s, a in self._pending:
+            self.counts[s, a] += 1
+            self._abs_err.append(abs(credit - self.means[s, a]))
+            self.means[s, a] += (credit - self.means[s, a]) / self.counts[s, a]
+        self._pending = []
+
+    def reset(self) -> None:
+        self._pending = []
+
+    def train_metrics(self) -> dict[str, float]:
+        out = {"states_visited": float((self.counts.sum(axis=1) > 0).sum())}
+        if self._abs_err:
+            out["credit_abs_error"] = float(np.mean(self._abs_err))
+            self._abs_err = []
+        return out
+
+    # -- export, checkpoints, merging ----------------------------------------------------------
+    def to_policy(self) -> Policy:
+        return TablePolicy(self._require_spec(), self.bins, self.means.ravel().tolist(),
+                           self.counts.ravel().tolist(), True, agent=self.name,
+                           meta={"credit": self.config.credit, "c": self.config.c})
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {"counts": self.counts.copy(), "means": self.means.copy()}
+
+    def load_state_dict(self, arrays: dict[str, np.ndarray]) -> None:
+        if arrays["counts"].shape != self.counts.shape:
+            raise ValueError(f"table shape {arrays['counts'].shape} != {self.counts.shape} of these bins")
+        self.counts = arrays["counts"].astype(np.int64)
+        self.means = arrays["means"].astype(np.float64)
+
+    @classmethod
+    def merge(cls, base: dict[str, np.ndarray], workers: Sequence[dict[str, np.ndarray]]
+              ) -> dict[str, np.ndarray]:
+        """Pool the rewards each worker credited since ``base``: exact pooled means and counts."""
+        n0, m0 = base["counts"], base["means"]
+        counts = n0.copy()
+        sums = n0 * m0
+        for w in workers:
+            counts += w["counts"] - n0
+            sums += w["counts"] * w["means"] - n0 * m0
+        means = np.divide(sums, counts, out=np.zeros_like(m0), where=counts > 0)
+        return {"counts": counts, "means": means}
