@@ -1,0 +1,142 @@
+"""evaluate.py end to end on a tiny L-Eval workload, plus its error paths.
+
+The end-to-end test starts two real engines (fcfs and feather-heuristic, ~3-20 s each) on 12
+L-Eval requests cut to 1024 prompt tokens with 4 output tokens; the other tests start none.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+import evaluate
+from feather_env.workloads import DataNotFoundError
+
+SCHEDULERS = ("fcfs", "feather-heuristic")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, data_dir):
+    out = tmp_path_factory.mktemp("eval")
+    rc = evaluate.main([
+        "--workload", "leval", "--data-dir", str(data_dir), "--schedulers", ",".join(SCHEDULERS),
+        "--num-groups", "3", "--max-per-group", "4", "--max-prompt-tokens", "1024",
+        "--max-output-tokens", "4", "--kv-cache-gib", "0.5", "--max-num-seqs", "16",
+        "--arrival", "poisson:20", "--seed", "3", "--out", str(out / "run"),
+        "--json", str(out / "copy.json"), "--no-progress",
+    ])
+    assert rc == 0
+    return out
+
+
+@pytest.mark.engine
+def test_outputs_exist_and_every_request_completes(tiny_run):
+    run = tiny_run / "run"
+    for name in ("results.json", "results.csv", "results.md", "requests.csv", "throughput.png",
+                 "latency_cdf.png", "batch_size.png"):
+        assert (run / name).is_file() and (run / name).stat().st_size > 0, name
+    payload = json.loads((run / "results.json").read_text())
+    assert json.loads((tiny_run / "copy.json").read_text())["schedulers"] == payload["schedulers"]
+    assert list(payload["schedulers"]) == list(SCHEDULERS)
+    n = payload["workload"]["requests"]
+    assert 3 < n <= 12 and payload["workload"]["groups"] == 3 and payload["machine"]["cores"]
+    for name, m in payload["schedulers"].items():
+        assert m["submitted"] == m["completed"] == n, name
+        assert n <= m["output_tokens"] <= 4 * n  # answers may be shorter than the cap
+        assert m["decode_tok_s"] > 0 and m["e2e_tok_s"] > 0 and m["e2e_req_s"] > 0
+        assert m["latency_p99_s"] >= m["latency_p95_s"] >= m["latency_p50_s"] > 0
+        assert m["latency_mean_s"] >= m["ttft_mean_s"] > 0
+        assert m["ttft_mean_s"] >= m["queue_mean_s"] >= 0
+        assert m["max_wait_s"] >= m["queue_mean_s"]
+        assert m["max_slowdown"] > 0 and m["mean_running_batch"] >= 1
+        assert 0 <= m["prefix_hit_rate"] <= 1 and 0 <= m["foreign_cpu"] <= 1
+        assert m["makespan_s"] >= m["latency_mean_s"]
+    assert payload["schedulers"]["fcfs"]["scheduler_overhead_frac"] is None
+    feather = payload["schedulers"]["feather-heuristic"]
+    assert 0 <= feather["scheduler_overhead_frac"] < 1
+    assert feather["scheduler_stats"]["finished"] == n
+    # three documents, four questions each: the prefix cache must be hit
+    assert feather["prefix_hit_rate"] > 0.3
+    # per-request rows: every request once per scheduler, timeline in order
+    with (run / "requests.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == n * len(SCHEDULERS)
+    for r in rows:
+        t = [float(r[k]) for k in ("arrival", "first_scheduled", "first_token", "finish")]
+        assert all(math.isfinite(x) for x in t) and t[0] <= t[1] <= t[2] <= t[3], r
+        assert int(r["tokens"]) == int(r["output_len"])
+    with (run / "results.csv").open() as fh:
+        table = list(csv.DictReader(fh))
+    assert [r["scheduler"] for r in table] == list(SCHEDULERS)
+    assert "| fcfs |" in (run / "results.md").read_text()
+
+
+def test_unknown_scheduler_is_a_clear_error_before_any_engine(tmp_path, capsys):
+    rc = evaluate.main(["--workload", "leval", "--schedulers", "fcfs,nosuch", "--out", str(tmp_path / "o")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "unknown scheduler 'nosuch'" in err and "feather-heuristic" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_missing_policy_file_is_a_clear_error(tmp_path, capsys):
+    rc = evaluate.main(["--workload", "leval", "--schedulers", f"feather:{tmp_path}/none.feather",
+                        "--out", str(tmp_path / "o")])
+    assert rc == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_missing_data_dir_says_where_to_get_the_data(tmp_path, capsys):
+    rc = evaluate.main(["--workload", "leval", "--data-dir", str(tmp_path / "nowhere"),
+                        "--schedulers", "fcfs", "--out", str(tmp_path / "o")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "nowhere" in err and "OpenLMLab/LEval" in err
+    with pytest.raises(DataNotFoundError, match="LongBench"):
+        evaluate.build_eval_workload(evaluate.WorkloadConfig(kind="longbench", data_dir=str(tmp_path)))
+
+
+def test_incomplete_runs_are_errors_not_drops():
+    rec = {f"r{i}": evaluate.RequestRecord(f"r{i}", 10, 3, 0.0) for i in range(3)}
+    for r in rec.values():
+        r.finished_count, r.tokens = 1, 3
+    evaluate._check_complete("x", rec)
+    rec["r1"].finished_count = 0
+    with pytest.raises(evaluate.EvaluationError, match="1 of 3 requests never finished.*r1"):
+        evaluate._check_complete("x", rec)
+    rec["r1"].finished_count, rec["r2"].tokens = 1, 2
+    with pytest.raises(evaluate.EvaluationError, match="wrong number of tokens"):
+        evaluate._check_complete("x", rec)
+
+
+def test_summarize_on_a_hand_made_run():
+    reqs = {}
+    for i, (arr, sch, first, fin) in enumerate([(0.0, 0.0, 1.0, 2.0), (0.0, 1.0, 2.0, 4.0)]):
+        r = evaluate.RequestRecord(f"r{i}", 100, 5, arr, first_scheduled=sch, first_token=first, finish=fin,
+                                   tokens=5, prefix_hit_tokens=50 * i, finished_count=1)
+        reqs[r.request_id] = r
+    steps = [evaluate.StepRow(0.0, 1.0, 1, 100, 1, 1, False), evaluate.StepRow(1.0, 0.5, 2, 2, 0, 2, True),
+             evaluate.StepRow(1.5, 0.5, 2, 2, 0, 2, True)]
+    run = evaluate.RunRecord("fake", reqs, steps, 1.0, 4.0, 0.0, 0, {"decision_seconds": 0.2,
+                                                                       "arrival_seconds": 0.1})
+    iso = evaluate.IsolatedModel([1, 1000], [0.5, 0.5], [0.125, 0.125])
+    m = evaluate.summarize(run, iso)
+    assert m["decode_tok_s"] == pytest.approx(4 / 1.0)
+    assert m["latency_mean_s"] == pytest.approx(3.0) and m["ttft_mean_s"] == pytest.approx(1.5)
+    assert m["tpot_mean_s"] == pytest.approx((1 / 4 + 2 / 4) / 2)
+    assert m["queue_mean_s"] == pytest.approx(0.5) and m["max_wait_s"] == pytest.approx(1.0)
+    assert m["max_slowdown"] == pytest.approx(4.0 / 1.0)  # isolated: 0.5 + 4 * 0.125 = 1.0 s
+    assert m["prefix_hit_rate"] == pytest.approx(50 / 200)
+    assert m["e2e_req_s"] == pytest.approx(2 / 4.0) and m["makespan_s"] == pytest.approx(4.0)
+    assert m["scheduler_overhead_frac"] == pytest.approx(0.2 / 2.0)
+    assert m["mean_running_batch"] == pytest.approx(5 / 3)
+
+
+def test_script_help_runs_without_an_engine():
+    with pytest.raises(SystemExit) as exc:
+        evaluate.main(["--help"])
+    assert exc.value.code == 0
+    assert Path(evaluate.__file__).name == "evaluate.py"
