@@ -46,3 +46,16 @@ def vllm_backend(llm, engine_config):
     from feather_env.backends import VLLMBackend
 
     return VLLMBackend(engine_config, llm=llm)
+
+
+# Modules that start engines of their own. Shutting an in-process vLLM engine down tears
+# down process-wide state (its parallel groups) that the session engine also uses, so these
+# run after every test that uses the session engine.
+OWN_ENGINE_MODULES = ("test_vllm_scheduler.py", "test_evaluate.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def own_engine(item) -> bool:
+        return item.path.name in OWN_ENGINE_MODULES
+
+    items[:] = [i for i in items if not own_engine(i)] + [i for i in items if own_engine(i)]
