@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM ?= false
 FEATHER_DATA_DIR ?= $(abspath ../shared/data)
 export FEATHER_DATA_DIR
 
-.PHONY: venv demo test bench lint clean
+.PHONY: venv demo homogeneity test bench lint clean
 
 venv: $(STAMP)
 
@@ -26,7 +26,12 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -c "import vllm, torch, gymnasium, stable_baselines3; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	@touch $(STAMP)
 
+# Train a UCB policy briefly on the real engine (embedded default workload), export it, and
+# compare it with always-add on held-out episodes (configs/demo.yaml).
 demo: $(STAMP)
+	$(BIN)/python train.py --agent ucb --config configs/demo.yaml --backend vllm --out runs/demo
+
+homogeneity: $(STAMP)
 	$(BIN)/python -m benchmarks.prefix_homogeneity --json results/prefix_homogeneity.json --plot results/prefix_homogeneity.png
 
 test: $(STAMP)
@@ -38,6 +43,9 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.prefix_homogeneity --json results/prefix_homogeneity.json --plot results/prefix_homogeneity.png
 	$(BIN)/python -m feather_env.calibrate --validate configs/profiles/cpu-tiny-llama.json --json results/sim_validation.json
 	$(BIN)/python -m benchmarks.cht_overhead --json results/cht_overhead.json
+	$(BIN)/python -m benchmarks.agents --json results/agents.json --plot results/agents_learning.png
+	$(BIN)/python -m benchmarks.scheduler_overhead --json results/scheduler_overhead.json
+	$(BIN)/python -m benchmarks.evaluation --json results/evaluation.json
 	$(BIN)/python scripts/update_readme.py
 
 lint: $(STAMP)

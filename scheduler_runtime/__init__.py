@@ -18,7 +18,7 @@ from scheduler_runtime.radix import RadixTree
 def __getattr__(name: str):
     # The policy loader and the vLLM scheduler classes are imported on first use, so that
     # `import scheduler_runtime` stays cheap and free of vLLM.
-    if name in ("load_policy", "PolicyFormatError"):
+    if name in ("load_policy", "PolicyFormatError", "ObservationSpec"):
         from scheduler_runtime import policy
 
         return getattr(policy, name)
@@ -34,6 +34,7 @@ __all__ = [
     "ChunkedHashTree",
     "FeatherAsyncScheduler",
     "FeatherScheduler",
+    "ObservationSpec",
     "PolicyFormatError",
     "DuplicateRequestError",
     "PrefixIndex",
