@@ -113,7 +113,45 @@ def render_evaluation(res: dict[str, Any]) -> str:
     return "\n".join(out).rstrip()
 
 
+def render_agents(res: dict[str, Any]) -> str:
+    """results/agents.json (benchmarks/agents.py): agents trained on the sim, evaluated on the engine."""
+    workloads = list(res["results"])
+    agents = list(res["results"][workloads[0]])
+    headers = ["agent"] + [h for w in workloads for h in (f"{w} decode tok/s", f"{w} vs always-add")]
+    rows = []
+    for a in agents:
+        row: list[Any] = [a]
+        for w in workloads:
+            m = res["results"][w].get(a)
+            base = res["results"][w]["always-add"]["decode_tok_s"]
+            row += ([m["decode_tok_s"], f"{m['decode_tok_s'] / base:.2f}x"] if m else ["-", "-"])
+        rows.append(row)
+    eps = ", ".join(f"{w}: {res['results'][w]['always-add']['episodes']}" for w in workloads)
+    out = [f"`python -m benchmarks.agents --json results/agents.json --plot results/agents_learning.png` "
+           f"({_machine(res)}; held-out episodes on the real engine, {eps}):", "",
+           format_table(headers, rows), ""]
+    rc = res.get("reward_comparison")
+    if rc:
+        out += ["PPO on the simulator, by reward (held-out episodes):", "",
+                format_table(["reward", "decode tok/s", "episode seconds", "mean batch"],
+                             [[k, v["decode_tok_s"], v["episode_seconds"], v["mean_batch_size"]]
+                              for k, v in rc.items()]), ""]
+    out.append("Targets (issue 4):")
+    out.append("")
+    for name, t in res.get("targets", {}).items():
+        if isinstance(t, dict) and "met" in t:
+            out.append(f"- {'met' if t['met'] else '**NOT met**'}: {name}: {t['agent']} "
+                       f"{t['value']:.2f} (target {t['target']})")
+    if "every_learned_vs_heuristic_leval_met" in res.get("targets", {}):
+        t = res["targets"]
+        ratios = ", ".join(f"{k} {v:.2f}" for k, v in t["every_learned_vs_heuristic_leval"].items())
+        out.append(f"- {'met' if t['every_learned_vs_heuristic_leval_met'] else '**NOT met**'}: "
+                   f"every learned agent >= heuristic on L-Eval: {ratios}")
+    return "\n".join(out)
+
+
 RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
+    "agents": ("agents.json", render_agents),
     "prefix_homogeneity": ("prefix_homogeneity.json", render_prefix_homogeneity),
     "cht_overhead": ("cht_overhead.json", render_cht_overhead),
     "sim_validation": ("sim_validation.json", render_sim_validation),
