@@ -87,7 +87,6 @@ import json
 import os
 import platform
 import resource
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -95,6 +94,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.common import machine_info
 from scheduler_runtime.cht import ChunkedHashTree
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 from scheduler_runtime.radix import RadixTree
@@ -289,24 +289,6 @@ def _drain(
     return decide_s, finish_s, np.cumsum(per_decision).tolist(), cpu_s
 
 
-def machine_info() -> dict[str, object]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": sys.version.split()[0],
-        "numpy": np.__version__,
-    }
-
-
 def compute_ratios(cells: list[CellResult]) -> list[dict[str, object]]:
     """Radix mean / CHT mean per decision, over the decisions both measured."""
     by_key = {(c.structure, c.waiting, c.prompt_tokens): c for c in cells}
@@ -473,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwall {wall:.0f} s, peak RSS {peak_mb:.0f} MB, load average after {load_after[0]:.2f}")
 
     out = {
-        "machine": machine_info(),
+        "machine": {**machine_info(), "platform": platform.platform(), "numpy": np.__version__},
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "chunk_size": cfg.chunk_size,
         "config": asdict(cfg),
