@@ -57,6 +57,8 @@ class PPOConfig:
             raise ValueError(f"ppo.activation must be 'tanh' or 'relu', got {self.activation!r}")
         if self.n_steps < 2 or self.batch_size < 2:
             raise ValueError("ppo.n_steps and ppo.batch_size must be >= 2")
+        if not self.net_arch or min(self.net_arch) < 1:
+            raise ValueError(f"ppo.net_arch needs at least one hidden layer, got {list(self.net_arch)}")
 
 
 def make_vec_env(env_fns: list[Any], subprocess: bool = False) -> Any:

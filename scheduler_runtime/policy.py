@@ -407,10 +407,13 @@ class TablePolicy(Policy):
 
 
 class MLPPolicy(Policy):
-    """A tanh MLP over the scaled observation; ADD iff its ADD logit is the larger one.
+    """A tanh (or relu) MLP over the scaled observation; ADD iff its ADD logit is the larger one.
 
-    The scale is folded into the first layer at load time and the last layer reduced to the
-    difference of the two logits, so a decision is two small matrix products and a dot product.
+    At load time the scale and the first bias are folded into the first layer (input
+    ``[obs..., 1]``) and the last layer is reduced to the difference of the two logits, and the
+    hidden activations are computed into preallocated buffers: a decision is a few numpy calls
+    and no allocation but the input vector. The buffers make an instance unsafe to share between
+    threads; load one per thread.
     """
 
     kind = "mlp"
@@ -420,23 +423,33 @@ class MLPPolicy(Policy):
         super().__init__(obs_spec, **kw)
         if activation not in ("tanh", "relu"):
             raise ValueError(f"unknown activation {activation!r}")
+        if len(layers) < 2:
+            raise ValueError("an MLP policy needs at least one hidden layer and the output layer")
         self.activation = activation
         self.layers = [(np.asarray(w, dtype=np.float64), np.asarray(b, dtype=np.float64))
                        for w, b in layers]
         scale = np.asarray(obs_spec.scale, dtype=np.float64)
-        # x_scaled @ W.T == x_raw @ (W / scale).T: one division fewer per decision.
-        self._hidden = [((self.layers[0][0] / scale).T.copy(), self.layers[0][1])]
-        self._hidden += [(w.T.copy(), b) for w, b in self.layers[1:-1]]
+        w0, b0 = self.layers[0]
+        # [x_raw, 1] @ [[(W / scale).T], [b]] == (x_raw / scale) @ W.T + b
+        self._first = np.vstack([(w0 / scale).T, b0[None, :]])
+        self._rest = [(w.T.copy(), b) for w, b in self.layers[1:-1]]
+        self._bufs = [np.empty(w.shape[0]) for w, _ in self.layers[:-1]]
         w_out, b_out = self.layers[-1]
         self._w_diff = (w_out[ADD] - w_out[STOP]).copy()
         self._b_diff = float(b_out[ADD] - b_out[STOP])
-        self._act_fn = np.tanh if activation == "tanh" else (lambda x: np.maximum(x, 0.0))
+
+    def _activate(self, h: np.ndarray) -> None:
+        if self.activation == "tanh":
+            np.tanh(h, out=h)
+        else:
+            np.maximum(h, 0.0, out=h)
 
     def logits(self, obs: Sequence[float]) -> np.ndarray:
         """Both logits ``[STOP, ADD]`` (for inspection; :meth:`act` computes only their difference)."""
         h = np.asarray(self._clip(obs), dtype=np.float64) / np.asarray(self.obs_spec.scale)
         for w, b in self.layers[:-1]:
-            h = self._act_fn(w @ h + b)
+            h = w @ h + b
+            self._activate(h)
         w, b = self.layers[-1]
         return w @ h + b
 
@@ -445,10 +458,16 @@ class MLPPolicy(Policy):
             return STOP
         if not mask[STOP]:
             return ADD
-        h = np.array(self._clip(obs))
-        act_fn = self._act_fn
-        for w, b in self._hidden:
-            h = act_fn(h @ w + b)
+        x = self._clip(obs)
+        x.append(1.0)
+        h = self._bufs[0]
+        np.dot(np.array(x), self._first, out=h)
+        self._activate(h)
+        for (w, b), buf in zip(self._rest, self._bufs[1:], strict=True):
+            np.dot(h, w, out=buf)
+            np.add(buf, b, out=buf)
+            self._activate(buf)
+            h = buf
         return ADD if float(h @ self._w_diff) + self._b_diff > 0.0 else STOP
 
     def params(self) -> dict[str, Any]:

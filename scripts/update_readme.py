@@ -150,7 +150,16 @@ def render_agents(res: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def render_scheduler_overhead(res: dict[str, Any]) -> str:
+    rows = [[r["waiting"], r["step_ms"], r["decision_us_per_call"], f"{r['overhead_fraction']:.4f}",
+             f"{r['prediction_fraction']:.5f}"] for r in res["results"]]
+    return "\n".join([f"Scheduler `{res.get('scheduler')}` ({_machine(res)}):", "",
+                      format_table(["waiting", "engine step (ms)", "scheduler us / schedule()",
+                                    "overhead fraction", "prediction fraction"], rows)])
+
+
 RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
+    "scheduler_overhead": ("scheduler_overhead.json", render_scheduler_overhead),
     "agents": ("agents.json", render_agents),
     "prefix_homogeneity": ("prefix_homogeneity.json", render_prefix_homogeneity),
     "cht_overhead": ("cht_overhead.json", render_cht_overhead),
