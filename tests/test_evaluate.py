@@ -112,6 +112,26 @@ def test_incomplete_runs_are_errors_not_drops():
         evaluate._check_complete("x", rec)
 
 
+def test_runs_under_foreign_load_are_rerun_and_the_quietest_kept(monkeypatch):
+    loads = iter([0.5, 0.3, 0.6])
+    seen = []
+
+    def fake_run(name, workload, engine, **kw):
+        run = evaluate.RunRecord(name, {}, [], 0.0, 0.0, next(loads), 0, None)
+        seen.append(kw["isolated"])
+        return run, None
+
+    monkeypatch.setattr(evaluate, "run_scheduler", fake_run)
+    monkeypatch.setattr(evaluate, "wait_for_quiet", lambda *a, **k: 0.0)
+    cfg = evaluate.EvalConfig(workload=evaluate.WorkloadConfig(), schedulers=("fcfs",), max_foreign=0.1,
+                              retries=2)
+    run, _, attempts = evaluate._run_quiet("fcfs", None, None, cfg, True, None, lambda s: None)
+    assert attempts == [0.5, 0.3, 0.6] and run.foreign_cpu == 0.3 and seen == [True] * 3
+    loads = iter([0.05])
+    run, _, attempts = evaluate._run_quiet("fcfs", None, None, cfg, False, None, lambda s: None)
+    assert attempts == [0.05]
+
+
 def test_summarize_on_a_hand_made_run():
     reqs = {}
     for i, (arr, sch, first, fin) in enumerate([(0.0, 0.0, 1.0, 2.0), (0.0, 1.0, 2.0, 4.0)]):
