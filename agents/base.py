@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -42,6 +42,7 @@ from scheduler_runtime.policy import (
     STOP,
     ObservationSpec,
     Policy,
+    TableBins,
     write_policy,
 )
 
@@ -56,6 +57,22 @@ __all__ = [
     "observation_spec",
 ]
 
+
+
+@dataclass(frozen=True)
+class TableBinsConfig:
+    """The state bins shared by the tabular agents (UCB, Q-learning): DESIGN.md's
+    ``(min(B//batch_div, batch_max), clip(delta, -delta_clip, delta_clip), min(w//w_div, w_max))``."""
+
+    batch_div: int = 4
+    batch_max: int = 10
+    delta_clip: int = 5
+    w_div: int = 4
+    w_max: int = 10
+
+    @property
+    def bins(self) -> TableBins:
+        return TableBins(self.batch_div, self.batch_max, self.delta_clip, self.w_div, self.w_max)
 
 class NotExportableError(NotImplementedError):
     """The agent needs information the runtime does not have (e.g. the oracle's group ids)."""

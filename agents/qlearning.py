@@ -41,12 +41,12 @@ from typing import Any
 
 import numpy as np
 
-from agents.base import ADD, STOP, EpisodicAgent
-from scheduler_runtime.policy import Policy, TableBins, TablePolicy, table_decision
+from agents.base import ADD, STOP, EpisodicAgent, TableBinsConfig
+from scheduler_runtime.policy import Policy, TablePolicy, table_decision
 
 
 @dataclass(frozen=True)
-class QLearningConfig:
+class QLearningConfig(TableBinsConfig):
     """Q-learning knobs (see the module docstring for the defaults' reasons)."""
 
     learning_rate: float = 0.01
@@ -56,11 +56,6 @@ class QLearningConfig:
     epsilon_end: float = 0.05
     exploration_fraction: float = 0.8
     exploration_timesteps: int | None = None
-    batch_div: int = 4
-    batch_max: int = 10
-    delta_clip: int = 5
-    w_div: int = 4
-    w_max: int = 10
 
     def __post_init__(self) -> None:
         if not 0 < self.learning_rate <= 1:
@@ -70,11 +65,6 @@ class QLearningConfig:
         for name in ("epsilon_start", "epsilon_end", "exploration_fraction"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"qlearning.{name} must be in [0, 1], got {getattr(self, name)}")
-
-    @property
-    def bins(self) -> TableBins:
-        return TableBins(self.batch_div, self.batch_max, self.delta_clip, self.w_div, self.w_max)
-
 
 class QLearningAgent(EpisodicAgent):
     """Tabular Q-learning (see the module docstring)."""

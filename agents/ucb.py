@@ -36,32 +36,22 @@ from typing import Any
 
 import numpy as np
 
-from agents.base import ADD, STOP, EpisodicAgent
-from scheduler_runtime.policy import Policy, TableBins, TablePolicy, table_decision
+from agents.base import ADD, STOP, EpisodicAgent, TableBinsConfig
+from scheduler_runtime.policy import Policy, TablePolicy, table_decision
 
 
 @dataclass(frozen=True)
-class UCBConfig:
+class UCBConfig(TableBinsConfig):
     """Bandit knobs: exploration constant (reward units), credit, bins."""
 
     c: float = 200.0
     credit: str = "decode_tok_s"
-    batch_div: int = 4
-    batch_max: int = 10
-    delta_clip: int = 5
-    w_div: int = 4
-    w_max: int = 10
 
     def __post_init__(self) -> None:
         if self.credit not in ("decode_tok_s", "env"):
             raise ValueError(f"ucb.credit must be 'decode_tok_s' or 'env', got {self.credit!r}")
         if self.c < 0:
             raise ValueError(f"ucb.c must be >= 0, got {self.c}")
-
-    @property
-    def bins(self) -> TableBins:
-        return TableBins(self.batch_div, self.batch_max, self.delta_clip, self.w_div, self.w_max)
-
 
 class UCBAgent(EpisodicAgent):
     """Contextual UCB bandit (see the module docstring)."""
