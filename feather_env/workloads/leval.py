@@ -27,7 +27,6 @@ template, so a repeated load takes a fraction of a second.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,7 +50,7 @@ from feather_env.workloads.tokenizer import (
     load_tokenizer,
     tokenizer_fingerprint,
 )
-from feather_env.workloads.workload import Workload, WorkloadError
+from feather_env.workloads.workload import Workload, WorkloadError, iter_jsonl_objects
 
 LEVAL_SUBDIRS = ("Closed-ended-tasks", "Open-ended-tasks")
 DEFAULT_INSTRUCTION_TEMPLATE = "\n\nQuestion: {instruction}\nAnswer:"
@@ -122,45 +121,36 @@ def _parse_file(path: Path) -> _Parsed:
     doc_index: dict[str, int] = {}
     seen_pairs: set[tuple[int, str]] = set()
     per_doc: list[int] = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
+    for lineno, item in iter_jsonl_objects(path):
+        where = f"{path}:{lineno}"
+        doc, instructions, outputs = (item.get(k) for k in ("input", "instructions", "outputs"))
+        if not isinstance(doc, str) or not doc:
+            raise WorkloadError(f"{where}: `input` must be a non-empty string")
+        if not isinstance(instructions, list) or not all(
+            isinstance(q, str) for q in instructions
+        ):
+            raise WorkloadError(f"{where}: `instructions` must be a list of strings")
+        if not isinstance(outputs, list) or not all(isinstance(a, str) for a in outputs):
+            raise WorkloadError(f"{where}: `outputs` must be a list of strings")
+        if len(instructions) != len(outputs):
+            raise WorkloadError(
+                f"{where}: {len(instructions)} instructions but {len(outputs)} outputs"
+            )
+        d = doc_index.get(doc)
+        if d is None:
+            d = doc_index[doc] = len(parsed.docs)
+            parsed.docs.append(doc)
+            per_doc.append(0)
+        for question, answer in zip(instructions, outputs, strict=True):
+            if (d, question) in seen_pairs:
                 continue
-            where = f"{path}:{lineno}"
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise WorkloadError(f"{where}: malformed JSON line: {exc.msg}") from None
-            if not isinstance(item, dict):
-                raise WorkloadError(f"{where}: expected a JSON object, got {type(item).__name__}")
-            doc, instructions, outputs = (item.get(k) for k in ("input", "instructions", "outputs"))
-            if not isinstance(doc, str) or not doc:
-                raise WorkloadError(f"{where}: `input` must be a non-empty string")
-            if not isinstance(instructions, list) or not all(
-                isinstance(q, str) for q in instructions
-            ):
-                raise WorkloadError(f"{where}: `instructions` must be a list of strings")
-            if not isinstance(outputs, list) or not all(isinstance(a, str) for a in outputs):
-                raise WorkloadError(f"{where}: `outputs` must be a list of strings")
-            if len(instructions) != len(outputs):
-                raise WorkloadError(
-                    f"{where}: {len(instructions)} instructions but {len(outputs)} outputs"
-                )
-            d = doc_index.get(doc)
-            if d is None:
-                d = doc_index[doc] = len(parsed.docs)
-                parsed.docs.append(doc)
-                per_doc.append(0)
-            for question, answer in zip(instructions, outputs, strict=True):
-                if (d, question) in seen_pairs:
-                    continue
-                seen_pairs.add((d, question))
-                parsed.pair_doc.append(d)
-                parsed.pair_line.append(lineno)
-                parsed.pair_qidx.append(per_doc[d])
-                per_doc[d] += 1
-                parsed.instructions.append(question)
-                parsed.answers.append(answer)
+            seen_pairs.add((d, question))
+            parsed.pair_doc.append(d)
+            parsed.pair_line.append(lineno)
+            parsed.pair_qidx.append(per_doc[d])
+            per_doc[d] += 1
+            parsed.instructions.append(question)
+            parsed.answers.append(answer)
     return parsed
 
 

@@ -50,7 +50,7 @@ from feather_env.workloads.datadir import DataNotFoundError, require_file, resol
 from feather_env.workloads.request import Request
 from feather_env.workloads.synthetic import random_tokens
 from feather_env.workloads.tokenizer import count_tokens
-from feather_env.workloads.workload import Workload, WorkloadError
+from feather_env.workloads.workload import Workload, WorkloadError, iter_jsonl_objects
 
 ZH_TASKS = frozenset({"dureader", "multifieldqa_zh", "vcsum", "lsht", "passage_retrieval_zh"})
 OUTPUT_MODES = ("answer", "max")
@@ -80,23 +80,14 @@ def read_lengths(path: str | os.PathLike[str]) -> list[tuple[int, str, int]]:
     """``(length, answers[0], line)`` per item of a ``lengths/TASK.jsonl`` file."""
     path = require_file(path, "longbench")
     items: list[tuple[int, str, int]] = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise WorkloadError(f"{where}: malformed JSON line: {exc.msg}") from None
-            if not isinstance(item, dict):
-                raise WorkloadError(f"{where}: expected a JSON object")
-            length, answers = item.get("length"), item.get("answers")
-            if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-                raise WorkloadError(f"{where}: `length` must be a positive integer, got {length!r}")
-            if not isinstance(answers, list) or not answers or not isinstance(answers[0], str):
-                raise WorkloadError(f"{where}: `answers` must be a non-empty list of strings")
-            items.append((length, answers[0], lineno))
+    for lineno, item in iter_jsonl_objects(path):
+        where = f"{path}:{lineno}"
+        length, answers = item.get("length"), item.get("answers")
+        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+            raise WorkloadError(f"{where}: `length` must be a positive integer, got {length!r}")
+        if not isinstance(answers, list) or not answers or not isinstance(answers[0], str):
+            raise WorkloadError(f"{where}: `answers` must be a non-empty list of strings")
+        items.append((length, answers[0], lineno))
     return items
 
 

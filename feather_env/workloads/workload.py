@@ -9,9 +9,11 @@ prefix-homogeneous under FCFS and leave the scheduler nothing to do.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
@@ -24,6 +26,25 @@ if TYPE_CHECKING:
 
 class WorkloadError(ValueError):
     """A workload cannot be built or used: empty, duplicate ids, malformed input, bad sample."""
+
+
+def iter_jsonl_objects(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, object)`` for each non-blank line of a JSON-lines file.
+
+    A malformed line or a line that is not a JSON object raises :class:`WorkloadError` naming it.
+    """
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise WorkloadError(f"{where}: malformed JSON line: {exc.msg}") from None
+            if not isinstance(item, dict):
+                raise WorkloadError(f"{where}: expected a JSON object, got {type(item).__name__}")
+            yield lineno, item
 
 
 def _common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
