@@ -191,6 +191,7 @@ class FeatherEnv(gym.Env):
         self.action_space = spaces.Discrete(2)
         #: Divide observations by this to get values in [-1, 1] (what PPO sees).
         self.obs_scale = high.copy()
+        self._hash_cache: dict[str, tuple[Request, np.ndarray]] = {}
         self._reset_state()
 
     # -- gymnasium API --------------------------------------------------------------------
@@ -219,8 +220,12 @@ class FeatherEnv(gym.Env):
             episode = self.workload.sample(self.waiting, episode_seed)
         self._reset_state()
         self._requests = {r.request_id: r for r in episode}
+        cache = self._hash_cache
         for r in episode:
-            self.cht.insert(r.request_id, r.prompt_token_ids)
+            hit = cache.get(r.request_id)
+            if hit is None or hit[0] is not r:  # hash each workload prompt once, not per episode
+                hit = cache[r.request_id] = (r, self.cht.hash_prompt(r.prompt_token_ids))
+            self.cht.insert_hashed(r.request_id, hit[1])
         self._seed_batch()
         return self._observe(), {"episode_requests": len(self._requests)}
 

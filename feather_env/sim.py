@@ -41,6 +41,8 @@ from feather_env.workloads.request import Request
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PROFILE = REPO_ROOT / "configs" / "profiles" / "cpu-tiny-llama.json"
 PROFILE_VERSION = 1
+#: Batches up to this size are simulated in plain Python (same model, less overhead).
+SMALL_BATCH = 16
 
 
 @dataclass
@@ -85,26 +87,29 @@ def prefix_miss_flags(comp: Composition, cache_tokens: float, active: np.ndarray
     own tokens) and the prefix itself fit ``cache_tokens``. Requests outside ``active`` are
     skipped (their flag is False).
     """
-    n = comp.prompt.size
+    n = len(comp.prompt)
     active = np.ones(n, dtype=bool) if active is None else active
     flags = np.zeros(n, dtype=bool)
     own_read = 0.0  # cumulative own tokens read so far
-    last_pos: dict[int, int] = {}  # group -> access counter at its last read
+    # reads[k]: prefix tokens of the k-th prefix read if it is still its group's latest read,
+    # else 0 (so a slice sums each group read since then once, at its latest read).
+    reads: list[int] = []
+    last_pos: dict[int, int] = {}  # group -> index in reads of its latest read
     own_at: dict[int, float] = {}  # group -> own_read at its last read
-    prefix_of: dict[int, int] = {}
-    counter = 0
+    group, shared, prompt = comp.group, comp.shared, comp.prompt
     for i in np.flatnonzero(active).tolist():
-        g, p = int(comp.group[i]), int(comp.shared[i])
-        own = float(comp.prompt[i] - p) + generated
+        g, p = int(group[i]), int(shared[i])
+        own = float(prompt[i] - p) + generated
         if p > 0:
             seen = last_pos.get(g)
             if seen is None:
                 flags[i] = True
             else:
-                others = sum(prefix_of[h] for h, pos in last_pos.items() if pos > seen)
+                others = sum(reads[seen + 1:]) if seen + 1 < len(reads) else 0
                 flags[i] = (own_read - own_at[g]) + others + p > cache_tokens
-            counter += 1
-            last_pos[g], own_at[g], prefix_of[g] = counter, own_read, p
+                reads[seen] = 0
+            last_pos[g], own_at[g] = len(reads), own_read
+            reads.append(p)
         own_read += own
     return flags
 
@@ -172,6 +177,11 @@ class SimBackend:
             raise ValueError("empty batch")
         if len(requests) > self.max_batch_size:
             raise ValueError(f"batch of {len(requests)} exceeds max batch size {self.max_batch_size}")
+        if len(requests) <= SMALL_BATCH:
+            return self._run_small(requests)
+        return self._run_numpy(requests)
+
+    def _run_numpy(self, requests: Sequence[Request]) -> BatchResult:
         comp = composition_of(requests, self.model.block_size)
         # Decode steps run in segments between request completions; within a segment the
         # step time is linear in the generated count, so its midpoint gives the exact sum.
@@ -214,6 +224,71 @@ class SimBackend:
             output_tokens=int(comp.output.sum()),
             prompt_tokens=int(comp.prompt.sum()),
             prefix_hit_tokens=int(comp.shared.sum()),
+            kv_blocks_used=0,
+            step_times=step_times,
+            step_batch_sizes=sizes,
+        )
+
+    def _run_small(self, requests: Sequence[Request]) -> BatchResult:
+        """:meth:`run_batch` in plain Python: the same model, for batches where numpy's
+        per-call overhead dominates (a random policy's batches of 1-3 requests)."""
+        bs = self.model.block_size
+        n_req = len(requests)
+        prompt = [r.prompt_len for r in requests]
+        output = [r.output_len for r in requests]
+        group = [0] * n_req
+        shared = [0] * n_req
+        for g, (idx, lcp) in enumerate(prefix_groups(requests)):
+            for i in idx:
+                group[i] = g
+                shared[i] = min((lcp // bs) * bs, prompt[i])
+        own_all = [p - s for p, s in zip(prompt, shared, strict=True)]
+        steps_needed = [o - 1 for o in output]
+        bounds = sorted({0, *steps_needed})
+        order = sorted(range(n_req), key=lambda i: -steps_needed[i])
+        own_cum, prompt_cum = [0], [0]
+        for i in order:
+            own_cum.append(own_cum[-1] + own_all[i])
+            prompt_cum.append(prompt_cum[-1] + prompt[i])
+        cache_tokens = self.model.cache_tokens
+        c0, c1, c2, c3 = self.model.decode
+        decode_s, decode_tokens = 0.0, 0
+        step_times: list[float] = []
+        sizes: list[int] = []
+        comp = Composition(prompt=prompt, shared=shared, group=group, output=output)  # lists
+        miss_cum: list[float] = [0.0]
+        n_ref = 0  # running-set size when the miss flags were last computed
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+            n = sum(1 for x in steps_needed if x > lo)
+            if n_ref == 0 or n < 0.9 * n_ref:
+                # As run_batch: recompute which prefixes miss when the set shrank by a tenth.
+                active = [x > lo for x in steps_needed]
+                flags = prefix_miss_flags(comp, cache_tokens, active, 1 + lo)
+                miss_cum = [0.0]
+                for i in order:
+                    miss_cum.append(miss_cum[-1] + (shared[i] if flags[i] else 0))
+                n_ref = n
+            missed = miss_cum[n]
+            gen = 1 + (lo + hi - 1) / 2
+            t = c0 + c1 * n + c2 * (prompt_cum[n] + n * gen) + c3 * (own_cum[n] + n * gen + missed)
+            decode_s += (hi - lo) * t
+            decode_tokens += (hi - lo) * n
+            step_times.append(t)
+            sizes.append(n)
+        p0, p1, p2 = self.model.prefill
+        new = [max(p - s, 1) for p, s in zip(prompt, shared, strict=True)]
+        new_sum = sum(new)
+        steps = max(1, math.ceil(new_sum / self.model.max_num_batched_tokens))
+        prefill_s = p0 * steps + p1 * float(new_sum) + p2 * float(
+            sum(a * b for a, b in zip(new, prompt, strict=True)))
+        return BatchResult(
+            num_requests=n_req,
+            decode_tokens=decode_tokens,
+            decode_seconds=decode_s,
+            prefill_seconds=prefill_s,
+            output_tokens=sum(output),
+            prompt_tokens=sum(prompt),
+            prefix_hit_tokens=sum(shared),
             kv_blocks_used=0,
             step_times=step_times,
             step_batch_sizes=sizes,

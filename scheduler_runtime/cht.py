@@ -152,8 +152,29 @@ class ChunkedHashTree:
         """
         if request_id in self._waiting or request_id in self._active:
             raise DuplicateRequestError(f"request {request_id!r} is already in the index")
-        tokens = as_token_array(token_ids)
-        hashes = self._hash_tokens(tokens)
+        self.insert_hashed(request_id, self.hash_prompt(token_ids))
+
+    def hash_prompt(self, token_ids: np.ndarray | Sequence[int]) -> np.ndarray:
+        """The cumulative chunk hashes :meth:`insert` keys a prompt by (for :meth:`insert_hashed`).
+
+        Raises:
+            ValueError: the prompt is empty or not a 1-D array of ids in ``[0, 2**31)``.
+        """
+        return self._hash_tokens(as_token_array(token_ids))
+
+    def insert_hashed(self, request_id: str, hashes: np.ndarray) -> None:
+        """:meth:`insert` with the prompt's :meth:`hash_prompt` already computed (by this tree's
+        chunk size), for callers that insert the same prompts again (the environment's episodes).
+
+        Raises:
+            DuplicateRequestError: ``request_id`` is already waiting or active.
+            ValueError: ``hashes`` is not a non-empty 1-D uint64 array.
+        """
+        if request_id in self._waiting or request_id in self._active:
+            raise DuplicateRequestError(f"request {request_id!r} is already in the index")
+        if not isinstance(hashes, np.ndarray) or hashes.dtype != np.uint64 or hashes.ndim != 1 \
+                or hashes.size == 0:
+            raise ValueError("hashes must be a non-empty 1-D uint64 array from hash_prompt()")
         num_keys = len(hashes)
         slot = self._alloc_slot(num_keys)
         seq = self._next_seq

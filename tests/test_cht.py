@@ -372,6 +372,24 @@ def test_candidate_after_activation() -> None:
     assert index.num_keys == 0
 
 
+def test_insert_hashed_is_insert() -> None:
+    """Inserting precomputed hashes (the environment's per-episode path) builds the same tree."""
+    rng = np.random.default_rng(3)
+    doc = rng.integers(0, 50, 40).tolist()
+    prompts = {f"r{i}": doc[: rng.integers(5, 40)] + rng.integers(0, 50, 6).tolist() for i in range(12)}
+    by_tokens, by_hashes = ChunkedHashTree(chunk_size=4), ChunkedHashTree(chunk_size=4)
+    for rid, prompt in prompts.items():
+        by_tokens.insert(rid, prompt)
+        by_hashes.insert_hashed(rid, by_hashes.hash_prompt(prompt))
+    for _ in range(6):
+        a, b = by_tokens.best_candidate(), by_hashes.best_candidate()
+        assert a == b
+        by_tokens.activate(a.request_id)
+        by_hashes.activate(b.request_id)
+    assert snapshot(by_tokens) == snapshot(by_hashes)
+    by_hashes.check_consistency()
+
+
 def test_errors_leave_state_unchanged() -> None:
     index = ChunkedHashTree(chunk_size=3)
     index.insert("a", [1, 2, 3, 4])
@@ -396,6 +414,11 @@ def test_errors_leave_state_unchanged() -> None:
     for bad in ([], [[1, 2]], [1.5, 2.0], [-1, 3], [2**31]):
         with pytest.raises(ValueError):
             index.insert("c", np.array(bad))
+    for bad_hashes in (np.array([], np.uint64), np.array([1, 2]), [1, 2], np.ones((1, 2), np.uint64)):
+        with pytest.raises(ValueError, match="hash_prompt"):
+            index.insert_hashed("c", bad_hashes)
+    with pytest.raises(DuplicateRequestError):
+        index.insert_hashed("b", index.hash_prompt([7]))
     assert snapshot(index) == before
     assert "c" not in index
     index.check_consistency()

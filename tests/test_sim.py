@@ -6,6 +6,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from feather_env.backends import BatchResult
 from feather_env.calibrate import ROBUST_PERCENTILE, fit, raw_measurement, robust_step_time
@@ -132,3 +134,27 @@ def test_bad_profiles_are_clear_errors(tmp_path):
     partial.write_text(json.dumps({"version": PROFILE_VERSION, "model": {"decode": [0, 0, 0, 0]}}))
     with pytest.raises(ConfigError, match="lacks"):
         load_profile(partial)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 700), st.integers(1, 40)),
+                min_size=1, max_size=16),
+       st.sampled_from([500.0, 3000.0, 1e6]))
+def test_small_batch_path_equals_numpy_path(specs, cache_tokens):
+    """The plain-Python path for small batches is the numpy model, step for step."""
+    rng = np.random.default_rng(len(specs))
+    docs = {g: rng.integers(3, 8000, 600, dtype=np.int32) for g in range(4)}
+    reqs = []
+    for i, (g, suffix, out) in enumerate(specs):
+        prompt = np.concatenate([docs[g], rng.integers(3, 8000, suffix, dtype=np.int32)])
+        reqs.append(Request(f"r{i}", prompt, g, out))
+    sim = SimBackend(CostModel(cache_tokens, (0.004, 6e-5, 6e-8, 2e-7), (0.01, 1e-6, 1e-10),
+                               max_num_batched_tokens=1024))
+    small, ref = sim._run_small(reqs), sim._run_numpy(reqs)
+    assert small.step_batch_sizes == ref.step_batch_sizes
+    assert small.step_times == pytest.approx(ref.step_times, rel=1e-12)
+    assert small.decode_seconds == pytest.approx(ref.decode_seconds, rel=1e-12)
+    assert small.prefill_seconds == pytest.approx(ref.prefill_seconds, rel=1e-12)
+    for field_name in ("decode_tokens", "output_tokens", "prompt_tokens", "prefix_hit_tokens",
+                       "num_requests"):
+        assert getattr(small, field_name) == getattr(ref, field_name)
