@@ -917,6 +917,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "are cut, identically for every question of a document)")
     p.add_argument("--max-output-tokens", type=int, default=None, help="output cap (default: L-Eval 512, "
                    "LongBench the task's max new tokens, traces none)")
+    p.add_argument("--output", choices=("answer", "max"), default="answer", help="L-Eval/LongBench output "
+                   "length: the reference answer's (capped), or exactly the cap for every request "
+                   "(decode-dominated, as a model that never stops early)")
     p.add_argument("--longbench-group-size", type=int, default=1, help="LongBench: consecutive items "
                    "sharing one context (1: no sharing)")
     p.add_argument("--per-group", default=8, help="synthetic: requests per group (int or spec such as "
@@ -963,7 +966,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
     wl: dict[str, Any] = dict(kind=kind, data_dir=args.data_dir, tasks=tasks, max_prompt_tokens=max_prompt,
                               max_output_tokens=max_output, arrival=args.arrival, num_requests=num_requests,
                               num_groups=args.num_groups, max_per_group=args.max_per_group, seed=args.seed,
-                              group_size=args.longbench_group_size)
+                              group_size=args.longbench_group_size, output=args.output)
     for key in ("per_group", "prefix_len", "suffix_len", "output_len"):
         wl[key] = _int_or_spec(getattr(args, key))
     engine = EngineConfig(kv_cache_gib=args.kv_cache_gib, max_num_seqs=args.max_num_seqs,

@@ -174,6 +174,14 @@ def test_leval_output_lengths_and_caps(leval, leval_raw, leval_dir, tokenizer) -
     assert long_answers and all(r.output_len == 512 for r in long_answers)
     capped = load_leval(leval_dir, tokenizer, tasks=["news_summ"], max_output_tokens=16)
     assert {r.output_len for r in capped} == {16}
+    # output="max": every request generates exactly the cap, short answers included
+    fixed = load_leval(leval_dir, tokenizer, tasks=["tpo"], max_output_tokens=96, output="max")
+    assert {r.output_len for r in fixed} == {96}
+    assert min(r.meta["answer_tokens"] for r in fixed) < 96
+    with pytest.raises(WorkloadError, match="output must be one of"):
+        load_leval(leval_dir, tokenizer, tasks=["tpo"], output="longest")
+    with pytest.raises(WorkloadError, match="needs max_output_tokens"):
+        load_leval(leval_dir, tokenizer, tasks=["tpo"], max_output_tokens=None, output="max")
     # answer_tokens is the reference answer's own token count
     doc_text, entry = next(iter(leval_raw["docs"].items()))
     question, answer = next(iter(entry["questions"].items()))

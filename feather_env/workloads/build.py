@@ -144,6 +144,7 @@ def build_workload(
             max_output_tokens=max_out,
             overflow=cfg.overflow,
             instruction_template=cfg.instruction_template,
+            output=cfg.output,
         )
     elif cfg.kind == "longbench":
         workload = load_longbench(

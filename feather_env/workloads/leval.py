@@ -13,8 +13,11 @@ or, in gsm100, one 16-shot prompt with a different question per line): documents
 deduplicated by text across all selected files, their questions merged, and a question that
 repeats on one document is kept once (first occurrence).
 
-Lengths: ``output_len`` is the token count of the reference answer (at least 1, capped by
-``max_output_tokens``; the L-Eval baselines generate at most 512 tokens). A prompt longer than
+Lengths: with ``output="answer"`` (default) ``output_len`` is the token count of the reference
+answer (at least 1, capped by ``max_output_tokens``; the L-Eval baselines generate at most 512
+tokens). ``output="max"`` gives every request exactly ``max_output_tokens`` (what a run whose
+model never stops early generates: a decode-dominated load, as serving benchmarks with a fixed
+output length measure). A prompt longer than
 ``max_prompt_tokens`` either raises (``overflow="error"``) or has its *document* cut at the end
 (``overflow="truncate"``) to the length that fits the document's longest question, so every
 question of the document keeps exactly the same prefix.
@@ -55,6 +58,7 @@ from feather_env.workloads.workload import Workload, WorkloadError, iter_jsonl_o
 LEVAL_SUBDIRS = ("Closed-ended-tasks", "Open-ended-tasks")
 DEFAULT_INSTRUCTION_TEMPLATE = "\n\nQuestion: {instruction}\nAnswer:"
 OVERFLOW_MODES = ("truncate", "error")
+OUTPUT_MODES = ("answer", "max")
 _CACHE_VERSION = 1
 _CACHE_ARRAYS = (
     "doc_hash",
@@ -240,6 +244,7 @@ def load_leval(
     max_output_tokens: int | None = 512,
     overflow: str = "truncate",
     instruction_template: str = DEFAULT_INSTRUCTION_TEMPLATE,
+    output: str = "answer",
     add_bos: bool = True,
     cache: bool = True,
 ) -> Workload:
@@ -254,6 +259,7 @@ def load_leval(
         max_output_tokens: output cap (``None``: the answer's length).
         overflow: ``"truncate"`` the document or raise (``"error"``) for a too-long prompt.
         instruction_template: format string with ``{instruction}``, appended after the document.
+        output: ``"answer"`` (reference answer length) or ``"max"`` (``max_output_tokens`` each).
         add_bos: start every prompt with ``<s>`` (id 1), as a Llama tokenizer does.
         cache: use the on-disk token cache.
 
@@ -273,6 +279,10 @@ def load_leval(
             f"instruction_template {instruction_template!r} is not a valid format string "
             f"with only {{instruction}} ({exc!r}); write literal braces as {{{{ }}}}"
         ) from None
+    if output not in OUTPUT_MODES:
+        raise WorkloadError(f"output must be one of {OUTPUT_MODES}, got {output!r}")
+    if output == "max" and max_output_tokens is None:
+        raise WorkloadError('output="max" needs max_output_tokens (the fixed output length)')
     if max_prompt_tokens is not None and max_prompt_tokens < 2:
         raise WorkloadError(f"max_prompt_tokens must be >= 2 or None, got {max_prompt_tokens}")
     if max_output_tokens is not None and max_output_tokens < 1:
@@ -339,7 +349,9 @@ def load_leval(
         shared = np.concatenate([prefix, doc[:keep]])
         for q in questions:
             output_len = max(1, q.answer_tokens)
-            if max_output_tokens is not None:
+            if output == "max" and max_output_tokens is not None:
+                output_len = max_output_tokens
+            elif max_output_tokens is not None:
                 output_len = min(output_len, max_output_tokens)
             requests.append(
                 Request(
