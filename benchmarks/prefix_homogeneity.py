@@ -189,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--prefix-len", type=int, default=12000)
     p.add_argument("--suffix-len", type=int, default=20)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3, help="default-shape repeats (the ratio is their median)")
     p.add_argument("--sweep-batch", type=lambda s: [int(x) for x in s.split(",") if x],
                    default=[32, 64, 128])
     p.add_argument("--sweep-groups", type=lambda s: [int(x) for x in s.split(",") if x],
