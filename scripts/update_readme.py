@@ -76,6 +76,17 @@ def render_sim_validation(res: dict[str, Any]) -> str:
             f"{res['profile']} --json results/sim_validation.json`).")
 
 
+def render_env_speed(res: dict[str, Any]) -> str:
+    """results/env_speed.json (benchmarks/env_speed.py): simulated environment steps per second."""
+    rows = [[r["workload"], r["policy"], r["steps_per_s"]] for r in res["results"]]
+    verdict = "met" if res.get("met") else "NOT met"
+    return "\n".join([f"Simulated environment speed, median of repeats ({_machine(res)}; "
+                      f"`python -m benchmarks.env_speed --json results/env_speed.json`):", "",
+                      format_table(["workload", "policy", "sim env steps/s"], rows), "",
+                      f"Target >= {res.get('target_steps_per_s', 10_000):,} steps/s in every row: "
+                      f"**{verdict}**."])
+
+
 def _num(value: Any, fmt: str = "{:.2f}") -> str:
     return "n/a" if value is None else fmt.format(value)
 
@@ -164,6 +175,7 @@ RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "prefix_homogeneity": ("prefix_homogeneity.json", render_prefix_homogeneity),
     "cht_overhead": ("cht_overhead.json", render_cht_overhead),
     "sim_validation": ("sim_validation.json", render_sim_validation),
+    "env_speed": ("env_speed.json", render_env_speed),
     "evaluation": ("evaluation.json", render_evaluation),
 }
 
