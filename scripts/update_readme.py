@@ -38,9 +38,15 @@ def render_prefix_homogeneity(res: dict[str, Any]) -> str:
         [f"{s['groups']} homogeneous batches of {s['per_group']}", res["homogeneous_tok_s"]],
         [f"1 heterogeneous batch of {s['groups'] * s['per_group']}, arrival order",
          res["heterogeneous_tok_s"]],
-        ["the same batch sorted by prefix group", res.get("heterogeneous_sorted_tok_s", "-")],
+        ["the same batch sorted by prefix group", res.get("heterogeneous_sorted_tok_s") or "-"],
         ["**homogeneous / heterogeneous**", f"**{res['ratio']:.2f}x**"],
     ]))
+    runs = res.get("runs") or {}
+    if len(runs.get("ratio", [])) > 1:
+        out += ["", f"The ratio is the median of {len(runs['ratio'])} repeats: "
+                + ", ".join(f"{r:.2f}" for r in runs["ratio"]) + " (heterogeneous "
+                + ", ".join(f"{v:,.0f}" for v in runs["heterogeneous"]) + " tok/s; homogeneous "
+                + ", ".join(f"{v:,.0f}" for v in runs["homogeneous"]) + " tok/s)."]
     if res.get("sweep"):
         groups = sorted({r["groups"] for r in res["sweep"]})
         batches = sorted({r["batch_size"] for r in res["sweep"]})
@@ -49,6 +55,11 @@ def render_prefix_homogeneity(res: dict[str, Any]) -> str:
                 "arrival order):", ""]
         out.append(format_table(["batch"] + [f"{g} groups" for g in groups],
                                 [[b] + [cell.get((b, g), "-") for g in groups] for b in batches]))
+        lo, hi = groups[0], groups[-1]
+        equal = [f"{cell[(b, lo)] / cell[(b, hi)]:.2f}x at batch {b}" for b in batches
+                 if (b, lo) in cell and (b, hi) in cell and cell[(b, hi)]]
+        if lo != hi and equal:
+            out += ["", f"At equal batch size, {lo} group vs {hi} groups: " + ", ".join(equal) + "."]
     return "\n".join(out)
 
 
@@ -61,10 +72,11 @@ def render_cht_overhead(res: dict[str, Any]) -> str:
     for t in res.get("targets", []):
         value = (f"{t['value_us']:.1f} us" if "value_us" in t else f"{t['value_ratio']:,.0f}x")
         extra = ""
-        if "radix_lpm_nocheck_ratio" in t:
-            extra = (f" (against LPM without SGLang's in-batch prefix check: "
-                     f"{t['radix_lpm_nocheck_ratio']:,.0f}x; against a tree of the running batch "
-                     f"only: {t['radix_lpm_active_ratio']:,.0f}x)")
+        others = [(label, t.get(key)) for label, key in (
+            ("against LPM without SGLang's in-batch prefix check", "radix_lpm_nocheck_ratio"),
+            ("against a tree of the running batch only", "radix_lpm_active_ratio")) if t.get(key)]
+        if others:
+            extra = " (" + "; ".join(f"{label}: {v:,.0f}x" for label, v in others) + ")"
         out.append(f"- {'met' if t['met'] else '**NOT met**'}: {t['target']}: {value}{extra}")
     return "\n".join(out)
 
@@ -116,6 +128,12 @@ def render_evaluation(res: dict[str, Any]) -> str:
                          _num(m["prefix_hit_rate"], "{:.0%}"), _num(m["scheduler_overhead_frac"], "{:.2%}"),
                          _num(m["foreign_cpu"], "{:.0%}")])
         out += [format_table(headers, rows), ""]
+        reps = {n: m["repeats"]["decode_tok_s"] for n, m in payload["schedulers"].items() if m.get("repeats")}
+        if reps:
+            out += [f"Each scheduler ran {len(next(iter(reps.values())))} times, alternating; the row is the "
+                    "run with the median decode throughput (decode tok/s of every run: "
+                    + "; ".join(f"`{n}` " + ", ".join(f"{v:.0f}" for v in vals) for n, vals in reps.items())
+                    + ").", ""]
     targets = res.get("targets") or {}
     if targets:
         out += ["Targets (issue 6):", ""]

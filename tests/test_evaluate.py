@@ -160,3 +160,32 @@ def test_script_help_runs_without_an_engine():
         evaluate.main(["--help"])
     assert exc.value.code == 0
     assert Path(evaluate.__file__).name == "evaluate.py"
+
+
+def test_repeats_alternate_schedulers_and_report_the_median_run(monkeypatch):
+    decode = {"fcfs": iter([300.0, 100.0, 200.0]), "sjf": iter([50.0, 70.0, 60.0])}
+    order = []
+
+    def fake_run_quiet(name, workload, engine, config, isolated, retry_until, log):
+        order.append(name)
+        return evaluate.RunRecord(name, {}, [], 0.0, 0.0, 0.0, 0, None), None, [0.0]
+
+    def fake_summarize(run, isolated=None):
+        d = next(decode[run.scheduler])
+        return {"decode_tok_s": d, "latency_mean_s": 1000 / d, "latency_p95_s": 2000 / d, "foreign_cpu": 0.0,
+                "completed": 1, "submitted": 1, "e2e_tok_s": 1.0, "mean_running_batch": 1.0,
+                "prefix_hit_rate": 0.0, "engine_start_s": 0.0, "replay_s": 0.0}
+
+    monkeypatch.setattr(evaluate, "_run_quiet", fake_run_quiet)
+    monkeypatch.setattr(evaluate, "summarize", fake_summarize)
+    wl = evaluate.WorkloadConfig(kind="synthetic", num_groups=2, per_group=2, prefix_len=64, suffix_len=8,
+                                 output_len=4)
+    cfg = evaluate.EvalConfig(workload=wl, schedulers=("fcfs", "sjf"), repeats=3)
+    out = evaluate.evaluate(cfg, None, log=lambda s: None)
+    assert order == ["fcfs", "sjf"] * 3
+    fcfs, sjf = out["schedulers"]["fcfs"], out["schedulers"]["sjf"]
+    assert fcfs["decode_tok_s"] == 200.0 and fcfs["latency_mean_s"] == pytest.approx(5.0)
+    assert fcfs["repeats"]["decode_tok_s"] == [300.0, 100.0, 200.0]
+    assert sjf["decode_tok_s"] == 60.0
+    with pytest.raises(evaluate.ConfigError, match="repeats"):
+        evaluate.EvalConfig(workload=wl, schedulers=("fcfs",), repeats=0)
