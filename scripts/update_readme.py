@@ -159,6 +159,10 @@ def render_agents(res: dict[str, Any]) -> str:
     out = [f"`python -m benchmarks.agents --json results/agents.json --plot results/agents_learning.png` "
            f"({_machine(res)}; held-out episodes on the real engine, {eps}):", "",
            format_table(headers, rows), ""]
+    if res.get("engine_batches"):
+        out += ["Each distinct batch was measured once on the engine and shared by the agents that formed "
+                "it (" + "; ".join(f"{w}: {b['measured']} measured, {b['shared']} shared"
+                                   for w, b in res["engine_batches"].items()) + ").", ""]
     rc = res.get("reward_comparison")
     if rc:
         out += ["PPO on the simulator, by reward (held-out episodes):", "",

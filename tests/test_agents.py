@@ -174,3 +174,26 @@ def test_agent_env_scales_and_keeps_episode_stats():
     assert "feather_episode" in info and "episode" not in info
     assert info["feather_episode"]["decode_tok_s"] > 0
     assert "mean_delta" in info["feather_episode"]
+
+
+def test_agents_benchmark_measures_each_distinct_batch_once():
+    """benchmarks/agents.py: agents forming the very same batch share one engine measurement."""
+    from types import SimpleNamespace
+
+    from benchmarks.agents import BatchRecorder
+
+    calls = []
+
+    class CountingBackend:
+        def run_batch(self, requests):
+            calls.append([r.request_id for r in requests])
+            return SimpleNamespace(n=len(calls))
+
+    rec = BatchRecorder(CountingBackend())
+    a, b = SimpleNamespace(request_id="a"), SimpleNamespace(request_id="b")
+    first = rec.run_batch([a, b])
+    again = rec.run_batch([a, b])
+    reordered = rec.run_batch([b, a])  # another order is another batch
+    assert again is first and reordered is not first
+    assert calls == [["a", "b"], ["b", "a"]] and rec.shared == 1
+    assert rec.batches == [("a", "b"), ("a", "b"), ("b", "a")]
