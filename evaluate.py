@@ -740,7 +740,19 @@ def write_plots(out: Path, runs: Sequence[RunRecord], schedulers: Mapping[str, M
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = []
+    paths: list[Path] = []
+
+    def save(fig: Any, name: str, ax: Any = None) -> None:
+        """Title, grid and legend of a one-axis figure (``ax``), then write and close it."""
+        if ax is not None:
+            ax.set_title(title, fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(out / name)
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+
     names = list(schedulers)
     x = np.arange(len(names))
     fig, axes = plt.subplots(1, 2, figsize=(max(7.0, 1.3 * len(names) + 4), 3.8))
@@ -753,10 +765,7 @@ def write_plots(out: Path, runs: Sequence[RunRecord], schedulers: Mapping[str, M
         for xi, v in zip(x, vals, strict=True):
             ax.annotate(f"{v:.0f}", (xi, v), ha="center", va="bottom", fontsize=7)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    paths.append(out / "throughput.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    save(fig, "throughput.png")
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for run in runs:
@@ -764,13 +773,7 @@ def write_plots(out: Path, runs: Sequence[RunRecord], schedulers: Mapping[str, M
         ax.step(lat, np.arange(1, lat.size + 1) / lat.size, where="post", label=run.scheduler)
     ax.set_xlabel("latency (s, arrival -> last token)")
     ax.set_ylabel("fraction of requests")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out / "latency_cdf.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    save(fig, "latency_cdf.png", ax)
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for run in runs:
@@ -778,13 +781,7 @@ def write_plots(out: Path, runs: Sequence[RunRecord], schedulers: Mapping[str, M
         ax.step(t, [s.running for s in run.steps], where="post", label=run.scheduler, lw=0.9)
     ax.set_xlabel("time since the run started (s)")
     ax.set_ylabel("running requests (after schedule())")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out / "batch_size.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    save(fig, "batch_size.png", ax)
     return paths
 
 
