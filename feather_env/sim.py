@@ -167,10 +167,14 @@ class SimBackend:
         return c0 + c1 * b + c2 * t + c3 * m
 
     def predict_prefill(self, comp: Composition) -> float:
-        p0, p1, p2 = self.model.prefill
         new = np.maximum(comp.prompt - comp.shared, 1)
-        steps = max(1, math.ceil(new.sum() / self.model.max_num_batched_tokens))
-        return p0 * steps + p1 * float(new.sum()) + p2 * float((new * comp.prompt).sum())
+        return self._prefill_seconds(int(new.sum()), float((new * comp.prompt).sum()))
+
+    def _prefill_seconds(self, new_tokens: int, new_times_prompt: float) -> float:
+        """The prefill model from N (uncached tokens) and sum_i(n_i * s_i); steps from N."""
+        p0, p1, p2 = self.model.prefill
+        steps = max(1, math.ceil(new_tokens / self.model.max_num_batched_tokens))
+        return p0 * steps + p1 * float(new_tokens) + p2 * new_times_prompt
 
     def run_batch(self, requests: Sequence[Request]) -> BatchResult:
         if not requests:
@@ -275,12 +279,9 @@ class SimBackend:
             decode_tokens += (hi - lo) * n
             step_times.append(t)
             sizes.append(n)
-        p0, p1, p2 = self.model.prefill
         new = [max(p - s, 1) for p, s in zip(prompt, shared, strict=True)]
-        new_sum = sum(new)
-        steps = max(1, math.ceil(new_sum / self.model.max_num_batched_tokens))
-        prefill_s = p0 * steps + p1 * float(new_sum) + p2 * float(
-            sum(a * b for a, b in zip(new, prompt, strict=True)))
+        prefill_s = self._prefill_seconds(
+            sum(new), float(sum(a * b for a, b in zip(new, prompt, strict=True))))
         return BatchResult(
             num_requests=n_req,
             decode_tokens=decode_tokens,
