@@ -8,6 +8,7 @@ the valid ones (a typo in a config must never be silently ignored).
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from collections.abc import Mapping
@@ -73,6 +74,25 @@ def from_mapping(cls: type[T], data: Mapping[str, Any] | None, *, where: str = "
         return cls(**kwargs)
     except TypeError as exc:  # a required field is missing
         raise ConfigError(f"{label}: {exc}") from exc
+
+
+def load_mapping(path: str | Path) -> dict[str, Any]:
+    """Read a mapping from a ``.json`` file, else from YAML (:func:`load_yaml`); a missing or
+    malformed file, or one that holds no mapping, is a :class:`ConfigError` naming it."""
+    path = Path(path)
+    if path.suffix != ".json":
+        return load_yaml(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: malformed JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at top level, got {type(data).__name__}")
+    return data
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

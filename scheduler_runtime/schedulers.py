@@ -38,12 +38,11 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from feather_env.config import ConfigError, from_mapping, load_yaml
+from feather_env.config import ConfigError, from_mapping, load_mapping
 from scheduler_runtime.batching import BatchingCore, BatchingPolicy, CoreConfig, FeatherHeuristic
 from scheduler_runtime.predictor import OutputLengthPredictor, load_predictor
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
@@ -230,15 +229,11 @@ def _read_config_source(source: str) -> dict[str, Any]:
         except json.JSONDecodeError as exc:
             raise ConfigError(f"${CONFIG_ENV}: inline JSON is malformed: {exc}") from exc
     else:
-        path = Path(source)
-        if path.suffix == ".json":
-            try:
-                data = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError) as exc:
-                raise ConfigError(f"${CONFIG_ENV}={source}: cannot read JSON: {exc}") from exc
-        else:
-            data = load_yaml(path)
-        if isinstance(data, dict) and ADDITIONAL_CONFIG_KEY in data:
+        try:
+            data = load_mapping(source)
+        except ConfigError as exc:
+            raise ConfigError(f"${CONFIG_ENV}: {exc}") from exc
+        if ADDITIONAL_CONFIG_KEY in data:
             data = data[ADDITIONAL_CONFIG_KEY]
     if not isinstance(data, dict):
         raise ConfigError(f"${CONFIG_ENV}: expected a mapping, got {type(data).__name__}")

@@ -74,6 +74,7 @@ def vllm_arguments(argv: Sequence[str] | None = None) -> tuple[list[str], dict[s
 
     Raises SystemExit (argparse) on bad options and ConfigError on a bad scheduler config.
     """
+    from feather_env.config import load_mapping
     from scheduler_runtime.schedulers import ADDITIONAL_CONFIG_KEY, resolve
 
     parser = argparse.ArgumentParser(
@@ -89,7 +90,7 @@ def vllm_arguments(argv: Sequence[str] | None = None) -> tuple[list[str], dict[s
 
     overrides: dict[str, Any] = {}
     if ours.scheduler_config:
-        overrides = _read_mapping(ours.scheduler_config)
+        overrides = load_mapping(ours.scheduler_config)
         overrides.pop("name", None)  # --scheduler names it
     use_async = _cuda_available() if ours.async_scheduling is None else ours.async_scheduling
     scheduler_cls, scheduler_config = resolve(ours.scheduler, async_scheduling=use_async, **overrides)
@@ -120,22 +121,6 @@ def _cuda_available() -> bool:
 
 def _quote(arg: str) -> str:
     return f"'{arg}'" if any(c in arg for c in " {}\"") else arg
-
-
-def _read_mapping(path: str) -> dict[str, Any]:
-    from feather_env.config import ConfigError, load_yaml
-
-    p = Path(path)
-    if p.suffix == ".json":
-        try:
-            data = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"{path}: {exc}") from exc
-    else:
-        data = load_yaml(p)
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping")
-    return data
 
 
 def _prometheus_multiprocess_dir() -> None:

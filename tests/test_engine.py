@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from feather_env.backends import VLLMBackend, common_prefixes
-from feather_env.config import ConfigError
+from feather_env.config import ConfigError, load_mapping
 from feather_env.engine import EngineConfig, kv_bytes_per_token
 from feather_env.workloads.request import Request
 
@@ -83,3 +83,16 @@ def test_engine_config_rejects_unknown_keys_and_bad_values(tmp_path):
         EngineConfig(model_dir=str(tmp_path))
     # 4 layers x (K,V) x 4 heads x 64 dims x 2 bytes
     assert kv_bytes_per_token(EngineConfig().model_dir) == 4 * 2 * 4 * 64 * 2
+
+
+def test_load_mapping_reads_json_or_yaml_and_names_bad_files(tmp_path):
+    (tmp_path / "a.json").write_text('{"x": 1}')
+    (tmp_path / "a.yaml").write_text("x: 1\n")
+    assert load_mapping(tmp_path / "a.json") == load_mapping(tmp_path / "a.yaml") == {"x": 1}
+    (tmp_path / "list.json").write_text("[1]")
+    (tmp_path / "bad.json").write_text("{bad")
+    for name, message in (("list.json", "expected a mapping"), ("bad.json", "malformed JSON"),
+                          ("missing.json", "not found"), ("missing.yaml", "not found")):
+        with pytest.raises(ConfigError, match=message) as exc:
+            load_mapping(tmp_path / name)
+        assert name in str(exc.value)
