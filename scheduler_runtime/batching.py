@@ -324,10 +324,7 @@ class BatchingCore:
             self.cht.remove(request_id)
             if self.radix is not None:
                 self.radix.remove(request_id)
-            if self._key_q is not None:
-                self._key_q.discard(request_id)
-            if self._volume_q is not None:
-                self._volume_q.discard(request_id)
+            self._leave_queues(request_id)
             self._version += 1
         self.stats.aborted += 1
 
@@ -507,16 +504,19 @@ class BatchingCore:
         unshared = min(self.cht.missing_count(request_id) * self.chunk_size, entry.prompt_len)
         return float(unshared) + (entry.output_len if admission == "peak" else 0.0)
 
+    def _leave_queues(self, request_id: str) -> None:
+        """Drop a request that stops waiting from the length-ordered queues (if any)."""
+        for queue in (self._key_q, self._volume_q):
+            if queue is not None:
+                queue.discard(request_id)
+
     def _release(self, request_id: str, reason: str, released: list[str]) -> None:
         footprint = self._footprint(request_id)  # before activation: against the batch without it
         entry = self._waiting.pop(request_id)
         self.cht.activate(request_id)
         if self.radix is not None:
             self.radix.activate(request_id)
-        if self._key_q is not None:
-            self._key_q.discard(request_id)
-        if self._volume_q is not None:
-            self._volume_q.discard(request_id)
+        self._leave_queues(request_id)
         entry.footprint = footprint
         self.budget.charge(request_id, footprint)
         self._active[request_id] = entry
