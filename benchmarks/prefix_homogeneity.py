@@ -7,6 +7,12 @@ group's prefix warmed first (an isolated decode loop, as in the paper). A sweep 
 batch size x number of groups follows. Runs alternate inside one process and
 report medians, since this machine is shared and noisy.
 
+The order of the heterogeneous batch matters on CPU (see :func:`arrange`). The ratio
+is measured on the round-robin order (``--order``); the first ``--extra-repeats``
+repeats also run the same batch in a random arrival order and sorted by group, and
+the JSON reports both (``heterogeneous_random_tok_s``/``ratio_random``,
+``heterogeneous_sorted_tok_s``).
+
     python -m benchmarks.prefix_homogeneity --json results/prefix_homogeneity.json \
         --plot results/prefix_homogeneity.png
 """
@@ -43,15 +49,34 @@ def grouped_requests(
     return out
 
 
-def interleaved(requests: Sequence[Request], seed: int) -> list[Request]:
-    """The batch in a random arrival order, as FCFS admits a mixed stream.
+ORDERS = ("round-robin", "random", "sorted")
 
-    Order matters on CPU: vLLM runs attention request by request in batch order,
-    so a heterogeneous batch sorted by group keeps each document's KV in cache
-    while its requests are processed. The "sorted" variant is reported too.
+
+def arrange(requests: Sequence[Request], order: str, seed: int = 0) -> list[Request]:
+    """The batch in one of :data:`ORDERS`.
+
+    Order matters on CPU: vLLM's CPU attention walks the batch request by request
+    (each thread a contiguous slice), so what stays in the last-level cache is the
+    KV of the last few requests' documents. ``round-robin`` puts a request of another
+    group next to every request (g0, g1, ..., gG-1, g0, ...): every document read
+    comes from DRAM, which is what a GPU sees when it runs the whole batch at once
+    and what DESIGN.md's CPU tables measured. ``random`` is a mixed arrival stream as
+    FCFS admits it: a neighbour from the same group, or a document still in cache,
+    is a matter of chance (and of how much cache the host's other tenants leave).
+    ``sorted`` groups the requests by prefix, so each document is read once per step.
     """
-    order = np.random.default_rng(seed).permutation(len(requests))
-    return [requests[i] for i in order]
+    if order == "sorted":
+        return sorted(requests, key=lambda r: r.prefix_group)
+    if order == "random":
+        perm = np.random.default_rng(seed).permutation(len(requests))
+        return [requests[i] for i in perm]
+    if order == "round-robin":
+        by_group: dict[int, list[Request]] = {}
+        for r in requests:
+            by_group.setdefault(r.prefix_group, []).append(r)
+        queues = [by_group[g] for g in sorted(by_group)]
+        return [q[i] for i in range(max(map(len, queues))) for q in queues if i < len(q)]
+    raise ValueError(f"unknown order {order!r}; expected one of {ORDERS}")
 
 
 def aggregate(results: Sequence[BatchResult]) -> float:
@@ -77,30 +102,40 @@ def run(args: argparse.Namespace) -> dict:
     pool = [rng.integers(3, 8192, args.prefix_len, dtype=np.int32) for _ in range(n_prefixes)]
 
     # -- default shape: one heterogeneous batch vs G homogeneous batches -------------------
-    hom_runs, het_runs, sorted_runs, ratios = [], [], [], []
+    runs: dict[str, list[float]] = {"homogeneous": [], "heterogeneous": [], "ratio": [],
+                                     "heterogeneous_random": [], "ratio_random": [],
+                                     "heterogeneous_sorted": []}
+    extra = [o for o in ORDERS if o != args.order]
     for rep in range(args.repeats):
         reqs = grouped_requests(args.groups, args.per_group, args.prefix_len, args.suffix_len,
                                 args.output_len, seed=args.seed + rep, prefix_pool=pool,
                                 tag=f"r{rep}")
-        order = ["het", "hom", "sorted"] if rep % 2 == 0 else ["sorted", "hom", "het"]
-        if rep >= args.sorted_repeats:  # the sorted batch is steady (+-1%); time goes to the ratio
-            order.remove("sorted")
-        for kind in order:
-            if kind == "het":
-                het = aggregate([backend.run_batch_quiet(interleaved(reqs, seed=rep))])
-            elif kind == "sorted":
-                het_sorted = aggregate([backend.run_batch_quiet(reqs)])
+        kinds = ["het", "hom"] + (extra if rep < args.extra_repeats else [])
+        if rep % 2:  # alternate the order of the runs between repeats
+            kinds.reverse()
+        tok_s: dict[str, float] = {}
+        for kind in kinds:
+            if kind == "hom":
+                tok_s[kind] = aggregate([backend.run_batch_quiet([r for r in reqs if r.prefix_group == g])
+                                         for g in range(args.groups)])
             else:
-                hom = aggregate([backend.run_batch_quiet([r for r in reqs if r.prefix_group == g])
-                                 for g in range(args.groups)])
-        het_runs.append(het)
-        hom_runs.append(hom)
-        if "sorted" in order:
-            sorted_runs.append(het_sorted)
-        ratios.append(hom / het)
-        sorted_note = f" (sorted by group: {het_sorted:,.0f})" if "sorted" in order else ""
-        print(f"repeat {rep}: homogeneous {hom:,.0f} tok/s, heterogeneous {het:,.0f} tok/s"
-              f"{sorted_note}, ratio {hom / het:.2f}")
+                order = args.order if kind == "het" else kind
+                tok_s[kind] = aggregate([backend.run_batch_quiet(arrange(reqs, order, seed=rep))])
+        hom, het = tok_s["hom"], tok_s["het"]
+        runs["homogeneous"].append(hom)
+        runs["heterogeneous"].append(het)
+        runs["ratio"].append(hom / het)
+        line = f"repeat {rep}: homogeneous {hom:,.0f} tok/s, heterogeneous ({args.order}) {het:,.0f} tok/s"
+        if "random" in tok_s:
+            runs["heterogeneous_random"].append(tok_s["random"])
+            runs["ratio_random"].append(hom / tok_s["random"])
+            line += f", random order {tok_s['random']:,.0f}"
+        if "round-robin" in tok_s:
+            line += f", round-robin {tok_s['round-robin']:,.0f}"
+        if "sorted" in tok_s:
+            runs["heterogeneous_sorted"].append(tok_s["sorted"])
+            line += f", sorted by group {tok_s['sorted']:,.0f}"
+        print(f"{line}; ratio {hom / het:.2f}")
 
     # -- sweep: batch size x groups in the batch --------------------------------------------
     sweep = []
@@ -113,7 +148,7 @@ def run(args: argparse.Namespace) -> dict:
                 reqs = grouped_requests(g, batch // g, args.prefix_len, args.suffix_len,
                                         args.sweep_output_len, seed=1000 + rep,
                                         prefix_pool=pool, tag=f"s{batch}-{g}-{rep}")
-                vals.append(backend.run_batch_quiet(interleaved(reqs, seed=rep)).decode_tok_s)
+                vals.append(backend.run_batch_quiet(arrange(reqs, args.order, seed=rep)).decode_tok_s)
             sweep.append({"batch_size": batch, "groups": g,
                           "decode_tok_s": statistics.median(vals), "runs": vals})
             print(f"sweep batch {batch:4d} groups {g:3d}: {statistics.median(vals):,.0f} tok/s")
@@ -126,16 +161,22 @@ def run(args: argparse.Namespace) -> dict:
         "shape": {"groups": args.groups, "per_group": args.per_group,
                   "prefix_len": args.prefix_len, "suffix_len": args.suffix_len,
                   "output_len": args.output_len, "repeats": args.repeats},
-        "homogeneous_tok_s": statistics.median(hom_runs),
-        "heterogeneous_tok_s": statistics.median(het_runs),
-        "ratio": statistics.median(ratios),
-        "heterogeneous_sorted_tok_s": statistics.median(sorted_runs) if sorted_runs else None,
-        "runs": {"homogeneous": hom_runs, "heterogeneous": het_runs,
-                 "heterogeneous_sorted": sorted_runs, "ratio": ratios},
+        "order": args.order,
+        "homogeneous_tok_s": statistics.median(runs["homogeneous"]),
+        "heterogeneous_tok_s": statistics.median(runs["heterogeneous"]),
+        "ratio": statistics.median(runs["ratio"]),
+        "heterogeneous_random_tok_s": _median(runs["heterogeneous_random"]),
+        "ratio_random": _median(runs["ratio_random"]),
+        "heterogeneous_sorted_tok_s": _median(runs["heterogeneous_sorted"]),
+        "runs": runs,
         "sweep": sweep,
         "wall_s": time.perf_counter() - t0,
     }
     return result
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def print_report(res: dict) -> None:
@@ -148,10 +189,12 @@ def print_report(res: dict) -> None:
     print(format_table(
         ["schedule", "decode tok/s"],
         [[f"{s['groups']} homogeneous batches of {s['per_group']}", res["homogeneous_tok_s"]],
-         [f"1 heterogeneous batch of {s['groups'] * s['per_group']} (arrival order)",
+         [f"1 heterogeneous batch of {s['groups'] * s['per_group']} ({res['order']})",
           res["heterogeneous_tok_s"]],
+         ["same batch, random arrival order", res["heterogeneous_random_tok_s"] or "-"],
          ["same batch, sorted by prefix group", res["heterogeneous_sorted_tok_s"] or "-"],
-         ["ratio (median of repeats)", res["ratio"]]]))
+         ["ratio (median of repeats)", res["ratio"]],
+         ["ratio, random arrival order", res["ratio_random"] or "-"]]))
     if res["sweep"]:
         groups = sorted({r["groups"] for r in res["sweep"]})
         batches = sorted({r["batch_size"] for r in res["sweep"]})
@@ -194,8 +237,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--suffix-len", type=int, default=20)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="default-shape repeats (the ratio is their median)")
-    p.add_argument("--sorted-repeats", type=int, default=1,
-                   help="repeats that also run the batch sorted by group (the first ones)")
+    p.add_argument("--order", choices=("round-robin", "random"), default="round-robin",
+                   help="order of the heterogeneous batches (default shape and sweep)")
+    p.add_argument("--extra-repeats", type=int, default=1,
+                   help="repeats (the first ones) that also run the batch in the other orders")
     p.add_argument("--sweep-batch", type=lambda s: [int(x) for x in s.split(",") if x],
                    default=[32, 64, 128])
     p.add_argument("--sweep-groups", type=lambda s: [int(x) for x in s.split(",") if x],

@@ -34,25 +34,31 @@ def render_prefix_homogeneity(res: dict[str, Any]) -> str:
     s = res["shape"]
     out = [f"{s['groups']} groups x {s['per_group']} requests, {s['prefix_len']}-token prefixes, "
            f"{s['suffix_len']}-token suffixes, {s['output_len']} output tokens ({_machine(res)}):", ""]
-    out.append(format_table(["schedule", "decode tok/s"], [
-        [f"{s['groups']} homogeneous batches of {s['per_group']}", res["homogeneous_tok_s"]],
-        [f"1 heterogeneous batch of {s['groups'] * s['per_group']}, arrival order",
-         res["heterogeneous_tok_s"]],
-        ["the same batch sorted by prefix group", res.get("heterogeneous_sorted_tok_s") or "-"],
-        ["**homogeneous / heterogeneous**", f"**{res['ratio']:.2f}x**"],
-    ]))
+    n = s["groups"] * s["per_group"]
+    order = res.get("order", "random")
+    rows = [[f"{s['groups']} homogeneous batches of {s['per_group']}", res["homogeneous_tok_s"]],
+            [f"1 heterogeneous batch of {n}, {order} order", res["heterogeneous_tok_s"]]]
+    if res.get("heterogeneous_random_tok_s"):
+        rows.append(["the same batch in a random arrival order", res["heterogeneous_random_tok_s"]])
+    rows += [["the same batch sorted by prefix group", res.get("heterogeneous_sorted_tok_s") or "-"],
+             [f"**homogeneous / heterogeneous ({order})**", f"**{res['ratio']:.2f}x**"]]
+    if res.get("ratio_random"):
+        rows.append(["homogeneous / heterogeneous (random arrival order)", f"{res['ratio_random']:.2f}x"])
+    out.append(format_table(["schedule", "decode tok/s"], rows))
     runs = res.get("runs") or {}
     if len(runs.get("ratio", [])) > 1:
         out += ["", f"The ratio is the median of {len(runs['ratio'])} repeats: "
-                + ", ".join(f"{r:.2f}" for r in runs["ratio"]) + " (heterogeneous "
+                + ", ".join(f"{r:.2f}" for r in runs["ratio"]) + f" (heterogeneous, {order} "
                 + ", ".join(f"{v:,.0f}" for v in runs["heterogeneous"]) + " tok/s; homogeneous "
-                + ", ".join(f"{v:,.0f}" for v in runs["homogeneous"]) + " tok/s)."]
+                + ", ".join(f"{v:,.0f}" for v in runs["homogeneous"]) + " tok/s). The other orders run "
+                + ("in the first repeat." if len(runs.get("heterogeneous_sorted", [])) == 1
+                   else "in every repeat.")]
     if res.get("sweep"):
         groups = sorted({r["groups"] for r in res["sweep"]})
         batches = sorted({r["batch_size"] for r in res["sweep"]})
         cell = {(r["batch_size"], r["groups"]): r["decode_tok_s"] for r in res["sweep"]}
         out += ["", "Sweep, decode tok/s (rows: batch size; columns: prefix groups in the batch, "
-                "arrival order):", ""]
+                f"{order} order):", ""]
         out.append(format_table(["batch"] + [f"{g} groups" for g in groups],
                                 [[b] + [cell.get((b, g), "-") for g in groups] for b in batches]))
         lo, hi = groups[0], groups[-1]
