@@ -41,13 +41,13 @@ test: $(STAMP)
 # Every headline figure of the README, then the README's figure sections from the JSON.
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.prefix_homogeneity --json results/prefix_homogeneity.json --plot results/prefix_homogeneity.png \
-		--sweep-output-len 16
-	$(BIN)/python -m feather_env.calibrate --validate configs/profiles/cpu-tiny-llama.json --json results/sim_validation.json --points 16
+		--repeats 2 --sweep-output-len 16
+	$(BIN)/python -m feather_env.calibrate --validate configs/profiles/cpu-tiny-llama.json --json results/sim_validation.json --points 12
 	$(BIN)/python -m benchmarks.env_speed --json results/env_speed.json
-	$(BIN)/python -m benchmarks.cht_overhead --json results/cht_overhead.json --budget-s 4 \
+	$(BIN)/python -m benchmarks.cht_overhead --json results/cht_overhead.json --budget-s 2 \
 		--structures cht radix-lpm radix-lpm-nocheck radix-dfs-weight
 	$(BIN)/python -m benchmarks.agents --json results/agents.json --plot results/agents_learning.png \
-		--leval-episodes 5 --sharegpt-episodes 3
+		--leval-episodes 4 --sharegpt-episodes 3
 	$(BIN)/python -m benchmarks.scheduler_overhead --json results/scheduler_overhead.json
 	$(BIN)/python -m benchmarks.evaluation --json results/evaluation.json --policy auto
 	$(BIN)/python scripts/update_readme.py
