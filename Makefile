@@ -47,7 +47,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.cht_overhead --json results/cht_overhead.json --budget-s 2 \
 		--structures cht radix-lpm radix-lpm-nocheck radix-dfs-weight
 	$(BIN)/python -m benchmarks.agents --json results/agents.json --plot results/agents_learning.png \
-		--leval-episodes 4 --sharegpt-episodes 3
+		--leval-episodes 4 --sharegpt-episodes 2
 	$(BIN)/python -m benchmarks.scheduler_overhead --json results/scheduler_overhead.json
 	$(BIN)/python -m benchmarks.evaluation --json results/evaluation.json --policy auto
 	$(BIN)/python scripts/update_readme.py
