@@ -17,14 +17,25 @@ from pathlib import Path
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _total_busy_ticks() -> int | None:
+def _cpu_ticks() -> list[int] | None:
+    """The ``cpu`` line of /proc/stat: user, nice, system, idle, iowait, irq, softirq, steal, ..."""
     try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    except OSError:
+        return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
         return None
-    vals = [int(x) for x in fields]
+
+
+def _total_busy_ticks() -> int | None:
+    vals = _cpu_ticks()
+    if vals is None:
+        return None
     idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
-    return sum(vals[:8]) - idle
+    return sum(vals[:8]) - idle  # includes steal: time the hypervisor gave our cores to others
+
+
+def _steal_ticks() -> int | None:
+    vals = _cpu_ticks()
+    return vals[7] if vals is not None and len(vals) > 7 else None
 
 
 def _self_ticks() -> int | None:
@@ -37,24 +48,33 @@ def _self_ticks() -> int | None:
 
 
 class ForeignLoad:
-    """Context manager: ``fraction`` = other processes' CPU time / (cores x wall time)."""
+    """Context manager: ``fraction`` = other processes' CPU time / (cores x wall time).
+
+    ``steal`` is the part of it that the hypervisor gave to other guests (steal time),
+    on the same scale; both stay 0.0 where /proc/stat cannot be read.
+    """
 
     def __init__(self) -> None:
         self.fraction = 0.0
+        self.steal = 0.0
 
     def __enter__(self) -> ForeignLoad:
         self._t = time.perf_counter()
         self._busy = _total_busy_ticks()
         self._self = _self_ticks()
+        self._steal = _steal_ticks()
         return self
 
     def __exit__(self, *exc: object) -> None:
         wall = time.perf_counter() - self._t
-        busy, mine = _total_busy_ticks(), _self_ticks()
+        busy, mine, steal = _total_busy_ticks(), _self_ticks(), _steal_ticks()
         if None in (busy, mine, self._busy, self._self) or wall <= 0:
             return
+        machine_s = wall * (os.cpu_count() or 1)
         foreign = max(0, (busy - self._busy) - (mine - self._self)) / _TICKS
-        self.fraction = foreign / (wall * (os.cpu_count() or 1))
+        self.fraction = foreign / machine_s
+        if steal is not None and self._steal is not None:
+            self.steal = max(0, steal - self._steal) / _TICKS / machine_s
 
 
 def wait_for_quiet(threshold: float = 0.05, timeout_s: float = 120.0, probe_s: float = 1.0) -> float:

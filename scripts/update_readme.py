@@ -96,13 +96,21 @@ def render_sim_validation(res: dict[str, Any]) -> str:
 
 def render_env_speed(res: dict[str, Any]) -> str:
     """results/env_speed.json (benchmarks/env_speed.py): simulated environment steps per second."""
-    rows = [[r["workload"], r["policy"], r["steps_per_s"]] for r in res["results"]]
+    rows = [[r["workload"], r["policy"], r["steps_per_s"],
+             f"{min(r['runs']):,.0f}-{max(r['runs']):,.0f}" if r.get("runs") else "-"]
+            for r in res["results"]]
     verdict = "met" if res.get("met") else "NOT met"
-    return "\n".join([f"Simulated environment speed, median of repeats ({_machine(res)}; "
-                      f"`python -m benchmarks.env_speed --json results/env_speed.json`):", "",
-                      format_table(["workload", "policy", "sim env steps/s"], rows), "",
-                      f"Target >= {res.get('target_steps_per_s', 10_000):,} steps/s in every row: "
-                      f"**{verdict}**."])
+    n = max((len(r.get("runs", [])) for r in res["results"]), default=0)
+    out = [f"Simulated environment speed, median of {n} interleaved repeats ({_machine(res)}; "
+           f"`python -m benchmarks.env_speed --json results/env_speed.json`):", "",
+           format_table(["workload", "policy", "sim env steps/s", "range"], rows), "",
+           f"Target >= {res.get('target_steps_per_s', 10_000):,} steps/s in every row: **{verdict}**."]
+    foreign = [f for r in res["results"] for f in r.get("foreign_cpu", [])]
+    if foreign:
+        steal = [f for r in res["results"] for f in r.get("steal", [])]
+        out[-1] += (f" Other processes used at most {max(foreign):.1%} of the machine during a run "
+                    f"(steal time at most {max(steal, default=0):.1%}).")
+    return "\n".join(out)
 
 
 def _num(value: Any, fmt: str = "{:.2f}") -> str:
