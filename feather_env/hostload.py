@@ -17,25 +17,18 @@ from pathlib import Path
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _cpu_ticks() -> list[int] | None:
-    """The ``cpu`` line of /proc/stat: user, nice, system, idle, iowait, irq, softirq, steal, ..."""
+def _machine_ticks() -> tuple[int, int] | None:
+    """``(busy, steal)`` ticks of the whole machine so far, from one read of /proc/stat.
+
+    Its ``cpu`` line holds user, nice, system, idle, iowait, irq, softirq, steal, ...; busy is
+    all but idle and iowait, and includes steal (time the hypervisor gave our cores to others).
+    """
     try:
-        return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        vals = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     except (OSError, ValueError):
         return None
-
-
-def _total_busy_ticks() -> int | None:
-    vals = _cpu_ticks()
-    if vals is None:
-        return None
     idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
-    return sum(vals[:8]) - idle  # includes steal: time the hypervisor gave our cores to others
-
-
-def _steal_ticks() -> int | None:
-    vals = _cpu_ticks()
-    return vals[7] if vals is not None and len(vals) > 7 else None
+    return sum(vals[:8]) - idle, (vals[7] if len(vals) > 7 else 0)
 
 
 def _self_ticks() -> int | None:
@@ -60,21 +53,20 @@ class ForeignLoad:
 
     def __enter__(self) -> ForeignLoad:
         self._t = time.perf_counter()
-        self._busy = _total_busy_ticks()
+        self._machine = _machine_ticks()
         self._self = _self_ticks()
-        self._steal = _steal_ticks()
         return self
 
     def __exit__(self, *exc: object) -> None:
         wall = time.perf_counter() - self._t
-        busy, mine, steal = _total_busy_ticks(), _self_ticks(), _steal_ticks()
-        if None in (busy, mine, self._busy, self._self) or wall <= 0:
+        machine, mine = _machine_ticks(), _self_ticks()
+        if None in (machine, mine, self._machine, self._self) or wall <= 0:
             return
+        (busy, steal), (busy0, steal0) = machine, self._machine
         machine_s = wall * (os.cpu_count() or 1)
-        foreign = max(0, (busy - self._busy) - (mine - self._self)) / _TICKS
+        foreign = max(0, (busy - busy0) - (mine - self._self)) / _TICKS
         self.fraction = foreign / machine_s
-        if steal is not None and self._steal is not None:
-            self.steal = max(0, steal - self._steal) / _TICKS / machine_s
+        self.steal = max(0, steal - steal0) / _TICKS / machine_s
 
 
 def wait_for_quiet(threshold: float = 0.05, timeout_s: float = 120.0, probe_s: float = 1.0) -> float:
