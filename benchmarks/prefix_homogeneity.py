@@ -102,9 +102,7 @@ def run(args: argparse.Namespace) -> dict:
     pool = [rng.integers(3, 8192, args.prefix_len, dtype=np.int32) for _ in range(n_prefixes)]
 
     # -- default shape: one heterogeneous batch vs G homogeneous batches -------------------
-    runs: dict[str, list[float]] = {"homogeneous": [], "heterogeneous": [], "ratio": [],
-                                     "heterogeneous_random": [], "ratio_random": [],
-                                     "heterogeneous_sorted": []}
+    runs: dict[str, list[float]] = {"homogeneous": [], "heterogeneous": [], "ratio": []}
     extra = [o for o in ORDERS if o != args.order]
     for rep in range(args.repeats):
         reqs = grouped_requests(args.groups, args.per_group, args.prefix_len, args.suffix_len,
@@ -126,15 +124,13 @@ def run(args: argparse.Namespace) -> dict:
         runs["heterogeneous"].append(het)
         runs["ratio"].append(hom / het)
         line = f"repeat {rep}: homogeneous {hom:,.0f} tok/s, heterogeneous ({args.order}) {het:,.0f} tok/s"
-        if "random" in tok_s:
-            runs["heterogeneous_random"].append(tok_s["random"])
-            runs["ratio_random"].append(hom / tok_s["random"])
-            line += f", random order {tok_s['random']:,.0f}"
-        if "round-robin" in tok_s:
-            line += f", round-robin {tok_s['round-robin']:,.0f}"
-        if "sorted" in tok_s:
-            runs["heterogeneous_sorted"].append(tok_s["sorted"])
-            line += f", sorted by group {tok_s['sorted']:,.0f}"
+        for o in extra:  # every other order measured in this repeat, under its own keys
+            if o in tok_s:
+                key = o.replace("-", "_")
+                runs.setdefault(f"heterogeneous_{key}", []).append(tok_s[o])
+                if o != "sorted":
+                    runs.setdefault(f"ratio_{key}", []).append(hom / tok_s[o])
+                line += f", {o} {tok_s[o]:,.0f}"
         print(f"{line}; ratio {hom / het:.2f}")
 
     # -- sweep: batch size x groups in the batch --------------------------------------------
@@ -154,6 +150,12 @@ def run(args: argparse.Namespace) -> dict:
             print(f"sweep batch {batch:4d} groups {g:3d}: {statistics.median(vals):,.0f} tok/s")
     backend.close()
 
+    other_orders: dict[str, float | None] = {}  # medians of the other orders, as run above
+    for o in extra:
+        key = o.replace("-", "_")
+        other_orders[f"heterogeneous_{key}_tok_s"] = _median(runs.get(f"heterogeneous_{key}", []))
+        if o != "sorted":
+            other_orders[f"ratio_{key}"] = _median(runs.get(f"ratio_{key}", []))
     result = {
         "benchmark": "prefix_homogeneity",
         "machine": machine_info(),
@@ -165,9 +167,7 @@ def run(args: argparse.Namespace) -> dict:
         "homogeneous_tok_s": statistics.median(runs["homogeneous"]),
         "heterogeneous_tok_s": statistics.median(runs["heterogeneous"]),
         "ratio": statistics.median(runs["ratio"]),
-        "heterogeneous_random_tok_s": _median(runs["heterogeneous_random"]),
-        "ratio_random": _median(runs["ratio_random"]),
-        "heterogeneous_sorted_tok_s": _median(runs["heterogeneous_sorted"]),
+        **other_orders,
         "runs": runs,
         "sweep": sweep,
         "wall_s": time.perf_counter() - t0,
@@ -191,10 +191,11 @@ def print_report(res: dict) -> None:
         [[f"{s['groups']} homogeneous batches of {s['per_group']}", res["homogeneous_tok_s"]],
          [f"1 heterogeneous batch of {s['groups'] * s['per_group']} ({res['order']})",
           res["heterogeneous_tok_s"]],
-         ["same batch, random arrival order", res["heterogeneous_random_tok_s"] or "-"],
-         ["same batch, sorted by prefix group", res["heterogeneous_sorted_tok_s"] or "-"],
+         *[[f"same batch, {o} order", res.get(f"heterogeneous_{o.replace('-', '_')}_tok_s") or "-"]
+           for o in ORDERS if o != res["order"]],
          ["ratio (median of repeats)", res["ratio"]],
-         ["ratio, random arrival order", res["ratio_random"] or "-"]]))
+         *[[f"ratio, {o} order", res.get(f"ratio_{o.replace('-', '_')}") or "-"]
+           for o in ORDERS if o not in (res["order"], "sorted")]]))
     if res["sweep"]:
         groups = sorted({r["groups"] for r in res["sweep"]})
         batches = sorted({r["batch_size"] for r in res["sweep"]})
