@@ -46,13 +46,15 @@ def render_prefix_homogeneity(res: dict[str, Any]) -> str:
         rows.append(["homogeneous / heterogeneous (random arrival order)", f"{res['ratio_random']:.2f}x"])
     out.append(format_table(["schedule", "decode tok/s"], rows))
     runs = res.get("runs") or {}
-    if len(runs.get("ratio", [])) > 1:
-        out += ["", f"The ratio is the median of {len(runs['ratio'])} repeats: "
+    n_rep, n_extra = len(runs.get("ratio", [])), len(runs.get("heterogeneous_sorted", []))
+    if n_rep > 1:
+        extra = ("in every repeat" if n_extra >= n_rep else "in the first repeat" if n_extra == 1
+                 else f"in the first {n_extra} repeats")
+        out += ["", f"The ratio is the median of {n_rep} repeats: "
                 + ", ".join(f"{r:.2f}" for r in runs["ratio"]) + f" (heterogeneous, {order} "
                 + ", ".join(f"{v:,.0f}" for v in runs["heterogeneous"]) + " tok/s; homogeneous "
-                + ", ".join(f"{v:,.0f}" for v in runs["homogeneous"]) + " tok/s). The other orders run "
-                + ("in the first repeat." if len(runs.get("heterogeneous_sorted", [])) == 1
-                   else "in every repeat.")]
+                + ", ".join(f"{v:,.0f}" for v in runs["homogeneous"])
+                + f" tok/s). The other orders run {extra}."]
     if res.get("sweep"):
         groups = sorted({r["groups"] for r in res["sweep"]})
         batches = sorted({r["batch_size"] for r in res["sweep"]})
