@@ -64,11 +64,11 @@ class TableBinsConfig:
     """The state bins shared by the tabular agents (UCB, Q-learning): DESIGN.md's
     ``(min(B//batch_div, batch_max), clip(delta, -delta_clip, delta_clip), min(w//w_div, w_max))``."""
 
-    batch_div: int = 4
-    batch_max: int = 10
-    delta_clip: int = 5
-    w_div: int = 4
-    w_max: int = 10
+    batch_div: int = TableBins.batch_div  # the runtime's defaults, one source for both
+    batch_max: int = TableBins.batch_max
+    delta_clip: int = TableBins.delta_clip
+    w_div: int = TableBins.w_div
+    w_max: int = TableBins.w_max
 
     @property
     def bins(self) -> TableBins:

@@ -35,12 +35,12 @@ from scheduler_runtime.policy import HeuristicPolicy, HeuristicRule, Policy
 class HeuristicConfig:
     """Constants of the rule (chunks of ``env.chunk_size`` tokens for the deltas)."""
 
-    delta_max: float = 5
-    delta_max_shared: float = 7
-    w_shared: float = 10
-    floor_cap: int = 10
-    floor_init: int = 0
-    floor_reset: str = "episode"
+    delta_max: float = HeuristicRule.delta_max  # the runtime rule's defaults, one source for both
+    delta_max_shared: float = HeuristicRule.delta_max_shared
+    w_shared: float = HeuristicRule.w_shared
+    floor_cap: int = HeuristicRule.floor_cap
+    floor_init: int = HeuristicRule.floor_init
+    floor_reset: str = HeuristicRule.floor_reset
 
     def __post_init__(self) -> None:
         if self.floor_reset not in ("episode", "batch"):
