@@ -63,7 +63,6 @@ import argparse
 import csv
 import gc
 import math
-import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -71,19 +70,21 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from feather_env.engine import (  # noqa: E402  (before vLLM is imported)
+    EngineConfig,
+    ScheduleTap,
+    engine_core_of,
+    forced_length_params,
+    tokens_prompt,
+    use_in_process_engine,
+)
+
+use_in_process_engine()
 
 import numpy as np  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parent
-if str(REPO_ROOT) not in sys.path:  # benchmarks/ is not an installed package
-    sys.path.insert(0, str(REPO_ROOT))
-
-from benchmarks.common import format_table, machine_info, write_json  # noqa: E402
-from feather_env.config import ConfigError  # noqa: E402
-from feather_env.engine import EngineConfig  # noqa: E402
 from feather_env.hostload import ForeignLoad, wait_for_quiet  # noqa: E402
+from feather_env.reporting import format_table, machine_info, write_json  # noqa: E402
 from feather_env.workloads import (  # noqa: E402
     DataNotFoundError,
     Request,
@@ -92,6 +93,7 @@ from feather_env.workloads import (  # noqa: E402
     WorkloadError,
     build_workload,
 )
+from scheduler_runtime.config import ConfigError  # noqa: E402
 
 __all__ = [
     "EvalConfig",
@@ -288,57 +290,17 @@ class IsolatedModel:
         return asdict(self)
 
 
-class _ScheduleTap:
-    """Wraps a scheduler instance's ``schedule`` to keep what each step decided (vLLM's own ids)."""
-
-    def __init__(self, scheduler: Any) -> None:
-        self.new: list[tuple[str, int]] = []
-        self.scheduled_reqs = 0
-        self.scheduled_tokens = 0
-        self.running = 0
-        self.preempted = 0
-        self.called = False
-        original = scheduler.schedule
-
-        def schedule(*args: Any, **kwargs: Any) -> Any:
-            out = original(*args, **kwargs)
-            self.called = True
-            self.new = [(r.req_id, int(r.num_computed_tokens)) for r in out.scheduled_new_reqs]
-            self.scheduled_reqs = len(out.num_scheduled_tokens)
-            self.scheduled_tokens = int(out.total_num_scheduled_tokens)
-            self.running = len(scheduler.running)
-            self.preempted += len(out.preempted_req_ids or ())
-            return out
-
-        scheduler.schedule = schedule
-
-    def reset(self) -> None:
-        self.called = False
-        self.new = []
-        self.scheduled_reqs = self.scheduled_tokens = self.running = 0
-
-
 # ------------------------------------------------------------------------------------ engine
 
 
 def _sampling(output_len: int, request: Request | None = None) -> Any:
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
+    """Exactly ``output_len`` tokens, streamed as deltas, with the Feather hints of the request."""
     from scheduler_runtime.schedulers import EXTRA_OUTPUT_LEN, EXTRA_SOURCE
 
-    extra = {EXTRA_OUTPUT_LEN: int(output_len)}
+    extra: dict[str, Any] = {EXTRA_OUTPUT_LEN: int(output_len)}
     if request is not None and request.source:
         extra[EXTRA_SOURCE] = request.source
-    return SamplingParams(max_tokens=int(output_len), min_tokens=int(output_len), ignore_eos=True,
-                          detokenize=False, temperature=0.0, output_kind=RequestOutputKind.DELTA,
-                          extra_args=extra)
-
-
-def _tokens_prompt(token_ids: Sequence[int] | np.ndarray) -> Any:
-    from vllm.inputs import TokensPrompt
-
-    return TokensPrompt(prompt_token_ids=[int(t) for t in token_ids])
+    return forced_length_params(output_len, extra_args=extra, delta=True)
 
 
 def _drain(engine: Any, timeout_s: float = 600.0) -> None:
@@ -354,7 +316,7 @@ def _warmup(llm: Any, tag: str, batch: int = 8, prompt_len: int = 512, output_le
     rng = np.random.default_rng(12345)
     engine = llm.llm_engine
     for i in range(batch):
-        engine.add_request(f"{tag}-warmup{i}", _tokens_prompt(rng.integers(3, 8192, prompt_len)),
+        engine.add_request(f"{tag}-warmup{i}", tokens_prompt(rng.integers(3, 8192, prompt_len)),
                            _sampling(output_len))
     _drain(engine)
 
@@ -368,7 +330,7 @@ def measure_isolated(llm: Any, max_prompt_len: int, output_tokens: int = 9) -> I
     tpot: list[float] = []
     for j, p in enumerate(lens):
         llm.reset_prefix_cache()
-        engine.add_request(f"probe{j}", _tokens_prompt(rng.integers(3, 8192, p)), _sampling(output_tokens))
+        engine.add_request(f"probe{j}", tokens_prompt(rng.integers(3, 8192, p)), _sampling(output_tokens))
         t0 = time.perf_counter()
         first = last = math.nan
         while engine.has_unfinished_requests():
@@ -420,7 +382,6 @@ def run_scheduler(
         EvaluationError: a request did not finish exactly once with its tokens, or the run
             took longer than ``run_timeout_s``.
     """
-    from feather_env.backends import engine_core_of
     from feather_env.engine import build_llm
     from scheduler_runtime.schedulers import engine_overrides
 
@@ -447,7 +408,7 @@ def run_scheduler(
         _fresh_scheduler_state(scheduler)
         if quiet_wait_s > 0:
             wait_for_quiet(0.05, timeout_s=quiet_wait_s)
-        tap = _ScheduleTap(scheduler)
+        tap = ScheduleTap.on(scheduler)
         before = _scheduler_snapshot(scheduler)
         with ForeignLoad() as load:
             requests, steps, replay_s = _replay(llm, workload, tap, name, run_timeout_s, progress)
@@ -486,7 +447,7 @@ def _stats_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) ->
 
 
 def _replay(
-    llm: Any, workload: Workload, tap: _ScheduleTap, name: str, timeout_s: float, progress: bool
+    llm: Any, workload: Workload, tap: ScheduleTap, name: str, timeout_s: float, progress: bool
 ) -> tuple[dict[str, RequestRecord], list[StepRow], float]:
     engine = llm.llm_engine
     order = sorted(workload, key=lambda r: r.arrival_time)  # stable: ties keep queue order
@@ -507,7 +468,7 @@ def _replay(
             now = time.perf_counter() - t0
             while i < len(order) and order[i].arrival_time <= now:
                 r = order[i]
-                rid = engine.add_request(r.request_id, _tokens_prompt(r.prompt_token_ids),
+                rid = engine.add_request(r.request_id, tokens_prompt(r.prompt_token_ids),
                                          _sampling(r.output_len, r))
                 internal[rid if isinstance(rid, str) else r.request_id] = r.request_id
                 records[r.request_id].added = time.perf_counter() - t0
@@ -534,10 +495,8 @@ def _replay(
                     if rec is not None and math.isnan(rec.first_scheduled):
                         rec.first_scheduled = start
                         rec.prefix_hit_tokens = hit
-                decode_only = (tap.scheduled_reqs > 0 and not tap.new
-                               and tap.scheduled_tokens == tap.scheduled_reqs)
                 steps.append(StepRow(start, end - start, tap.scheduled_reqs, tap.scheduled_tokens,
-                                     len(tap.new), tap.running, decode_only))
+                                     len(tap.new), tap.running, tap.decode_only))
             for out in outputs:
                 rec = records.get(out.request_id)
                 if rec is None:

@@ -48,7 +48,7 @@ from typing import Any
 
 import yaml
 
-from feather_env.config import ConfigError, from_mapping, load_yaml
+from scheduler_runtime.config import ConfigError, from_mapping, load_yaml
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 
 REPO_ROOT = Path(__file__).resolve().parent

@@ -61,7 +61,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class TableBinsConfig:
-    """The state bins shared by the tabular agents (UCB, Q-learning): DESIGN.md's
+    """The state bins shared by the tabular agents (UCB, Q-learning): docs/design.md's
     ``(min(B//batch_div, batch_max), clip(delta, -delta_clip, delta_clip), min(w//w_div, w_max))``."""
 
     batch_div: int = TableBins.batch_div  # the runtime's defaults, one source for both

@@ -36,17 +36,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import os
 import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from feather_env.engine import use_in_process_engine  # noqa: E402  (before vLLM is imported)
 
-from benchmarks.common import format_table, machine_info, write_json  # noqa: E402
+use_in_process_engine()
+
+from feather_env.reporting import format_table, machine_info, write_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 WORKLOADS = ("leval", "sharegpt")

@@ -94,7 +94,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import machine_info
+from feather_env.reporting import machine_info
 from scheduler_runtime.cht import ChunkedHashTree
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 from scheduler_runtime.radix import RadixTree

@@ -21,9 +21,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from benchmarks.common import format_table, machine_info, write_json
 from feather_env.env import ADD, STOP, FeatherEnv
 from feather_env.hostload import ForeignLoad
+from feather_env.reporting import format_table, machine_info, write_json
 from feather_env.workloads import synthetic_workload
 
 

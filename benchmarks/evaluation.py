@@ -42,15 +42,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from feather_env.engine import use_in_process_engine  # noqa: E402  (before vLLM is imported)
+
+use_in_process_engine()
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the benchmark prints its own progress
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.common import machine_info, write_json  # noqa: E402
+from feather_env.reporting import machine_info, write_json  # noqa: E402
 
 __all__ = ["Cell", "check_targets", "combined_summary", "feather_names", "main", "make_cells",
            "resolve_policy"]

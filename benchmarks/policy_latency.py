@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import format_table, machine_info, write_json
+from feather_env.reporting import format_table, machine_info, write_json
 from scheduler_runtime.policy import (
     ADD,
     ConstantPolicy,

@@ -26,9 +26,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from benchmarks.common import format_table, machine_info, write_json
 from feather_env.backends import BatchResult, VLLMBackend
 from feather_env.engine import EngineConfig
+from feather_env.reporting import format_table, machine_info, write_json
 from feather_env.workloads.request import Request
 
 
@@ -60,7 +60,7 @@ def arrange(requests: Sequence[Request], order: str, seed: int = 0) -> list[Requ
     KV of the last few requests' documents. ``round-robin`` puts a request of another
     group next to every request (g0, g1, ..., gG-1, g0, ...): every document read
     comes from DRAM, which is what a GPU sees when it runs the whole batch at once
-    and what DESIGN.md's CPU tables measured. ``random`` is a mixed arrival stream as
+    and what docs/design.md's CPU tables measured. ``random`` is a mixed arrival stream as
     FCFS admits it: a neighbour from the same group, or a document still in cache,
     is a matter of chance (and of how much cache the host's other tenants leave).
     ``sorted`` groups the requests by prefix, so each document is read once per step.

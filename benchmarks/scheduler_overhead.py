@@ -34,14 +34,13 @@ step time. Runs vary with the load of a shared machine: compare within one run.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from typing import Any
 
 import numpy as np
 
-from benchmarks.common import format_table, machine_info, write_json
+from feather_env.reporting import format_table, machine_info, write_json
 
 GROUP = 16
 SHARED = 0.9
@@ -61,10 +60,7 @@ def make_prompts(num: int, prompt_len: int, seed: int) -> list[list[int]]:
 
 
 def measure(llm: Any, waiting: int, args: argparse.Namespace) -> dict[str, Any]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    from feather_env.backends import engine_core_of
+    from feather_env.engine import engine_core_of, forced_length_params, tokens_prompt
 
     engine = llm.llm_engine
     sched = engine_core_of(llm).scheduler
@@ -76,9 +72,8 @@ def measure(llm: Any, waiting: int, args: argparse.Namespace) -> dict[str, Any]:
     ids = [f"w{waiting}-{i}" for i in range(waiting)]
     start = time.perf_counter()
     for rid, prompt, out in zip(ids, prompts, outputs.tolist(), strict=True):
-        params = SamplingParams(max_tokens=out, min_tokens=out, ignore_eos=True, detokenize=False,
-                                extra_args={"feather_source": "leval/quality"})
-        engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
+        params = forced_length_params(out, extra_args={"feather_source": "leval/quality"})
+        engine.add_request(rid, tokens_prompt(prompt), params)
     add_s = time.perf_counter() - start
     del prompts
     arrivals = runtime.stats.arrival_seconds
@@ -139,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.waiting, args.steps, args.warmup = [100, 1000], 15, 5
 
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from feather_env.engine import EngineConfig, build_llm
+    from feather_env.engine import EngineConfig, build_llm, engine_core_of
     from scheduler_runtime.schedulers import engine_overrides
 
     engine_config = EngineConfig(kv_cache_gib=2.0, max_num_seqs=args.max_num_seqs, max_model_len=8192,
@@ -153,8 +147,6 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"W={waiting}: overhead {row['overhead_fraction']:.4f} of step time", file=sys.stderr)
     finally:
-        from feather_env.backends import engine_core_of
-
         engine_core_of(llm).shutdown()
 
     headers = ["waiting", "step ms", "scheduler us/call", "overhead fraction", "decisions",

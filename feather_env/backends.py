@@ -16,13 +16,17 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from feather_env.engine import EngineConfig, build_llm
+from feather_env.engine import (
+    EngineConfig,
+    EngineError,
+    ScheduleTap,
+    build_llm,
+    engine_core_of,
+    forced_length_params,
+    tokens_prompt,
+)
 from feather_env.hostload import ForeignLoad, wait_for_quiet
 from feather_env.workloads.request import Request
-
-
-class EngineError(RuntimeError):
-    """The engine failed while running a batch; the batch's requests were not all served."""
 
 
 @dataclass
@@ -79,46 +83,6 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-@dataclass
-class _StepRecord:
-    new_reqs: int
-    prefill_hit_tokens: int
-    scheduled_tokens: int
-    scheduled_reqs: int
-
-
-class StepRecorder:
-    """Wraps a scheduler instance's ``schedule`` to keep the last ``SchedulerOutput`` summary."""
-
-    def __init__(self, scheduler: Any) -> None:
-        self.last: _StepRecord | None = None
-        original = scheduler.schedule
-
-        def schedule(*args: Any, **kwargs: Any) -> Any:
-            out = original(*args, **kwargs)
-            self.last = _StepRecord(
-                new_reqs=len(out.scheduled_new_reqs),
-                prefill_hit_tokens=sum(r.num_computed_tokens for r in out.scheduled_new_reqs),
-                scheduled_tokens=out.total_num_scheduled_tokens,
-                scheduled_reqs=len(out.num_scheduled_tokens),
-            )
-            return out
-
-        scheduler.schedule = schedule
-
-
-def engine_core_of(llm: Any) -> Any:
-    """The in-process ``EngineCore`` of a ``vllm.LLM`` (needs VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
-    client = llm.llm_engine.engine_core
-    core = getattr(client, "engine_core", None)
-    if core is None:
-        raise EngineError(
-            "the vLLM engine runs in a separate process; set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
-            "before vLLM is imported (feather_env.engine.build_llm does this)"
-        )
-    return core
-
-
 class VLLMBackend:
     """Runs batches on a real in-process vLLM engine, one batch at a time.
 
@@ -152,12 +116,7 @@ class VLLMBackend:
         self._engine = self.llm.llm_engine
         core = engine_core_of(self.llm)
         self._scheduler = core.scheduler
-        # One recorder per scheduler, shared by every backend built over the same engine.
-        recorder = getattr(self._scheduler, "_feather_step_recorder", None)
-        if recorder is None:
-            recorder = StepRecorder(self._scheduler)
-            self._scheduler._feather_step_recorder = recorder
-        self._recorder = recorder
+        self._tap = ScheduleTap.on(self._scheduler)
         self._batch_no = 0
         self._closed = False
 
@@ -256,33 +215,19 @@ class VLLMBackend:
                 raise ValueError(f"request {r.request_id!r}: prompt {r.prompt_len} + output "
                                  f"{r.output_len} tokens exceeds max_model_len={limit}")
 
-    def _sampling(self, max_tokens: int) -> Any:
-        from vllm import SamplingParams
-
-        return SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True,
-                              detokenize=False, temperature=0.0)
-
     def _warm(self, requests: Sequence[Request], tag: str) -> None:
         """Prefill each group's common prefix once (one token generated, discarded)."""
-        from vllm.inputs import TokensPrompt
-
         prefixes = common_prefixes(requests)
         for i, prefix in enumerate(prefixes):
-            self._engine.add_request(f"{tag}-warm{i}", TokensPrompt(prompt_token_ids=prefix),
-                                     self._sampling(1))
+            self._engine.add_request(f"{tag}-warm{i}", tokens_prompt(prefix), forced_length_params(1))
         while self._engine.has_unfinished_requests():
             self._engine.step()
 
     def _run(self, requests: Sequence[Request], tag: str) -> BatchResult:
-        from vllm.inputs import TokensPrompt
-
         expected = {f"{tag}-{r.request_id}": r.output_len for r in requests}
         for r in requests:
-            self._engine.add_request(
-                f"{tag}-{r.request_id}",
-                TokensPrompt(prompt_token_ids=r.prompt_token_ids.tolist()),
-                self._sampling(r.output_len),
-            )
+            self._engine.add_request(f"{tag}-{r.request_id}", tokens_prompt(r.prompt_token_ids),
+                                     forced_length_params(r.output_len))
         pool = self._scheduler.kv_cache_manager.block_pool
         decode_tokens = 0
         decode_s = prefill_s = 0.0
@@ -295,19 +240,19 @@ class VLLMBackend:
         for _ in range(max_steps):
             if not self._engine.has_unfinished_requests():
                 break
-            self._recorder.last = None
+            tap = self._tap
+            tap.reset()
             t0 = time.perf_counter()
             outputs = self._engine.step()
             dt = time.perf_counter() - t0
-            rec = self._recorder.last
             peak_blocks = max(peak_blocks, pool.num_gpu_blocks - pool.get_num_free_blocks())
-            if rec is not None and rec.scheduled_reqs:
-                hits += rec.prefill_hit_tokens
-                if rec.new_reqs == 0 and rec.scheduled_tokens == rec.scheduled_reqs:
-                    decode_tokens += rec.scheduled_reqs
+            if tap.called and tap.scheduled_reqs:
+                hits += sum(hit for _, hit in tap.new)
+                if tap.decode_only:
+                    decode_tokens += tap.scheduled_reqs
                     decode_s += dt
                     step_times.append(dt)
-                    step_sizes.append(rec.scheduled_reqs)
+                    step_sizes.append(tap.scheduled_reqs)
                 else:
                     prefill_s += dt
             for out in outputs:

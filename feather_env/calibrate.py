@@ -262,7 +262,7 @@ def fit(measurements: Sequence[dict[str, Any]], block_size: int,
 
 
 def calibrate(args: argparse.Namespace) -> dict[str, Any]:
-    from benchmarks.common import machine_info
+    from feather_env.reporting import machine_info
 
     engine = EngineConfig(kv_cache_gib=args.kv_cache_gib, max_num_seqs=256,
                           max_model_len=16384 + 256)
@@ -295,7 +295,7 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def validate(args: argparse.Namespace) -> dict[str, Any]:
-    from benchmarks.common import machine_info
+    from feather_env.reporting import machine_info
 
     profile = load_profile(args.validate)
     sim = SimBackend.from_profile(args.validate)

@@ -1,22 +1,32 @@
-"""One factory for every vLLM engine of the project.
+"""The project's vLLM glue: one engine factory and the few things every engine user needs.
 
-The environment's backend, the scheduler tests, the benchmarks and evaluate.py all
-start their engine through :func:`build_llm` from an :class:`EngineConfig`, so that
-they measure the same thing. The engine runs in-process (vLLM V1 with
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that callers can drive ``step()``
-themselves and read the scheduler's decisions.
+The environment's backend, the scheduler tests, the benchmarks and evaluate.py all start
+their engine through :func:`build_llm` from an :class:`EngineConfig`, so that they measure
+the same thing. The engine runs in-process (vLLM V1 with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+set by :func:`use_in_process_engine`) so that callers can drive ``step()`` themselves and
+read the scheduler's decisions. The same module holds the rest of what touches vLLM's API:
+
+- :func:`forced_length_params`: sampling parameters that generate exactly N tokens;
+- :func:`tokens_prompt`: a token-id prompt;
+- :class:`ScheduleTap`: what each ``schedule()`` of a scheduler decided;
+- :func:`engine_core_of`: the in-process ``EngineCore`` of a ``vllm.LLM``.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from feather_env.config import ConfigError, from_mapping, load_yaml
+from scheduler_runtime.config import ConfigError, from_mapping, load_yaml
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+#: The process environment every in-process engine of the project runs with (set before vLLM
+#: is imported): scheduler and model in the calling process, so ``step()`` is synchronous and
+#: the scheduler object is reachable; no tokenizer threads competing with the engine's.
+ENGINE_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
 DEFAULT_MODEL_DIR = REPO_ROOT / "configs" / "models" / "tiny-llama"
 GIB = 1 << 30
 
@@ -121,9 +131,7 @@ def build_llm(config: EngineConfig | None = None, **overrides: Any):  # -> vllm.
     config = config or EngineConfig()
     if overrides:
         config = EngineConfig.from_dict({**config.to_dict(), **overrides})
-    # Scheduler and model in the calling process, so step() is synchronous and
-    # the scheduler object is reachable (set before vLLM is imported).
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    use_in_process_engine()
     if config.cpu_cores is not None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_cores
     from vllm import LLM
@@ -147,3 +155,109 @@ def build_llm(config: EngineConfig | None = None, **overrides: Any):  # -> vllm.
         kwargs["scheduler_cls"] = config.scheduler_cls
     kwargs.update(config.extra)
     return LLM(**kwargs)
+
+
+class EngineError(RuntimeError):
+    """The engine failed, or did not serve its requests exactly once with their tokens."""
+
+
+def use_in_process_engine() -> None:
+    """Set :data:`ENGINE_ENVIRONMENT` (values already set by the user win).
+
+    Call it before vLLM is imported: command lines call it at the top, :func:`build_llm`
+    calls it too.
+    """
+    for key, value in ENGINE_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+
+
+def engine_core_of(llm: Any) -> Any:
+    """The in-process ``EngineCore`` of a ``vllm.LLM`` (needs :func:`use_in_process_engine`)."""
+    client = llm.llm_engine.engine_core
+    core = getattr(client, "engine_core", None)
+    if core is None:
+        raise EngineError(
+            "the vLLM engine runs in a separate process; set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
+            "before vLLM is imported (feather_env.engine.use_in_process_engine does this)"
+        )
+    return core
+
+
+def forced_length_params(output_len: int, *, extra_args: Mapping[str, Any] | None = None,
+                         delta: bool = False) -> Any:
+    """``SamplingParams`` that generate exactly ``output_len`` tokens (token ids only).
+
+    ``min_tokens == max_tokens`` with ``ignore_eos``: a benchmark request's length is its own,
+    whatever the random weights sample. ``extra_args`` reach the scheduler (the Feather hints);
+    ``delta``: each output carries only the new tokens (streaming consumers).
+    """
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    n = int(output_len)
+    kwargs: dict[str, Any] = {}
+    if delta:
+        kwargs["output_kind"] = RequestOutputKind.DELTA
+    return SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=False,
+                          temperature=0.0, extra_args=dict(extra_args) if extra_args else None,
+                          **kwargs)
+
+
+def tokens_prompt(token_ids: Sequence[int] | Any) -> Any:
+    """A vLLM prompt of token ids (a numpy array or any sequence of ints)."""
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=[int(t) for t in token_ids])
+
+
+class ScheduleTap:
+    """What the last ``schedule()`` of a vLLM scheduler decided (vLLM's internal request ids).
+
+    Installed once per scheduler instance (:meth:`on`), wrapping its ``schedule``: every user
+    of one engine reads the same tap. ``called`` says whether ``schedule()`` ran since
+    :meth:`reset`; ``preempted`` counts preemptions since the tap was installed.
+    """
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        self.called = False
+        self.new: list[tuple[str, int]] = []  # (request id, prefix-cache hit tokens) admitted
+        self.num_scheduled: dict[str, int] = {}
+        self.scheduled_reqs = 0
+        self.scheduled_tokens = 0
+        self.running = 0
+        self.preempted = 0
+        original = scheduler.schedule
+
+        def schedule(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            self.called = True
+            self.new = [(r.req_id, int(r.num_computed_tokens)) for r in out.scheduled_new_reqs]
+            self.num_scheduled = dict(out.num_scheduled_tokens)
+            self.scheduled_reqs = len(out.num_scheduled_tokens)
+            self.scheduled_tokens = int(out.total_num_scheduled_tokens)
+            self.running = len(scheduler.running)
+            self.preempted += len(out.preempted_req_ids or ())
+            return out
+
+        scheduler.schedule = schedule
+
+    @classmethod
+    def on(cls, scheduler: Any) -> ScheduleTap:
+        """The scheduler's tap, installed on first use."""
+        tap = scheduler.__dict__.get("_feather_schedule_tap")
+        if tap is None:
+            tap = cls(scheduler)
+            scheduler._feather_schedule_tap = tap
+        return tap
+
+    def reset(self) -> None:
+        self.called = False
+        self.new = []
+        self.num_scheduled = {}
+        self.scheduled_reqs = self.scheduled_tokens = self.running = 0
+
+    @property
+    def decode_only(self) -> bool:
+        """The last step scheduled one token for each of its requests and admitted none."""
+        return self.scheduled_reqs > 0 and not self.new and self.scheduled_tokens == self.scheduled_reqs

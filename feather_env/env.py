@@ -15,10 +15,10 @@ from gymnasium import spaces
 from gymnasium.envs.registration import EnvSpec
 
 from feather_env.backends import Backend, BatchResult
-from feather_env.config import ConfigError
 from feather_env.workloads import Workload, WorkloadConfig, build_workload, synthetic_workload
 from feather_env.workloads.request import Request
 from scheduler_runtime.cht import ChunkedHashTree
+from scheduler_runtime.config import ConfigError
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 
 STOP, ADD = 0, 1

@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 
 from feather_env.backends import BatchResult, prefix_groups
-from feather_env.config import ConfigError
 from feather_env.workloads.request import Request
+from scheduler_runtime.config import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PROFILE = REPO_ROOT / "configs" / "profiles" / "cpu-tiny-llama.json"

@@ -96,7 +96,7 @@ class BatchingPolicy(Protocol):
 
 
 class FeatherHeuristic:
-    """The authors' static batching rule (``DESIGN.md``, "Static heuristic").
+    """The authors' static batching rule (``docs/design.md``, "Static heuristic").
 
     Empty batch: ADD. ADD when delta <= ``max_delta`` chunks, or <= ``max_delta_popular``
     when at least ``popular_w`` waiting requests share the new depth, and then raise a

@@ -6,7 +6,7 @@ Each request is a vector ``H[0..L-1]`` of cumulative hashes of its token ids, on
 of one request form a chain, and the keys held by the active batch (the *working set*) are
 closed under prefixes; every depth below is therefore a prefix length, found by binary search.
 
-The structure keeps, exactly as ``DESIGN.md`` describes:
+The structure keeps, exactly as ``docs/design.md`` describes:
 
 * per request its hash vector (and the integer ids of its keys);
 * the working set: a reference count per key (how many active requests hold it);

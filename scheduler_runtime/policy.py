@@ -29,7 +29,7 @@ outside ``[low, high]`` are clipped first, as the environment clips them.
 Kinds and their ``params``:
 
 - ``constant``: ``{"action": "ADD"|"STOP"}`` (``always-add``).
-- ``heuristic``: the static rule of DESIGN.md with its constants (see :class:`HeuristicRule`).
+- ``heuristic``: the static rule of docs/design.md with its constants (see :class:`HeuristicRule`).
 - ``table``: a value per (state bin, action) and its visit count, with the bins
   ``(min(B // batch_div, batch_max), clip(delta, -delta_clip, delta_clip), min(w // w_div, w_max))``
   (see :func:`table_decision`); used by the UCB bandit and Q-learning.
@@ -198,7 +198,7 @@ class ActionSpec:
 # -- decision rules (shared by the agents and the loaded policies) --------------------------------
 @dataclass
 class HeuristicRule:
-    """The static rule of the Feather authors' code (DESIGN.md, "Batching policies").
+    """The static rule of the Feather authors' code (docs/design.md, "Batching policies").
 
     ADD when ``delta <= delta_max`` chunks, or ``delta <= delta_max_shared`` when
     ``w >= w_shared``; such an ADD also raises a minimum-batch ``floor`` by one (up to

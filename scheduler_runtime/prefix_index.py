@@ -6,7 +6,7 @@ which waiting request would join the active batch at the least cost in shared pr
 and what would the batch look like afterwards (:class:`Candidate`).
 
 Depths are counted in *chunks* of ``chunk_size`` tokens, with the Chunked Hash Tree's
-definition (``DESIGN.md``, "Chunked Hash Tree"): a prompt of ``n`` tokens has
+definition (``docs/design.md``, "Chunked Hash Tree"): a prompt of ``n`` tokens has
 ``ceil(n / chunk_size)`` keys; key ``k`` stands for its first ``min((k + 1) * chunk_size, n)``
 tokens, so a trailing partial chunk is a key of its own. Two prompts therefore share their
 common *full* chunks, and all of their chunks only when they are identical. Every

@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from feather_env.config import ConfigError, from_mapping, load_mapping
 from scheduler_runtime.batching import BatchingCore, BatchingPolicy, CoreConfig, FeatherHeuristic
+from scheduler_runtime.config import ConfigError, from_mapping, load_mapping
 from scheduler_runtime.predictor import OutputLengthPredictor, load_predictor
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 

@@ -74,7 +74,7 @@ def vllm_arguments(argv: Sequence[str] | None = None) -> tuple[list[str], dict[s
 
     Raises SystemExit (argparse) on bad options and ConfigError on a bad scheduler config.
     """
-    from feather_env.config import load_mapping
+    from scheduler_runtime.config import load_mapping
     from scheduler_runtime.schedulers import ADDITIONAL_CONFIG_KEY, resolve
 
     parser = argparse.ArgumentParser(

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import format_table  # noqa: E402
+from feather_env.reporting import format_table  # noqa: E402
 
 
 def _machine(res: dict[str, Any]) -> str:

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from feather_env.engine import use_in_process_engine
+
+use_in_process_engine()
 
 REPO = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(os.environ.get("FEATHER_DATA_DIR", REPO.parent / "shared" / "data"))

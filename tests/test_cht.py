@@ -446,7 +446,7 @@ def test_reinsert_after_finish_and_slot_reuse() -> None:
 
 
 def test_insert_32k_prompt_is_fast() -> None:
-    """DESIGN target: a 32K-token prompt inserts in <= 2 ms (default chunk size)."""
+    """docs/design.md target: a 32K-token prompt inserts in <= 2 ms (default chunk size)."""
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, 8192, 32 * 1024)
     index = ChunkedHashTree()

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from feather_env.backends import VLLMBackend, common_prefixes
-from feather_env.config import ConfigError, load_mapping
 from feather_env.engine import EngineConfig, kv_bytes_per_token
 from feather_env.workloads.request import Request
+from scheduler_runtime.config import ConfigError, load_mapping
 
 pytestmark = pytest.mark.engine
 

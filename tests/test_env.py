@@ -8,9 +8,9 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 import feather_env  # noqa: F401  (registers feather/Batching-v0)
-from feather_env.config import ConfigError
 from feather_env.env import ADD, STOP, FeatherEnv, InvalidActionError
 from feather_env.workloads import synthetic_workload
+from scheduler_runtime.config import ConfigError
 
 SMALL = synthetic_workload(num_groups=6, per_group="uniform:3:8", prefix_len="uniform:600:1500",
                            suffix_len="uniform:5:20", output_len="uniform:4:10", seed=3, name="small")
@@ -122,7 +122,7 @@ def test_check_env_and_full_episode_on_the_real_engine(vllm_backend):
 
 @pytest.mark.engine
 def test_engine_failure_mid_episode_is_a_clear_error(vllm_backend, monkeypatch):
-    from feather_env.backends import EngineError, engine_core_of
+    from feather_env.engine import EngineError, engine_core_of
 
     executor = engine_core_of(vllm_backend.llm).model_executor
     real_execute = executor.execute_model

@@ -18,7 +18,6 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from feather_env.config import ConfigError
 from scheduler_runtime.batching import (
     ADD,
     ORDERINGS,
@@ -27,6 +26,7 @@ from scheduler_runtime.batching import (
     CoreConfig,
     FeatherHeuristic,
 )
+from scheduler_runtime.config import ConfigError
 from scheduler_runtime.predictor import OutputLengthPredictor, load_predictor
 from scheduler_runtime.prefix_index import DuplicateRequestError, UnknownRequestError
 from scheduler_runtime.schedulers import (

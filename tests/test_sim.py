@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from feather_env.backends import BatchResult
 from feather_env.calibrate import ROBUST_PERCENTILE, fit, raw_measurement, robust_step_time
-from feather_env.config import ConfigError
 from feather_env.sim import (
     DEFAULT_PROFILE,
     PROFILE_VERSION,
@@ -23,6 +22,7 @@ from feather_env.sim import (
 )
 from feather_env.workloads import synthetic_workload
 from feather_env.workloads.request import Request
+from scheduler_runtime.config import ConfigError
 
 
 def _batch(groups: int, per_group: int, prefix: int, out: int, seed: int = 0) -> list[Request]:
@@ -103,7 +103,7 @@ def test_shipped_profile_loads_and_carries_the_effect():
     assert profile["version"] == PROFILE_VERSION
     assert profile["measurements"], "the profile keeps its measurements for --refit"
     sim = SimBackend.from_profile()
-    # L-Eval-sized documents (DESIGN.md: the cliff is sharp at 12K-token prefixes)
+    # L-Eval-sized documents (docs/design.md: the cliff is sharp at 12K-token prefixes)
     reqs = _batch(8, 32, 12000, 32, seed=5)
     hom = [sim.run_batch([r for r in reqs if r.prefix_group == g]) for g in range(8)]
     mixed = sim.run_batch([reqs[i] for i in np.random.default_rng(0).permutation(len(reqs))])

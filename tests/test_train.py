@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 import train
-from feather_env.config import ConfigError
+from scheduler_runtime.config import ConfigError
 from scheduler_runtime.policy import load_policy
 
 REPO = Path(__file__).resolve().parent.parent

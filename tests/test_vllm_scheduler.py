@@ -12,8 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from feather_env.backends import engine_core_of
-from feather_env.engine import EngineConfig, build_llm
+from feather_env.engine import EngineConfig, build_llm, engine_core_of, forced_length_params, tokens_prompt
 from scheduler_runtime.schedulers import EXTRA_OUTPUT_LEN, EXTRA_SOURCE, engine_overrides
 
 pytestmark = pytest.mark.engine
@@ -55,12 +54,8 @@ def workload(tag: str, groups: int, per_group: int, prefix: int, out: tuple[int,
 
 
 def add(engine, rid: str, prompt: list[int], out: int) -> None:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(max_tokens=out, min_tokens=out, ignore_eos=True, detokenize=False,
-                            extra_args={EXTRA_OUTPUT_LEN: out, EXTRA_SOURCE: "leval/quality"})
-    engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
+    params = forced_length_params(out, extra_args={EXTRA_OUTPUT_LEN: out, EXTRA_SOURCE: "leval/quality"})
+    engine.add_request(rid, tokens_prompt(prompt), params)
 
 
 def drain(engine, sched, on_step=None, max_steps: int = 20_000) -> dict[str, int]:

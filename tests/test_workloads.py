@@ -19,7 +19,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from feather_env.config import ConfigError
 from feather_env.workloads import (
     DEFAULT_INSTRUCTION_TEMPLATE,
     ENV_VAR,
@@ -43,6 +42,7 @@ from feather_env.workloads import (
     synthetic_workload,
 )
 from feather_env.workloads.cache import CACHE_ENV_VAR
+from scheduler_runtime.config import ConfigError
 
 MAX_PROMPT = 16384
 LEVAL_TASKS = 15
@@ -194,7 +194,7 @@ def test_leval_reuse_factor_is_high(leval) -> None:
     stats = leval.describe()
     assert stats["requests"] == len(leval) and stats["groups"] == leval.num_groups
     assert stats["prompt_tokens_max"] <= MAX_PROMPT
-    assert 4.0 < stats["reuse_factor"] < 7.0  # DESIGN: ~5.7x prompt-token reuse
+    assert 4.0 < stats["reuse_factor"] < 7.0  # docs/design.md: ~5.7x prompt-token reuse
 
 
 def test_leval_cache_is_fast_and_rebuilds_when_corrupt(

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from feather_env.config import ConfigError
+from scheduler_runtime.config import ConfigError
 
 if TYPE_CHECKING:
     from feather_env.workloads.workload import Workload

@@ -1,7 +1,7 @@
 """One config object for every workload kind, and :func:`build_workload` that turns it into one.
 
 A run's ``workload:`` section (YAML) becomes a :class:`WorkloadConfig` through
-:func:`feather_env.config.from_mapping`, so a misspelt key is an error listing the valid ones.
+:func:`scheduler_runtime.config.from_mapping`, so a misspelt key is an error listing the valid ones.
 ``build_workload`` then loads the data, samples the episode's requests and assigns arrivals,
 in that order:
 
@@ -24,7 +24,6 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from feather_env.config import ConfigError, from_mapping
 from feather_env.workloads.arrivals import parse_arrival
 from feather_env.workloads.datadir import resolve_data_dir
 from feather_env.workloads.leval import DEFAULT_INSTRUCTION_TEMPLATE, load_leval
@@ -33,6 +32,7 @@ from feather_env.workloads.synthetic import parse_length_spec, synthetic_workloa
 from feather_env.workloads.tokenizer import load_tokenizer
 from feather_env.workloads.traces import TRACE_FILES, load_trace
 from feather_env.workloads.workload import Workload
+from scheduler_runtime.config import ConfigError, from_mapping
 
 WORKLOAD_KINDS = ("leval", "longbench", *TRACE_FILES, "synthetic")
 DEFAULT_MAX_OUTPUT_TOKENS = {"leval": 512}

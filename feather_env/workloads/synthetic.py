@@ -1,7 +1,7 @@
 """Synthetic prefix-sharing workloads, length distributions, and seeded random token content.
 
 :func:`synthetic_workload` builds ``num_groups`` groups; each group has one random shared
-prefix and ``per_group`` requests, each with its own random suffix (like the DESIGN's
+prefix and ``per_group`` requests, each with its own random suffix (like docs/design.md's
 measurement: 4000-token prefixes, 20-token unique suffixes). Every length is an int or a
 distribution spec parsed by :func:`parse_length_spec`:
 
@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from feather_env.config import ConfigError
 from feather_env.workloads.request import Request
 from feather_env.workloads.tokenizer import FIRST_CONTENT_ID
 from feather_env.workloads.workload import Workload, WorkloadError
+from scheduler_runtime.config import ConfigError
 
 LENGTH_FORMS = 'N, "uniform:LO:HI", "lognormal:MEAN:SIGMA" or "choice:A,B,..."'
 

@@ -1,4 +1,7 @@
-"""Helpers every benchmark shares: machine description, JSON output, table printing."""
+"""Where and when a figure was measured, and how it is written: machine description, JSON output, tables.
+
+Shared by evaluate.py, the calibration and every benchmark (a low module: it imports nothing of
+the toolkit)."""
 
 from __future__ import annotations
 
