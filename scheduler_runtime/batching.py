@@ -1,8 +1,9 @@
-"""The batching core: which waiting requests join the running batch at each scheduler step.
+"""The batching core: which waiting requests join the running batch, one ADD/STOP decision at a time.
 
 This is the engine-free logic behind every scheduler of :mod:`scheduler_runtime.vllm_scheduler`
-(Feather and the baselines). vLLM's subclass only moves requests between its queues; every
-decision is taken here, so it can be tested and benchmarked without an engine.
+(Feather and the baselines) and behind the environment (``feather_env.env``), which steps it
+decision by decision. vLLM's subclass only moves requests between its queues; every decision is
+taken here, so it can be tested, benchmarked and trained on without an engine.
 
 State. A request is *waiting* (held back from the engine) or *active* (released: running in
 the engine, or released and queued there until the engine's token budget or KV cache lets it
@@ -11,44 +12,62 @@ formed". Requests are tracked by:
 
 * a :class:`~scheduler_runtime.cht.ChunkedHashTree` over all of them (insert on arrival,
   activate on release, finish when the engine frees them, remove on abort). It gives Feather
-  its best candidate and every ordering its prefix-aware KV accounting;
-* for the baselines, the queue of their ordering: arrival order (``fcfs``), a
+  its best candidate and every ordering its observation and prefix-aware KV accounting;
+* the candidate order of the configured :class:`Ordering` (one small class per ordering, chosen
+  by :func:`make_ordering`): the CHT's best candidate (``feather``), arrival order (``fcfs``), a
   :class:`~scheduler_runtime.svf.KeyQueue` (``sjf``, ``svf``), or a
   :class:`~scheduler_runtime.radix.RadixTree` (``lpm``, ``dfs-weight``);
 * a :class:`~scheduler_runtime.svf.KVBudget`: each released request is charged its unshared
   prompt tokens (the CHT's missing chunks, at most its prompt) plus, with SVF's peak check,
   its output length estimate; the charge returns when it leaves.
 
-Decision loop (:meth:`BatchingCore.plan`, once per engine step, with the free batch slots):
+A *round* of decisions (once per engine step; :meth:`BatchingCore.begin` opens it with the
+free batch slots, :meth:`BatchingCore.end` closes it and returns what was released, in order):
 
 1. anti-starvation: a request that has waited ``max_wait`` seconds is released before
    anything else, oldest first, whatever the policy says; if it does not fit the KV budget,
    nothing else is released until it does (the batch drains), so it waits at most
    ``max_wait`` plus the rest of one batch;
-2. seed: with an empty batch, Feather releases the smallest-volume request (SVF) when
-   ``svf_seed`` is on, else the CHT's best candidate; a baseline releases its first request;
-3. Feather: while the batch has free slots, ask the policy about the CHT's best candidate
-   with the observation ``[batch size, delta, w]`` (requests, chunks, requests) and the mask
-   ``[STOP valid, ADD valid]``: ADD releases it, STOP holds every waiting request until the
-   next step. ADD is invalid when the candidate does not fit the KV budget (the loop stops
-   without asking). Baselines release in their order until a request does not fit.
+2. seed: an empty batch gets its first request without a decision (STOP would be meaningless):
+   with ``svf_seed`` the smallest-volume request, else the ordering's first candidate;
+3. decisions: while the batch has free slots, the ordering's next candidate is the *pending
+   decision* (:attr:`BatchingCore.pending`): its observation (:meth:`BatchingCore.observe`,
+   the names are in :mod:`scheduler_runtime.decision`) and its mask ``[STOP valid, ADD valid]``.
+   :meth:`BatchingCore.add` releases it and moves to the next candidate; :meth:`BatchingCore.stop`
+   holds every waiting request until the next round. A candidate that does not fit the KV
+   budget ends the round without a decision (ADD would be invalid, STOP is then forced).
+
+:meth:`BatchingCore.plan` is that loop with a policy answering each decision: what the vLLM
+scheduler calls. The baselines answer with :class:`~scheduler_runtime.decision.AlwaysAdd`
+(their order does the work); Feather with its policy (default: the authors' heuristic,
+:class:`~scheduler_runtime.policy.HeuristicRule`). The environment answers with the agent.
 
 A STOP with nothing changed since (no arrival, release, finish or abort) is not asked again:
-the policy sees the same observation, so the answer would be the same for a deterministic
-policy; this keeps a long STOP cheap (``skipped_decisions``).
+the policy would see the same batch and candidate, so a deterministic policy would answer the
+same; this keeps a long STOP cheap (``skipped_decisions``), in serving and in the environment.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 
 from scheduler_runtime.cht import ChunkedHashTree
+from scheduler_runtime.decision import (
+    ADD,
+    EXTENDED_OBS_NAMES,
+    STOP,
+    AlwaysAdd,
+    BatchingPolicy,
+    EngineView,
+    NoEngine,
+)
+from scheduler_runtime.policy import HeuristicRule
 from scheduler_runtime.prefix_index import (
     DEFAULT_CHUNK_SIZE,
     Candidate,
@@ -60,83 +79,22 @@ from scheduler_runtime.radix import RadixTree
 from scheduler_runtime.svf import KeyQueue, KVBudget, volume
 
 __all__ = [
-    "ADD",
     "ADMISSIONS",
     "ORDERINGS",
-    "STOP",
-    "AlwaysAdd",
     "BatchingCore",
-    "BatchingPolicy",
     "CoreConfig",
     "CoreStats",
-    "FeatherHeuristic",
+    "Decision",
+    "Ordering",
+    "make_ordering",
 ]
 
-STOP, ADD = 0, 1
 #: How the next candidate is chosen: Feather (CHT + policy) or a baseline's order.
 ORDERINGS = ("feather", "fcfs", "sjf", "svf", "lpm", "dfs-weight")
 #: What a released request is charged against the KV capacity: nothing, its unshared prompt
 #: tokens (the engine's own admission test, made at release time), or SVF's peak (unshared
 #: prompt + output estimate).
 ADMISSIONS = ("none", "prompt", "peak")
-
-
-@runtime_checkable
-class BatchingPolicy(Protocol):
-    """An ADD/STOP policy (``scheduler_runtime.policy.load_policy`` returns one).
-
-    ``obs`` is ``float32 [batch_size, delta, w]`` in raw units (requests, CHT chunks,
-    requests); ``mask`` is ``bool [STOP valid, ADD valid]``; the answer is 0 (STOP) or
-    1 (ADD). Optional: an ``obs_spec`` attribute whose ``names`` has seven entries asks for
-    ``FeatherEnv(extended_obs=True)``'s observation (see :meth:`BatchingCore._observe`), and a
-    ``reset()`` method, called once when the core starts using the policy.
-    """
-
-    def act(self, obs: np.ndarray, mask: np.ndarray) -> int: ...
-
-
-class FeatherHeuristic:
-    """The authors' static batching rule (``docs/design.md``, "Static heuristic").
-
-    Empty batch: ADD. ADD when delta <= ``max_delta`` chunks, or <= ``max_delta_popular``
-    when at least ``popular_w`` waiting requests share the new depth, and then raise a
-    minimum-batch floor by one (at most ``floor_cap``); otherwise ADD only while the batch
-    is smaller than the floor.
-
-    The floor lives as long as the policy (:meth:`reset` restarts it), as in the authors'
-    code and ``scheduler_runtime.policy.HeuristicRule``: restarting it with every batch
-    would make it useless, since each cheap ADD grows the batch and the floor together.
-    """
-
-    def __init__(
-        self, max_delta: int = 5, max_delta_popular: int = 7, popular_w: int = 10, floor_cap: int = 10
-    ) -> None:
-        self.max_delta = max_delta
-        self.max_delta_popular = max_delta_popular
-        self.popular_w = popular_w
-        self.floor_cap = floor_cap
-        self.floor = 0
-
-    def reset(self) -> None:
-        self.floor = 0
-
-    def act(self, obs: np.ndarray, mask: np.ndarray) -> int:
-        batch_size, delta, w = float(obs[0]), float(obs[1]), float(obs[2])
-        if not mask[ADD]:
-            return STOP
-        if batch_size <= 0 or not mask[STOP]:
-            return ADD
-        if delta <= self.max_delta or (delta <= self.max_delta_popular and w >= self.popular_w):
-            self.floor = min(self.floor + 1, self.floor_cap)
-            return ADD
-        return ADD if batch_size < self.floor else STOP
-
-
-class AlwaysAdd:
-    """ADD whenever ADD is valid: the baselines' admission (their order does the work)."""
-
-    def act(self, obs: np.ndarray, mask: np.ndarray) -> int:
-        return ADD if mask[ADD] else STOP
 
 
 @dataclass(frozen=True)
@@ -146,8 +104,8 @@ class CoreConfig:
     Attributes:
         ordering: one of :data:`ORDERINGS`.
         admission: one of :data:`ADMISSIONS`.
-        svf_seed: Feather only: seed an empty batch with the smallest-volume request (else
-            with the CHT's best candidate, the environment's rule).
+        svf_seed: seed an empty batch with the smallest-volume request (else with the
+            ordering's first candidate).
         chunk_size: CHT chunk size in tokens (delta and depths are in these chunks).
         max_wait: seconds after which a waiting request is released whatever the policy
             says; ``None`` disables it.
@@ -177,8 +135,9 @@ class CoreConfig:
 class CoreStats:
     """Counters of the core (exported by the vLLM scheduler to ``/metrics``).
 
-    ``decisions`` counts policy queries (``adds`` + ``stops``); releases by the seed, by
-    ``max_wait`` and by a baseline's order are counted in ``released`` by reason.
+    ``decisions`` counts answered decisions (``adds`` + ``stops``); releases are counted in
+    ``released`` by reason: ``seed``, ``max_wait``, or an ADD (``policy`` for Feather's ordering,
+    ``order`` for a baseline's, so ``/metrics`` tells the two apart).
     ``decision_seconds`` is the wall time spent in :meth:`BatchingCore.plan`.
     """
 
@@ -189,8 +148,7 @@ class CoreStats:
     skipped_decisions: int = 0
     capacity_stops: int = 0
     released: dict[str, int] = field(
-        default_factory=lambda: {"policy": 0, "seed": 0, "max_wait": 0, "order": 0}
-    )
+        default_factory=lambda: {"policy": 0, "seed": 0, "max_wait": 0, "order": 0})
     arrived: int = 0
     finished: int = 0
     aborted: int = 0
@@ -213,15 +171,172 @@ class _Entry:
         self.footprint = 0.0
 
 
-class BatchingCore:
-    """Feather's batching decisions (or a baseline's) over waiting and active requests.
+@dataclass(frozen=True)
+class Decision:
+    """The pending decision: ADD ``request_id`` to the batch, or STOP (see :meth:`BatchingCore.observe`).
 
-    See the module docstring for the state and the decision loop.
+    ``mask`` is ``[STOP valid, ADD valid]``; a pending decision always has ADD valid (a candidate
+    that does not fit ends the round instead) and STOP valid (an empty batch is seeded).
+    """
+
+    request_id: str
+    mask: np.ndarray
+
+
+# ---------------------------------------------------------------------------------- orderings
+
+
+class Ordering:
+    """How an ordering picks the candidates of a round (vLLM's ``request_queue.py`` pattern: one
+    small class per policy). The core tells it about every change; :meth:`next_candidate` is asked
+    for the next waiting request of the current round after each release."""
+
+    name = ""
+
+    def __init__(self, core: BatchingCore) -> None:
+        self.core = core
+
+    def arrive(self, entry: _Entry, tokens: np.ndarray) -> None:  # noqa: B027 - optional hook
+        """A request arrived (it is waiting)."""
+
+    def release(self, request_id: str) -> None:  # noqa: B027 - optional hook
+        """A waiting request was released into the batch."""
+
+    def finish(self, request_id: str) -> None:  # noqa: B027 - optional hook
+        """An active request left the batch (finished or aborted)."""
+
+    def remove(self, request_id: str) -> None:  # noqa: B027 - optional hook
+        """A waiting request was aborted."""
+
+    def begin_round(self) -> None:  # noqa: B027 - optional hook
+        """A round of decisions starts (orderings that sort once per round sort here)."""
+
+    def next_candidate(self) -> str | None:
+        """The next waiting request of this round (None when none waits)."""
+        raise NotImplementedError
+
+
+class FeatherOrdering(Ordering):
+    """The CHT's best candidate: the waiting request that misses the fewest prefix chunks."""
+
+    name = "feather"
+
+    def next_candidate(self) -> str | None:
+        cand = self.core.cht.best_candidate()
+        if cand is None:
+            return None
+        self.core._candidate_cache = cand  # the decision's observation reuses it
+        return cand.request_id
+
+
+class FCFSOrdering(Ordering):
+    """Arrival order."""
+
+    name = "fcfs"
+
+    def next_candidate(self) -> str | None:
+        entry = self.core._oldest_waiting()
+        return None if entry is None else entry.request_id
+
+
+class KeyOrdering(Ordering):
+    """Ascending key, earliest arrival among ties: output length (``sjf``) or SVF volume (``svf``)."""
+
+    def __init__(self, core: BatchingCore, name: str) -> None:
+        super().__init__(core)
+        self.name = name
+        self.queue = KeyQueue()
+
+    def arrive(self, entry: _Entry, tokens: np.ndarray) -> None:
+        key = entry.output_len if self.name == "sjf" else volume(entry.prompt_len, entry.output_len)
+        self.queue.push(entry.request_id, key)
+
+    def release(self, request_id: str) -> None:
+        self.queue.discard(request_id)
+
+    remove = release
+
+    def next_candidate(self) -> str | None:
+        return self.queue.peek()
+
+
+class RadixOrdering(Ordering):
+    """SGLang's LPM or DFS-weight over a token radix tree of the batch, sorted once per round.
+
+    SGLang sorts its waiting queue once per scheduling round (``calc_priority``) and then admits
+    in that order; so does this, so a round matches every waiting request once, not once per
+    admission.
+    """
+
+    def __init__(self, core: BatchingCore, name: str) -> None:
+        super().__init__(core)
+        self.name = name
+        self.radix = RadixTree(name, core.chunk_size, core.config.lpm_fcfs_fallback)  # type: ignore[arg-type]
+        self._order: list[str] = []
+        self._pos = 0
+
+    def arrive(self, entry: _Entry, tokens: np.ndarray) -> None:
+        self.radix.insert(entry.request_id, tokens)
+
+    def release(self, request_id: str) -> None:
+        self.radix.activate(request_id)
+
+    def finish(self, request_id: str) -> None:
+        self.radix.finish(request_id)
+
+    def remove(self, request_id: str) -> None:
+        self.radix.remove(request_id)
+
+    def begin_round(self) -> None:
+        radix = self.radix
+        if self.name == "dfs-weight":
+            self._order = radix.dfs_weight_order()
+        else:
+            waiting = radix.waiting_ids()  # insertion (arrival) order
+            fallback = self.core.config.lpm_fcfs_fallback
+            if fallback is not None and len(waiting) > fallback:
+                self._order = waiting  # SGLang: no prefix matching above the threshold
+            else:
+                matched = {rid: radix.match_length(rid) for rid in waiting}
+                self._order = sorted(waiting, key=lambda rid: -matched[rid])  # stable: FCFS ties
+        self._pos = 0
+
+    def next_candidate(self) -> str | None:
+        order, waiting = self._order, self.core._waiting
+        while self._pos < len(order):
+            rid = order[self._pos]
+            if rid in waiting:
+                return rid
+            self._pos += 1  # released earlier in this round (as overdue or seed)
+        return None
+
+
+def make_ordering(core: BatchingCore) -> Ordering:
+    """The :class:`Ordering` of ``core.config.ordering``."""
+    name = core.config.ordering
+    if name == "feather":
+        return FeatherOrdering(core)
+    if name == "fcfs":
+        return FCFSOrdering(core)
+    if name in ("sjf", "svf"):
+        return KeyOrdering(core, name)
+    if name in ("lpm", "dfs-weight"):
+        return RadixOrdering(core, name)
+    raise ValueError(f"ordering must be one of {ORDERINGS}, got {name!r}")
+
+
+# ---------------------------------------------------------------------------------- the core
+
+
+class BatchingCore:
+    """Batching decisions of an ordering and a policy over waiting and active requests.
+
+    See the module docstring for the state, the round and the decisions.
 
     Args:
         config: the core's knobs.
-        policy: Feather's ADD/STOP policy (default :class:`FeatherHeuristic`); ignored by
-            the baselines, which release in their order (:class:`AlwaysAdd`).
+        policy: the ADD/STOP policy :meth:`plan` asks (default: Feather's heuristic for the
+            ``feather`` ordering, :class:`~scheduler_runtime.decision.AlwaysAdd` for the others).
         kv_capacity_tokens: KV capacity for the admission check; ``None``: unlimited.
     """
 
@@ -233,35 +348,38 @@ class BatchingCore:
     ) -> None:
         self.config = config or CoreConfig()
         cfg = self.config
-        if cfg.ordering == "feather":
-            self.policy: BatchingPolicy = policy if policy is not None else FeatherHeuristic()
-        else:
-            self.policy = AlwaysAdd()
-        spec = getattr(self.policy, "obs_spec", None)
-        self._extended_obs = len(getattr(spec, "names", ())) == 7
-        reset = getattr(self.policy, "reset", None)
+        if policy is None:
+            policy = HeuristicRule() if cfg.ordering == "feather" else AlwaysAdd()
+        self.policy: BatchingPolicy = policy
+        spec = getattr(policy, "obs_spec", None)
+        self.policy_extended_obs = len(getattr(spec, "names", ())) == len(EXTENDED_OBS_NAMES)
+        self._policy_observes = getattr(policy, "observes", True)
+        reset = getattr(policy, "reset", None)
         if reset is not None:
             reset()
         self.chunk_size = cfg.chunk_size
         self.cht = ChunkedHashTree(cfg.chunk_size)
         self.budget = KVBudget(kv_capacity_tokens if cfg.admission != "none" else None)
-        self.radix: RadixTree | None = None
-        if cfg.ordering in ("lpm", "dfs-weight"):
-            self.radix = RadixTree(cfg.ordering, cfg.chunk_size, cfg.lpm_fcfs_fallback)  # type: ignore[arg-type]
-        self._key_q: KeyQueue | None = KeyQueue() if cfg.ordering in ("sjf", "svf") else None
-        self._volume_q: KeyQueue | None = (
-            KeyQueue() if cfg.ordering == "feather" and cfg.svf_seed else None
-        )
+        self._volume_q: KeyQueue | None = KeyQueue() if cfg.svf_seed else None
         self._waiting: dict[str, _Entry] = {}
         self._active: dict[str, _Entry] = {}
         self._arrivals: deque[_Entry] = deque()  # arrival order, stale entries skipped lazily
         self._version = 0  # bumped by every change a policy could observe
         self._stop_version = -1  # _version at the last STOP
+        self.ordering = make_ordering(self)
+        self._add_reason = "policy" if cfg.ordering == "feather" else "order"
+        # the open round: free slots left, released ids, the pending decision
+        self._round_open = False
+        self._free = 0
+        self._released: list[str] = []
+        self._pending: Decision | None = None
+        self._candidate_cache: Candidate | None = None
+        self._engine: EngineView = NoEngine()
         self.stats = CoreStats()
 
     # ------------------------------------------------------------------ request lifecycle
 
-    def add(
+    def arrive(
         self,
         request_id: str,
         token_ids: np.ndarray | Sequence[int],
@@ -269,11 +387,11 @@ class BatchingCore:
         arrival: float,
         output_len: float,
     ) -> None:
-        """A request arrived: it waits until :meth:`plan` releases it.
+        """A request arrived: it waits until a round releases it.
 
         Args:
             token_ids: its prompt.
-            arrival: its arrival time (same clock as ``plan``'s ``now``, seconds).
+            arrival: its arrival time (the clock of ``begin``'s ``now``, seconds).
             output_len: the output length estimate its scheduler uses (predicted, 1-bit proxy
                 or true): the SJF key, the volume's ``o`` and the peak check's output.
 
@@ -286,17 +404,12 @@ class BatchingCore:
         tokens = np.asarray(token_ids)
         self.cht.insert(request_id, tokens)  # validates the prompt before anything else changes
         entry = _Entry(request_id, int(tokens.size), max(float(output_len), 1.0), float(arrival))
-        if self.radix is not None:
-            self.radix.insert(request_id, tokens)
-        if self._key_q is not None:
-            key = entry.output_len if self.config.ordering == "sjf" else volume(
-                entry.prompt_len, entry.output_len)
-            self._key_q.push(request_id, key)
+        self.ordering.arrive(entry, tokens)
         if self._volume_q is not None:
             self._volume_q.push(request_id, volume(entry.prompt_len, entry.output_len))
         self._waiting[request_id] = entry
         self._arrivals.append(entry)
-        self._version += 1
+        self._changed()
         self.stats.arrived += 1
 
     def finish(self, request_id: str) -> None:
@@ -322,19 +435,20 @@ class BatchingCore:
             if self._waiting.pop(request_id, None) is None:
                 raise UnknownRequestError(f"request {request_id!r} is neither waiting nor active")
             self.cht.remove(request_id)
-            if self.radix is not None:
-                self.radix.remove(request_id)
-            self._leave_queues(request_id)
-            self._version += 1
+            self.ordering.remove(request_id)
+            if self._volume_q is not None:
+                self._volume_q.discard(request_id)
+            self._changed()
         self.stats.aborted += 1
 
     def _drop_active(self, request_id: str) -> None:
         del self._active[request_id]
+        if self._round_open and request_id in self._released:
+            self._released.remove(request_id)  # gone before the round handed it to the engine
         self.cht.finish(request_id)
-        if self.radix is not None:
-            self.radix.finish(request_id)
+        self.ordering.finish(request_id)
         self.budget.release(request_id)
-        self._version += 1
+        self._changed()
 
     def preempted(self, request_id: str) -> None:
         """The engine preempted an active request. It stays in the batch: the engine puts it
@@ -344,156 +458,201 @@ class BatchingCore:
             raise UnknownRequestError(f"request {request_id!r} is not active")
         self.stats.preempted += 1
 
-    # ------------------------------------------------------------------ decisions
+    def _changed(self) -> None:
+        self._version += 1
+        if self._pending is not None:
+            # an arrival or finish during an open round: the candidate may no longer be best
+            self._pending = None
+            self._next_decision()
 
-    def plan(self, now: float, free_slots: int) -> list[str]:
-        """Decide which waiting requests to release now, in release order.
+    # ------------------------------------------------------------------ a round of decisions
+
+    def begin(self, now: float, free_slots: int, engine: EngineView | None = None) -> None:
+        """Open a round: release the overdue and the seed, then stop at the first decision.
 
         Args:
-            now: current time (the clock of ``add``'s ``arrival``).
+            now: current time (the clock of ``arrive``'s ``arrival``).
             free_slots: how many more requests the batch can hold (the engine's max batch
                 size minus its running and already released requests).
-        """
-        start = time.perf_counter()
-        released: list[str] = []
-        try:
-            if self._waiting and free_slots > 0:
-                self._plan(now, free_slots, released)
-        finally:
-            elapsed = time.perf_counter() - start
-            stats = self.stats
-            stats.plan_calls += 1
-            stats.decision_seconds += elapsed
-            if elapsed > stats.max_plan_seconds:
-                stats.max_plan_seconds = elapsed
-        return released
+            engine: what the observation reads of the engine (KV usage, cached prefixes).
 
-    def _plan(self, now: float, free_slots: int, released: list[str]) -> None:
+        Raises:
+            RuntimeError: a round is already open.
+        """
+        if self._round_open:
+            raise RuntimeError("a round is already open: end() it first")
+        self._round_open = True
+        self._free = max(0, int(free_slots))
+        self._released = []
+        self._engine = engine if engine is not None else NoEngine()
+        if not self._waiting or self._free <= 0:
+            return
         cfg = self.config
         # 1. anti-starvation, oldest first; an overdue request that does not fit blocks the rest
         if cfg.max_wait is not None:
-            while free_slots > 0:
+            while self._free > 0:
                 entry = self._oldest_waiting()
                 if entry is None or now - entry.arrival < cfg.max_wait:
                     break
                 if not self.budget.fits(self._footprint(entry.request_id)):
                     self.stats.capacity_stops += 1
+                    self._free = 0
                     return
-                self._release(entry.request_id, "max_wait", released)
-                free_slots -= 1
-        if not self._waiting or free_slots <= 0:
+                self._release(entry.request_id, "max_wait")
+        if not self._waiting or self._free <= 0:
             return
-        # 2. seed an empty batch
+        self.ordering.begin_round()
+        # 2. seed an empty batch (STOP would be meaningless there)
         if not self._active:
-            if cfg.ordering == "feather":
-                if self._volume_q is not None:
-                    seed = self._volume_q.peek()
-                else:
-                    cand = self.cht.best_candidate()
-                    seed = cand.request_id if cand is not None else None
-                assert seed is not None
-                self._release(seed, "seed", released)
-                free_slots -= 1
-        if cfg.ordering == "feather":
-            self._feather_loop(free_slots, released)
-        else:
-            self._baseline_loop(free_slots, released)
-
-    def _feather_loop(self, free_slots: int, released: list[str]) -> None:
-        stats = self.stats
-        mask = np.ones(2, dtype=bool)
-        while free_slots > 0 and self._waiting:
-            cand = self.cht.best_candidate()
-            assert cand is not None
-            if not self.budget.fits(self._footprint(cand.request_id)):
-                stats.capacity_stops += 1
-                return
-            if self._stop_version == self._version:
-                stats.skipped_decisions += 1
-                return
-            mask[STOP] = bool(self._active)
-            mask[ADD] = True
-            action = int(self.policy.act(self._observe(cand), mask))
-            stats.decisions += 1
-            if action == ADD:
-                stats.adds += 1
-                self._release(cand.request_id, "policy", released)
-                free_slots -= 1
+            if self._volume_q is not None:
+                seed = self._volume_q.peek()
             else:
-                if not mask[STOP]:
-                    raise ValueError("the policy answered STOP on an empty batch (masked out)")
-                stats.stops += 1
-                self._stop_version = self._version
-                return
+                seed = self.ordering.next_candidate()
+            assert seed is not None
+            self._release(seed, "seed")
+        # 3. the first decision
+        self._next_decision()
 
-    def _baseline_loop(self, free_slots: int, released: list[str]) -> None:
-        for request_id in self._baseline_order():
-            if free_slots <= 0:
-                return
-            if request_id not in self._waiting:
-                continue  # released earlier in this round (e.g. as overdue or seed)
-            if not self.budget.fits(self._footprint(request_id)):
-                self.stats.capacity_stops += 1
-                return
-            self._release(request_id, "order", released)
-            free_slots -= 1
+    @property
+    def pending(self) -> Decision | None:
+        """The decision the open round waits for (None: the round is over, call :meth:`end`)."""
+        return self._pending
 
-    def _baseline_order(self) -> Iterator[str]:
-        """The baseline's order over the waiting requests, computed once per round.
+    @property
+    def round_open(self) -> bool:
+        return self._round_open
 
-        SGLang sorts its waiting queue once per scheduling round (``calc_priority``) and then
-        adds in that order; the radix orderings do the same here, so a round matches every
-        waiting request once, not once per admission.
+    def observe(self, extended: bool = False) -> np.ndarray:
+        """The observation of the pending decision, raw and unclipped (``float32``).
+
+        The names are :data:`~scheduler_runtime.decision.BASE_OBS_NAMES` (or, with ``extended``,
+        :data:`~scheduler_runtime.decision.EXTENDED_OBS_NAMES`). A loaded policy clips to its
+        training bounds; the environment clips to its observation space.
+
+        Raises:
+            RuntimeError: no decision is pending.
         """
-        ordering = self.config.ordering
-        if ordering == "fcfs":
-            while True:
-                entry = self._oldest_waiting()
-                if entry is None:
-                    return
-                yield entry.request_id
-        if self._key_q is not None:
-            while True:
-                rid = self._key_q.peek()
-                if rid is None:
-                    return
-                yield rid
-        radix = self.radix
-        assert radix is not None
-        if ordering == "dfs-weight":
-            yield from radix.dfs_weight_order()
-            return
-        waiting = radix.waiting_ids()  # insertion (arrival) order
-        fallback = self.config.lpm_fcfs_fallback
-        if fallback is not None and len(waiting) > fallback:
-            yield from waiting  # SGLang: no prefix matching above the threshold
-            return
-        matched = {rid: radix.match_length(rid) for rid in waiting}
-        yield from sorted(waiting, key=lambda rid: -matched[rid])  # stable: FCFS among ties
-
-    def _observe(self, cand: Candidate) -> np.ndarray:
-        """The policy's observation, unclipped (a loaded policy clips to its training bounds).
-
-        Extended: ``[batch size, delta, w, waiting, KV budget used / capacity, candidate's
-        missing chunks, candidate's prompt chunks]``; the KV share counts outputs only under
-        SVF's peak check (``admission="peak"``), as the environment does.
-        """
+        pending = self._pending
+        if pending is None:
+            raise RuntimeError("no decision is pending")
+        cand = self._candidate_cache
+        if cand is None or cand.request_id != pending.request_id:
+            cand = self.cht.candidate(pending.request_id)
+            self._candidate_cache = cand
         delta = cand.depth_before - cand.depth_after
-        if not self._extended_obs:
+        if not extended:
             return np.array([len(self._active), delta, cand.w], dtype=np.float32)
-        entry = self._waiting[cand.request_id]
+        rid = pending.request_id
+        entry = self._waiting[rid]
+        engine = self._engine
         return np.array(
             [
                 len(self._active),
                 delta,
                 cand.w,
                 len(self._waiting),
-                min(self.budget.fraction, 1.0),
-                self.cht.missing_count(cand.request_id),
+                engine.kv_usage(),
+                self.cht.missing_count(rid),
                 num_chunks(entry.prompt_len, self.chunk_size),
+                engine.cached_prefix_tokens(rid) // self.chunk_size,
             ],
             dtype=np.float32,
         )
+
+    def add(self) -> None:
+        """Answer the pending decision with ADD: release its candidate."""
+        pending = self._require_pending()
+        self.stats.decisions += 1
+        self.stats.adds += 1
+        self._pending = None
+        self._release(pending.request_id, self._add_reason)
+        self._next_decision()
+
+    def stop(self) -> None:
+        """Answer the pending decision with STOP: hold every waiting request until the next round."""
+        self._require_pending()
+        self.stats.decisions += 1
+        self.stats.stops += 1
+        self._stop_version = self._version
+        self._pending = None
+
+    def decide(self, action: int) -> None:
+        """:meth:`add` (``ADD``) or :meth:`stop` (``STOP``).
+
+        Raises:
+            ValueError: another action, or one the mask rules out.
+        """
+        pending = self._require_pending()
+        if action not in (STOP, ADD):
+            raise ValueError(f"action must be {STOP} (STOP) or {ADD} (ADD), got {action!r}")
+        if not pending.mask[action]:
+            raise ValueError(f"action {action} is masked out for request {pending.request_id!r}")
+        if action == ADD:
+            self.add()
+        else:
+            self.stop()
+
+    def end(self) -> list[str]:
+        """Close the round; the ids it released, in release order (a pending decision is dropped,
+        as a STOP that is asked again next round)."""
+        if not self._round_open:
+            raise RuntimeError("no round is open")
+        self._round_open = False
+        self._pending = None
+        released, self._released = self._released, []
+        return released
+
+    def plan(self, now: float, free_slots: int, engine: EngineView | None = None) -> list[str]:
+        """One round answered by :attr:`policy`: the ids to release now, in release order.
+
+        Args: as :meth:`begin`.
+        """
+        start = time.perf_counter()
+        try:
+            self.begin(now, free_slots, engine)
+            policy, extended = self.policy, self.policy_extended_obs
+            observes = self._policy_observes
+            while (pending := self._pending) is not None:
+                obs = self.observe(extended) if observes else None
+                action = int(policy.act(obs, pending.mask))  # type: ignore[arg-type]
+                if action == ADD:
+                    self.add()
+                elif action == STOP:
+                    self.stop()
+                else:
+                    raise ValueError(f"the policy answered {action!r}, not STOP ({STOP}) or ADD ({ADD})")
+            return self.end()
+        finally:
+            if self._round_open:  # the policy raised: leave no half-open round behind
+                self.end()
+            elapsed = time.perf_counter() - start
+            stats = self.stats
+            stats.plan_calls += 1
+            stats.decision_seconds += elapsed
+            if elapsed > stats.max_plan_seconds:
+                stats.max_plan_seconds = elapsed
+
+    def _require_pending(self) -> Decision:
+        if self._pending is None:
+            raise RuntimeError("no decision is pending")
+        return self._pending
+
+    def _next_decision(self) -> None:
+        """Make the ordering's next candidate the pending decision, or end the round's decisions."""
+        if not self._round_open or self._free <= 0 or not self._waiting:
+            return
+        rid = self.ordering.next_candidate()
+        if rid is None:
+            return
+        if not self.budget.fits(self._footprint(rid)):
+            self.stats.capacity_stops += 1
+            return
+        if self._stop_version == self._version:
+            self.stats.skipped_decisions += 1
+            return
+        self._pending = Decision(rid, np.array([bool(self._active), True]))
+
+    # ------------------------------------------------------------------ internals
 
     def _footprint(self, request_id: str) -> float:
         """KV tokens the request adds to the batch at its peak (0 with admission 'none')."""
@@ -504,25 +663,20 @@ class BatchingCore:
         unshared = min(self.cht.missing_count(request_id) * self.chunk_size, entry.prompt_len)
         return float(unshared) + (entry.output_len if admission == "peak" else 0.0)
 
-    def _leave_queues(self, request_id: str) -> None:
-        """Drop a request that stops waiting from the length-ordered queues (if any)."""
-        for queue in (self._key_q, self._volume_q):
-            if queue is not None:
-                queue.discard(request_id)
-
-    def _release(self, request_id: str, reason: str, released: list[str]) -> None:
+    def _release(self, request_id: str, reason: str) -> None:
         footprint = self._footprint(request_id)  # before activation: against the batch without it
         entry = self._waiting.pop(request_id)
         self.cht.activate(request_id)
-        if self.radix is not None:
-            self.radix.activate(request_id)
-        self._leave_queues(request_id)
+        self.ordering.release(request_id)
+        if self._volume_q is not None:
+            self._volume_q.discard(request_id)
         entry.footprint = footprint
         self.budget.charge(request_id, footprint)
         self._active[request_id] = entry
         self._version += 1
+        self._free -= 1
         self.stats.released[reason] += 1
-        released.append(request_id)
+        self._released.append(request_id)
 
     def _oldest_waiting(self) -> _Entry | None:
         arrivals, waiting = self._arrivals, self._waiting
@@ -563,6 +717,11 @@ class BatchingCore:
             raise UnknownRequestError(f"request {request_id!r} is neither waiting nor active")
         return entry.arrival
 
+    def oldest_arrival(self) -> float | None:
+        """Arrival time of the longest-waiting request (None when none waits)."""
+        entry = self._oldest_waiting()
+        return None if entry is None else entry.arrival
+
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._waiting or request_id in self._active
 
@@ -579,10 +738,11 @@ class BatchingCore:
         assert set(self.cht.waiting_ids()) == waiting, "CHT waiting set"
         assert set(self.cht.active_ids()) == active, "CHT active set"
         self.cht.check_consistency()
-        if self.radix is not None:
-            assert set(self.radix.waiting_ids()) == waiting, "radix waiting set"
-            assert set(self.radix.active_ids()) == active, "radix active set"
-        for queue in (self._key_q, self._volume_q):
+        radix = getattr(self.ordering, "radix", None)
+        if radix is not None:
+            assert set(radix.waiting_ids()) == waiting, "radix waiting set"
+            assert set(radix.active_ids()) == active, "radix active set"
+        for queue in (getattr(self.ordering, "queue", None), self._volume_q):
             if queue is not None:
                 assert len(queue) == len(waiting) and all(r in queue for r in waiting), "key queue"
         assert len(self.budget) == len(active) and all(r in self.budget for r in active), "budget"
@@ -590,5 +750,7 @@ class BatchingCore:
         assert abs(self.budget.used - used) <= 1e-6 * max(1.0, used), "budget total"
         live = [e for e in self._arrivals if self._waiting.get(e.request_id) is e]
         assert len(live) == len(waiting), "arrival queue"
+        if self._pending is not None:
+            assert self._round_open and self._pending.request_id in waiting, "pending decision"
         if not self._waiting and not self._active:
             assert self.cht.num_keys == 0, "keys left in the CHT"

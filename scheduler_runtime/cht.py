@@ -245,6 +245,21 @@ class ChunkedHashTree:
             return None
         req = self._slot_req[slot]
         assert req is not None
+        return self._candidate(req)
+
+    def candidate(self, request_id: str) -> Candidate:
+        """What adding waiting request ``request_id`` would do to the batch (any waiting request,
+        not only the best: the baselines' candidates are observed with the same definition).
+
+        Raises:
+            UnknownRequestError: it is not waiting.
+        """
+        req = self._waiting.get(request_id)
+        if req is None:
+            raise UnknownRequestError(self._state_message(request_id, "waiting"))
+        return self._candidate(req)
+
+    def _candidate(self, req: _Request) -> Candidate:
         depth_before = self.shared_depth
         if not self._active:
             depth_after = req.num_keys

@@ -20,11 +20,12 @@ File layout (``FORMAT_VERSION`` 1)::
       "sha256": "..."                    # of the canonical JSON of every other field
     }
 
-The observation is the environment's, in raw units (``FeatherEnv``: batch size, delta in
-chunks of ``chunk_size`` tokens, w); ``scale`` is ``FeatherEnv.obs_scale``. A loaded policy's
-``act(obs, mask)`` takes exactly what the environment gives (or what the runtime scheduler
-measures: running batch size, delta, w) and the mask ``[STOP valid, ADD valid]``; values
-outside ``[low, high]`` are clipped first, as the environment clips them.
+The observation is the batching core's (:mod:`scheduler_runtime.decision` names its entries),
+in raw units: batch size, delta in chunks of ``chunk_size`` tokens, w, and with the extended
+names the rest; ``scale`` is ``FeatherEnv.obs_scale``. A loaded policy's ``act(obs, mask)``
+takes exactly what the environment gives, which is what the serving core computes, and the
+mask ``[STOP valid, ADD valid]``; values outside ``[low, high]`` are clipped first, as the
+environment clips them.
 
 Kinds and their ``params``:
 
@@ -58,6 +59,8 @@ from typing import Any
 
 import numpy as np
 
+from scheduler_runtime.decision import ACTION_NAMES, ADD, BASE_OBS_NAMES, EXTENDED_OBS_NAMES, STOP
+
 __all__ = [
     "ACTION_NAMES",
     "ADD",
@@ -85,11 +88,6 @@ __all__ = [
 
 FORMAT = "feather-policy"
 FORMAT_VERSION = 1
-STOP, ADD = 0, 1
-ACTION_NAMES = ("STOP", "ADD")
-#: The environment's observation (``FeatherEnv``), and its ``extended_obs=True`` variant.
-BASE_OBS_NAMES = ("batch_size", "delta", "w")
-EXTENDED_OBS_NAMES = BASE_OBS_NAMES + ("waiting", "kv_usage", "missing_chunks", "prompt_chunks")
 KINDS = ("constant", "heuristic", "table", "mlp")
 
 

@@ -42,8 +42,10 @@ from typing import Any
 
 import numpy as np
 
-from scheduler_runtime.batching import BatchingCore, BatchingPolicy, CoreConfig, FeatherHeuristic
+from scheduler_runtime.batching import BatchingCore, CoreConfig
 from scheduler_runtime.config import ConfigError, from_mapping, load_mapping
+from scheduler_runtime.decision import BatchingPolicy, EngineView
+from scheduler_runtime.policy import HeuristicRule
 from scheduler_runtime.predictor import OutputLengthPredictor, load_predictor
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 
@@ -322,7 +324,7 @@ class FeatherRuntime:
             raise ConfigError("fcfs is vLLM's own scheduler: it has no Feather runtime")
         self.config = config
         if policy is None and config.ordering == "feather":
-            policy = _load_feather_policy(config.policy) if config.policy else FeatherHeuristic()
+            policy = _load_feather_policy(config.policy) if config.policy else HeuristicRule()
         policy_chunk = _policy_chunk_size(policy) if policy is not None else None
         if config.chunk_size is not None and policy_chunk is not None and config.chunk_size != policy_chunk:
             raise ConfigError(f"scheduler.chunk_size={config.chunk_size} but the policy {config.policy} "
@@ -375,13 +377,13 @@ class FeatherRuntime:
         """A new request: predict its length and hold it in the core."""
         start = time.perf_counter()
         tokens = np.asarray(prompt_token_ids, dtype=np.int32)
-        self.core.add(request_id, tokens, arrival=now,
+        self.core.arrive(request_id, tokens, arrival=now,
                       output_len=self.output_length(tokens, max_tokens, extra_args))
         self.stats.arrival_seconds += time.perf_counter() - start
 
-    def plan(self, now: float, free_slots: int) -> list[str]:
+    def plan(self, now: float, free_slots: int, engine: EngineView | None = None) -> list[str]:
         """Ids to release to the engine now, in order (see :meth:`BatchingCore.plan`)."""
-        return self.core.plan(now, free_slots)
+        return self.core.plan(now, free_slots, engine)
 
     def freed(self, request_id: str, aborted: bool) -> None:
         """The engine freed a request it knew (finished, or aborted/errored)."""

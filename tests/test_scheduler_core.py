@@ -18,15 +18,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from scheduler_runtime.batching import (
-    ADD,
-    ORDERINGS,
-    STOP,
-    BatchingCore,
-    CoreConfig,
-    FeatherHeuristic,
-)
+from scheduler_runtime.batching import ORDERINGS, BatchingCore, CoreConfig
 from scheduler_runtime.config import ConfigError
+from scheduler_runtime.decision import ADD, STOP
+from scheduler_runtime.policy import HeuristicRule
 from scheduler_runtime.predictor import OutputLengthPredictor, load_predictor
 from scheduler_runtime.prefix_index import DuplicateRequestError, UnknownRequestError
 from scheduler_runtime.schedulers import (
@@ -76,7 +71,7 @@ def simulate(core: BatchingCore, reqs: list[Req], slots: int, dt: float = 1.0, m
     for _ in range(max_steps):
         while i < len(pending) and pending[i].arrival <= now:
             r = pending[i]
-            core.add(r.rid, r.tokens, arrival=r.arrival, output_len=r.output_len)
+            core.arrive(r.rid, r.tokens, arrival=r.arrival, output_len=r.output_len)
             i += 1
         for rid in core.plan(now, slots - len(remaining)):
             assert rid not in released_at, f"{rid} released twice"
@@ -130,7 +125,7 @@ class Recorder:
 
 
 def test_heuristic_follows_the_design_rule():
-    h = FeatherHeuristic()
+    h = HeuristicRule()
     ok = np.array([True, True])
     assert h.act(np.array([0, -9, 0]), np.array([False, True])) == ADD  # empty batch
     assert h.act(np.array([3, 5, 0]), ok) == ADD and h.floor == 1
@@ -144,17 +139,6 @@ def test_heuristic_follows_the_design_rule():
     assert h.act(np.array([3, 0, 0]), np.array([True, False])) == STOP  # ADD masked
     h.reset()
     assert h.floor == 0
-
-
-def test_heuristic_agrees_with_the_exported_rule():
-    policy = pytest.importorskip("scheduler_runtime.policy")
-    ours, theirs = FeatherHeuristic(), policy.HeuristicRule()
-    rng = np.random.default_rng(0)
-    for _ in range(2000):
-        obs = np.array([rng.integers(0, 40), rng.integers(-3, 12), rng.integers(0, 20)], dtype=np.float32)
-        mask = np.array([obs[0] > 0, rng.random() < 0.9])
-        assert ours.act(obs, mask) == theirs.act(obs, mask)
-        assert ours.floor == theirs.floor
 
 
 # ---------------------------------------------------------------------------- lifecycle
@@ -191,10 +175,10 @@ def test_stop_holds_the_rest_until_the_batch_drains():
 
 def test_policy_sees_batch_size_delta_and_w_of_the_cht_candidate():
     reqs = grouped(2, 6, prefix=64, seed=4)
-    rec = Recorder(FeatherHeuristic())
+    rec = Recorder(HeuristicRule())
     core = BatchingCore(CoreConfig(chunk_size=CHUNK, max_wait=None, svf_seed=False, admission="none"), rec)
     for r in reqs:
-        core.add(r.rid, r.tokens, arrival=0.0, output_len=r.output_len)
+        core.arrive(r.rid, r.tokens, arrival=0.0, output_len=r.output_len)
     core.plan(0.0, 100)
     assert rec.calls, "the policy was never asked"
     obs, mask = rec.calls[0]
@@ -211,7 +195,7 @@ def test_aborted_requests_leave_nothing_in_the_cht():
     for ordering in ORDERINGS:
         core = BatchingCore(CoreConfig(ordering=ordering, chunk_size=CHUNK), kv_capacity_tokens=10_000)
         for r in reqs:
-            core.add(r.rid, r.tokens, arrival=0.0, output_len=r.output_len)
+            core.arrive(r.rid, r.tokens, arrival=0.0, output_len=r.output_len)
         released = core.plan(0.0, 5)
         assert released
         for rid in released[:2]:
@@ -223,19 +207,20 @@ def test_aborted_requests_leave_nothing_in_the_cht():
             core.remove(rid)
         core.check_consistency()
         assert len(core) == 0 and core.cht.num_keys == 0 and core.budget.used == 0
-        if core.radix is not None:
-            assert core.radix.is_empty_tree()
+        radix = getattr(core.ordering, "radix", None)
+        if radix is not None:
+            assert radix.is_empty_tree()
         with pytest.raises(UnknownRequestError):
             core.remove(reqs[0].rid)
 
 
 def test_errors_leave_the_state_unchanged():
     core = BatchingCore(CoreConfig(chunk_size=CHUNK))
-    core.add("a", np.arange(3, 40), arrival=0.0, output_len=4)
+    core.arrive("a", np.arange(3, 40), arrival=0.0, output_len=4)
     with pytest.raises(DuplicateRequestError):
-        core.add("a", np.arange(3, 40), arrival=0.0, output_len=4)
+        core.arrive("a", np.arange(3, 40), arrival=0.0, output_len=4)
     with pytest.raises(ValueError):
-        core.add("b", np.array([], dtype=np.int32), arrival=0.0, output_len=4)
+        core.arrive("b", np.array([], dtype=np.int32), arrival=0.0, output_len=4)
     with pytest.raises(UnknownRequestError):
         core.finish("a")  # waiting, not active
     with pytest.raises(UnknownRequestError):
@@ -248,7 +233,7 @@ def test_preemption_keeps_the_request_in_the_batch():
     reqs = grouped(2, 3, prefix=40, seed=6)
     core = BatchingCore(CoreConfig(chunk_size=CHUNK, admission="none"))
     for r in reqs:
-        core.add(r.rid, r.tokens, arrival=0.0, output_len=r.output_len)
+        core.arrive(r.rid, r.tokens, arrival=0.0, output_len=r.output_len)
     released = core.plan(0.0, 3)
     victim = released[-1]
     core.preempted(victim)
@@ -258,6 +243,122 @@ def test_preemption_keeps_the_request_in_the_batch():
     # resumed and finished like any other
     core.finish(victim)
     assert victim not in core
+    core.check_consistency()
+
+
+# ---------------------------------------------------------------------------- the step API
+
+
+def stepped(core: BatchingCore, policy, extended: bool = False):
+    """A planner that answers each pending decision from outside, as the environment does."""
+
+    def plan(now: float, slots: int, engine=None) -> list[str]:
+        core.begin(now, slots, engine)
+        while (pending := core.pending) is not None:
+            core.decide(policy.act(core.observe(extended), pending.mask))
+        return core.end()
+
+    return plan
+
+
+@pytest.mark.parametrize("ordering", ORDERINGS)
+def test_stepping_the_decisions_releases_what_plan_releases(ordering):
+    reqs = grouped(4, 6, prefix=64, seed=21)
+    rng = np.random.default_rng(22)
+    for r in reqs:
+        r.arrival = float(rng.integers(0, 30))
+    cfg = CoreConfig(ordering=ordering, chunk_size=CHUNK, max_wait=15.0)
+    by_plan = BatchingCore(cfg, policy=HeuristicRule(), kv_capacity_tokens=700)
+    by_step = BatchingCore(cfg, policy=HeuristicRule(), kv_capacity_tokens=700)
+    outside = HeuristicRule()  # the agent: a second copy of the same rule, fed by observe()
+    first = simulate(by_plan, reqs, slots=6)
+    by_step.plan = stepped(by_step, outside)  # type: ignore[method-assign]
+    second = simulate(by_step, reqs, slots=6)
+    assert first == second
+    assert by_plan.stats.decisions == by_step.stats.decisions > 0
+
+
+class FakeEngine:
+    def __init__(self, usage: float, cached: dict[str, int]):
+        self.usage, self.cached = usage, cached
+
+    def kv_usage(self) -> float:
+        return self.usage
+
+    def cached_prefix_tokens(self, request_id: str) -> int:
+        return self.cached.get(request_id, 0)
+
+
+def test_pending_decision_observation_mask_and_answers():
+    reqs = grouped(2, 3, prefix=64, seed=23)  # 69 tokens: 5 chunks of 16
+    core = BatchingCore(CoreConfig(chunk_size=CHUNK, max_wait=None, svf_seed=False, admission="none"))
+    for r in reqs:
+        core.arrive(r.rid, r.tokens, arrival=0.0, output_len=r.output_len)
+    with pytest.raises(RuntimeError, match="no decision"):
+        core.add()
+    engine = FakeEngine(0.25, {reqs[2].rid: 40})
+    core.begin(0.0, 3, engine)
+    with pytest.raises(RuntimeError, match="already open"):
+        core.begin(0.0, 3)
+    seed = core.active_ids()
+    assert len(seed) == 1 and core.pending is not None  # the seed needed no decision
+    pending = core.pending
+    assert pending.mask.tolist() == [True, True] and core.is_waiting(pending.request_id)
+    # the candidate is the seed's sibling: same document, so the batch keeps 4 chunks of 5
+    obs = core.observe(extended=True)
+    assert obs.dtype == np.float32 and obs.shape == (8,)
+    assert obs[:4].tolist() == [1, 1, 1, 5] and obs[4] == np.float32(0.25)  # w: one more sibling
+    assert obs[5] == 1 and obs[6] == 5  # misses its own last chunk; 69 tokens = 5 chunks
+    assert obs[7] == (40 // CHUNK if pending.request_id == reqs[2].rid else 0)
+    assert core.observe().tolist() == obs[:3].tolist()
+    with pytest.raises(ValueError):
+        core.decide(7)
+    core.add()
+    assert core.num_active == 2 and core.pending is not None
+    core.stop()
+    assert core.pending is None and core.round_open
+    released = core.end()
+    assert released == seed + [pending.request_id] and not core.round_open
+    # nothing changed since the STOP: the next round asks nothing, until a request arrives
+    core.begin(1.0, 3)
+    assert core.pending is None and core.end() == []
+    assert core.stats.skipped_decisions == 1
+    core.arrive("new", np.arange(3, 30), arrival=1.0, output_len=3)
+    core.begin(1.0, 3)
+    assert core.pending is not None
+    core.end()  # a pending decision left unanswered is simply asked again next round
+    core.begin(2.0, 1)
+    assert core.pending is not None and core.end() == []
+    core.check_consistency()
+
+
+def test_baseline_candidates_are_observed_like_feathers():
+    reqs = grouped(3, 2, prefix=64, seed=24)
+    core = BatchingCore(CoreConfig(ordering="fcfs", chunk_size=CHUNK, admission="none", svf_seed=False))
+    for r in reqs:
+        core.arrive(r.rid, r.tokens, arrival=0.0, output_len=r.output_len)
+    core.begin(0.0, 4)
+    assert core.active_ids() == [reqs[0].rid]  # fcfs seeds with the oldest
+    assert core.pending.request_id == reqs[1].rid  # and asks about the next oldest
+    obs = core.observe()
+    # another document than the seed's: the batch loses its whole shared prefix (5 chunks)
+    assert obs.tolist() == [1, 5, 4]
+    core.add()
+    assert core.pending.request_id == reqs[2].rid
+    assert core.observe()[1] == 0  # the batch shares nothing any more: nothing left to lose
+
+
+def test_a_failing_policy_leaves_no_open_round():
+    class Broken:
+        def act(self, obs, mask):
+            raise RuntimeError("policy bug")
+
+    core = BatchingCore(CoreConfig(chunk_size=CHUNK, admission="none"), policy=Broken())
+    for r in grouped(1, 3, prefix=32, seed=25):
+        core.arrive(r.rid, r.tokens, arrival=0.0, output_len=r.output_len)
+    with pytest.raises(RuntimeError, match="policy bug"):
+        core.plan(0.0, 4)
+    assert not core.round_open and core.num_active == 1  # the seed went out before the decision
     core.check_consistency()
 
 
@@ -288,10 +389,10 @@ def test_no_request_waits_beyond_max_wait_plus_one_batch():
 
 def test_overdue_request_that_does_not_fit_blocks_newer_ones():
     core = BatchingCore(CoreConfig(chunk_size=CHUNK, max_wait=5.0, admission="peak"), kv_capacity_tokens=100)
-    core.add("small", np.arange(3, 33), arrival=0.0, output_len=10)
+    core.arrive("small", np.arange(3, 33), arrival=0.0, output_len=10)
     assert core.plan(0.0, 4) == ["small"]  # seed
-    core.add("big", np.arange(3, 83), arrival=0.0, output_len=10)  # 90 > 100 - 40 free
-    core.add("late", np.arange(200, 210), arrival=6.0, output_len=1)
+    core.arrive("big", np.arange(3, 83), arrival=0.0, output_len=10)  # 90 > 100 - 40 free
+    core.arrive("late", np.arange(200, 210), arrival=6.0, output_len=1)
     assert core.plan(6.0, 4) == []  # big is overdue and does not fit: nothing jumps ahead
     core.finish("small")
     assert core.plan(6.0, 4) == ["big", "late"] or core.active_ids()[0] == "big"
@@ -336,7 +437,7 @@ def test_svf_and_sjf_release_in_ascending_key(ordering, key):
             for i in range(40)]
     core = BatchingCore(CoreConfig(ordering=ordering, admission="none", chunk_size=CHUNK))
     for r in reqs:
-        core.add(r.rid, r.tokens, arrival=0.0, output_len=r.output_len)
+        core.arrive(r.rid, r.tokens, arrival=0.0, output_len=r.output_len)
     order = core.plan(0.0, 1000)
     by_id = {r.rid: r for r in reqs}
     keys = [key(by_id[rid]) for rid in order]
@@ -348,7 +449,7 @@ def test_svf_peak_check_bounds_the_batch_and_counts_a_shared_prefix_once():
     svf = CoreConfig(ordering="svf", admission="peak", chunk_size=CHUNK)
     core = BatchingCore(svf, kv_capacity_tokens=300)
     for r in reqs:
-        core.add(r.rid, r.tokens, arrival=0.0, output_len=r.output_len)
+        core.arrive(r.rid, r.tokens, arrival=0.0, output_len=r.output_len)
     released = core.plan(0.0, 100)
     # first: 112 + 10; each next one: its 16 unshared tokens + 10 -> 122 + 26 * 6 = 278 <= 300
     assert len(released) == 7
@@ -361,7 +462,7 @@ def test_svf_peak_check_bounds_the_batch_and_counts_a_shared_prefix_once():
         simulate(core, reqs, slots=20)  # checks the budget after every step
     core = BatchingCore(svf, kv_capacity_tokens=500)
     for r in reqs:
-        core.add(r.rid, r.tokens, arrival=0.0, output_len=r.output_len)
+        core.arrive(r.rid, r.tokens, arrival=0.0, output_len=r.output_len)
     core.plan(0.0, 20)
     assert core.num_active == 5 and core.budget.used == 500  # 5 x (80 + 20)
 
@@ -369,13 +470,13 @@ def test_svf_peak_check_bounds_the_batch_and_counts_a_shared_prefix_once():
 def test_feather_seeds_an_empty_batch_by_smallest_volume():
     rng = np.random.default_rng(11)
     core = BatchingCore(CoreConfig(chunk_size=CHUNK, svf_seed=True, admission="none"), policy=AlwaysStop())
-    core.add("short-prompt-long-output", rng.integers(3, 5000, 10), arrival=0.0, output_len=500)
-    core.add("small-volume", rng.integers(3, 5000, 60), arrival=0.0, output_len=2)
+    core.arrive("short-prompt-long-output", rng.integers(3, 5000, 10), arrival=0.0, output_len=500)
+    core.arrive("small-volume", rng.integers(3, 5000, 60), arrival=0.0, output_len=2)
     assert core.plan(0.0, 4) == ["small-volume"]
     # without SVF the CHT's best candidate (fewest chunks) seeds
     core = BatchingCore(CoreConfig(chunk_size=CHUNK, svf_seed=False, admission="none"), policy=AlwaysStop())
-    core.add("short-prompt-long-output", rng.integers(3, 5000, 10), arrival=0.0, output_len=500)
-    core.add("small-volume", rng.integers(3, 5000, 60), arrival=0.0, output_len=2)
+    core.arrive("short-prompt-long-output", rng.integers(3, 5000, 10), arrival=0.0, output_len=500)
+    core.arrive("small-volume", rng.integers(3, 5000, 60), arrival=0.0, output_len=2)
     assert core.plan(0.0, 4) == ["short-prompt-long-output"]
 
 
@@ -388,11 +489,11 @@ def test_lpm_prefers_the_longest_match_and_falls_back_to_fcfs_above_the_threshol
     for fallback, expect_match in ((128, True), (2, False)):
         core = BatchingCore(CoreConfig(ordering="lpm", admission="none", chunk_size=CHUNK,
                                        lpm_fcfs_fallback=fallback))
-        core.add("seed", np.concatenate([doc, [7, 7]]), arrival=0.0, output_len=1)
+        core.arrive("seed", np.concatenate([doc, [7, 7]]), arrival=0.0, output_len=1)
         assert core.plan(0.0, 1) == ["seed"]
-        core.add("other1", rng.integers(3, 5000, 66), arrival=0.0, output_len=1)
-        core.add("other2", rng.integers(3, 5000, 66), arrival=0.0, output_len=1)
-        core.add("sibling", np.concatenate([doc, [9, 9]]), arrival=0.0, output_len=1)
+        core.arrive("other1", rng.integers(3, 5000, 66), arrival=0.0, output_len=1)
+        core.arrive("other2", rng.integers(3, 5000, 66), arrival=0.0, output_len=1)
+        core.arrive("sibling", np.concatenate([doc, [9, 9]]), arrival=0.0, output_len=1)
         first = core.plan(0.0, 1)
         assert first == (["sibling"] if expect_match else ["other1"])
 
@@ -401,11 +502,11 @@ def test_dfs_weight_round_follows_the_radix_order():
     reqs = grouped(3, 5, prefix=40, seed=13)
     core = BatchingCore(CoreConfig(ordering="dfs-weight", admission="none", chunk_size=CHUNK))
     for r in reqs[:1]:
-        core.add(r.rid, r.tokens, arrival=0.0, output_len=1)
+        core.arrive(r.rid, r.tokens, arrival=0.0, output_len=1)
     core.plan(0.0, 1)
     for r in reqs[1:]:
-        core.add(r.rid, r.tokens, arrival=0.0, output_len=1)
-    expected = core.radix.dfs_weight_order()
+        core.arrive(r.rid, r.tokens, arrival=0.0, output_len=1)
+    expected = core.ordering.radix.dfs_weight_order()
     assert core.plan(0.0, 100) == expected
 
 
@@ -437,8 +538,9 @@ class CoreMachine(RuleBasedStateMachine):
         tokens = np.concatenate([head, self.rng.integers(3, 500, suffix)])
         rid = f"r{self.next_id}"
         self.next_id += 1
-        self.core.add(rid, tokens, arrival=self.now, output_len=out)
+        self.core.arrive(rid, tokens, arrival=self.now, output_len=out)
 
+    @precondition(lambda self: not self.core.round_open)
     @rule(slots=st.integers(0, 6), dt=st.sampled_from([0.0, 1.0, 5.0]))
     def plan(self, slots, dt):
         self.now += dt
@@ -446,6 +548,36 @@ class CoreMachine(RuleBasedStateMachine):
         released = self.core.plan(self.now, slots)
         assert len(released) == len(set(released)) <= slots
         assert not set(released) & before and not set(released) & self.gone
+        assert all(self.core.is_active(r) for r in released)
+
+    # the step API, as the environment drives it: open a round, answer decisions, close it
+    @precondition(lambda self: not self.core.round_open)
+    @rule(slots=st.integers(0, 6), dt=st.sampled_from([0.0, 1.0, 5.0]))
+    def begin(self, slots, dt):
+        self.now += dt
+        self.round_active = set(self.core.active_ids())
+        self.round_slots = slots
+        self.core.begin(self.now, slots)
+
+    @precondition(lambda self: self.core.pending is not None)
+    @rule(action=st.sampled_from([ADD, STOP]))
+    def decide(self, action):
+        pending = self.core.pending
+        obs = self.core.observe(extended=True)
+        assert obs.shape == (8,) and obs[0] == self.core.num_active
+        assert pending.mask.tolist() == [True, True]
+        self.core.decide(action)
+        if action == ADD:
+            assert self.core.is_active(pending.request_id)
+        else:
+            assert self.core.pending is None and self.core.is_waiting(pending.request_id)
+
+    @precondition(lambda self: self.core.round_open)
+    @rule()
+    def end(self):
+        released = self.core.end()
+        assert len(released) == len(set(released)) <= self.round_slots
+        assert not set(released) & self.round_active and not set(released) & self.gone
         assert all(self.core.is_active(r) for r in released)
 
     @precondition(lambda self: self.core.num_active > 0)
