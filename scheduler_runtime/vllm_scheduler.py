@@ -19,12 +19,18 @@ it and go to ``self.waiting`` directly.
 
 On CUDA, vLLM schedules asynchronously by default: use :class:`FeatherAsyncScheduler` there
 (``resolve(name, async_scheduling=True)``).
+
+The environment (``feather_env.env``, real-engine backend) runs this very class in its loop. It
+sets ``feather_clock`` to the episode's engine clock and ``feather_external_rounds``: then
+``schedule()`` does not ask the policy; the environment opens each round of the core before the
+engine step (with :meth:`~_FeatherMixin.feather_free_slots` and :attr:`~_FeatherMixin.feather_view`),
+lets the agent answer its decisions, and hands the released ids to :meth:`~_FeatherMixin.feather_release`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -57,6 +63,23 @@ __all__ = [
 _COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
+class _EngineView:
+    """What the batching core's observation reads of this engine (``decision.EngineView``)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def kv_usage(self) -> float:
+        return float(self.scheduler.kv_cache_manager.usage)
+
+    def cached_prefix_tokens(self, request_id: str) -> int:
+        request = self.scheduler._feather_held.get(request_id)
+        if request is None:
+            return 0
+        # vLLM's own admission lookup (no side effects): full blocks, at most prompt - 1 tokens
+        return int(self.scheduler.kv_cache_manager.get_computed_blocks(request)[1])
+
+
 class _FeatherMixin:
     """The hooks; mixed into vLLM's ``Scheduler`` and ``AsyncScheduler``."""
 
@@ -67,6 +90,11 @@ class _FeatherMixin:
         # Before vLLM's __init__, so every hook works whenever vLLM calls it.
         self._feather_held: dict[str, Request] = {}
         self.feather: FeatherRuntime | None = None
+        #: The clock of arrivals and of max_wait (the environment sets its engine clock).
+        self.feather_clock: Callable[[], float] = time.monotonic
+        #: The environment answers the core's decisions itself (see the module docstring).
+        self.feather_external_rounds = False
+        self.feather_view = _EngineView(self)
         super().__init__(*args, **kwargs)
         self.feather_configure(
             load_scheduler_config(self.vllm_config.additional_config, self.default_scheduler_name)
@@ -111,7 +139,7 @@ class _FeatherMixin:
             runtime.arrive(
                 request.request_id,
                 request.prompt_token_ids,
-                now=time.monotonic(),
+                now=self.feather_clock(),
                 max_tokens=request.max_tokens,
                 extra_args=sampling.extra_args if sampling is not None else None,
             )
@@ -125,11 +153,10 @@ class _FeatherMixin:
             return super().schedule(*args, **kwargs)
         core = runtime.core
         start, planned = time.perf_counter(), core.stats.decision_seconds
-        if self._feather_held and self._pause_state == PauseState.UNPAUSED:
-            in_engine = len(self.running) + len(self.waiting) + len(self.kv_holding_waiting)
-            held = self._feather_held
-            for request_id in runtime.plan(time.monotonic(), self.max_num_active_reqs - in_engine):
-                self.waiting.add_request(held.pop(request_id))
+        unpaused = self._pause_state == PauseState.UNPAUSED
+        if self._feather_held and unpaused and not self.feather_external_rounds:
+            released = runtime.plan(self.feather_clock(), self.feather_free_slots(), self.feather_view)
+            self.feather_release(released)
         # the plan itself is counted in decision_seconds; the hooks get the rest
         middle = time.perf_counter() - (core.stats.decision_seconds - planned)
         output = super().schedule(*args, **kwargs)
@@ -137,6 +164,18 @@ class _FeatherMixin:
         self._feather_metrics.push(core.stats, runtime.stats, core.num_waiting, core.num_active)
         runtime.stats.hook_seconds += (middle - start) + (time.perf_counter() - end)
         return output
+
+    def feather_free_slots(self) -> int:
+        """How many more requests the batch can take: vLLM's running limit minus the requests
+        already in the engine (running, or released and waiting in vLLM's queues)."""
+        in_engine = len(self.running) + len(self.waiting) + len(self.kv_holding_waiting)
+        return self.max_num_active_reqs - in_engine
+
+    def feather_release(self, request_ids: list[str]) -> None:
+        """Hand released requests (in release order) from the hold to vLLM's waiting queue."""
+        held = self._feather_held
+        for request_id in request_ids:
+            self.waiting.add_request(held.pop(request_id))
 
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
         super()._preempt_request(request, *args, **kwargs)
