@@ -177,7 +177,7 @@ class SimEngineConfig:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ScheduledEntry:
     """One scheduled request of a step, in persistent-batch order."""
 
@@ -192,9 +192,9 @@ class ScheduledEntry:
 class StepResult:
     """What one engine step (or a fast-forwarded decode stretch) did.
 
-    ``entries`` is built on first access from a snapshot taken during the step (block lists
-    are append-only while a request runs, so a list and a length pin its blocks); the cheap
-    per-entry columns ``request_ids`` / ``num_scheduled`` / ``num_computed`` need no objects.
+    The per-request views are built on first access from a snapshot taken in scheduling order
+    during the step (block lists are append-only while a request runs, so a list and a length
+    pin its blocks); a consumer that reads only ``admitted`` / ``finished`` pays nothing for them.
     """
 
     admitted: list[tuple[str, int]]  # newly scheduled (or resumed) requests and their hit tokens
@@ -202,43 +202,48 @@ class StepResult:
     finished: list[str]
     first_token: list[str]
     num_steps: int = 1  # >1 for a fast-forwarded decode stretch (see SimEngine.advance_decode)
-    #: (request id, tokens) in the scheduler's order: running requests, then admissions.
-    scheduled: list[tuple[str, int]] = field(default_factory=list, repr=False)
+    # Snapshot, in scheduling order (running requests, then admissions), and the batch order.
     _ids: list[str] = field(default_factory=list, repr=False)
     _ntok: list[int] = field(default_factory=list, repr=False)
     _ncomp: list[int] = field(default_factory=list, repr=False)
     _blocks: list[list[int]] = field(default_factory=list, repr=False)
     _prefill: list[bool] = field(default_factory=list, repr=False)
+    _order: list[int] = field(default_factory=list, repr=False)  # scheduling index of each slot
     _block_size: int = field(default=1, repr=False)
     _entries: list[ScheduledEntry] | None = field(default=None, repr=False)
+
+    @property
+    def scheduled(self) -> list[tuple[str, int]]:
+        """(request id, tokens) in the scheduler's order (vLLM's ``num_scheduled_tokens``)."""
+        return list(zip(self._ids, self._ntok, strict=True))
 
     @property
     def entries(self) -> list[ScheduledEntry]:
         """The scheduled requests in persistent-batch order (of the first step of a stretch)."""
         if self._entries is None:
             bs = self._block_size
+            ids, ntok, ncomp, blocks = self._ids, self._ntok, self._ncomp, self._blocks
             self._entries = [
-                ScheduledEntry(rid, n, c, tuple(blocks[: -(-(c + n) // bs)]), p)
-                for rid, n, c, blocks, p in zip(
-                    self._ids, self._ntok, self._ncomp, self._blocks, self._prefill, strict=True
-                )
+                ScheduledEntry(ids[k], ntok[k], ncomp[k], tuple(blocks[k][: -(-(ncomp[k] + ntok[k]) // bs)]),
+                               self._prefill[k])
+                for k in self._order
             ]
         return self._entries
 
     @property
     def request_ids(self) -> list[str]:
         """Scheduled request ids in persistent-batch order."""
-        return self._ids
+        return [self._ids[k] for k in self._order]
 
     @property
     def num_scheduled(self) -> list[int]:
         """Tokens scheduled per request (persistent-batch order; per step of a stretch)."""
-        return self._ntok
+        return [self._ntok[k] for k in self._order]
 
     @property
     def num_computed(self) -> list[int]:
         """Tokens already cached per request before the (first) step, persistent-batch order."""
-        return self._ncomp
+        return [self._ncomp[k] for k in self._order]
 
     @property
     def total_tokens(self) -> int:
@@ -250,7 +255,7 @@ class _Req:
     """A request's scheduler state (vLLM ``Request`` + its KV blocks + its batch slot)."""
 
     __slots__ = ("rid", "serial", "P", "max_tokens", "hashes", "num_out", "num_computed", "blocks",
-                 "num_cached", "running", "num_preemptions", "slot", "mark", "in_decode")
+                 "num_cached", "running", "num_preemptions", "slot", "mark", "sidx", "in_decode")
 
     def __init__(self, rid: str, serial: int, prompt_len: int, max_tokens: int, hashes: list[int]):
         self.rid = rid
@@ -266,6 +271,7 @@ class _Req:
         self.num_preemptions = 0
         self.slot = -1  # persistent-batch index, -1 when not in the batch
         self.mark = -1  # last step it was scheduled in
+        self.sidx = -1  # its index in that step's scheduling order
         self.in_decode = False  # sampled since its last (re)admission
 
 
@@ -369,12 +375,6 @@ class SimEngine:
 
     # --------------------------------------------------------------- block pool
 
-    def _key(self, r: _Req, j: int) -> int:
-        hashes = r.hashes
-        if j < len(hashes):
-            return hashes[j]
-        return -((r.serial << _OUT_KEY_BITS) + j) - 1
-
     def _popleft(self, n: int) -> list[int]:
         """Take n blocks from the front of the free queue, evicting their cached hashes."""
         nxt, ref, bhash = self._nxt, self._ref, self._bhash
@@ -401,12 +401,6 @@ class SimEngine:
             v.remove(b)  # type: ignore[union-attr]
             if not v:
                 del self._map[key]
-
-    def _map_first(self, key: int) -> int | None:
-        v = self._map.get(key)
-        if v is None or v.__class__ is int:
-            return v  # type: ignore[return-value]
-        return v[0]  # type: ignore[index]
 
     def _free_blocks(self, r: _Req) -> None:
         """Return a request's blocks, tail first (KVCacheManager.free -> BlockPool.free_blocks)."""
@@ -557,10 +551,8 @@ class SimEngine:
                 i += 1
                 continue
             upto = nc + n
-            while True:
-                need = _cdiv(upto if upto < mml else mml, bs) - len(r.blocks)
-                if need <= self._num_free:
-                    break
+            need = -(-(upto if upto < mml else mml) // bs) - len(r.blocks)
+            while need > self._num_free:
                 victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -571,7 +563,8 @@ class SimEngine:
             if need > 0:
                 r.blocks.extend(self._popleft(need))
             tokens = r.P + r.num_out
-            self._cache_blocks(r, upto if upto < tokens else tokens)
+            if (upto if upto < tokens else tokens) // bs > r.num_cached:
+                self._cache_blocks(r, upto if upto < tokens else tokens)
             sched.append(r)
             ns.append(n)
             budget -= n
@@ -624,15 +617,21 @@ class SimEngine:
                 ns.append(n)
                 budget -= n
 
-        ncs = [r.num_computed for r in sched]
-        # A decode computes exactly the latest sampled token; anything else computes known
-        # prompt (or, after a resume, prompt + output) tokens.
-        prefill = [not (n == 1 and r.num_out > 0 and r.num_computed == r.P + r.num_out - 1)
-                   for r, n in zip(sched, ns, strict=True)]
-        blocks = [r.blocks for r in sched]
-        for r, n in zip(sched, ns, strict=True):
-            r.num_computed += n
+        # Scheduler._update_after_schedule, with the snapshot the StepResult needs.
+        ncs: list[int] = []
+        prefill: list[bool] = []
+        blocks: list[list[int]] = []
+        for k, r in enumerate(sched):
+            n = ns[k]
+            nc = r.num_computed
+            ncs.append(nc)
+            # A decode computes exactly the latest sampled token; anything else computes known
+            # prompt (or, after a resume, prompt + output) tokens.
+            prefill.append(n != 1 or not r.num_out or nc != r.P + r.num_out - 1)
+            blocks.append(r.blocks)
+            r.num_computed = nc + n
             r.mark = mark
+            r.sidx = k
 
         # Model runner: the persistent batch (GPUModelRunner._update_states).
         self._update_batch(sched, num_from_running, new_reqs, resumed, mark)
@@ -656,20 +655,17 @@ class SimEngine:
             self._running = [r for r in running if r.running]
             self._pending_removal.extend(finished)
 
-        # Snapshot in persistent-batch order.
-        pos = {id(r): k for k, r in enumerate(sched)}
-        order = [pos[id(r)] for r in self._batch]  # type: ignore[arg-type]
         return StepResult(
             admitted=admitted,
             preempted=[r.rid for r in preempted],
             finished=[r.rid for r in finished],
             first_token=first_token,
-            scheduled=[(r.rid, n) for r, n in zip(sched, ns, strict=True)],
-            _ids=[sched[k].rid for k in order],
-            _ntok=[ns[k] for k in order],
-            _ncomp=[ncs[k] for k in order],
-            _blocks=[blocks[k] for k in order],
-            _prefill=[prefill[k] for k in order],
+            _ids=[r.rid for r in sched],
+            _ntok=ns,
+            _ncomp=ncs,
+            _blocks=blocks,
+            _prefill=prefill,
+            _order=[r.sidx for r in self._batch],  # type: ignore[union-attr]
             _block_size=bs,
         )
 
@@ -819,28 +815,28 @@ class SimEngine:
         assert self._plan is not None
         events = self._plan[2]
         running = self._running
-        batch = self._batch
-        ids = [r.rid for r in batch]  # type: ignore[union-attr]
-        ncomp = [r.num_computed for r in batch]  # type: ignore[union-attr]
-        blocks = [r.blocks for r in batch]  # type: ignore[union-attr]
+        ids = [r.rid for r in running]
+        ncomp = [r.num_computed for r in running]
+        blocks = [r.blocks for r in running]
         for s, idx in events:
             if s >= k:
                 break
             running[idx].blocks.extend(self._popleft(1))
-        for r in running:
+        self._step_no += k
+        mark = self._step_no
+        for idx, r in enumerate(running):
             r.num_computed += k
             r.num_out += k
             self._cache_blocks(r, r.P + r.num_out - 1)
-        self._step_no += k
-        mark = self._step_no
-        for r in running:
             r.mark = mark
+            r.sidx = idx
         self._version += 1
+        n = len(running)
         return StepResult(
             admitted=[], preempted=[], finished=[], first_token=[], num_steps=k,
-            scheduled=[(r.rid, 1) for r in running],
-            _ids=ids, _ntok=[1] * len(ids), _ncomp=ncomp, _blocks=blocks,
-            _prefill=[False] * len(ids), _block_size=self._bs,
+            _ids=ids, _ntok=[1] * n, _ncomp=ncomp, _blocks=blocks, _prefill=[False] * n,
+            _order=[r.sidx for r in self._batch],  # type: ignore[union-attr]
+            _block_size=self._bs,
         )
 
     # ------------------------------------------------------------- cache admin
@@ -931,32 +927,42 @@ class SimEngine:
         return {b for b, key in enumerate(self._bhash) if key is not None}
 
 
-def benchmark_episode(seed: int = 0, num_docs: int = 16, questions_per_doc: int = 8, doc_tokens: int = 6000,
-                      question_tokens: tuple[int, int] = (20, 80), output_tokens: tuple[int, int] = (20, 60),
-                      kv_docs: int = 4, max_num_seqs: int = 64, grouped: bool = False) -> dict[str, float]:
-    """Time one shared-document episode run to completion, fast-forwarding every decode stretch.
+def shared_document_episode(
+    seed: int = 0, num_docs: int = 16, questions_per_doc: int = 8, doc_tokens: int = 6000,
+    question_tokens: tuple[int, int] = (20, 80), output_tokens: tuple[int, int] = (20, 60), kv_docs: int = 4,
+    max_num_seqs: int = 64, grouped: bool = False,
+) -> tuple[SimEngineConfig, list[tuple[str, np.ndarray, int]]]:
+    """The performance scenario: (config, [(request id, prompt, output tokens)]).
 
-    Requests arrive all at once, documents interleaved (request i asks about document
-    i % num_docs) or, with ``grouped``, each document's questions in a row; the KV cache holds
-    ``kv_docs`` documents. Returns the wall time of adding the requests and running the
-    episode (``seconds``) with step counts.
+    Request i asks about document i % num_docs (interleaved) or, with ``grouped``, each
+    document's questions come in a row; the KV cache holds ``kv_docs`` documents.
     """
-    import time
-
     rng = np.random.default_rng(seed)
     docs = [rng.integers(3, 30000, doc_tokens) for _ in range(num_docs)]
-    prompts = []
+    requests = []
     for i in range(num_docs * questions_per_doc):
         question = rng.integers(3, 30000, int(rng.integers(question_tokens[0], question_tokens[1] + 1)))
         doc = docs[i // questions_per_doc if grouped else i % num_docs]
-        prompts.append((f"q{i}", np.concatenate([doc, question]),
-                        int(rng.integers(output_tokens[0], output_tokens[1] + 1))))
+        requests.append((f"q{i}", np.concatenate([doc, question]),
+                         int(rng.integers(output_tokens[0], output_tokens[1] + 1))))
     block_size = 128
     num_blocks = kv_docs * _cdiv(doc_tokens + question_tokens[1] + output_tokens[1], block_size) + 1
-    sim = SimEngine(SimEngineConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-                                    max_num_batched_tokens=8192, max_model_len=32768))
+    config = SimEngineConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+                             max_num_batched_tokens=8192, max_model_len=32768)
+    return config, requests
+
+
+def benchmark_episode(seed: int = 0, grouped: bool = False, kv_docs: int = 4) -> dict[str, float]:
+    """Time one :func:`shared_document_episode` run to completion, fast-forwarding every decode stretch.
+
+    ``seconds`` covers adding the 128 requests (hashing their prompts) and running them.
+    """
+    import time
+
+    config, requests = shared_document_episode(seed, grouped=grouped, kv_docs=kv_docs)
+    sim = SimEngine(config)
     start = time.perf_counter()
-    for rid, prompt, out in prompts:
+    for rid, prompt, out in requests:
         sim.add_request(rid, prompt, out)
     steps = calls = stretches = 0
     while sim.has_unfinished_requests():
@@ -975,9 +981,10 @@ def benchmark_episode(seed: int = 0, num_docs: int = 16, questions_per_doc: int 
 
 
 if __name__ == "__main__":
-    for grouped in (False, True):
-        results = [benchmark_episode(seed, grouped=grouped) for seed in range(5)]
-        print("grouped" if grouped else "interleaved")
+    # The scenario of the brief (KV of 4 documents), then one where 64 requests run at once.
+    for grouped, kv_docs in ((False, 4), (True, 4), (True, 16)):
+        results = [benchmark_episode(seed, grouped=grouped, kv_docs=kv_docs) for seed in range(5)]
+        print(f"{'grouped' if grouped else 'interleaved'} documents, KV of {kv_docs} documents")
         for r in results:
             print("  " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                    for k, v in r.items()))

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from feather_env.sim_engine import SimEngine, SimEngineConfig
+from feather_env.sim_engine import SimEngine, SimEngineConfig, shared_document_episode
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -49,8 +49,14 @@ def vm():
     from vllm.v1.structured_output import StructuredOutputManager
     from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
-    model_config = ModelConfig(model=TINY_LLAMA, skip_tokenizer_init=True, dtype="bfloat16",
-                               max_model_len=MAX_MODEL_LEN)
+    model_configs: dict[int, ModelConfig] = {}
+
+    def model_config(max_model_len: int) -> ModelConfig:
+        if max_model_len not in model_configs:
+            model_configs[max_model_len] = ModelConfig(model=TINY_LLAMA, skip_tokenizer_init=True,
+                                                       dtype="bfloat16", max_model_len=max_model_len)
+        return model_configs[max_model_len]
+
     hash_fn = get_hash_fn_by_name(CacheConfig().prefix_caching_hash_algo)
     init_none_hash(hash_fn)
     return dict(torch=torch, CacheConfig=CacheConfig, DeviceConfig=DeviceConfig,
@@ -75,7 +81,7 @@ def make_vllm_config(vm, cfg: SimEngineConfig):
     cache_config = vm["CacheConfig"](block_size=cfg.block_size,
                                      enable_prefix_caching=cfg.enable_prefix_caching)
     cache_config.num_gpu_blocks = cfg.num_blocks
-    return vm["VllmConfig"](model_config=vm["model_config"],
+    return vm["VllmConfig"](model_config=vm["model_config"](cfg.max_model_len),
                             scheduler_config=vm["SchedulerConfig"](**sched_kwargs),
                             cache_config=cache_config, device_config=vm["DeviceConfig"]("cpu"))
 
@@ -400,6 +406,16 @@ def test_kv_pressure_forces_eviction_and_preemption(vm):
                           max_num_batched_tokens=512, max_model_len=MAX_MODEL_LEN)
     c = run(Lockstep(vm, cfg), arrivals, probes=[arrivals[0].prompt, arrivals[1].prompt[:300]])
     assert c.preemptions > 0 and c.evictions > 0 and c.hit_tokens > 0 and c.finished == len(arrivals)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["interleaved", "grouped"])
+def test_performance_scenario_matches_vllm(vm, grouped):
+    """The 128-request, 6000-token-document episode of the benchmark, fast-forwarded."""
+    cfg, requests = shared_document_episode(seed=0, grouped=grouped)
+    arrivals = [Arrival(0, rid, prompt.tolist(), out) for rid, prompt, out in requests]
+    c = run(Lockstep(vm, cfg), arrivals, fast_forward=True)
+    assert c.finished == len(requests) and c.fast_forwarded > c.steps // 3
+    assert c.evictions > 0 and (c.hit_tokens > 0) == grouped
 
 
 def test_fast_forward_matches_vllm_step_by_step(vm):
