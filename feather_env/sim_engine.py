@@ -58,10 +58,25 @@ their request. Output blocks do matter for exactness: once full they are cached,
 return to the LRU end of the free queue instead of its front, and a preempted request hits
 its own output blocks when it resumes.
 
-Not modelled (this project does not run them): speculative decoding, async scheduling,
-pipeline parallelism, KV connectors, LoRA, multimodal inputs, structured output, priority
-scheduling, hybrid / sliding-window KV cache groups, partial (sub-block) prefix hits, and
-stop strings or EOS (requests generate exactly ``max_tokens`` tokens).
+``ScheduledEntry.is_prefill`` is False exactly when the entry computes one token, its
+request's latest sampled one (the shape of a decode); everything else computes prompt tokens
+or, after a resume, replays prompt + output tokens.
+
+Fast-forward: a stretch of pure-decode steps changes the KV state only by popping blocks from
+the front of the free queue (one per request per block boundary, in running order) and by
+caching the requests' own output blocks, so the blocks every request gets, and the step at
+which an allocation would fail, follow from the free queue and the requests' lengths. A
+waiting head that fails allocation keeps failing while free blocks only decrease and its hit
+blocks stay; the stretch conservatively ends where one of its free hit blocks is popped.
+
+Not modelled (this project does not run them): speculative decoding, async scheduling (vLLM
+turns it off on CPU), pipeline parallelism, KV connectors, LoRA, multimodal inputs,
+structured output, priority scheduling, hybrid / sliding-window KV cache groups, partial
+(sub-block) prefix hits, stop strings or EOS (requests generate exactly ``max_tokens``
+tokens), the V2 model runner (``VLLM_USE_V2_MODEL_RUNNER=1``), and GPU attention backends
+whose metadata builder reorders the batch (``reorder_batch_threshold`` set: FlashInfer, MLA).
+Output tokens of different requests are assumed to differ: with greedy decoding, identical
+prompts produce identical outputs in vLLM, whose output blocks would then be shared.
 """
 
 from __future__ import annotations
@@ -897,7 +912,11 @@ class SimEngine:
 
     @property
     def prefix_cache_stats(self) -> tuple[int, int]:
-        """(queried, hit) tokens of first admissions, as vLLM's PrefixCacheStats queries / hits."""
+        """(queried, hit) tokens of first admissions since the last reset_prefix_cache.
+
+        As vLLM's PrefixCacheStats ``queries`` / ``hits`` summed over steps (recorded when a
+        request is admitted; its whole known sequence is the query).
+        """
         return self._stats[0], self._stats[1]
 
     @property
