@@ -148,6 +148,8 @@ class ShadowRunner:
 
 @dataclass
 class Counters:
+    """What a lockstep run exercised, so tests can insist their scenario did what it is for."""
+
     steps: int = 0
     fast_forwarded: int = 0
     preemptions: int = 0
@@ -178,6 +180,7 @@ class Lockstep:
         self.sim = SimEngine(cfg)
         self.runner = ShadowRunner(vm, cfg) if check_batch else None
         self.token_of: dict[str, int] = {}
+        self.num_added = 0
         self.vllm_stats = [0, 0, 0, 0]
         self.count = Counters()
 
@@ -191,7 +194,8 @@ class Lockstep:
         return self.vm["Request"](rid, list(prompt), params, None, arrival_time=0.0, block_hasher=self.hasher)
 
     def add(self, rid: str, prompt: list[int], max_tokens: int) -> None:
-        self.token_of[rid] = OUT_TOKEN_BASE + len(self.token_of)
+        self.token_of[rid] = OUT_TOKEN_BASE + self.num_added  # each request samples its own token
+        self.num_added += 1
         self.sched.add_request(self.vllm_request(rid, prompt, max_tokens))
         self.sim.add_request(rid, np.asarray(prompt, dtype=np.int64), max_tokens)
         self.check_state()
@@ -546,7 +550,7 @@ def workloads(draw):
     return cfg, arrivals, fast_forward, probes
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
 @given(workloads())
 def test_random_workloads_match_vllm(vm, workload):
