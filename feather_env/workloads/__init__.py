@@ -16,7 +16,13 @@ from feather_env.workloads.arrivals import (
     TraceArrivals,
     parse_arrival,
 )
-from feather_env.workloads.build import WORKLOAD_KINDS, WorkloadConfig, build_workload
+from feather_env.workloads.build import (
+    WORKLOAD_KINDS,
+    WorkloadConfig,
+    build_workload,
+    load_workload,
+    sample_workload,
+)
 from feather_env.workloads.datadir import ENV_VAR, DataNotFoundError, resolve_data_dir
 from feather_env.workloads.leval import DEFAULT_INSTRUCTION_TEMPLATE, leval_task_files, load_leval
 from feather_env.workloads.longbench import ZH_TASKS, load_longbench, read_max_new_tokens
@@ -59,6 +65,8 @@ __all__ = [
     "WorkloadConfig",
     "WorkloadError",
     "build_workload",
+    "load_workload",
+    "sample_workload",
     "count_tokens",
     "encode_batch_ids",
     "leval_task_files",

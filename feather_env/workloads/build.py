@@ -132,6 +132,11 @@ def build_workload(
     """
     if not isinstance(cfg, WorkloadConfig):
         cfg = WorkloadConfig.from_mapping(cfg)
+    return sample_workload(load_workload(cfg, tokenizer), cfg)
+
+
+def load_workload(cfg: WorkloadConfig, tokenizer: Tokenizer | None = None) -> Workload:
+    """Step 1 of :func:`build_workload`: every request of the data, as ``cfg`` caps them."""
     max_out = cfg.max_output_tokens
     if max_out is None:
         max_out = DEFAULT_MAX_OUTPUT_TOKENS.get(cfg.kind)
@@ -185,6 +190,11 @@ def build_workload(
             max_output_tokens=max_out,
             overflow=cfg.overflow,
         )
+    return workload
+
+
+def sample_workload(workload: Workload, cfg: WorkloadConfig) -> Workload:
+    """Steps 2-4 of :func:`build_workload`: the groups, requests and arrivals ``cfg`` asks for."""
     if cfg.num_groups is not None and cfg.kind != "synthetic":
         workload = workload.sample_groups(cfg.num_groups, cfg.seed, cfg.max_per_group)
     elif cfg.max_per_group is not None:
