@@ -51,7 +51,8 @@ class EngineConfig:
         seed: sampling seed.
         skip_tokenizer_init: token-id prompts only (no text in, no text out).
         load_format: ``"dummy"`` for random weights.
-        cpu_cores: CPU backend only: the cores the engine's OpenMP threads are pinned to
+        cpu_cores: CPU backend only: the cores the engine's OpenMP threads, and the calling
+            thread that drives the in-process engine, are pinned to
             (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"1"`` or ``"0-1"``); ``None`` keeps vLLM's
             automatic binding (every physical core). Benchmarks on a shared 2-core machine pin
             one core: vLLM's threads meet at a barrier every layer, so with two threads a
@@ -89,6 +90,16 @@ class EngineConfig:
     def kv_cache_tokens(self) -> int:
         """KV capacity in tokens for the bundled model family (bytes per token from config.json)."""
         return int(self.kv_cache_gib * GIB) // kv_bytes_per_token(self.model_dir, self.dtype)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """KV blocks vLLM allocates for ``kv_cache_gib`` (its ``num_gpu_blocks``, the null block included)."""
+        return self.kv_cache_tokens // self.block_size
+
+    @property
+    def usable_kv_tokens(self) -> int:
+        """Tokens requests can hold: every block but vLLM's null block."""
+        return (self.num_kv_blocks - 1) * self.block_size
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -134,6 +145,13 @@ def build_llm(config: EngineConfig | None = None, **overrides: Any):  # -> vllm.
     use_in_process_engine()
     if config.cpu_cores is not None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_cores
+        # The in-process engine computes in this very thread (the OpenMP master): pin it too, or
+        # it runs, and is slowed, wherever the scheduler puts it.
+        from feather_env.hostload import pinned_cores
+
+        cores = pinned_cores(config.cpu_cores)
+        if cores and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, cores)
     from vllm import LLM
 
     kwargs: dict[str, Any] = dict(
@@ -220,6 +238,11 @@ class ScheduleTap:
 
     def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler
+        #: Also record, per scheduled request, its tokens in the KV cache before the step, its
+        #: first KV block and its prompt length (``detail``); off by default (it costs a dict
+        #: lookup per scheduled request).
+        self.record_detail = False
+        self.detail: dict[str, tuple[int, int, int]] = {}
         self.called = False
         self.new: list[tuple[str, int]] = []  # (request id, prefix-cache hit tokens) admitted
         self.num_scheduled: dict[str, int] = {}
@@ -238,6 +261,16 @@ class ScheduleTap:
             self.scheduled_tokens = int(out.total_num_scheduled_tokens)
             self.running = len(scheduler.running)
             self.preempted += len(out.preempted_req_ids or ())
+            if self.record_detail:
+                requests, manager = scheduler.requests, scheduler.kv_cache_manager
+                detail = {}
+                for rid, n in self.num_scheduled.items():
+                    req = requests[rid]
+                    blocks = manager.get_block_ids(rid)[0]
+                    # schedule() already advanced num_computed_tokens by the scheduled tokens
+                    detail[rid] = (req.num_computed_tokens - n, blocks[0] if blocks else -1,
+                                   req.num_prompt_tokens)
+                self.detail = detail
             return out
 
         scheduler.schedule = schedule
@@ -255,6 +288,7 @@ class ScheduleTap:
         self.called = False
         self.new = []
         self.num_scheduled = {}
+        self.detail = {}
         self.scheduled_reqs = self.scheduled_tokens = self.running = 0
 
     @property
