@@ -1,10 +1,11 @@
-"""Engine backends: run one formed batch and report what it cost.
+"""The paper's isolated-batch experiment: run one formed batch to completion and measure it.
 
-A backend turns a batch (a list of :class:`Request`) into a :class:`BatchResult`.
-:class:`VLLMBackend` runs it on the real vLLM V1 engine, in-process, and measures
-decode throughput from the engine steps that schedule no prefill token; prefill
-time is reported apart. The simulated backend (fitted to this one) lives in
-:mod:`feather_env.sim`.
+Feather's paper measures the decode throughput of a batch formed in isolation, its prefixes
+warmed first; :class:`IsolatedBatchRunner` does that on the real vLLM V1 engine, in-process,
+and measures decode throughput from the engine steps that schedule no prefill token (prefill
+time is reported apart). ``benchmarks/prefix_homogeneity.py`` is built on it. It is not the
+environment: the environment serves whole episodes through continuous batching
+(:mod:`feather_env.serving`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -75,15 +76,7 @@ class BatchResult:
         return d
 
 
-class Backend(Protocol):
-    """Runs one batch to completion."""
-
-    def run_batch(self, requests: Sequence[Request]) -> BatchResult: ...
-
-    def close(self) -> None: ...
-
-
-class VLLMBackend:
+class IsolatedBatchRunner:
     """Runs batches on a real in-process vLLM engine, one batch at a time.
 
     The engine is built once and reused across batches and episodes. A batch runs

@@ -2,7 +2,7 @@
 
 N requests in G prefix groups are decoded (a) as one heterogeneous batch and (b) as
 G homogeneous batches (one group each). Decode throughput is measured by
-:class:`feather_env.backends.VLLMBackend` over decode-only engine steps, with each
+:class:`feather_env.backends.IsolatedBatchRunner` over decode-only engine steps, with each
 group's prefix warmed first (an isolated decode loop, as in the paper). A sweep of
 batch size x number of groups follows. Runs alternate inside one process and
 report medians, since this machine is shared and noisy.
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from feather_env.backends import BatchResult, VLLMBackend
+from benchmarks.isolated import BatchResult, IsolatedBatchRunner
 from feather_env.engine import EngineConfig
 from feather_env.reporting import format_table, machine_info, write_json
 from feather_env.workloads.request import Request
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> dict:
         cpu_cores=args.cpu_cores,
     )
     t0 = time.perf_counter()
-    backend = VLLMBackend(engine, warm_prefixes=True)
+    backend = IsolatedBatchRunner(engine, warm_prefixes=True)
     backend.warmup()
     print(f"engine ready in {time.perf_counter() - t0:.1f} s")
     rng = np.random.default_rng(args.seed)

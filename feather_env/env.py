@@ -1,4 +1,4 @@
-"""FeatherEnv: the ADD/STOP batching decision of Feather as a Gymnasium environment.
+"""FeatherEnv: the batching core's ADD/STOP decisions in the serving loop, as a Gymnasium environment.
 
 Registered as ``feather/Batching-v0``; see :class:`FeatherEnv` for its manual.
 """
@@ -14,195 +14,198 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.envs.registration import EnvSpec
 
-from feather_env.backends import Backend, BatchResult
-from feather_env.workloads import Workload, WorkloadConfig, build_workload, synthetic_workload
-from feather_env.workloads.request import Request
-from scheduler_runtime.cht import ChunkedHashTree
+from feather_env.engine import EngineError
+from feather_env.scenarios import Scenario, load_scenario
+from feather_env.serving import Advance, ServingBackend, env_scheduler_config
+from feather_env.serving_metrics import serving_metrics
+from scheduler_runtime.batching import BatchingCore
 from scheduler_runtime.config import ConfigError
-from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
+from scheduler_runtime.decision import (
+    ADD,
+    BASE_OBS_NAMES,
+    EXTENDED_OBS_NAMES,
+    STOP,
+    AlwaysAdd,
+    BatchingPolicy,
+)
+from scheduler_runtime.policy import HeuristicRule
 
-STOP, ADD = 0, 1
-REWARDS = ("makespan", "throughput")
-#: Default reward scales: makespan reward is in seconds, throughput reward in kilotokens/s.
-DEFAULT_REWARD_SCALE = {"makespan": 1.0, "throughput": 1e-3}
+__all__ = ["ADD", "REWARDS", "STOP", "FeatherEnv", "InvalidActionError", "play_episode", "scheduler_policy"]
+
+#: The rewards the environment offers (see the manual); the default is the first.
+REWARDS = ("makespan", "latency", "decode_throughput")
+#: Reward units: makespan in seconds, latency in seconds per request (so the return is minus the
+#: mean end-to-end latency), decode throughput in kilotokens/s.
+_UNITS = {"makespan": "s", "latency": "s per request", "decode_throughput": "ktok/s"}
 
 
 class InvalidActionError(ValueError):
     """The action is masked out in this state (see :meth:`FeatherEnv.action_masks`)."""
 
 
-def default_workload(seed: int = 0) -> Workload:
-    """The embedded default: 16 documents of 2K-8K tokens, 4-16 questions each (L-Eval-like)."""
-    return synthetic_workload(num_groups=16, per_group="uniform:4:16", prefix_len="uniform:2000:8000",
-                              suffix_len="uniform:10:40", output_len="uniform:16:64", seed=seed,
-                              name="synthetic-default")
-
-
 class FeatherEnv(gym.Env):
-    """Form decode batches one request at a time: ADD the best candidate, or STOP and dispatch.
+    """Serve an episode of a workload through continuous batching, answering the core's ADD/STOP decisions.
 
     ## Description
-    An episode is one burst of ``waiting`` requests sampled from a workload and inserted
-    in a Chunked Hash Tree (CHT). The agent builds a batch: at each step the CHT proposes
-    its best candidate (the waiting request that misses the fewest prefix chunks of the
-    batch); the agent ADDs it or STOPs, which dispatches the batch to the backend (the
-    real vLLM engine, or a simulator fitted to it), runs it to completion and starts a new
-    batch. The trade-off (Feather, arXiv 2605.06046): a larger batch uses the hardware
-    better, but every request with another prefix breaks the locality of the shared KV.
-
-    The first request of every batch is admitted by the environment itself (the CHT's best
-    candidate): STOP on an empty batch is meaningless, so the agent is never asked. The
-    first observation of a batch therefore has ``batch_size == 1``.
+    An episode serves a sample of a scenario's workload (``configs/scenarios/NAME.yaml``: its
+    documents and questions, their arrival process, the KV cache and batch size of the engine) on
+    an engine: the real in-process vLLM engine, or a simulator of it. The engine's scheduler holds
+    every arrived request in the batching core (:mod:`scheduler_runtime.batching`), as it does when
+    serving; before each engine step the core opens a round and asks about its candidates, one at a
+    time: the waiting request whose prefix the running batch shares most (Feather's Chunked Hash
+    Tree), or the next one of another ordering (``scheduler``). Each ``step()`` answers the pending
+    decision: ADD releases the candidate to the engine, STOP holds every waiting request until
+    something changes (an arrival, a finish, a freed slot). Between decisions the engine runs: it
+    admits released requests as its token budget and KV cache allow, prefills them (chunked, with
+    whatever the prefix cache still holds), decodes, evicts cached prefixes under KV pressure, and
+    finishes requests. The trade-off (Feather, arXiv 2605.06046; SVF, arXiv 2606.22327): a larger
+    batch uses the hardware better, but admitting another document's question can break the
+    locality of the shared KV and, under KV pressure, evict a document that waiting requests need,
+    which must then be prefilled again.
 
     ## Action Space
-    ``Discrete(2)``: 0 = STOP (dispatch the batch), 1 = ADD (admit the best candidate).
-    ``action_masks()`` returns the valid actions (for MaskablePPO): ADD is invalid when the
-    batch is at ``max_batch_size``, nothing is waiting, or the candidate's KV peak does not
-    fit (SVF's check: the batch's distinct KV tokens at its peak, counting a shared prefix
-    once, plus the candidate's unshared prompt chunks and its output, must fit
-    ``kv_capacity_tokens``); STOP is invalid on an empty batch. A masked action raises
-    :class:`InvalidActionError`.
+    ``Discrete(2)``: 0 = STOP, 1 = ADD. ``action_masks()`` gives the valid actions (for
+    MaskablePPO). A pending decision always has both valid: a candidate that does not fit the KV
+    budget, or a full batch, ends the round without asking, and an empty batch is seeded without
+    asking (STOP would leave the engine idle). A masked action raises :class:`InvalidActionError`.
 
     ## Observation Space
-    ``Box(float32)``, in the paper's units (no normalization; agents scale with
-    :attr:`obs_scale`):
+    ``Box(float32)``, the core's observation (:mod:`scheduler_runtime.decision`) in raw units,
+    clipped to the bounds below (agents scale with :attr:`obs_scale`):
 
-    | index | meaning | min | max |
-    |---|---|---|---|
-    | 0 | batch size B (requests admitted so far) | 0 | max_batch_size |
-    | 1 | delta: shared-prefix chunks lost by adding the candidate, clipped | -delta_clip | delta_clip |
-    | 2 | w: other waiting requests sharing the candidate's new depth, clipped | 0 | waiting |
+    | index | name | meaning | min | max |
+    |---|---|---|---|---|
+    | 0 | batch_size | requests released and not finished | 0 | max_num_seqs |
+    | 1 | delta | shared-prefix chunks the batch loses by adding the candidate | -delta_clip | delta_clip |
+    | 2 | w | other waiting requests sharing the candidate's new depth | 0 | episode requests |
 
-    With ``extended_obs=True`` four more entries follow: 3 = waiting requests (0..waiting),
-    4 = KV usage of the batch's peak as a fraction of capacity (0..1), 5 = candidate's
-    missing chunks (0..delta_clip), 6 = candidate's prompt chunks (0..delta_clip). When no
-    candidate exists, delta, w and the candidate entries are 0.
-
-    delta = depth_before - depth_after; it is negative only for an empty batch.
+    With ``extended_obs=True``, five more: 3 ``waiting`` (held requests, 0..episode requests),
+    4 ``kv_usage`` (the engine's KV blocks in use, 0..1), 5 ``missing_chunks`` (the candidate's
+    chunks no running request holds), 6 ``prompt_chunks`` (its prompt), 7 ``cached_chunks`` (its
+    prompt in the engine's prefix cache now); 5-7 are in 0..delta_clip. Chunks are
+    ``chunk_size`` tokens (the scenario's). After the last step the observation is all zeros.
 
     ## Rewards
-    Given at STOP only (ADD: 0).
+    From the engine's clock, for the time the engine ran between this decision and the next
+    (an ADD that leaves the round open costs nothing):
 
-    - ``"makespan"`` (default): minus the wall seconds the batch took (decode + prefill),
-      times ``reward_scale`` (1.0). The episode return is minus the episode's serving time,
-      so maximizing it maximizes throughput over the whole burst.
-    - ``"throughput"``: the batch's decode throughput in tokens/s times ``reward_scale``
-      (1e-3, i.e. kilotokens/s), the paper's reward. Its sum over an episode also grows with
-      the number of batches, which rewards splitting; it suits the bandit (which credits each
-      batch's reward to the decisions that formed it) more than return-maximizing RL.
-      ``benchmarks/agents.py`` compares the two for PPO.
+    - ``"makespan"`` (default): minus the seconds that passed. The return is minus the time from
+      t = 0 to the last completion; for a fixed episode that is maximizing end-to-end output
+      throughput.
+    - ``"latency"``: minus requests in the system (arrived, unfinished) x seconds, divided by the
+      episode's requests: the return is minus the mean end-to-end latency.
+    - ``"decode_throughput"``: the paper's reward, the decode throughput of the interval's
+      decode-only steps in kilotokens/s (0 when none ran); its sum grows with the number of
+      decisions, which suits a per-decision bandit more than return-maximizing RL.
+
+    ``reward_scale`` multiplies any of them. Which trains best (the default is the one that trained
+    the best end-to-end output throughput), measured on ``leval-kv-pressure`` by
+    ``benchmarks/rewards.py``: see the table in the README, section "Environment".
 
     ## Starting State
-    ``waiting`` requests sampled from the workload (``sample_groups`` whole prefix groups
-    when ``groups_per_episode`` is set, else ``sample``), deterministic for the reset seed;
-    the first batch holds its seed request.
+    ``reset(seed)`` draws episode ``seed'`` of the scenario (its requests, token ids and arrival
+    times are a pure function of ``seed'``, itself drawn from the reset seed), empties the engine,
+    clears its prefix cache, and runs the engine up to the first decision.
 
     ## Episode End
-    Terminates when every sampled request has been served exactly once. Truncation: never
-    (an episode takes at most ``2 * waiting`` steps).
+    Terminates when every request of the episode has been served, each exactly once with its
+    tokens (checked; a violation raises :class:`~feather_env.engine.EngineError`). Truncates when
+    the clock passes ``max_episode_seconds`` (default: never). If the engine fails mid-episode,
+    ``step()`` raises ``EngineError`` and the episode is over: the next ``step()`` raises
+    ``RuntimeError`` until ``reset()``, which starts a clean engine state (nothing is lost silently:
+    the failed episode's requests are reported in the error).
 
     ## Info
-    At STOP, ``info["batch"]`` has the batch's metrics (size, prefix groups, decode tok/s,
-    decode/prefill seconds, prefix-cache hits); at the end ``info["episode"]`` has the
-    episode's decode tok/s (total decode tokens / total decode seconds), batches, served
-    requests and seconds.
+    Every step: ``clock`` (engine seconds), ``decisions``. At the end, ``info["episode"]``: the
+    episode's serving metrics in ``vllm bench serve``'s vocabulary (``output_throughput``,
+    ``request_throughput``, ``mean_ttft_ms``, ``p99_e2el_ms``, ...; see
+    :mod:`feather_env.serving_metrics`), ``prefix_hit_rate``, ``decisions``, ``adds``, ``stops``,
+    ``preemptions``, ``engine_steps``, ``decode_tok_s``.
 
     ## Arguments
-    - ``backend``: ``"sim"`` (default), ``"vllm"``, or a :class:`~feather_env.backends.Backend`.
-    - ``workload``: a :class:`Workload`, a workload config mapping (see ``WorkloadConfig``),
-      or ``None`` for :func:`default_workload`.
-    - ``waiting``: requests per episode (W); ``max_batch_size``; ``chunk_size`` (CHT).
-    - ``groups_per_episode``, ``max_per_group``: episode sampling by prefix groups.
-    - ``reward`` (``"makespan"``/``"throughput"``), ``reward_scale``.
-    - ``extended_obs``; ``delta_clip`` (chunks).
-    - ``kv_capacity_tokens``: defaults to the backend's.
-    - ``profile`` (sim: calibrated profile JSON), ``engine`` (vllm: ``EngineConfig`` or mapping),
-      ``warm_prefixes`` (vllm).
+    - ``scenario``: a scenario name (``configs/scenarios/``), a YAML path, or a :class:`Scenario`;
+      ``scenario_overrides``: per-section keys replacing the file's (``{"episode": {"groups": 4}}``).
+    - ``backend``: ``"sim"`` (default; ``profile``: its calibrated profile JSON), ``"vllm"`` (the
+      real engine; ``llm``: a ``vllm.LLM`` built with ``FeatherScheduler`` to reuse), or a
+      :class:`~feather_env.serving.ServingBackend`.
+    - ``scheduler``: whose decisions the agent answers: ``"feather-heuristic"`` (default: the CHT's
+      candidates), a baseline's ordering (``"fcfs"``, ``"lpm"``, ``"dfs-weight"``, ``"svf"``,
+      ``"sjf"``), or a ``+svf`` Feather name; the baselines' own answer is always ADD.
+    - ``reward`` (:data:`REWARDS`), ``reward_scale``; ``extended_obs``; ``delta_clip`` (chunks);
+      ``max_episode_seconds``.
     """
 
     metadata = {"render_modes": []}
 
     def __init__(
         self,
-        backend: str | Backend = "sim",
-        workload: Workload | Mapping[str, Any] | None = None,
+        scenario: str | Scenario = "leval-kv-pressure",
+        backend: str | ServingBackend = "sim",
         *,
-        waiting: int = 64,
-        max_batch_size: int = 64,
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
-        groups_per_episode: int | None = None,
-        max_per_group: int | None = None,
+        scenario_overrides: Mapping[str, Mapping[str, Any]] | None = None,
+        scheduler: str = "feather-heuristic",
         reward: str = "makespan",
-        reward_scale: float | None = None,
+        reward_scale: float = 1.0,
         extended_obs: bool = False,
         delta_clip: int = 64,
-        kv_capacity_tokens: int | None = None,
+        max_episode_seconds: float | None = None,
         profile: str | None = None,
-        engine: Any = None,
-        warm_prefixes: bool = True,
+        llm: Any = None,
     ) -> None:
         super().__init__()
         if reward not in REWARDS:
             raise ConfigError(f"reward must be one of {REWARDS}, got {reward!r}")
-        for name, value in (("waiting", waiting), ("max_batch_size", max_batch_size),
-                            ("chunk_size", chunk_size), ("delta_clip", delta_clip)):
-            if value < 1:
-                raise ConfigError(f"{name} must be >= 1, got {value}")
-        if isinstance(workload, Workload):
-            self.workload = workload
-        elif workload is None:
-            self.workload = default_workload()
-        else:
-            self.workload = build_workload(WorkloadConfig.from_mapping(workload))
-        if groups_per_episode is not None and groups_per_episode > self.workload.num_groups:
-            raise ConfigError(f"groups_per_episode={groups_per_episode} exceeds the workload's "
-                              f"{self.workload.num_groups} prefix groups")
-        if groups_per_episode is None and waiting > len(self.workload):
-            raise ConfigError(f"waiting={waiting} exceeds the workload's {len(self.workload)} requests")
-        self.waiting = waiting
-        self.max_batch_size = max_batch_size
-        self.chunk_size = chunk_size
-        self.groups_per_episode = groups_per_episode
-        self.max_per_group = max_per_group
+        if not (isinstance(delta_clip, int) and delta_clip >= 1):
+            raise ConfigError(f"delta_clip must be an integer >= 1, got {delta_clip!r}")
+        if max_episode_seconds is not None and not max_episode_seconds > 0:
+            raise ConfigError(f"max_episode_seconds must be > 0 or None, got {max_episode_seconds!r}")
+        self.scenario = load_scenario(scenario, scenario_overrides)
+        sched = self.scenario.scheduler
+        self.scheduler_name = scheduler
+        self.scheduler_config = env_scheduler_config(scheduler, chunk_size=sched.chunk_size,
+                                                     max_wait=sched.max_wait)
+        self.chunk_size = sched.chunk_size
         self.reward_kind = reward
-        self.reward_scale = DEFAULT_REWARD_SCALE[reward] if reward_scale is None else reward_scale
-        self.extended_obs = extended_obs
+        self.reward_scale = float(reward_scale)
+        self.extended_obs = bool(extended_obs)
         self.delta_clip = delta_clip
-
-        self._nondeterministic = False
-        self.backend = self._make_backend(backend, profile, engine, warm_prefixes)
-        if kv_capacity_tokens is None:
-            kv_capacity_tokens = int(getattr(self.backend, "kv_capacity_tokens", 1 << 62))
-        self.kv_capacity_tokens = kv_capacity_tokens
-        too_big = [r.request_id for r in self.workload if r.peak_tokens > kv_capacity_tokens]
-        if too_big:
-            raise ConfigError(f"{len(too_big)} requests can never fit the KV cache of "
-                              f"{kv_capacity_tokens} tokens, e.g. {too_big[:3]}")
-        if self._nondeterministic:
+        self.max_episode_seconds = max_episode_seconds
+        self.engine_config = self.scenario.engine_config()
+        self._owns_backend = isinstance(backend, str)
+        self.backend = self._make_backend(backend, profile, llm)
+        if not self.backend.deterministic:
+            # real-engine rewards are wall-clock measurements: say so to gymnasium's checks
             self.spec = EnvSpec("feather/Batching-v0", entry_point="feather_env.env:FeatherEnv",
                                 nondeterministic=True)
-
-        n = 7 if extended_obs else 3
-        high = np.array([max_batch_size, delta_clip, waiting, waiting, 1.0, delta_clip, delta_clip],
-                        dtype=np.float32)[:n]
-        low = np.zeros(n, dtype=np.float32)
+        n_max = self.scenario.max_episode_requests
+        names = EXTENDED_OBS_NAMES if self.extended_obs else BASE_OBS_NAMES
+        high = np.array([self.engine_config.max_num_seqs, delta_clip, n_max, n_max, 1.0,
+                         delta_clip, delta_clip, delta_clip], dtype=np.float32)[: len(names)]
+        low = np.zeros(len(names), dtype=np.float32)
         low[1] = -delta_clip
         self.observation_space = spaces.Box(low=low, high=high, dtype=np.float32)
         self.action_space = spaces.Discrete(2)
         #: Divide observations by this to get values in [-1, 1] (what PPO sees).
         self.obs_scale = high.copy()
-        self._hash_cache: dict[str, tuple[Request, np.ndarray]] = {}
-        self._reset_state()
+        self.obs_names = names
+        self.core: BatchingCore | None = None
+        self._requests: dict[str, Any] = {}
+        self._terminated = True
+        self._failed: str | None = None
+        self._episode_requests = 0
+        self._decode_tokens = 0
+        self._decode_seconds = 0.0
+        self._engine_steps = 0
 
-    # -- gymnasium API --------------------------------------------------------------------
+    # -- gymnasium API --------------------------------------------------------------------------
     @property
     def spec(self) -> EnvSpec | None:  # type: ignore[override]
         return self._spec
 
     @spec.setter
     def spec(self, value: EnvSpec | None) -> None:
-        # Real-engine rewards are wall-clock measurements: say so to gymnasium's checks.
-        if value is not None and getattr(self, "_nondeterministic", False):
+        backend = getattr(self, "backend", None)
+        if value is not None and backend is not None and not backend.deterministic:
             value = dataclasses.replace(value, nondeterministic=True)
         self._spec = value
 
@@ -211,198 +214,201 @@ class FeatherEnv(gym.Env):
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         super().reset(seed=seed)
         episode_seed = int(self.np_random.integers(2**31 - 1))
-        if self.groups_per_episode is not None:
-            episode = self.workload.sample_groups(self.groups_per_episode, episode_seed,
-                                                  self.max_per_group)
-            if len(episode) > self.waiting:
-                episode = episode.sample(self.waiting, episode_seed)
-        else:
-            episode = self.workload.sample(self.waiting, episode_seed)
-        self._reset_state()
+        if options and "episode_seed" in options:
+            episode_seed = int(options["episode_seed"])
+        episode = self.scenario.episode_workload(episode_seed)
+        self.episode_seed = episode_seed
         self._requests = {r.request_id: r for r in episode}
-        cache = self._hash_cache
-        for r in episode:
-            hit = cache.get(r.request_id)
-            if hit is None or hit[0] is not r:  # hash each workload prompt once, not per episode
-                hit = cache[r.request_id] = (r, self.cht.hash_prompt(r.prompt_token_ids))
-            self.cht.insert_hashed(r.request_id, hit[1])
-        self._seed_batch()
-        return self._observe(), {"episode_requests": len(self._requests)}
+        runtime = self.backend.start(episode, self.scheduler_config)
+        self.core = runtime.core
+        self._episode_requests = len(episode)
+        self._terminated = False
+        self._failed = None
+        self._decode_tokens, self._decode_seconds, self._engine_steps = 0, 0.0, 0
+        self._run_to_decision()
+        info = {"episode_requests": self._episode_requests, "episode_seed": episode_seed,
+                "clock": self.backend.clock}
+        return self._observe(), info
 
     def step(self, action: int):
-        if not self._requests:
+        if self.core is None:
             raise RuntimeError("call reset() before step()")
+        if self._failed is not None:
+            raise RuntimeError(f"the episode ended with an engine failure ({self._failed}); call reset()")
         if self._terminated:
             raise RuntimeError("episode has terminated; call reset()")
-        action = int(action)
-        mask = self.action_masks()
+        pending = self.core.pending
+        assert pending is not None
+        try:
+            action = int(action)
+        except (TypeError, ValueError):
+            raise InvalidActionError(f"action must be 0 (STOP) or 1 (ADD), got {action!r}") from None
         if action not in (STOP, ADD):
             raise InvalidActionError(f"action must be 0 (STOP) or 1 (ADD), got {action}")
-        if not mask[action]:
-            raise InvalidActionError(self._mask_reason(action))
-        self._steps += 1
-        info: dict[str, Any] = {}
-        reward = 0.0
-        if action == ADD:
-            self._admit(self._candidate)
-        else:
-            result = self._dispatch()
-            reward = self._reward(result)
-            info["batch"] = self._last_batch_info
-            if self.cht.num_waiting == 0:
-                self._terminated = True
-                info["episode"] = self._episode_info()
-            else:
-                self._seed_batch()
-        return self._observe(), reward, self._terminated, False, info
+        if not pending.mask[action]:
+            raise InvalidActionError(f"action {action} is masked out for candidate {pending.request_id!r}")
+        self.core.decide(action)
+        try:
+            reward = self._run_to_decision()
+        except EngineError as exc:
+            self._failed = str(exc)
+            raise
+        info: dict[str, Any] = {"clock": self.backend.clock, "decisions": self.core.stats.decisions}
+        truncated = (not self._terminated and self.max_episode_seconds is not None
+                     and self.backend.clock >= self.max_episode_seconds)
+        if self._terminated:
+            info["episode"] = self.episode_metrics()
+        return self._observe(), reward, self._terminated, truncated, info
 
     def action_masks(self) -> np.ndarray:
         """Valid actions as booleans ``[STOP, ADD]`` (MaskablePPO's convention)."""
-        cand = self._candidate
-        can_add = (
-            cand is not None
-            and len(self._batch) < self.max_batch_size
-            and self._batch_peak + self._new_peak_tokens(cand) <= self.kv_capacity_tokens
-        )
-        return np.array([len(self._batch) > 0, can_add], dtype=bool)
+        if self.core is None or self.core.pending is None:
+            return np.array([True, False])
+        return self.core.pending.mask.copy()
 
     def close(self) -> None:
         backend = getattr(self, "backend", None)
         if backend is not None and getattr(self, "_owns_backend", False):
             backend.close()
 
-    # -- helpers ----------------------------------------------------------------------------
-    def _make_backend(self, backend: Any, profile: str | None, engine: Any, warm: bool) -> Backend:
-        self._owns_backend = isinstance(backend, str)
-        if not isinstance(backend, str):
-            self._nondeterministic = not getattr(backend, "deterministic", False)
+    # -- the loop --------------------------------------------------------------------------------
+    def _run_to_decision(self) -> float:
+        """Run the serving loop until the core has a pending decision or the episode ends.
+
+        Before every engine advance the core opens a round (as vLLM's scheduler plans before every
+        step); a round without decisions hands its releases to the engine at once.
+        """
+        core, backend = self.core, self.backend
+        assert core is not None
+        reward = 0.0
+        while True:
+            if not core.round_open:
+                core.begin(backend.clock, backend.free_slots(), backend.view)
+            if core.pending is not None:
+                return reward
+            backend.release(core.end())
+            if backend.done:
+                backend.check_complete()
+                self._terminated = True
+                return reward
+            adv = backend.advance()
+            self._decode_tokens += adv.decode_tokens
+            self._decode_seconds += adv.decode_seconds
+            self._engine_steps += adv.steps
+            reward += self._reward(adv)
+            if self.max_episode_seconds is not None and backend.clock >= self.max_episode_seconds:
+                if not core.round_open:
+                    core.begin(backend.clock, backend.free_slots(), backend.view)
+                if core.pending is not None or backend.done:
+                    continue
+                # no decision to ask: the truncated episode ends here
+                backend.release(core.end())
+                return reward
+
+    def _reward(self, adv: Advance) -> float:
+        kind = self.reward_kind
+        if kind == "makespan":
+            r = -adv.seconds
+        elif kind == "latency":
+            r = -adv.request_seconds / max(self._episode_requests, 1)
+        else:
+            r = adv.decode_tokens / adv.decode_seconds * 1e-3 if adv.decode_seconds > 0 else 0.0
+        return r * self.reward_scale
+
+    def _observe(self) -> np.ndarray:
+        core = self.core
+        if core is None or core.pending is None:
+            return np.zeros(self.observation_space.shape, dtype=np.float32)
+        obs = core.observe(self.extended_obs)
+        return np.clip(obs, self.observation_space.low, self.observation_space.high)
+
+    # -- episode results -------------------------------------------------------------------------
+    def episode_metrics(self) -> dict[str, Any]:
+        """The finished (or current) episode's serving metrics, vLLM's names (see Info)."""
+        core = self.core
+        assert core is not None
+        out = serving_metrics(self.backend.timelines())
+        stats = core.stats
+        out.update(decisions=stats.decisions, adds=stats.adds, stops=stats.stops,
+                   preemptions=stats.preempted, engine_steps=self._engine_steps,
+                   decode_tok_s=self._decode_tokens / self._decode_seconds if self._decode_seconds else 0.0,
+                   clock_s=self.backend.clock, episode_seed=self.episode_seed,
+                   scheduler=self.scheduler_name, scenario=self.scenario.name)
+        return out
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def _make_backend(self, backend: Any, profile: str | None, llm: Any) -> ServingBackend:
+        if isinstance(backend, ServingBackend):
             return backend
         if backend == "sim":
             from feather_env.sim import SimBackend
 
-            return SimBackend.from_profile(profile)
+            return SimBackend(self.engine_config, profile)
         if backend == "vllm":
-            from feather_env.backends import VLLMBackend
-            from feather_env.engine import EngineConfig
+            from feather_env.serving import VLLMBackend
 
-            if engine is None or isinstance(engine, Mapping):
-                engine = EngineConfig.from_dict({"max_num_seqs": self.max_batch_size,
-                                                 **dict(engine or {})})
-            self._nondeterministic = True
-            return VLLMBackend(engine, warm_prefixes=warm)
-        raise ConfigError(f"backend must be 'sim', 'vllm' or a Backend object, got {backend!r}")
+            return VLLMBackend(self.engine_config, llm=llm)
+        raise ConfigError(f"backend must be 'sim', 'vllm' or a ServingBackend, got {backend!r}")
 
-    def _reset_state(self) -> None:
-        self.cht = ChunkedHashTree(self.chunk_size)
-        self._requests: dict[str, Request] = {}
-        self._batch: list[Request] = []
-        self._batch_peak = 0
-        self._candidate = None
-        self._served: set[str] = set()
-        self._terminated = False
-        self._steps = 0
-        self._results: list[BatchResult] = []
-        self._last_batch_info: dict[str, Any] = {}
-
-    def _new_peak_tokens(self, cand) -> int:
-        """KV tokens the candidate adds at its peak: its unshared prompt chunks + its output."""
-        req = self._requests[cand.request_id]
-        missing = self.cht.missing_count(cand.request_id) * self.chunk_size
-        return min(missing, req.prompt_len) + req.output_len
-
-    def _admit(self, cand) -> None:
-        self._batch_peak += self._new_peak_tokens(cand)
-        self.cht.activate(cand.request_id)
-        self._batch.append(self._requests[cand.request_id])
-        self._candidate = self.cht.best_candidate()
-
-    def _seed_batch(self) -> None:
-        self._candidate = self.cht.best_candidate()
-        if self._candidate is not None:
-            self._admit(self._candidate)
-
-    def _dispatch(self) -> BatchResult:
-        batch, self._batch = self._batch, []
-        result = self.backend.run_batch(batch)
-        for r in batch:
-            if r.request_id in self._served:
-                raise RuntimeError(f"request {r.request_id} served twice")
-            self._served.add(r.request_id)
-            self.cht.finish(r.request_id)
-        self._batch_peak = 0
-        self._results.append(result)
-        self._last_batch_info = {
-            "batch_size": len(batch),
-            "prefix_groups": len({r.prefix_group for r in batch}),
-            "decode_tok_s": result.decode_tok_s,
-            "decode_seconds": result.decode_seconds,
-            "prefill_seconds": result.prefill_seconds,
-            "decode_tokens": result.decode_tokens,
-            "prefix_hit_tokens": result.prefix_hit_tokens,
-        }
-        return result
-
-    def _reward(self, result: BatchResult) -> float:
-        if self.reward_kind == "makespan":
-            return -result.total_seconds * self.reward_scale
-        return result.decode_tok_s * self.reward_scale
-
-    def _episode_info(self) -> dict[str, Any]:
-        tokens = sum(r.decode_tokens for r in self._results)
-        seconds = sum(r.decode_seconds for r in self._results)
-        return {
-            "decode_tok_s": tokens / seconds if seconds else 0.0,
-            "decode_tokens": tokens,
-            "decode_seconds": seconds,
-            "total_seconds": sum(r.total_seconds for r in self._results),
-            "batches": len(self._results),
-            "served": len(self._served),
-            "requests": len(self._requests),
-            "mean_batch_size": len(self._served) / max(len(self._results), 1),
-        }
-
-    def _observe(self) -> np.ndarray:
-        n = self.observation_space.shape[0]
-        obs = np.zeros(n, dtype=np.float32)
-        if self._terminated:
-            return obs
-        obs[0] = len(self._batch)
-        cand = self._candidate
-        if cand is not None:
-            delta = cand.depth_before - cand.depth_after
-            obs[1] = max(-self.delta_clip, min(delta, self.delta_clip))
-            obs[2] = min(cand.w, self.waiting)
-        if self.extended_obs:
-            obs[3] = self.cht.num_waiting
-            obs[4] = min(self._batch_peak / self.kv_capacity_tokens, 1.0)
-            if cand is not None:
-                obs[5] = min(self.cht.missing_count(cand.request_id), self.delta_clip)
-                obs[6] = min(len(self.cht.hash_vector(cand.request_id)), self.delta_clip)
-        return obs
-
-    def _mask_reason(self, action: int) -> str:
-        if action == STOP:
-            return "STOP is invalid on an empty batch"
-        if self._candidate is None:
-            return "ADD is invalid: no request is waiting"
-        if len(self._batch) >= self.max_batch_size:
-            return f"ADD is invalid: batch is at max_batch_size={self.max_batch_size}"
-        return (f"ADD is invalid: candidate {self._candidate.request_id} would exceed the KV "
-                f"capacity of {self.kv_capacity_tokens} tokens")
-
-    # read-only views for agents, tests and the oracle policy
+    # read-only views for agents (the oracle) and tests
     @property
-    def batch(self) -> list[Request]:
-        return list(self._batch)
+    def candidate_request(self) -> Any:
+        """The pending decision's request (a :class:`~feather_env.workloads.Request`), or None."""
+        if self.core is None or self.core.pending is None:
+            return None
+        return self._requests[self.backend.external_id(self.core.pending.request_id)]
 
     @property
-    def candidate_request(self) -> Request | None:
-        return None if self._candidate is None else self._requests[self._candidate.request_id]
+    def batch_requests(self) -> list[Any]:
+        """The requests of the running batch (released, unfinished), oldest release first."""
+        if self.core is None:
+            return []
+        ext = self.backend.external_id
+        return [self._requests[ext(rid)] for rid in self.core.active_ids()]
 
     @property
-    def candidate(self):
-        return self._candidate
+    def units(self) -> str:
+        """The reward's unit (before ``reward_scale``)."""
+        return _UNITS[self.reward_kind]
 
-    @property
-    def served_ids(self) -> set[str]:
-        return set(self._served)
+
+def scheduler_policy(env: FeatherEnv) -> BatchingPolicy:
+    """The policy the environment's scheduler answers with when it serves: Feather's heuristic
+    (or its ``feather:PATH`` policy), always-add for a baseline's ordering (a fresh object)."""
+    config = env.scheduler_config
+    if config.ordering != "feather":
+        return AlwaysAdd()
+    if config.policy:
+        from scheduler_runtime.policy import load_policy
+
+        return load_policy(config.policy)
+    return HeuristicRule()
+
+
+def play_episode(env: FeatherEnv, policy: BatchingPolicy | None = None, *, seed: int | None = None,
+                 episode_seed: int | None = None) -> dict[str, Any]:
+    """Serve one episode answering every decision with ``policy`` (default: the scheduler's own,
+    :func:`scheduler_policy`); returns ``info["episode"]`` and ``"return"``.
+
+    The policy reads the core's raw observation (the environment's is clipped), as it does when
+    serving; with an ``obs_spec`` of the extended names it gets the extended observation.
+    """
+    policy = policy if policy is not None else scheduler_policy(env)
+    reset = getattr(policy, "reset", None)
+    if reset is not None:
+        reset()
+    spec = getattr(policy, "obs_spec", None)
+    extended = len(getattr(spec, "names", ())) == len(EXTENDED_OBS_NAMES)
+    options = {"episode_seed": episode_seed} if episode_seed is not None else None
+    env.reset(seed=seed, options=options)
+    total = 0.0
+    while True:
+        core = env.core
+        assert core is not None and core.pending is not None
+        action = int(policy.act(core.observe(extended), core.pending.mask))
+        _, reward, terminated, truncated, info = env.step(action)
+        total += reward
+        if terminated or truncated:
+            out = dict(info.get("episode") or env.episode_metrics())
+            out["return"] = total
+            return out

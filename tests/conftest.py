@@ -43,10 +43,10 @@ def llm(engine_config):
 
 
 @pytest.fixture(scope="session")
-def vllm_backend(llm, engine_config):
-    from feather_env.backends import VLLMBackend
+def isolated_runner(llm, engine_config):
+    from benchmarks.isolated import IsolatedBatchRunner
 
-    return VLLMBackend(engine_config, llm=llm)
+    return IsolatedBatchRunner(engine_config, llm=llm)
 
 
 # Modules that start engines of their own. Shutting an in-process vLLM engine down tears

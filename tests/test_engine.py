@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from feather_env.backends import VLLMBackend, common_prefixes
+from benchmarks.isolated import IsolatedBatchRunner, common_prefixes
 from feather_env.engine import EngineConfig, kv_bytes_per_token
 from feather_env.workloads.request import Request
 from scheduler_runtime.config import ConfigError, load_mapping
@@ -24,9 +24,9 @@ def _grouped(groups: int, per_group: int, prefix_len: int, out_len: int, seed: i
     return reqs
 
 
-def test_homogeneous_batch_decodes_every_token(vllm_backend: VLLMBackend):
+def test_homogeneous_batch_decodes_every_token(isolated_runner: IsolatedBatchRunner):
     reqs = _grouped(1, 12, 1024, 8, seed=1, tag="hom")
-    res = vllm_backend.run_batch(reqs)
+    res = isolated_runner.run_batch(reqs)
     assert res.num_requests == 12
     assert res.output_tokens == sum(r.output_len for r in reqs)
     assert res.prompt_tokens == sum(r.prompt_len for r in reqs)
@@ -37,33 +37,33 @@ def test_homogeneous_batch_decodes_every_token(vllm_backend: VLLMBackend):
     assert res.kv_blocks_used > 0
 
 
-def test_heterogeneous_batch_decodes_every_token(vllm_backend: VLLMBackend):
+def test_heterogeneous_batch_decodes_every_token(isolated_runner: IsolatedBatchRunner):
     reqs = _grouped(6, 2, 1024, 8, seed=2, tag="het")
-    res = vllm_backend.run_batch(reqs)
+    res = isolated_runner.run_batch(reqs)
     assert res.output_tokens == sum(r.output_len for r in reqs)
     assert res.num_requests == 12
     assert res.decode_tokens <= res.output_tokens
 
 
-def test_batches_are_isolated_and_engine_is_reusable(vllm_backend: VLLMBackend):
-    a = vllm_backend.run_batch(_grouped(2, 3, 256, 4, seed=3, tag="iso"))
+def test_batches_are_isolated_and_engine_is_reusable(isolated_runner: IsolatedBatchRunner):
+    a = isolated_runner.run_batch(_grouped(2, 3, 256, 4, seed=3, tag="iso"))
     # same ids again: the backend tags each batch, so the engine never sees a reused id
-    b = vllm_backend.run_batch(_grouped(2, 3, 256, 4, seed=3, tag="iso"))
+    b = isolated_runner.run_batch(_grouped(2, 3, 256, 4, seed=3, tag="iso"))
     assert a.output_tokens == b.output_tokens == sum(4 + i % 3 for _ in range(2) for i in range(3))
-    assert not vllm_backend.llm.llm_engine.has_unfinished_requests()
+    assert not isolated_runner.llm.llm_engine.has_unfinished_requests()
 
 
-def test_bad_batches_are_rejected_before_the_engine_sees_them(vllm_backend: VLLMBackend):
+def test_bad_batches_are_rejected_before_the_engine_sees_them(isolated_runner: IsolatedBatchRunner):
     with pytest.raises(ValueError, match="empty batch"):
-        vllm_backend.run_batch([])
+        isolated_runner.run_batch([])
     r = Request("dup", np.arange(3, 40), 0, 2)
     with pytest.raises(ValueError, match="duplicate"):
-        vllm_backend.run_batch([r, r])
-    too_long = Request("long", np.full(vllm_backend.engine_config.max_model_len, 5), 0, 4)
+        isolated_runner.run_batch([r, r])
+    too_long = Request("long", np.full(isolated_runner.engine_config.max_model_len, 5), 0, 4)
     with pytest.raises(ValueError, match="max_model_len"):
-        vllm_backend.run_batch([too_long])
-    assert not vllm_backend.llm.llm_engine.has_unfinished_requests()
-    ok = vllm_backend.run_batch([Request("after", np.arange(3, 60), 0, 3)])
+        isolated_runner.run_batch([too_long])
+    assert not isolated_runner.llm.llm_engine.has_unfinished_requests()
+    ok = isolated_runner.run_batch([Request("after", np.arange(3, 60), 0, 3)])
     assert ok.output_tokens == 3
 
 
