@@ -1,7 +1,7 @@
 """The one small interface every batching agent implements, and what the agents share.
 
-An :class:`Agent` decides ADD (1) or STOP (0) for the environment's raw observation
-``[batch_size, delta, w]`` and its action mask ``[STOP valid, ADD valid]``:
+An :class:`Agent` decides ADD (1) or STOP (0) for the environment's raw observation (the batching
+core's, :mod:`scheduler_runtime.decision`) and its action mask ``[STOP valid, ADD valid]``:
 
 - ``act(obs, mask) -> int``: the deterministic decision (evaluation, export);
 - ``reset()``: an episode starts (only stateful rules, like the heuristic's floor, care);
@@ -11,16 +11,17 @@ An :class:`Agent` decides ADD (1) or STOP (0) for the environment's raw observat
 - ``to_policy()`` / ``export(path)``: the versioned, torch-free policy file that
   :func:`scheduler_runtime.policy.load_policy` reads.
 
-Callbacks are stable-baselines3 ``BaseCallback`` objects. PPO hands them to SB3; the other
-agents drive them with the same protocol from :meth:`EpisodicAgent.learn` (an agent exposes
-``num_timesteps``, ``logger`` and ``get_env()`` like an SB3 model), so ``train.py`` wires
-one set of callbacks (TensorBoard, evaluation, checkpoints, progress) for every agent.
+Callbacks are stable-baselines3 ``BaseCallback`` objects (:mod:`agents.callbacks`). PPO hands
+them to SB3; the other agents drive them with the same protocol from :meth:`EpisodicAgent.learn`
+(an agent exposes ``num_timesteps``, ``logger`` and ``get_env()`` like an SB3 model), so one set
+of callbacks (TensorBoard, evaluation, checkpoints, progress) serves every agent.
 
 :class:`AgentEnv` is the wrapper every agent trains through: it optionally scales the
-observation by ``env.obs_scale`` (PPO), forwards ``action_masks()``, and moves the
-environment's ``info["episode"]`` (decode throughput, batches...) to ``info["feather_episode"]``
-with the episode's mean delta and batch size added, because SB3's ``Monitor`` owns
-``info["episode"]`` (return, length).
+observation by ``env.obs_scale`` (PPO), forwards ``action_masks()``, and moves the environment's
+``info["episode"]`` (the episode's serving metrics) to ``info["feather_episode"]`` with the
+episode's mean delta added, because SB3's ``Monitor`` owns ``info["episode"]`` (return, length).
+
+:func:`evaluate` plays an agent on held-out episodes and reports end-to-end figures.
 """
 
 from __future__ import annotations
@@ -35,16 +36,8 @@ from typing import Any, ClassVar
 import gymnasium as gym
 import numpy as np
 
-from scheduler_runtime.policy import (
-    ADD,
-    BASE_OBS_NAMES,
-    EXTENDED_OBS_NAMES,
-    STOP,
-    ObservationSpec,
-    Policy,
-    TableBins,
-    write_policy,
-)
+from scheduler_runtime.decision import ADD, BASE_OBS_NAMES, EXTENDED_OBS_NAMES, STOP
+from scheduler_runtime.policy import ObservationSpec, Policy, TableBins, write_policy
 
 __all__ = [
     "ADD",
@@ -346,46 +339,35 @@ class EpisodicAgent(Agent):
         return dict(base)
 
 
-def evaluate(agent: Agent, env: gym.Env, seeds: Sequence[int]) -> dict[str, Any]:
-    """Run one deterministic episode per seed; decode throughput over all of them.
+def evaluate(agent: Any, env: gym.Env, seeds: Sequence[int]) -> dict[str, Any]:
+    """Serve one episode per seed with ``agent``'s deterministic decisions; end-to-end figures.
 
-    ``decode_tok_s`` is total decode tokens / total decode seconds over the episodes (a
-    throughput, not a mean of per-episode ratios). ``env`` is a raw :class:`FeatherEnv`
-    (agents act on raw observations; PPO scales them itself).
+    ``seeds`` are episode seeds (:meth:`feather_env.scenarios.Scenario.episode_workload`), so two
+    agents evaluated on the same seeds serve the same requests. ``output_throughput`` is the
+    output tokens of all episodes over their summed durations (a throughput, not a mean of
+    ratios); ``mean_e2el_s`` is over all requests of all episodes. ``agent`` is anything with
+    ``act(obs, mask)`` (an :class:`Agent` or a loaded policy); ``env`` a raw ``FeatherEnv`` or a
+    wrapper of one (agents act on raw observations; PPO scales them itself).
     """
+    from feather_env.env import play_episode
+
     base = env.unwrapped
-    tokens = seconds = total_seconds = 0.0
-    returns, lengths, batches, sizes, episodes = [], [], [], [], []
-    for seed in seeds:
-        obs, _ = base.reset(seed=int(seed))
-        agent.reset()
-        ret, length = 0.0, 0
-        while True:
-            action = agent.act(obs, base.action_masks())
-            obs, reward, terminated, truncated, info = base.step(action)
-            ret += reward
-            length += 1
-            if terminated or truncated:
-                ep = info["episode"]
-                break
-        tokens += ep["decode_tokens"]
-        seconds += ep["decode_seconds"]
-        total_seconds += ep["total_seconds"]
-        returns.append(ret)
-        lengths.append(length)
-        batches.append(ep["batches"])
-        sizes.append(ep["mean_batch_size"])
-        episodes.append({"seed": int(seed), "return": ret, "decode_tok_s": ep["decode_tok_s"],
-                         "batches": ep["batches"], "mean_batch_size": ep["mean_batch_size"],
-                         "decode_seconds": ep["decode_seconds"], "total_seconds": ep["total_seconds"]})
+    episodes = [play_episode(base, agent, episode_seed=int(seed)) for seed in seeds]
+    tokens = sum(ep["total_output_tokens"] for ep in episodes)
+    duration = sum(ep["duration"] for ep in episodes)
+    requests = sum(ep["completed"] for ep in episodes)
+    prompt = sum(ep["total_input_tokens"] for ep in episodes)
+    e2el = sum(ep["mean_e2el_ms"] * ep["completed"] for ep in episodes) / 1000.0 / max(requests, 1)
+    hits = sum(ep["prefix_hit_rate"] * ep["total_input_tokens"] for ep in episodes)
     return {
-        "decode_tok_s": tokens / seconds if seconds else 0.0,
-        "decode_tokens": tokens,
-        "decode_seconds": seconds,
-        "total_seconds": total_seconds,
-        "mean_return": float(np.mean(returns)),
-        "mean_episode_length": float(np.mean(lengths)),
-        "mean_batches": float(np.mean(batches)),
-        "mean_batch_size": float(np.mean(sizes)),
-        "episodes": episodes,
+        "output_throughput": tokens / duration if duration else 0.0,
+        "request_throughput": requests / duration if duration else 0.0,
+        "mean_e2el_s": e2el,
+        "prefix_hit_rate": hits / prompt if prompt else 0.0,
+        "mean_return": float(np.mean([ep["return"] for ep in episodes])),
+        "mean_episode_length": float(np.mean([ep["decisions"] for ep in episodes])),
+        "duration_s": duration,
+        "episodes": [{k: ep[k] for k in ("episode_seed", "return", "output_throughput", "duration",
+                                         "mean_e2el_ms", "p99_e2el_ms", "prefix_hit_rate", "decisions",
+                                         "adds", "stops", "completed")} for ep in episodes],
     }

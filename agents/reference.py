@@ -4,8 +4,8 @@
   batch-maximizing scheduler does. Exportable (a ``constant`` policy), so the runtime can serve
   with it as a baseline.
 - ``oracle``: knows the prefix-group ids of the requests (the runtime does not): ADD iff the
-  candidate belongs to the batch's group (the group of the batch's first request) and the batch
-  is not full, i.e. exactly one prefix group per batch. Not exportable.
+  candidate belongs to the group of the running batch's oldest request, i.e. one prefix group
+  in the batch at a time. Not exportable.
 - ``random``: a valid action uniformly at random (tests' lower bar). Not exportable.
 """
 
@@ -50,7 +50,7 @@ class OracleAgent(EpisodicAgent):
             raise RuntimeError("the oracle reads prefix groups from the environment: bind(env) first")
         if not mask[ADD]:
             return STOP
-        batch = self.env.batch
+        batch = self.env.batch_requests
         if not batch:
             return ADD
         cand = self.env.candidate_request

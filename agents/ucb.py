@@ -7,18 +7,20 @@ Decisions, in order: the mask (ADD invalid -> STOP); an empty batch -> ADD (neve
 agent: the environment admits each batch's first request itself); ``delta == 0`` -> ADD (the
 candidate costs no shared prefix); otherwise UCB over the state's arms: an untried arm first
 (at random among untried ones), else ``argmax mean(s, a) + c * sqrt(ln(N(s) + 1) / n(s, a))`` with
-``N(s)`` the state's pulls; ``c`` is in reward units (200 for tokens/s, the authors' value).
+``N(s)`` the state's pulls; ``c`` is in the credit's units (the authors used 200 for decode tokens/s).
 
-Credit: when a batch is dispatched, its reward is credited to every decision that formed it
-(every arm pulled by a UCB decision since the batch started, including the STOP that closed it;
-decisions forced by a mask or by the two rules above are not arms and are not credited).
+Credit. In the paper an episode is one batch, and the batch's decode throughput is credited to
+every decision that formed it. In the serving loop a decision's effect outlasts any batch (an
+admission now decides what the prefix cache evicts later), so the unit of credit is the
+episode: when an episode ends, its end-to-end output throughput (``output_throughput``, tokens/s,
+the figure users compare) is credited to every arm its UCB decisions pulled (``credit:
+episode``, the default). ``credit: return_to_go`` credits each arm with the environment's
+rewards from that decision to the end of the episode instead (less confounded, but biased: with
+a time-like reward, late decisions have less time left and look better in every state).
+Decisions forced by a mask or by the two rules above are not arms and are not credited.
 
-Which reward: by default the batch's **decode throughput** (``info["batch"]["decode_tok_s"]``,
-tokens/s), as in the paper, whatever the environment's own reward. The environment's default
-reward, minus the batch's seconds, would be the wrong credit for a per-batch bandit: it is
-minimized by dispatching tiny batches (each costs few seconds) even though the episode then
-takes longer. Throughput is scale-free per batch and says directly whether this composition
-decoded fast. ``credit: env`` uses the environment's reward instead.
+``c`` is in units of the credit (tokens/s for ``episode``); 20 by default, a tenth of the
+scale of the throughputs it tells apart on the L-Eval scenarios.
 
 The deployed (exported) policy is greedy: the valid arm of highest mean among visited arms,
 ADD for states never visited (:func:`scheduler_runtime.policy.table_decision`).
@@ -39,17 +41,19 @@ import numpy as np
 from agents.base import ADD, STOP, EpisodicAgent, TableBinsConfig
 from scheduler_runtime.policy import Policy, TablePolicy, table_decision
 
+CREDITS = ("episode", "return_to_go")
+
 
 @dataclass(frozen=True)
 class UCBConfig(TableBinsConfig):
     """Bandit knobs: exploration constant (reward units), credit, bins."""
 
-    c: float = 200.0
-    credit: str = "decode_tok_s"
+    c: float = 20.0
+    credit: str = "episode"
 
     def __post_init__(self) -> None:
-        if self.credit not in ("decode_tok_s", "env"):
-            raise ValueError(f"ucb.credit must be 'decode_tok_s' or 'env', got {self.credit!r}")
+        if self.credit not in CREDITS:
+            raise ValueError(f"ucb.credit must be one of {CREDITS}, got {self.credit!r}")
         if self.c < 0:
             raise ValueError(f"ucb.c must be >= 0, got {self.c}")
 
@@ -66,7 +70,8 @@ class UCBAgent(EpisodicAgent):
         n = self.bins.num_states
         self.counts = np.zeros((n, 2), dtype=np.int64)
         self.means = np.zeros((n, 2), dtype=np.float64)
-        self._pending: list[tuple[int, int]] = []
+        self._pending: list[tuple[int, int, float]] = []  # (state, arm, return before it)
+        self._return = 0.0
         self._abs_err: list[float] = []
 
     # -- decisions -----------------------------------------------------------------------------
@@ -92,22 +97,29 @@ class UCBAgent(EpisodicAgent):
         else:
             bonus = self.config.c * np.sqrt(math.log(n.sum() + 1) / n)
             a = int(np.argmax(self.means[s] + bonus))
-        self._pending.append((s, a))
+        self._pending.append((s, a, self._return))
         return a
 
     def observe(self, obs: np.ndarray, action: int, reward: float, next_obs: np.ndarray,
                 next_mask: np.ndarray, done: bool, info: dict[str, Any]) -> None:
-        if action != STOP or "batch" not in info:
+        self._return += reward
+        if not done:
             return
-        credit = info["batch"]["decode_tok_s"] if self.config.credit == "decode_tok_s" else reward
-        for s, a in self._pending:
+        episode = info.get("feather_episode") or info.get("episode") or {}
+        for s, a, before in self._pending:
+            if self.config.credit == "episode":
+                credit = float(episode["output_throughput"])
+            else:
+                credit = self._return - before
             self.counts[s, a] += 1
             self._abs_err.append(abs(credit - self.means[s, a]))
             self.means[s, a] += (credit - self.means[s, a]) / self.counts[s, a]
         self._pending = []
+        self._return = 0.0
 
     def reset(self) -> None:
         self._pending = []
+        self._return = 0.0
 
     def train_metrics(self) -> dict[str, float]:
         out = {"states_visited": float((self.counts.sum(axis=1) > 0).sum())}

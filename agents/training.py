@@ -1,0 +1,535 @@
+"""One training run: its config, its environments, the training loop's wiring, evaluation and export.
+
+What ``python train.py`` does, as a library (benchmarks and tests call :func:`run`):
+
+Every knob of a run lives in one YAML config (sections ``scenario``, ``env``, ``agent``,
+``train``); each section is validated (an unknown key is an error that lists the valid ones), the
+command-line flags override ``train.*`` and ``scenario.name``, and the effective config is
+printed, logged to TensorBoard (text + hparams) and saved as ``OUT/config.yaml`` next to the
+checkpoints::
+
+    scenario:            # configs/scenarios/NAME.yaml, with optional per-section overrides
+      name: leval-kv-pressure
+      episode: {groups: 8}
+    env:                 # FeatherEnv arguments (EnvSection)
+      reward: makespan
+    agent:               # the agent's config dataclass (agents/<name>.py), plus its name
+      name: ucb
+    train:               # TrainSection
+      timesteps: 20000
+
+What a run writes in ``OUT``: ``config.yaml``; ``tb/`` (TensorBoard: ``rollout/`` episode return,
+output throughput, E2E latency, prefix hit rate; ``train/`` losses or TD/credit errors;
+``eval/`` the periodic held-out evaluation) and ``tb/progress.csv``; ``checkpoints/`` with
+``latest.json`` (what ``--resume`` continues from); ``policy.feather`` (the exported policy,
+:func:`scheduler_runtime.policy.load_policy`); ``summary.json`` (final evaluation, the reference
+agents', timesteps, wall time).
+
+Seeds: training episodes come from the environment's generator seeded with ``train.seed``;
+evaluation episode ``i`` is episode seed ``train.eval_seed + i`` of the scenario (held out: a
+training episode draws its seed from 2^31 values). The reference agents of ``train.compare_with``
+serve the same evaluation episodes.
+
+``train.n_envs > 1``: PPO steps N environments in separate processes (SB3's ``SubprocVecEnv``);
+the tabular agents run N independent workers for ``train.sync_every`` steps each, then merge
+their tables (see ``merge`` in each agent).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from scheduler_runtime.config import ConfigError, from_mapping, load_yaml
+
+__all__ = ["REFERENCES", "EnvSection", "RunConfig", "TrainResult", "TrainSection", "comparison_table",
+           "load_config", "make_env", "parse_config", "reference_policy", "run"]
+
+SECTIONS = ("scenario", "env", "agent", "train")
+#: What ``train.compare_with`` accepts: a policy answering the trained agent's own decisions
+#: (``always-add``, ``heuristic``, ``oracle``, ``random``), or a baseline's ordering answered by
+#: always-add (``fcfs``, ``lpm``, ``dfs-weight``, ``svf``, ``sjf``).
+REFERENCES = ("always-add", "heuristic", "oracle", "random", "fcfs", "lpm", "dfs-weight", "svf", "sjf")
+_ORDERING_REFERENCES = ("fcfs", "lpm", "dfs-weight", "svf", "sjf")
+
+
+# -- configuration ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EnvSection:
+    """``FeatherEnv`` arguments (see its manual); ``profile`` is the simulator's profile JSON."""
+
+    scheduler: str = "feather-heuristic"
+    reward: str = "makespan"
+    reward_scale: float = 1.0
+    extended_obs: bool = False
+    delta_clip: int = 64
+    max_episode_seconds: float | None = None
+    profile: str | None = None
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    """How long and how to train, evaluate and checkpoint.
+
+    Attributes:
+        timesteps: environment steps (decisions) in total, over all environments.
+        seed: seeds the agent and the training environments.
+        backend: ``"sim"`` (the calibrated simulator) or ``"vllm"`` (the real engine).
+        n_envs: environments in separate processes (1: in this process).
+        eval_every: evaluate every this many timesteps (0: only at the end).
+        eval_episodes: held-out episodes per evaluation, episode seeds ``eval_seed + i``.
+        eval_seed: first held-out episode seed.
+        eval_backend: where the held-out evaluation runs (``None``: ``backend``).
+        checkpoint_every: checkpoint every this many timesteps (0: only at the end).
+        sync_every: tabular agents with ``n_envs > 1``: steps per worker between merges.
+        progress_bar: show a progress bar.
+        compare_with: reference agents (:data:`REFERENCES`) evaluated at the end on the same
+            held-out episodes, printed next to the trained agent (``make demo``).
+    """
+
+    timesteps: int = 20_000
+    seed: int = 0
+    backend: str = "sim"
+    n_envs: int = 1
+    eval_every: int = 5_000
+    eval_episodes: int = 5
+    eval_seed: int = 1_000_000
+    eval_backend: str | None = None
+    checkpoint_every: int = 10_000
+    sync_every: int = 2_000
+    progress_bar: bool = True
+    compare_with: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("backend", "eval_backend"):
+            value = getattr(self, name)
+            if value is not None and value not in ("sim", "vllm"):
+                raise ConfigError(f"train.{name} must be 'sim' or 'vllm', got {value!r}")
+        for name in ("timesteps", "n_envs", "eval_episodes", "sync_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("eval_every", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if isinstance(self.compare_with, str):
+            object.__setattr__(self, "compare_with", (self.compare_with,))
+        bad = [name for name in self.compare_with if name not in REFERENCES]
+        if bad:
+            raise ConfigError(f"train.compare_with: {bad} are not reference agents; choose from "
+                              f"{list(REFERENCES)}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A whole run: the validated sections (``scenario`` stays a mapping: a name and overrides)."""
+
+    agent_name: str
+    agent: Any
+    scenario: dict[str, Any]
+    env: EnvSection = field(default_factory=EnvSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    source: str = ""
+
+    @property
+    def scenario_name(self) -> str:
+        return str(self.scenario["name"])
+
+    @property
+    def scenario_overrides(self) -> dict[str, Any]:
+        return {k: v for k, v in self.scenario.items() if k != "name"}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The effective config as a YAML-able mapping (the format :func:`load_config` reads)."""
+        agent = {"name": self.agent_name, **(asdict(self.agent) if self.agent is not None else {})}
+        return _plain({"scenario": self.scenario, "env": asdict(self.env), "agent": agent,
+                       "train": asdict(self.train)})
+
+
+def _plain(obj: Any) -> Any:
+    """Tuples -> lists, recursively (YAML/JSON friendly)."""
+    if isinstance(obj, Mapping):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+def parse_config(data: Mapping[str, Any], agent: str | None = None, *, scenario: str | None = None,
+                 where: str = "config") -> RunConfig:
+    """Validate a config mapping; ``agent`` (``--agent``) must match ``agent.name`` if both exist;
+    ``scenario`` (``--scenario``) replaces ``scenario.name``. The scenario itself is loaded and
+    checked here (unknown names and keys fail before any training starts)."""
+    from agents.registry import TRAINABLE, config_class
+    from feather_env.scenarios import load_scenario
+
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: expected a mapping")
+    unknown = sorted(set(data) - set(SECTIONS))
+    if unknown:
+        raise ConfigError(f"{where}: unknown section(s) {unknown}; valid sections are {list(SECTIONS)}")
+    agent_section = dict(data.get("agent") or {})
+    name = agent_section.pop("name", None)
+    if agent is not None and name is not None and agent != name:
+        raise ConfigError(f"{where}: --agent {agent} but the config's agent section is for {name!r}")
+    name = agent or name
+    if name is None:
+        raise ConfigError(f"{where}: no agent given (--agent or agent.name); choose from {list(TRAINABLE)}")
+    if name not in TRAINABLE:
+        raise ConfigError(f"{where}: agent {name!r} cannot be trained; choose from {list(TRAINABLE)}")
+    cls = config_class(name)
+    try:
+        agent_cfg = from_mapping(cls, agent_section, where=f"{where}: agent ({name})")
+    except ValueError as exc:  # the config dataclasses' own range checks
+        raise ConfigError(str(exc)) from exc
+    env = from_mapping(EnvSection, data.get("env"), where=f"{where}: env")
+    train = from_mapping(TrainSection, data.get("train"), where=f"{where}: train")
+    scen = data.get("scenario")
+    if scen is None:
+        scen = {}
+    if isinstance(scen, str):
+        scen = {"name": scen}
+    if not isinstance(scen, Mapping):
+        raise ConfigError(f"{where}: scenario must be a name or a mapping with a 'name'")
+    scen = dict(scen)
+    if scenario is not None:
+        scen["name"] = scenario
+    if "name" not in scen:
+        raise ConfigError(f"{where}: no scenario given (--scenario or scenario.name)")
+    load_scenario(scen["name"], {k: v for k, v in scen.items() if k != "name"})
+    return RunConfig(name, agent_cfg, scen, env, train, source=where)
+
+
+def load_config(path: str | Path, agent: str | None = None, *, scenario: str | None = None,
+                **train_overrides: Any) -> RunConfig:
+    """Read and validate a YAML config; non-``None`` ``train_overrides`` replace ``train.*``."""
+    data = load_yaml(path)
+    overrides = {k: v for k, v in train_overrides.items() if v is not None}
+    if overrides:
+        data = {**data, "train": {**(data.get("train") or {}), **overrides}}
+    return parse_config(data, agent, scenario=scenario, where=str(path))
+
+
+# -- environments -------------------------------------------------------------------------------
+def make_env(cfg: RunConfig, backend: Any = None, *, scheduler: str | None = None) -> Any:
+    """A raw ``FeatherEnv`` for the run (``backend``: a backend object to share, else the config's;
+    ``scheduler``: another ordering than the config's, for a reference agent)."""
+    from feather_env.env import FeatherEnv
+
+    e = asdict(cfg.env)
+    profile = e.pop("profile")
+    if scheduler is not None:
+        e["scheduler"] = scheduler
+    return FeatherEnv(cfg.scenario_name, backend if backend is not None else cfg.train.backend,
+                      scenario_overrides=cfg.scenario_overrides, profile=profile, **e)
+
+
+class EnvFactory:
+    """Picklable ``FeatherEnv`` factory for a worker process (it builds its own backend)."""
+
+    def __init__(self, config: dict[str, Any], agent: str) -> None:
+        self.config = config
+        self.agent = agent
+
+    def __call__(self) -> Any:
+        return make_env(parse_config(self.config, self.agent, where="worker config"))
+
+
+def reference_policy(name: str, env: Any, seed: int = 0) -> Any:
+    """The decision-answering object of reference ``name`` (see :data:`REFERENCES`) for ``env``."""
+    from agents.registry import make_agent
+
+    if name in _ORDERING_REFERENCES or name == "always-add":
+        return make_agent("always-add", seed=seed, env=env)
+    return make_agent(name, seed=seed, env=env)
+
+
+# -- logging ------------------------------------------------------------------------------------
+def make_logger(out: Path, cfg: RunConfig) -> Any:
+    """SB3 logger writing TensorBoard + CSV to ``out/tb``; the config goes in as text and hparams."""
+    from stable_baselines3.common.logger import HParam, TensorBoardOutputFormat, configure
+
+    csv = out / "tb" / "progress.csv"
+    if csv.exists():  # a resumed run: SB3 would truncate the earlier run's CSV
+        csv.replace(csv.with_name(f"progress-{time.strftime('%Y%m%d-%H%M%S')}.csv"))
+    logger = configure(str(out / "tb"), ["tensorboard", "csv"])
+    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    for fmt in logger.output_formats:
+        if isinstance(fmt, TensorBoardOutputFormat):
+            fmt.writer.add_text("config", "```yaml\n" + text + "```", 0)
+            fmt.writer.flush()
+    flat = _flatten(cfg.to_dict())
+    hparams = {k: v if isinstance(v, bool | int | float | str) else str(v) for k, v in flat.items()}
+    logger.record("hparams", HParam(hparams, {"eval/output_throughput": 0.0, "eval/mean_return": 0.0}),
+                  exclude=("stdout", "log", "json", "csv"))
+    logger.dump(0)
+    return logger
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in (d or {}).items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+# -- parallel tabular workers -------------------------------------------------------------------
+def _tabular_worker(conn: Any, config: dict[str, Any], agent_name: str, rank: int) -> None:
+    """Worker process: own env + agent copy; trains ``steps`` from the state it is sent, returns
+    its state and the infos of the episodes it finished."""
+    from agents.callbacks import InfoCollector
+    from agents.registry import make_agent
+
+    cfg = parse_config(config, agent_name, where="worker config")
+    env = make_env(cfg)
+    agent = make_agent(agent_name, cfg.agent, seed=cfg.train.seed + 1000 * (rank + 1))
+    collector = InfoCollector()
+    try:
+        while True:
+            msg = conn.recv()
+            if msg is None:
+                break
+            state, start, steps, exploration = msg
+            agent.load_state_dict(state)
+            agent.num_timesteps = start
+            if exploration is not None:
+                agent.exploration_timesteps = exploration
+            collector.infos = []
+            agent.learn(env, steps, callback=collector, reset_num_timesteps=False)
+            conn.send((agent.state_dict(), collector.infos))
+    finally:
+        env.close()
+        conn.close()
+
+
+def learn_parallel_tabular(agent: Any, cfg: RunConfig, total: int, callback: Any) -> None:
+    """Independent workers, merged every ``sync_every`` steps each (see the module docstring)."""
+    n = cfg.train.n_envs
+    ctx = mp.get_context("spawn")
+    conns, procs = [], []
+    config = cfg.to_dict()
+    for rank in range(n):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_tabular_worker, args=(child, config, cfg.agent_name, rank), daemon=True)
+        p.start()
+        conns.append(parent)
+        procs.append(p)
+    if agent.name == "qlearning" and agent.config.exploration_timesteps is None:
+        agent.exploration_timesteps = max(1, int(agent.config.exploration_fraction * total))
+    try:
+        callback.init_callback(agent)
+        callback.on_training_start({"total_timesteps": total}, {})
+        while agent.num_timesteps < total:
+            per_worker = min(cfg.train.sync_every, max(1, (total - agent.num_timesteps) // n))
+            base = agent.state_dict()
+            exploration = getattr(agent, "exploration_timesteps", None)
+            for conn in conns:
+                conn.send((base, agent.num_timesteps, per_worker, exploration))
+            results = [conn.recv() for conn in conns]
+            agent.load_state_dict(type(agent).merge(base, [state for state, _ in results]))
+            agent.num_timesteps += per_worker * n
+            infos = [info for _, worker_infos in results for info in worker_infos]
+            callback.update_locals({"infos": infos})
+            for key, value in agent.train_metrics().items():
+                agent.logger.record(f"train/{key}", value)
+            if not callback.on_step():
+                break
+            agent.logger.dump(agent.num_timesteps)
+        callback.on_training_end()
+    finally:
+        for conn in conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+
+
+# -- the run ------------------------------------------------------------------------------------
+@dataclass
+class TrainResult:
+    out: Path
+    policy_path: Path
+    checkpoint: Path
+    num_timesteps: int
+    final_eval: dict[str, Any]
+    eval_history: list[dict[str, Any]]
+    comparison: dict[str, dict[str, Any]]
+    wall_s: float
+
+
+def _check_resume_config(out: Path, cfg: RunConfig) -> None:
+    saved_path = out / "config.yaml"
+    if not saved_path.is_file():
+        raise ConfigError(f"--resume: {saved_path} not found (nothing to resume in {out})")
+    saved = _flatten(yaml.safe_load(saved_path.read_text()) or {})
+    now = _flatten(cfg.to_dict())
+    # The run may be extended, and its bookkeeping changed; nothing that shapes learning.
+    free = {"train.timesteps", "train.progress_bar", "train.eval_every", "train.checkpoint_every"}
+    diff = sorted(k for k in set(saved) | set(now) if k not in free and saved.get(k) != now.get(k))
+    if diff:
+        details = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in diff[:8])
+        raise ConfigError(f"--resume: the config differs from the run's saved config in {out}: {details}")
+
+
+def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any = None,
+        verbose: bool = True) -> TrainResult:
+    """Train, evaluate, checkpoint and export as ``cfg`` says (what ``python train.py`` does).
+
+    ``backend``: a serving backend object to use instead of building one (e.g. a test session's
+    engine); only with ``n_envs == 1``.
+    """
+    from stable_baselines3.common.callbacks import CallbackList
+
+    from agents.base import evaluate
+    from agents.callbacks import (
+        CheckpointCallback,
+        EpisodeStatsCallback,
+        EvalCallback,
+        ProgressCallback,
+        save_checkpoint,
+    )
+    from agents.registry import agent_class, make_agent
+
+    t0 = time.perf_counter()
+    out = Path(out)
+    if backend is not None and cfg.train.n_envs > 1:
+        raise ConfigError("a shared backend object needs n_envs == 1 (each worker builds its own)")
+    if resume:
+        _check_resume_config(out, cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    (out / "config.yaml").write_text(text)
+    if verbose:
+        print(f"# train.py --agent {cfg.agent_name} --scenario {cfg.scenario_name} (config {cfg.source})",
+              flush=True)
+
+    # One backend per kind serves the training env, the evaluation env and the references.
+    train_backend = backend if backend is not None else cfg.train.backend
+    eval_kind = cfg.train.eval_backend or cfg.train.backend
+    train_probe = make_env(cfg, backend=train_backend)
+    shared = train_probe.backend
+    if eval_kind == cfg.train.backend:
+        eval_env = train_probe
+    else:
+        eval_env = make_env(cfg, backend=eval_kind)
+    ckpt_dir = out / "checkpoints"
+    cls = agent_class(cfg.agent_name)
+    ppo = cfg.agent_name == "ppo"
+
+    if ppo:
+        from agents.ppo import make_vec_env
+
+        if cfg.train.n_envs > 1:
+            factories = [EnvFactory(cfg.to_dict(), cfg.agent_name) for _ in range(cfg.train.n_envs)]
+            train_env = make_vec_env(factories, subprocess=True)
+        else:
+            train_env = make_vec_env([lambda: make_env(cfg, backend=shared)])
+        train_env.seed(cfg.train.seed)
+    else:
+        train_env = None if cfg.train.n_envs > 1 else make_env(cfg, backend=shared)
+
+    if resume:
+        pointer = json.loads((ckpt_dir / "latest.json").read_text())
+        agent = cls.load(ckpt_dir / pointer["path"], env=train_env if ppo else None)
+        if ppo:
+            agent.bind(train_env)
+        if verbose:
+            print(f"resuming from {ckpt_dir / pointer['path']} at {agent.num_timesteps} timesteps",
+                  flush=True)
+    else:
+        agent = make_agent(cfg.agent_name, cfg.agent, seed=cfg.train.seed)
+    if not ppo:
+        agent.bind(eval_env)
+    logger = make_logger(out, cfg)
+    agent.set_logger(logger)
+
+    history: list[dict[str, Any]] = []
+    seeds = [cfg.train.eval_seed + i for i in range(cfg.train.eval_episodes)]
+    eval_cb = EvalCallback(agent, eval_env, seeds, cfg.train.eval_every, history, evaluate)
+    ckpt_cb = CheckpointCallback(agent, ckpt_dir, cfg.train.checkpoint_every)
+    callbacks = [EpisodeStatsCallback(), eval_cb, ckpt_cb]
+    if cfg.train.progress_bar:
+        callbacks.append(ProgressCallback(cfg.train.timesteps, history))
+    callback = CallbackList(callbacks)
+
+    remaining = cfg.train.timesteps - int(agent.num_timesteps)
+    try:
+        if remaining > 0:
+            if not ppo and cfg.train.n_envs > 1:
+                learn_parallel_tabular(agent, cfg, cfg.train.timesteps, callback)
+            else:
+                agent.learn(train_env, remaining, callback=callback, reset_num_timesteps=not resume)
+        elif verbose:
+            print(f"nothing to train: the checkpoint has {agent.num_timesteps} >= {cfg.train.timesteps} "
+                  "timesteps", flush=True)
+        checkpoint = save_checkpoint(agent, ckpt_dir)
+        if history and history[-1]["timesteps"] == int(agent.num_timesteps):
+            final = history[-1]  # the last periodic evaluation saw this very policy
+        else:
+            eval_cb.init_callback(agent if not ppo else agent.model)
+            final = eval_cb.run_eval()
+            logger.dump(int(agent.num_timesteps))
+    finally:
+        if train_env is not None and train_env is not eval_env:
+            train_env.close()
+    comparison = {cfg.agent_name: {k: v for k, v in final.items() if k != "episodes"}}
+    for name in cfg.train.compare_with:
+        ref_env = eval_env
+        if name in _ORDERING_REFERENCES:
+            ref_env = make_env(cfg, backend=eval_env.backend, scheduler=name)
+        ref = reference_policy(name, ref_env, seed=cfg.train.seed)
+        comparison[name] = {k: v for k, v in evaluate(ref, ref_env, seeds).items() if k != "episodes"}
+    policy_path = agent.export(out / "policy.feather", meta={
+        "config": cfg.to_dict(), "final_eval": {k: v for k, v in final.items() if k != "episodes"}})
+    wall = time.perf_counter() - t0
+    summary = {"agent": cfg.agent_name, "scenario": cfg.scenario_name,
+               "num_timesteps": int(agent.num_timesteps), "wall_s": wall, "checkpoint": str(checkpoint),
+               "policy": str(policy_path),
+               "final_eval": {k: v for k, v in final.items() if k != "episodes"}, "eval_history": history,
+               "comparison": comparison, "eval_backend": eval_kind}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
+    if backend is None:
+        train_probe.close()
+        if eval_env is not train_probe:
+            eval_env.close()
+    if verbose:
+        print(f"{cfg.agent_name}: {agent.num_timesteps} timesteps in {wall:.1f} s; held-out evaluation "
+              f"({len(seeds)} episodes of {cfg.scenario_name}, {eval_kind}): output "
+              f"{final['output_throughput']:,.1f} tok/s, mean E2E latency {final['mean_e2el_s']:.2f} s\n"
+              f"policy: {policy_path}\ncheckpoint: {checkpoint}\n"
+              f"TensorBoard: tensorboard --logdir {out / 'tb'}",
+              flush=True)
+        if len(comparison) > 1:
+            print(comparison_table(comparison, cfg.agent_name), flush=True)
+    return TrainResult(out, policy_path, checkpoint, int(agent.num_timesteps), final, history, comparison,
+                       wall)
+
+
+def comparison_table(results: Mapping[str, Mapping[str, Any]], agent: str) -> str:
+    """Held-out evaluation of the trained agent next to the reference agents (markdown)."""
+    def ratio(name: str, r: Mapping[str, Any]) -> str:
+        base = results.get(name)
+        if not base or not base["output_throughput"]:
+            return "-"
+        return f"{r['output_throughput'] / base['output_throughput']:.2f}x"
+
+    lines = ["| agent | e2e output tok/s | vs always-add | vs fcfs | mean E2E latency s | prefix hit |",
+             "|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        lines.append(f"| {name} | {r['output_throughput']:,.1f} | {ratio('always-add', r)} | "
+                     f"{ratio('fcfs', r)} | {r['mean_e2el_s']:.2f} | {r['prefix_hit_rate']:.0%} |")
+    return "\n".join(lines)
