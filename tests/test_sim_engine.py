@@ -550,7 +550,7 @@ def workloads(draw):
     return cfg, arrivals, fast_forward, probes
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
 @given(workloads())
 def test_random_workloads_match_vllm(vm, workload):
