@@ -100,8 +100,7 @@ def _decode_misses(num_computed: Sequence[int], group: Sequence[int], is_prefill
     """
     misses = 0.0
     own_read = 0.0  # cumulative own tokens read so far
-    reads: list[float] = []  # prefix tokens per read, zeroed once a later read of its group happens
-    last: dict[int, int] = {}  # group -> index in reads of its latest read
+    lru: dict[int, int] = {}  # group -> its prefix tokens, in order of latest read (oldest first)
     own_at: dict[int, float] = {}  # group -> own_read at its latest read
     for c, g, pre in zip(num_computed, group, is_prefill, strict=True):
         if pre:
@@ -110,16 +109,22 @@ def _decode_misses(num_computed: Sequence[int], group: Sequence[int], is_prefill
         p = min(shared.get(g, 0), ctx)
         own = ctx - p
         if p > 0:
-            seen = last.get(g)
-            if seen is None:
+            if g not in lru:
                 misses += p
             else:
-                others = sum(reads[seen + 1:])
+                # the other groups read since g's latest read: those after it in the LRU order
+                others = 0
+                after = False
+                for other, tokens in lru.items():
+                    if after:
+                        others += tokens
+                    elif other == g:
+                        after = True
                 if (own_read - own_at[g]) + others + p > cache_tokens:
                     misses += p
-                reads[seen] = 0.0
-            last[g], own_at[g] = len(reads), own_read
-            reads.append(float(p))
+                del lru[g]
+            lru[g] = p
+            own_at[g] = own_read
         own_read += own
         misses += own
     return misses

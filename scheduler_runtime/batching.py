@@ -386,6 +386,7 @@ class BatchingCore:
         *,
         arrival: float,
         output_len: float,
+        prompt_hashes: np.ndarray | None = None,
     ) -> None:
         """A request arrived: it waits until a round releases it.
 
@@ -394,6 +395,8 @@ class BatchingCore:
             arrival: its arrival time (the clock of ``begin``'s ``now``, seconds).
             output_len: the output length estimate its scheduler uses (predicted, 1-bit proxy
                 or true): the SJF key, the volume's ``o`` and the peak check's output.
+            prompt_hashes: the prompt's ``self.cht.hash_prompt(token_ids)``, when the caller
+                keeps them (the simulator serves the same prompts in episode after episode).
 
         Raises:
             DuplicateRequestError: the id is already waiting or active.
@@ -402,7 +405,11 @@ class BatchingCore:
         if request_id in self._waiting or request_id in self._active:
             raise DuplicateRequestError(f"request {request_id!r} is already in the core")
         tokens = np.asarray(token_ids)
-        self.cht.insert(request_id, tokens)  # validates the prompt before anything else changes
+        # validates the prompt before anything else changes
+        if prompt_hashes is None:
+            self.cht.insert(request_id, tokens)
+        else:
+            self.cht.insert_hashed(request_id, prompt_hashes)
         entry = _Entry(request_id, int(tokens.size), max(float(output_len), 1.0), float(arrival))
         self.ordering.arrive(entry, tokens)
         if self._volume_q is not None:

@@ -373,12 +373,15 @@ class FeatherRuntime:
         now: float,
         max_tokens: int | None = None,
         extra_args: Mapping[str, Any] | None = None,
+        prompt_hashes: np.ndarray | None = None,
     ) -> None:
-        """A new request: predict its length and hold it in the core."""
+        """A new request: predict its length and hold it in the core (``prompt_hashes``: see
+        :meth:`BatchingCore.arrive`)."""
         start = time.perf_counter()
         tokens = np.asarray(prompt_token_ids, dtype=np.int32)
         self.core.arrive(request_id, tokens, arrival=now,
-                      output_len=self.output_length(tokens, max_tokens, extra_args))
+                         output_len=self.output_length(tokens, max_tokens, extra_args),
+                         prompt_hashes=prompt_hashes)
         self.stats.arrival_seconds += time.perf_counter() - start
 
     def plan(self, now: float, free_slots: int, engine: EngineView | None = None) -> list[str]:
