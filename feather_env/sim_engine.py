@@ -261,6 +261,16 @@ class StepResult:
         return [self._ncomp[k] for k in self._order]
 
     @property
+    def is_prefill(self) -> list[bool]:
+        """Per request, persistent-batch order: not a decode (see ScheduledEntry.is_prefill)."""
+        return [self._prefill[k] for k in self._order]
+
+    @property
+    def first_block(self) -> list[int]:
+        """Per request, persistent-batch order: its first KV block (shared by a shared cached prefix)."""
+        return [self._blocks[k][0] for k in self._order]
+
+    @property
     def total_tokens(self) -> int:
         """Tokens scheduled in one step."""
         return sum(self._ntok)

@@ -282,6 +282,8 @@ class Lockstep:
         assert [e.request_id for e in entries] == got.request_ids
         assert got.num_scheduled == [e.num_tokens for e in entries]
         assert got.num_computed == [e.num_computed for e in entries]
+        assert got.is_prefill == [e.is_prefill for e in entries]
+        assert got.first_block == [e.block_ids[0] for e in entries]
         assert sorted(got.request_ids) == sorted(want_entries)
         for e in entries:
             n, computed_before, blocks, prefill = want_entries[e.request_id]
@@ -296,7 +298,10 @@ class Lockstep:
     def advance(self, k: int) -> None:
         """Fast-forward the sim by k decode steps; step vLLM k times, each the same pure decode."""
         running = self.sim.running_ids()
+        horizon = self.sim.decode_horizon()
         got = self.sim.advance_decode(k)
+        # The rest of a stretch is still a stretch: callers split one (SimBackend does).
+        assert self.sim.decode_horizon() == horizon - k
         assert got.num_steps == k and not (got.admitted or got.preempted or got.finished or got.first_token)
         assert got.request_ids == self.sim.persistent_order()
         for i in range(k):
