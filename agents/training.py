@@ -421,7 +421,9 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
     train_backend = backend if backend is not None else cfg.train.backend
     eval_kind = cfg.train.eval_backend or cfg.train.backend
     train_probe = make_env(cfg, backend=train_backend)
-    shared = train_probe.backend
+    # The real engine is one per process, shared by every env (an evaluation then interrupts the
+    # training episode, which truncates); each simulated env gets a simulator of its own.
+    shared = train_probe.backend if train_backend != "sim" else None
     if eval_kind == cfg.train.backend:
         eval_env = train_probe
     else:

@@ -110,7 +110,9 @@ class FeatherEnv(gym.Env):
     ## Episode End
     Terminates when every request of the episode has been served, each exactly once with its
     tokens (checked; a violation raises :class:`~feather_env.engine.EngineError`). Truncates when
-    the clock passes ``max_episode_seconds`` (default: never). If the engine fails mid-episode,
+    the clock passes ``max_episode_seconds`` (default: never), and when another environment on the
+    same backend object started an episode meanwhile (an evaluation sharing the one real engine;
+    ``info["interrupted"]``). If the engine fails mid-episode,
     ``step()`` raises ``EngineError`` and the episode is over: the next ``step()`` raises
     ``RuntimeError`` until ``reset()``, which starts a clean engine state (nothing is lost silently:
     the failed episode's requests are reported in the error).
@@ -189,6 +191,7 @@ class FeatherEnv(gym.Env):
         self.obs_scale = high.copy()
         self.obs_names = names
         self.core: BatchingCore | None = None
+        self._runtime: Any = None
         self._requests: dict[str, Any] = {}
         self._terminated = True
         self._failed: str | None = None
@@ -220,6 +223,7 @@ class FeatherEnv(gym.Env):
         self.episode_seed = episode_seed
         self._requests = {r.request_id: r for r in episode}
         runtime = self.backend.start(episode, self.scheduler_config)
+        self._runtime = runtime
         self.core = runtime.core
         self._episode_requests = len(episode)
         self._terminated = False
@@ -237,6 +241,12 @@ class FeatherEnv(gym.Env):
             raise RuntimeError(f"the episode ended with an engine failure ({self._failed}); call reset()")
         if self._terminated:
             raise RuntimeError("episode has terminated; call reset()")
+        if self.backend.runtime is not self._runtime:
+            # another environment on this backend (an evaluation sharing the one engine) started
+            # an episode meanwhile: this one cannot go on, and says so by truncating
+            self._terminated = True
+            zeros = np.zeros(self.observation_space.shape, dtype=np.float32)
+            return zeros, 0.0, False, True, {"interrupted": True, "clock": self.backend.clock}
         pending = self.core.pending
         assert pending is not None
         try:

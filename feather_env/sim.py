@@ -221,13 +221,12 @@ def _steps_to_reach(room: float, t1: float, g: float, cap: int) -> int:
     """The fewest steps (at most ``cap``) of times ``t1, t1 + g, t1 + 2g, ...`` summing to >= ``room``."""
     if math.isinf(room) or (t1 <= 0 and g <= 0):
         return cap
-    if g <= 0:
-        m = math.ceil(room / t1)
-    else:
-        # m * t1 + g * m * (m - 1) / 2 >= room
+    if g <= 1e-9 * t1:  # linear (a quadratic's root would divide by ~0)
+        est = room / t1
+    else:  # m * t1 + g * m * (m - 1) / 2 >= room
         a, b = g / 2.0, t1 - g / 2.0
-        m = math.ceil((-b + math.sqrt(b * b + 4 * a * room)) / (2 * a))
-    m = max(1, min(cap, m))
+        est = (-b + math.sqrt(b * b + 4 * a * room)) / (2 * a)
+    m = cap if not math.isfinite(est) or est >= cap else max(1, math.ceil(est))
     while m > 1 and (m - 1) * t1 + g * (m - 1) * (m - 2) / 2.0 >= room:
         m -= 1
     while m < cap and m * t1 + g * m * (m - 1) / 2.0 < room:

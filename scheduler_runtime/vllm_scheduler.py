@@ -38,6 +38,7 @@ from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
+from scheduler_runtime.decision import BatchingPolicy
 from scheduler_runtime.metrics import SchedulerMetrics
 from scheduler_runtime.schedulers import (
     DEFAULT_NAME,
@@ -101,8 +102,10 @@ class _FeatherMixin:
         )
 
     # -- configuration ------------------------------------------------------------------------
-    def feather_configure(self, config: SchedulerConfig | Mapping[str, Any] | str) -> None:
-        """Switch to another scheduler configuration (a name, a mapping or a config).
+    def feather_configure(self, config: SchedulerConfig | Mapping[str, Any] | str,
+                          policy: BatchingPolicy | None = None) -> None:
+        """Switch to another scheduler configuration (a name, a mapping or a config), optionally
+        with a policy object instead of the configuration's (``config.policy`` or the heuristic).
 
         Only between workloads: raises RuntimeError while the scheduler holds any request.
         """
@@ -115,7 +118,7 @@ class _FeatherMixin:
         self.feather_config = config
         pool = self.kv_cache_manager.block_pool
         capacity = (pool.num_gpu_blocks - 1) * self.block_size  # block 0 is vLLM's null block
-        self.feather = None if config.passthrough else FeatherRuntime(config, capacity)
+        self.feather = None if config.passthrough else FeatherRuntime(config, capacity, policy=policy)
         self._feather_metrics = SchedulerMetrics(config.name)
 
     def feather_stats(self) -> dict[str, Any]:

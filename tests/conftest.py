@@ -43,6 +43,16 @@ def llm(engine_config):
 
 
 @pytest.fixture(scope="session")
+def env_backend():
+    """The environment's real engine for the whole session: leval-kv-pressure's (0.25 GiB of KV),
+    with FeatherScheduler in its loop."""
+    from feather_env.scenarios import load_scenario
+    from feather_env.serving import VLLMBackend
+
+    return VLLMBackend(load_scenario("leval-kv-pressure").engine_config())
+
+
+@pytest.fixture(scope="session")
 def isolated_runner(llm, engine_config):
     from benchmarks.isolated import IsolatedBatchRunner
 

@@ -1,4 +1,8 @@
-"""FeatherEnv on the simulator and on the real engine."""
+"""FeatherEnv: the serving loop as an environment, on the simulator and on the real engine.
+
+The real-engine tests share one engine per session (``env_backend``: leval-kv-pressure's engine,
+0.25 GiB of KV, FeatherScheduler in its loop).
+"""
 
 from __future__ import annotations
 
@@ -8,141 +12,214 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 import feather_env  # noqa: F401  (registers feather/Batching-v0)
-from feather_env.env import ADD, STOP, FeatherEnv, InvalidActionError
-from feather_env.workloads import synthetic_workload
+from feather_env.engine import EngineError
+from feather_env.env import ADD, STOP, FeatherEnv, InvalidActionError, play_episode
 from scheduler_runtime.config import ConfigError
+from scheduler_runtime.decision import AlwaysAdd
+from scheduler_runtime.policy import HeuristicRule
 
-SMALL = synthetic_workload(num_groups=6, per_group="uniform:3:8", prefix_len="uniform:600:1500",
-                           suffix_len="uniform:5:20", output_len="uniform:4:10", seed=3, name="small")
-
-
-def _run_episode(env: FeatherEnv, policy, seed: int):
-    obs, info = env.reset(seed=seed)
-    total, steps, batches = 0.0, 0, []
-    while True:
-        action = policy(obs, env.action_masks())
-        obs, reward, terminated, truncated, info = env.step(action)
-        assert env.observation_space.contains(obs)
-        total += reward
-        steps += 1
-        if "batch" in info:
-            batches.append(info["batch"])
-        if terminated or truncated:
-            return total, steps, batches, info
+SCENARIO = "leval-kv-pressure"
+#: A small episode of the scenario, still under KV pressure: 10 documents of up to 8K tokens
+#: against a KV cache of 64K tokens.
+SMALL = {"episode": {"groups": 10, "max_per_group": 2}}
 
 
-def always_add(obs, mask):
-    return ADD if mask[ADD] else STOP
+class Recorder:
+    """Wraps a policy and records every (obs, mask) it is asked."""
+
+    def __init__(self, inner, extended: bool = True):
+        self.inner = inner
+        self.calls: list[tuple[list[float], list[bool]]] = []
+        if extended:
+            from scheduler_runtime.decision import EXTENDED_OBS_NAMES
+
+            self.obs_spec = type("Spec", (), {"names": EXTENDED_OBS_NAMES})()
+
+    def reset(self):
+        self.inner.reset()
+
+    def act(self, obs, mask):
+        self.calls.append((np.asarray(obs, dtype=np.float64).tolist(), np.asarray(mask).tolist()))
+        return self.inner.act(obs, mask)
+
+
+# ---------------------------------------------------------------------------- the simulator
 
 
 def test_check_env_sim():
-    env = gym.make("feather/Batching-v0", backend="sim", workload=SMALL, waiting=20,
-                   max_batch_size=8)
+    env = gym.make("feather/Batching-v0", scenario=SCENARIO, backend="sim")
+    check_env(env.unwrapped, skip_render_check=True)
+    env = gym.make("feather/Batching-v0", scenario=SCENARIO, backend="sim", extended_obs=True,
+                   reward="latency")
     check_env(env.unwrapped, skip_render_check=True)
 
 
-def test_sim_episode_serves_everyone_once_and_is_reproducible():
-    env = FeatherEnv("sim", SMALL, waiting=24, max_batch_size=8)
-    r1 = _run_episode(env, always_add, seed=11)
-    r2 = _run_episode(env, always_add, seed=11)
-    assert r1[0] == r2[0] and r1[1] == r2[1]
-    info = r1[3]["episode"]
-    assert info["served"] == info["requests"] == 24
-    assert len(env.served_ids) == 24
-    assert sum(b["batch_size"] for b in r1[2]) == 24
-    assert all(b["batch_size"] <= 8 for b in r1[2])
-    assert r1[0] < 0  # makespan reward: minus seconds
+@pytest.mark.parametrize("scheduler", ["feather-heuristic", "fcfs", "lpm", "dfs-weight", "svf"])
+def test_sim_episode_serves_everyone_once_and_is_reproducible(scheduler):
+    env = FeatherEnv(SCENARIO, "sim", scheduler=scheduler)
+    first = play_episode(env, episode_seed=3)
+    again = play_episode(env, episode_seed=3)
+    assert first == again  # the simulator is deterministic
+    n = len(env.scenario.episode_workload(3))
+    assert first["completed"] == first["submitted"] == n
+    timelines = env.backend.timelines()
+    assert all(t.finished_count == 1 and t.tokens == t.output_len for t in timelines)
+    assert first["return"] == pytest.approx(-max(t.finish for t in timelines))  # makespan reward
+    assert first["duration"] > 0 and 0 < first["prefix_hit_rate"] < 1
 
 
-def test_masks_and_invalid_actions():
-    env = FeatherEnv("sim", SMALL, waiting=10, max_batch_size=2)
-    env.reset(seed=0)
-    assert env.batch and len(env.batch) == 1  # the seed request is admitted by the env
-    assert env.action_masks().tolist() == [True, True]
-    env.step(ADD)
-    assert env.action_masks().tolist() == [True, False]  # batch full
-    with pytest.raises(InvalidActionError, match="max_batch_size"):
+def test_rewards_sum_to_what_their_names_say():
+    by_reward = {}
+    for reward in ("makespan", "latency", "decode_throughput"):
+        env = FeatherEnv(SCENARIO, "sim", reward=reward)
+        by_reward[reward] = (play_episode(env, AlwaysAdd(), episode_seed=5), env.backend.timelines())
+    ep, timelines = by_reward["makespan"]
+    assert ep["return"] == pytest.approx(-max(t.finish for t in timelines))
+    ep, timelines = by_reward["latency"]
+    assert ep["return"] == pytest.approx(-np.mean([t.e2el for t in timelines]), rel=1e-9)
+    ep, _ = by_reward["decode_throughput"]
+    assert ep["return"] > 0  # kilotokens/s of the decode-only steps between decisions
+
+
+def test_masks_invalid_actions_and_the_end_of_an_episode():
+    env = FeatherEnv(SCENARIO, "sim")
+    with pytest.raises(RuntimeError, match="reset"):
         env.step(ADD)
+    obs, info = env.reset(seed=0)
+    assert env.observation_space.contains(obs) and info["episode_requests"] > 1
+    assert env.action_masks().tolist() == [True, True]  # a pending decision has both
+    assert obs[0] >= 1  # the empty batch was seeded without asking
     with pytest.raises(InvalidActionError):
         env.step(5)
-    _, reward, terminated, _, info = env.step(STOP)
-    assert info["batch"]["batch_size"] == 2 and not terminated and reward < 0
-
-
-def test_kv_capacity_masks_add():
-    longest = max(r.peak_tokens for r in SMALL)
-    env = FeatherEnv("sim", SMALL, waiting=10, max_batch_size=8, kv_capacity_tokens=longest + 10)
-    env.reset(seed=1)
-    # with room for only about one request, ADD of another group's candidate never fits
-    for _ in range(30):
-        mask = env.action_masks()
-        if not mask[ADD]:
-            break
+    with pytest.raises(InvalidActionError):
+        env.step("ADD")
+    terminated = False
+    while not terminated:
+        obs, reward, terminated, truncated, info = env.step(STOP)
+        assert reward <= 0 and not truncated
+    assert not obs.any() and env.action_masks().tolist() == [True, False]
+    assert info["episode"]["completed"] == info["episode"]["submitted"]
+    with pytest.raises(RuntimeError, match="terminated"):
         env.step(ADD)
-    assert not env.action_masks()[ADD]
 
 
-def test_homogeneous_batches_beat_mixed_ones_on_the_sim():
-    """The fitted model must carry the paper's effect: one group per batch decodes faster."""
-    wl = synthetic_workload(num_groups=8, per_group=32, prefix_len=12000, suffix_len=20,
-                            output_len=32, seed=5, name="eight")
-    env = FeatherEnv("sim", wl, waiting=256, max_batch_size=256)
-    by_group = {}
-    for r in wl:
-        by_group.setdefault(r.prefix_group, []).append(r)
-    hom = [env.backend.run_batch(g) for g in by_group.values()]
-    het = env.backend.run_batch(list(np.random.default_rng(0).permutation(list(wl))))
-    hom_tput = sum(r.decode_tokens for r in hom) / sum(r.decode_seconds for r in hom)
-    assert hom_tput > 1.5 * het.decode_tok_s
+def test_truncation_after_max_episode_seconds():
+    env = FeatherEnv(SCENARIO, "sim", max_episode_seconds=2.0)
+    env.reset(seed=1)
+    truncated = terminated = False
+    steps = 0
+    while not (truncated or terminated):
+        _, _, terminated, truncated, info = env.step(ADD)
+        steps += 1
+    assert truncated and not terminated and info["clock"] >= 2.0
 
 
-def test_config_validation():
+def test_reference_orderings_rank_as_the_real_engine_did():
+    """Under KV pressure the prefix-aware orderings prefill each document about once: fcfs
+    interleaves documents and prefills them again (issue 11's real-engine measurement)."""
+    tput = {}
+    for scheduler in ("fcfs", "lpm", "feather-heuristic"):
+        env = FeatherEnv(SCENARIO, "sim", scheduler=scheduler)
+        eps = [play_episode(env, episode_seed=s) for s in (11, 12)]
+        tput[scheduler] = (sum(e["total_output_tokens"] for e in eps) / sum(e["duration"] for e in eps),
+                           np.mean([e["prefix_hit_rate"] for e in eps]))
+    assert tput["feather-heuristic"][0] > 1.4 * tput["fcfs"][0]
+    assert tput["lpm"][0] > 1.4 * tput["fcfs"][0]
+    assert tput["feather-heuristic"][1] > tput["fcfs"][1] + 0.2
+
+
+def test_configuration_errors_are_clear():
+    with pytest.raises(ConfigError, match="available"):
+        FeatherEnv("no-such-scenario", "sim")
     with pytest.raises(ConfigError, match="reward"):
-        FeatherEnv("sim", SMALL, reward="latency")
-    with pytest.raises(ConfigError, match="waiting"):
-        FeatherEnv("sim", SMALL, waiting=10_000)
+        FeatherEnv(SCENARIO, "sim", reward="speed")
     with pytest.raises(ConfigError, match="backend"):
-        FeatherEnv("gpu", SMALL, waiting=10)
+        FeatherEnv(SCENARIO, "gpu")
+    with pytest.raises(ConfigError, match="unknown scheduler"):
+        FeatherEnv(SCENARIO, "sim", scheduler="fastest")
     with pytest.raises(ConfigError, match="valid keys"):
-        FeatherEnv("sim", {"kind": "synthetic", "num_groupz": 3}, waiting=10)
+        FeatherEnv(SCENARIO, "sim", scenario_overrides={"episode": {"grups": 3}})
+    with pytest.raises(ConfigError, match="can never fit"):
+        FeatherEnv(SCENARIO, "sim", scenario_overrides={"engine": {"kv_cache_gib": 0.01}}).reset(seed=0)
 
 
-@pytest.mark.engine
-def test_check_env_and_full_episode_on_the_real_engine(vllm_backend):
-    env = FeatherEnv(vllm_backend, SMALL, waiting=12, max_batch_size=6)
-    assert env.spec is not None and env.spec.nondeterministic
+# ---------------------------------------------------------------------------- the real engine
+
+
+def test_check_env_on_the_real_engine(env_backend):
+    env = FeatherEnv(SCENARIO, env_backend)
+    assert env.spec is None or env.spec.nondeterministic
     check_env(env, skip_render_check=True)
-    total, steps, batches, info = _run_episode(env, always_add, seed=4)
-    ep = info["episode"]
-    assert ep["served"] == ep["requests"] == 12
-    assert sorted(env.served_ids) == sorted(r.request_id for r in env._requests.values())
-    assert sum(b["batch_size"] for b in batches) == 12
-    assert ep["decode_tok_s"] > 0
 
 
-@pytest.mark.engine
-def test_engine_failure_mid_episode_is_a_clear_error(vllm_backend, monkeypatch):
-    from feather_env.engine import EngineError, engine_core_of
+def test_real_episode_under_kv_pressure_serves_every_request_once(env_backend):
+    """The real engine evicts and prefills documents again; the simulator takes the same
+    scheduling decisions (its admission and prefix cache are vLLM's, exactly)."""
+    real_env = FeatherEnv(SCENARIO, env_backend, scenario_overrides=SMALL)
+    real = play_episode(real_env, episode_seed=21)
+    timelines = real_env.backend.timelines()
+    assert real["completed"] == real["submitted"] == len(timelines) > 10
+    assert all(t.finished_count == 1 and t.tokens == t.output_len for t in timelines)
+    sim_env = FeatherEnv(SCENARIO, "sim", scenario_overrides=SMALL)
+    sim = play_episode(sim_env, episode_seed=21)
+    ample = play_episode(FeatherEnv(SCENARIO, "sim", scenario_overrides={
+        **SMALL, "engine": {"kv_cache_gib": 1.0}}), episode_seed=21)
+    assert real["prefix_hit_rate"] < ample["prefix_hit_rate"] - 0.05  # KV pressure cost hits
+    assert sim["prefix_hit_rate"] == pytest.approx(real["prefix_hit_rate"], abs=1e-9)
+    assert sim["engine_steps"] == real["engine_steps"]
+    assert sim["preemptions"] == real["preemptions"]
+    assert sim["decisions"] == real["decisions"]
 
-    executor = engine_core_of(vllm_backend.llm).model_executor
-    real_execute = executor.execute_model
+
+def test_env_observations_are_what_the_serving_scheduler_sees(env_backend):
+    """The environment answers the decisions that FeatherScheduler asks its policy when it serves:
+    the same observations and masks, in the same order, for the same arrivals and finishes."""
+    from feather_env.engine import forced_length_params, tokens_prompt
+    from scheduler_runtime.schedulers import EXTRA_OUTPUT_LEN
+
+    overrides = {"episode": {"groups": 4, "max_per_group": 3}}
+    env = FeatherEnv(SCENARIO, env_backend, scenario_overrides=overrides, extended_obs=True)
+    in_env = Recorder(HeuristicRule())
+    play_episode(env, in_env, episode_seed=31)
+    # the same episode served as in production: the scheduler plans before every step itself
+    episode = env.scenario.episode_workload(31)
+    sched = env_backend.scheduler
+    engine = env_backend.llm.llm_engine
+    assert not engine.has_unfinished_requests() and env_backend.llm.reset_prefix_cache()
+    serving = Recorder(HeuristicRule())
+    sched.feather_configure(env.scheduler_config, policy=serving)
+    sched.feather_external_rounds = False
+    try:
+        for r in sorted(episode, key=lambda r: r.arrival_time):
+            params = forced_length_params(r.output_len, extra_args={EXTRA_OUTPUT_LEN: r.output_len})
+            engine.add_request(f"s-{r.request_id}", tokens_prompt(r.prompt_token_ids), params)
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        sched.feather_external_rounds = True
+    assert in_env.calls, "no decision was asked"
+    assert serving.calls == in_env.calls
+
+
+def test_engine_failure_mid_episode_is_a_clear_error_and_reset_recovers(env_backend, monkeypatch):
+    env = FeatherEnv(SCENARIO, env_backend, scenario_overrides=SMALL)
+    env.reset(seed=0)
+    engine = env_backend.llm.llm_engine
     calls = {"n": 0}
+    real_step = engine.step
 
-    def failing_execute(*args, **kwargs):
+    def failing_step():
         calls["n"] += 1
         if calls["n"] == 3:
-            raise RuntimeError("injected worker failure")
-        return real_execute(*args, **kwargs)
+            raise RuntimeError("injected engine fault")
+        return real_step()
 
-    env = FeatherEnv(vllm_backend, SMALL, waiting=12, max_batch_size=4)
-    env.reset(seed=0)
-    monkeypatch.setattr(executor, "execute_model", failing_execute)
-    with pytest.raises(EngineError, match="injected worker failure"):
-        for _ in range(100):
+    monkeypatch.setattr(engine, "step", failing_step)
+    with pytest.raises(EngineError, match="injected engine fault"):
+        while True:
             env.step(STOP)
-    monkeypatch.setattr(executor, "execute_model", real_execute)
-    assert not vllm_backend.llm.llm_engine.has_unfinished_requests()
-    # a new environment in the same process serves a whole episode
-    env2 = FeatherEnv(vllm_backend, SMALL, waiting=6, max_batch_size=6)
-    _, _, _, info = _run_episode(env2, always_add, seed=1)
-    assert info["episode"]["served"] == 6
+    with pytest.raises(RuntimeError, match="engine failure"):
+        env.step(ADD)
+    monkeypatch.setattr(engine, "step", real_step)
+    episode = play_episode(env, episode_seed=7)  # reset starts a clean engine state
+    assert episode["completed"] == episode["submitted"]

@@ -14,8 +14,6 @@ import pytest
 from agents.base import NotExportableError
 from agents.registry import make_agent
 from feather_env.env import FeatherEnv
-from feather_env.sim import CostModel, SimBackend
-from feather_env.workloads import synthetic_workload
 from scheduler_runtime.policy import (
     FORMAT_VERSION,
     ObservationSpec,
@@ -26,13 +24,13 @@ from scheduler_runtime.policy import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
-MODEL = CostModel(cache_tokens=32768.0, decode=(2.4e-3, 4e-5, 5e-8, 8e-7), prefill=(0.0, 1.6e-5, 8e-10))
-WORKLOAD = synthetic_workload(num_groups=6, per_group="uniform:4:10", prefix_len="uniform:3000:6000",
-                              suffix_len="uniform:8:24", output_len="uniform:8:24", seed=7, name="small")
+#: A small leval-kv-pressure episode on the simulator (milliseconds per episode).
+OVERRIDES = {"episode": {"groups": 6, "max_per_group": 4}, "workload": {"max_prompt_tokens": 4096},
+             "engine": {"kv_cache_gib": 0.06}}
 
 
 def make_env(**kw) -> FeatherEnv:
-    return FeatherEnv(SimBackend(MODEL), WORKLOAD, waiting=24, max_batch_size=16, **kw)
+    return FeatherEnv("leval-kv-pressure", "sim", scenario_overrides=OVERRIDES, **kw)
 
 
 def random_observations(env: FeatherEnv, n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -214,7 +212,8 @@ def test_observation_spec_mismatch_with_the_caller(good_file):
     with pytest.raises(PolicyFormatError, match="observation spec mismatch: observation scale"):
         load_policy(good_file, obs_spec=other_scale)
     chunk = env_spec.chunk_size
-    other_chunks = ObservationSpec.from_env(make_env(chunk_size=2 * chunk))
+    other_chunks = ObservationSpec.from_env(FeatherEnv("leval-kv-pressure", "sim", scenario_overrides={
+        **OVERRIDES, "scheduler": {"chunk_size": 2 * chunk}}))
     with pytest.raises(PolicyFormatError, match=f"chunks of {chunk} tokens, expected {2 * chunk}"):
         load_policy(good_file, obs_spec=other_chunks)
     extended = ObservationSpec.from_env(make_env(extended_obs=True))

@@ -1,160 +1,150 @@
-"""The simulator's cost model, its fit, and the shipped profile."""
+"""The simulator backend and its step-time model: features, the fit, fast-forward, profiles."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from feather_env.backends import BatchResult
-from feather_env.calibrate import ROBUST_PERCENTILE, fit, raw_measurement, robust_step_time
-from feather_env.sim import (
-    DEFAULT_PROFILE,
-    PROFILE_VERSION,
-    CostModel,
-    SimBackend,
-    composition_of,
-    load_profile,
-    step_features,
-)
-from feather_env.workloads import synthetic_workload
-from feather_env.workloads.request import Request
+from feather_env.calibrate import DEFAULT_PROFILE, PROFILE_VERSION, fit_profile, load_profile, load_steps
+from feather_env.env import FeatherEnv, play_episode
+from feather_env.reporting import write_json
+from feather_env.sim import SimBackend, _steps_to_reach
+from feather_env.step_model import FEATURE_NAMES, StepCostModel, StepRequest, fit_step_model, step_features
 from scheduler_runtime.config import ConfigError
 
-
-def _batch(groups: int, per_group: int, prefix: int, out: int, seed: int = 0) -> list[Request]:
-    wl = synthetic_workload(num_groups=groups, per_group=per_group, prefix_len=prefix, suffix_len=16,
-                            output_len=out, seed=seed)
-    return list(wl)
+SCENARIO = "leval-kv-pressure"
 
 
-def test_composition_shares_whole_blocks_of_each_group_prefix():
-    reqs = _batch(3, 4, 1000, 8)
-    comp = composition_of(reqs, block_size=128)
-    assert sorted(set(comp.group.tolist())) == [0, 1, 2]
-    # the 1000-token group prefix (plus whatever the suffixes share) is cut to whole blocks
-    assert set(comp.shared.tolist()) == {896}
-    lone = composition_of(reqs[:1], block_size=128)
-    assert lone.shared.tolist() == [0]
+def decode(c: int, group: int, shared: int) -> StepRequest:
+    return StepRequest(num_tokens=1, num_computed=c, group=group, shared_tokens=shared, is_prefill=False)
 
 
-def test_miss_model_separates_sorted_from_interleaved_batches():
-    reqs = _batch(8, 8, 8000, 8)
-    by_group = sorted(reqs, key=lambda r: r.prefix_group)
-    interleaved = [by_group[i * 8 + j] for j in range(8) for i in range(8)]
-    active = np.ones(64, bool)
-    _, t1, m_sorted = step_features(composition_of(by_group), active, 1, cache_tokens=20000)
-    _, t2, m_inter = step_features(composition_of(interleaved), active, 1, cache_tokens=20000)
-    assert t1 == t2
-    # sorted: each document read once; interleaved: every read of a document misses
-    assert m_sorted < 8 * 8000 + 64 * 200
-    assert m_inter > 60 * 7000
+def test_features_count_tokens_contexts_prefill_work_and_misses():
+    batch = [decode(1000, 7, 896), decode(1010, 7, 896),
+             StepRequest(num_tokens=512, num_computed=256, group=9, shared_tokens=0, is_prefill=True)]
+    const, reqs, tokens, kv, miss, attn = step_features(batch, cache_tokens=10**9)
+    assert (const, reqs, tokens) == (1.0, 3, 514)
+    assert kv == 1001 + 1011  # each decode reads its context and the new token
+    # the shared prefix is read once (the second read hits), own tokens always miss
+    assert miss == 896 + (1001 - 896) + (1011 - 896)
+    assert attn == 512 * (256 + 513 / 2)
 
 
-def test_sim_batch_result_accounts_every_token():
-    sim = SimBackend(CostModel(30000, (0.004, 6e-5, 6e-8, 2e-7), (0.01, 1e-6, 1e-10)))
-    reqs = _batch(2, 5, 2000, 9)
-    reqs = [Request(r.request_id, r.prompt_token_ids, r.prefix_group, 3 + i) for i, r in enumerate(reqs)]
-    res = sim.run_batch(reqs)
-    assert res.output_tokens == sum(r.output_len for r in reqs)
-    assert res.decode_tokens == sum(r.output_len - 1 for r in reqs)
-    assert res.decode_seconds > 0 and res.prefill_seconds > 0
-    assert res.step_batch_sizes[0] == 10 and res.step_batch_sizes[-1] == 1
-    with pytest.raises(ValueError, match="empty"):
-        sim.run_batch([])
+def test_batch_order_decides_locality_under_a_small_cache():
+    """Two documents of 4K tokens: sorted by document, each prefix stays cached between its
+    readers; interleaved, the other document pushes it out of a 6K-token cache."""
+    a = [decode(4100, 1, 4096), decode(4100, 1, 4096), decode(4100, 2, 4096), decode(4100, 2, 4096)]
+    interleaved = [a[0], a[2], a[1], a[3]]
+    sorted_miss = step_features(a, cache_tokens=6000)[4]
+    mixed_miss = step_features(interleaved, cache_tokens=6000)[4]
+    assert sorted_miss == 2 * 4096 + 4 * 5
+    assert mixed_miss == 4 * 4096 + 4 * 5
+    assert step_features(interleaved, cache_tokens=10**9)[4] == sorted_miss  # a big cache holds both
 
 
 def test_fit_recovers_a_known_model():
-    """Measurements generated from a known cost model are fitted back to it."""
-    truth = CostModel(32768.0, (0.004, 6e-5, 7e-8, 2.5e-7), (0.012, 1.5e-6, 7e-11))
-    sim = SimBackend(truth)
     rng = np.random.default_rng(0)
-    measurements = []
-    for i in range(40):
-        g = int(rng.integers(1, 9))
-        reqs = _batch(g, int(rng.integers(1, 9)), int(rng.choice([1000, 4000, 12000])), 12, seed=i)
-        if rng.random() < 0.5:
-            reqs = [reqs[j] for j in rng.permutation(len(reqs))]
-        res = sim.run_batch(reqs)
-        # a real run's steps: every request active for all decode steps (equal outputs)
-        steps = [sim.predict_step(composition_of(reqs), np.ones(len(reqs), bool), 1 + k)
-                 for k in range(11)]
-        real = BatchResult(len(reqs), 11 * len(reqs), sum(steps), res.prefill_seconds,
-                           12 * len(reqs), res.prompt_tokens, step_times=steps,
-                           step_batch_sizes=[len(reqs)] * 11)
-        measurements.append(raw_measurement({"i": i}, reqs, real, 128))
-    model, mape = fit(measurements, 128, 16384)
-    assert mape < 0.01
-    assert model.cache_tokens == pytest.approx(truth.cache_tokens, rel=0.3)
-    assert model.decode[3] == pytest.approx(truth.decode[3], rel=0.1)
+    truth = StepCostModel((1.5e-3, 2e-5, 2e-5, 1e-7, 3e-7, 2.5e-8), cache_tokens=16384.0)
+    steps = []
+    for _ in range(400):
+        batch = [decode(int(rng.integers(500, 8000)), int(rng.integers(0, 4)), int(rng.integers(0, 4)) * 128)
+                 for _ in range(int(rng.integers(1, 40)))]
+        if rng.random() < 0.3:
+            q = int(rng.integers(64, 4096))
+            batch.append(StepRequest(q, int(rng.integers(0, 4096)), 99, 0, True))
+        steps.append((batch, truth.predict(batch) * float(rng.normal(1.0, 0.01))))
+    model, mape = fit_step_model(steps)
+    assert mape < 0.03
+    assert model.cache_tokens == pytest.approx(16384, rel=0.5)
+    for got, want in zip(model.coef[3:], truth.coef[3:], strict=True):
+        assert got == pytest.approx(want, rel=0.25)
 
 
-def test_robust_step_time_ignores_bursts_of_contention():
-    clean = [0.05] * 8
-    assert robust_step_time(clean + [0.5, 0.6]) == pytest.approx(0.05)
-    assert 0 < ROBUST_PERCENTILE < 50
+def test_fit_profile_round_trips_through_a_steps_file(tmp_path):
+    rng = np.random.default_rng(1)
+    truth = StepCostModel((1e-3, 1e-5, 2e-5, 1e-7, 2e-7, 2e-8), cache_tokens=32768.0)
+    steps = [([decode(int(rng.integers(100, 3000)), 1, 0)], 0.0) for _ in range(50)]
+    steps = [(b, truth.predict(b)) for b, _ in steps]
+    path = tmp_path / "steps.json"
+    write_json(path, {"episodes": [{"label": "x", "steps": 50}], "steps": [
+        {"seconds": t, "batch": [[r.num_tokens, r.num_computed, r.group, r.shared_tokens, int(r.is_prefill)]
+                                 for r in b]} for b, t in steps]})
+    loaded, episodes = load_steps(path)
+    assert [t for _, t in loaded] == [t for _, t in steps] and episodes[0]["label"] == "x"
+    profile = fit_profile(loaded, episodes)
+    assert profile["version"] == PROFILE_VERSION and profile["fit"]["steps"] == 50
+    out = tmp_path / "profile.json"
+    out.write_text(json.dumps(profile))
+    assert load_profile(out)["step_model"]["features"] == list(FEATURE_NAMES)
 
 
-def test_shipped_profile_loads_and_carries_the_effect():
+@settings(max_examples=200, deadline=None)
+@given(room=st.floats(1e-4, 50.0), t1=st.floats(1e-4, 0.2), g=st.floats(0.0, 1e-3), cap=st.integers(1, 3000))
+def test_fast_forward_takes_the_fewest_steps_that_reach_the_deadline(room, t1, g, cap):
+    m = _steps_to_reach(room, t1, g, cap)
+
+    def total(k: int) -> float:
+        return k * t1 + g * k * (k - 1) / 2.0
+
+    assert 1 <= m <= cap
+    if m < cap:
+        assert total(m) >= room
+    if m > 1:
+        assert total(m - 1) < room
+    assert _steps_to_reach(math.inf, t1, g, cap) == cap
+
+
+@pytest.mark.parametrize("scheduler,overrides", [
+    ("feather-heuristic", {}),
+    ("fcfs", {"episode": {"groups": 8, "arrival": "poisson:2.0"}}),
+    ("lpm", {"engine": {"kv_cache_gib": 0.1, "max_num_batched_tokens": 2048}}),
+])
+def test_fast_forward_equals_stepping_every_step(scheduler, overrides, monkeypatch):
+    """Taking stretches of decode steps at once changes nothing but the speed."""
+    env = FeatherEnv(SCENARIO, "sim", scheduler=scheduler, scenario_overrides=overrides)
+    fast = play_episode(env, episode_seed=4)
+    fast_timelines = [(t.request_id, t.first_token, t.finish) for t in env.backend.timelines()]
+    monkeypatch.setattr(type(env.backend.engine), "decode_horizon", lambda self: 0)
+    slow = play_episode(env, episode_seed=4)
+    slow_timelines = [(t.request_id, t.first_token, t.finish) for t in env.backend.timelines()]
+    assert fast["engine_steps"] == slow["engine_steps"] and fast["decisions"] == slow["decisions"]
+    assert fast["duration"] == pytest.approx(slow["duration"], rel=1e-7)  # summation order only
+    for (r1, ft1, f1), (r2, ft2, f2) in zip(fast_timelines, slow_timelines, strict=True):
+        assert r1 == r2 and ft1 == pytest.approx(ft2, rel=1e-7) and f1 == pytest.approx(f2, rel=1e-7)
+
+
+def test_the_shipped_profile_loads_and_predicts_prefill_costlier_than_decode():
     profile = load_profile(DEFAULT_PROFILE)
-    assert profile["version"] == PROFILE_VERSION
-    assert profile["measurements"], "the profile keeps its measurements for --refit"
-    sim = SimBackend.from_profile()
-    # L-Eval-sized documents (docs/design.md: the cliff is sharp at 12K-token prefixes)
-    reqs = _batch(8, 32, 12000, 32, seed=5)
-    hom = [sim.run_batch([r for r in reqs if r.prefix_group == g]) for g in range(8)]
-    mixed = sim.run_batch([reqs[i] for i in np.random.default_rng(0).permutation(len(reqs))])
-    hom_tput = sum(r.decode_tokens for r in hom) / sum(r.decode_seconds for r in hom)
-    assert hom_tput > 1.5 * mixed.decode_tok_s
-
-
-def test_shipped_profile_is_the_fit_of_its_own_measurements():
-    profile = load_profile(DEFAULT_PROFILE)
-    m = profile["model"]
-    model, _ = fit(profile["measurements"], m["block_size"], m["max_num_batched_tokens"])
-    assert model.cache_tokens == m["cache_tokens"]
-    np.testing.assert_allclose(model.decode, m["decode"], rtol=1e-6)
+    assert profile["measured_on"]["cores"] and profile["fit"]["steps"] > 1000
+    model = StepCostModel.from_dict(profile["step_model"])
+    prefill = model.predict([StepRequest(8192, 0, 1, 0, True)])
+    decodes = model.predict([decode(8192, i, 0) for i in range(16)])
+    assert prefill > decodes > 0
+    backend = SimBackend(FeatherEnv(SCENARIO, "sim").engine_config)
+    assert backend.kv_capacity_tokens == (backend.sim_config.num_blocks - 1) * 128
 
 
 def test_bad_profiles_are_clear_errors(tmp_path):
-    with pytest.raises(ConfigError, match="not found"):
-        load_profile(tmp_path / "nope.json")
+    with pytest.raises(ConfigError, match="not found.*calibrate --out"):
+        load_profile(tmp_path / "missing.json")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(ConfigError, match="malformed"):
         load_profile(bad)
-    old = tmp_path / "old.json"
-    old.write_text(json.dumps({"version": 0, "model": {}}))
-    with pytest.raises(ConfigError, match="version"):
-        load_profile(old)
-    partial = tmp_path / "partial.json"
-    partial.write_text(json.dumps({"version": PROFILE_VERSION, "model": {"decode": [0, 0, 0, 0]}}))
-    with pytest.raises(ConfigError, match="lacks"):
-        load_profile(partial)
-
-
-@settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 700), st.integers(1, 40)),
-                min_size=1, max_size=16),
-       st.sampled_from([500.0, 3000.0, 1e6]))
-def test_small_batch_path_equals_numpy_path(specs, cache_tokens):
-    """The plain-Python path for small batches is the numpy model, step for step."""
-    rng = np.random.default_rng(len(specs))
-    docs = {g: rng.integers(3, 8000, 600, dtype=np.int32) for g in range(4)}
-    reqs = []
-    for i, (g, suffix, out) in enumerate(specs):
-        prompt = np.concatenate([docs[g], rng.integers(3, 8000, suffix, dtype=np.int32)])
-        reqs.append(Request(f"r{i}", prompt, g, out))
-    sim = SimBackend(CostModel(cache_tokens, (0.004, 6e-5, 6e-8, 2e-7), (0.01, 1e-6, 1e-10),
-                               max_num_batched_tokens=1024))
-    small, ref = sim._run_small(reqs), sim._run_numpy(reqs)
-    assert small.step_batch_sizes == ref.step_batch_sizes
-    assert small.step_times == pytest.approx(ref.step_times, rel=1e-12)
-    assert small.decode_seconds == pytest.approx(ref.decode_seconds, rel=1e-12)
-    assert small.prefill_seconds == pytest.approx(ref.prefill_seconds, rel=1e-12)
-    for field_name in ("decode_tokens", "output_tokens", "prompt_tokens", "prefix_hit_tokens",
-                       "num_requests"):
-        assert getattr(small, field_name) == getattr(ref, field_name)
+    bad.write_text(json.dumps({"version": 1, "model": {}}))
+    with pytest.raises(ConfigError, match="version 1"):
+        load_profile(bad)
+    bad.write_text(json.dumps({"version": PROFILE_VERSION, "step_model": {"coef": [1.0], "cache_tokens": 5}}))
+    with pytest.raises(ConfigError, match="step_model"):
+        load_profile(bad)
+    bad.write_text(json.dumps({"version": PROFILE_VERSION, "step_model": {
+        "coef": [1.0, -1.0, 0, 0, 0, 0], "cache_tokens": 5}}))
+    with pytest.raises(ConfigError, match=">= 0"):
+        load_profile(bad)
+    with pytest.raises(ConfigError):
+        FeatherEnv(SCENARIO, "sim", profile=str(bad))

@@ -1,5 +1,5 @@
 """train.py end to end on the simulator (config, TensorBoard logs, checkpoints, export, --resume,
---n-envs), config validation, and one short run on the session's real engine."""
+--n-envs, --scenario), config validation, and one short run on the session's real engine."""
 
 from __future__ import annotations
 
@@ -11,20 +11,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-import train
+from agents.training import load_config, parse_config, run
 from scheduler_runtime.config import ConfigError
 from scheduler_runtime.policy import load_policy
 
 REPO = Path(__file__).resolve().parent.parent
-SMALL_WORKLOAD = {"kind": "synthetic", "num_groups": 6, "per_group": "uniform:3:8",
-                  "prefix_len": "uniform:600:1500", "suffix_len": "uniform:5:20",
-                  "output_len": "uniform:4:10", "seed": 3}
+#: A small leval-kv-pressure episode: a few milliseconds of simulation.
+SMALL_SCENARIO = {"name": "leval-kv-pressure", "episode": {"groups": 4, "max_per_group": 3},
+                  "workload": {"max_prompt_tokens": 2048}, "engine": {"kv_cache_gib": 0.03}}
 
 
 def small_config(agent: str, **train_kw) -> dict:
     cfg = {
-        "env": {"waiting": 16, "max_batch_size": 8},
-        "workload": SMALL_WORKLOAD,
+        "scenario": dict(SMALL_SCENARIO),
         "agent": {"name": agent},
         "train": {"timesteps": 300, "eval_every": 150, "eval_episodes": 2, "checkpoint_every": 150,
                   "progress_bar": False, **train_kw},
@@ -53,26 +52,29 @@ def tb_scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_cli_end_to_end_and_resume(tmp_path):
-    cfg = write(tmp_path, small_config("ucb"))
+    cfg = write(tmp_path, small_config("ucb", compare_with=["always-add", "fcfs"]))
     out = tmp_path / "run"
     cmd = [sys.executable, str(REPO / "train.py"), "--agent", "ucb", "--config", str(cfg), "--out", str(out)]
     first = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
     assert first.returncode == 0, first.stderr
-    assert "c: 200.0" in first.stdout  # the effective config is printed
     saved = yaml.safe_load((out / "config.yaml").read_text())
-    assert saved["agent"] == {"name": "ucb", "c": 200.0, "credit": "decode_tok_s", "batch_div": 4,
+    assert saved["agent"] == {"name": "ucb", "c": 2.0, "credit": "return_to_go", "batch_div": 4,
                               "batch_max": 10, "delta_clip": 5, "w_div": 4, "w_max": 10}
-    assert saved["train"]["timesteps"] == 300
+    assert saved["scenario"]["name"] == "leval-kv-pressure" and saved["train"]["timesteps"] == 300
     pointer = json.loads((out / "checkpoints" / "latest.json").read_text())
     assert pointer["num_timesteps"] == 300 and (out / "checkpoints" / pointer["path"]).is_file()
     assert (out / "checkpoints" / "ucb_150_steps.npz").is_file()
     policy = load_policy(out / "policy.feather")
     assert policy.agent == "ucb" and policy.meta["num_timesteps"] == 300
     scalars = tb_scalars(out / "tb")
-    for tag in ("rollout/ep_return", "rollout/decode_tok_s", "rollout/batch_size", "rollout/mean_delta",
-                "rollout/ep_len", "train/credit_abs_error", "eval/decode_tok_s"):
+    for tag in ("rollout/ep_return", "rollout/output_throughput", "rollout/mean_e2el_ms",
+                "rollout/prefix_hit_rate", "rollout/mean_delta", "rollout/ep_len", "train/credit_abs_error",
+                "eval/output_throughput", "eval/mean_e2el_s"):
         assert scalars.get(tag), f"{tag} not logged; have {sorted(scalars)}"
-    assert [s for s, _ in scalars["eval/decode_tok_s"]] == [150, 300]
+    assert [s for s, _ in scalars["eval/output_throughput"]] == [150, 300]
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["comparison"]) == {"ucb", "always-add", "fcfs"}
+    assert "| fcfs |" in first.stdout and "vs fcfs" in first.stdout  # the comparison table
 
     resumed = subprocess.run(cmd + ["--resume", "--timesteps", "450"], capture_output=True, text=True,
                              cwd=REPO, timeout=300)
@@ -80,54 +82,60 @@ def test_cli_end_to_end_and_resume(tmp_path):
     assert "resuming from" in resumed.stdout and "at 300 timesteps" in resumed.stdout
     assert json.loads((out / "checkpoints" / "latest.json").read_text())["num_timesteps"] == 450
     assert load_policy(out / "policy.feather").meta["num_timesteps"] == 450
-    steps = [s for s, _ in tb_scalars(out / "tb")["eval/decode_tok_s"]]
+    steps = [s for s, _ in tb_scalars(out / "tb")["eval/output_throughput"]]
     assert steps == [150, 300, 450]  # logging continues where the first run stopped
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["num_timesteps"] == 450
 
     changed = subprocess.run(cmd + ["--resume", "--seed", "5"], capture_output=True, text=True, cwd=REPO)
     assert changed.returncode == 2 and "train.seed: 0 -> 5" in changed.stderr
 
 
+def test_scenario_flag_replaces_the_configs(tmp_path):
+    cfg = load_config(write(tmp_path, small_config("heuristic")), scenario="sharegpt")
+    assert cfg.scenario_name == "sharegpt"
+    with pytest.raises(ConfigError, match="unknown scenario 'nope'; available"):
+        load_config(write(tmp_path, small_config("heuristic")), scenario="nope")
+
+
 def test_ppo_in_process_with_resume(tmp_path):
-    cfg = train.parse_config(small_config("ppo", timesteps=128, eval_every=64, checkpoint_every=64))
-    res = train.run(cfg, tmp_path / "ppo", verbose=False)
+    cfg = parse_config(small_config("ppo", timesteps=128, eval_every=64, checkpoint_every=64))
+    res = run(cfg, tmp_path / "ppo", verbose=False)
     assert res.num_timesteps == 128 and res.checkpoint.suffix == ".zip"
     assert load_policy(res.policy_path).kind == "mlp"
     scalars = tb_scalars(tmp_path / "ppo" / "tb")
-    assert scalars.get("train/policy_gradient_loss") and scalars.get("rollout/decode_tok_s")
-    longer = train.parse_config(small_config("ppo", timesteps=192, eval_every=64, checkpoint_every=64))
-    res2 = train.run(longer, tmp_path / "ppo", resume=True, verbose=False)
+    assert scalars.get("train/policy_gradient_loss") and scalars.get("rollout/output_throughput")
+    longer = parse_config(small_config("ppo", timesteps=192, eval_every=64, checkpoint_every=64))
+    res2 = run(longer, tmp_path / "ppo", resume=True, verbose=False)
     assert res2.num_timesteps == 192
 
 
 @pytest.mark.parametrize("agent", ["qlearning", "ppo"])
 def test_n_envs_runs_separate_processes(agent, tmp_path):
-    cfg = train.parse_config(small_config(agent, timesteps=256, n_envs=2, sync_every=64, eval_every=128,
-                                          checkpoint_every=0))
-    res = train.run(cfg, tmp_path / agent, verbose=False)
+    cfg = parse_config(small_config(agent, timesteps=256, n_envs=2, sync_every=64, eval_every=128,
+                                    checkpoint_every=0))
+    res = run(cfg, tmp_path / agent, verbose=False)
     assert res.num_timesteps >= 256
     assert load_policy(res.policy_path).agent == agent
-    assert res.final_eval["decode_tok_s"] > 0
+    assert res.final_eval["output_throughput"] > 0
 
 
 def test_config_errors_name_the_problem(tmp_path):
     bad_key = small_config("ucb")
     bad_key["agent"]["exploration"] = 3
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['exploration'\]; valid keys are .*'c'"):
-        train.parse_config(bad_key)
-    bad_env = small_config("ucb")
-    bad_env["env"]["max_batch"] = 3
-    with pytest.raises(ConfigError, match="env: unknown key.*max_batch_size"):
-        train.parse_config(bad_env)
+        parse_config(bad_key)
+    bad_env = {**small_config("ucb"), "env": {"max_batch": 3}}
+    with pytest.raises(ConfigError, match="env: unknown key.*scheduler"):
+        parse_config(bad_env)
     with pytest.raises(ConfigError, match="unknown section"):
-        train.parse_config({**small_config("ucb"), "optimizer": {}})
+        parse_config({**small_config("ucb"), "optimizer": {}})
     with pytest.raises(ConfigError, match="--agent ppo but the config's agent section is for 'ucb'"):
-        train.parse_config(small_config("ucb"), "ppo")
+        parse_config(small_config("ucb"), "ppo")
     with pytest.raises(ConfigError, match="credit"):
-        train.parse_config({**small_config("ucb"), "agent": {"name": "ucb", "credit": "latency"}})
-    with pytest.raises(ConfigError, match="workload"):
-        train.parse_config({**small_config("ucb"), "workload": {"kind": "synthetic", "groups": 3}})
+        parse_config({**small_config("ucb"), "agent": {"name": "ucb", "credit": "latency"}})
+    with pytest.raises(ConfigError, match="episode: unknown key"):
+        parse_config({**small_config("ucb"), "scenario": {"name": "leval-kv-pressure", "episode": {"n": 3}}})
+    with pytest.raises(ConfigError, match="compare_with"):
+        parse_config(small_config("ucb", compare_with=["best"]))
     path = write(tmp_path, bad_key)
     proc = subprocess.run([sys.executable, str(REPO / "train.py"), "--agent", "ucb", "--config", str(path)],
                           capture_output=True, text=True, cwd=REPO)
@@ -135,24 +143,23 @@ def test_config_errors_name_the_problem(tmp_path):
 
 
 def test_shipped_configs_are_valid():
-    files = sorted((REPO / "configs").glob("*.yaml"))
-    assert {f.name for f in files} >= {"ppo-leval.yaml", "ucb-leval.yaml", "qlearning-leval.yaml",
-                                       "heuristic-leval.yaml", "ppo-sharegpt.yaml", "demo.yaml"}
+    files = sorted((REPO / "configs" / "runs").glob("*.yaml")) + [REPO / "configs" / "demo.yaml"]
+    assert {f.stem for f in files} >= {"ppo", "ucb", "qlearning", "heuristic", "demo"}
     for f in files:
-        cfg = train.load_config(f)
-        assert cfg.agent_name in f.name or f.name == "demo.yaml"
+        cfg = load_config(f)
+        assert cfg.agent_name == f.stem or f.stem == "demo"
 
 
 @pytest.mark.engine
-def test_short_run_on_the_session_engine(vllm_backend, tmp_path):
-    """train.py's functions on the real engine, reusing the test session's one engine."""
-    cfg = train.parse_config({**small_config("ucb", timesteps=30, eval_every=0, eval_episodes=1,
-                                             checkpoint_every=0, backend="vllm",
-                                             compare_with=["always-add"]),
-                              "env": {"waiting": 8, "max_batch_size": 4}})
-    res = train.run(cfg, tmp_path / "vllm", backend=vllm_backend, verbose=False)
-    assert res.num_timesteps == 30
-    assert res.final_eval["decode_tok_s"] > 0
+def test_short_run_on_the_session_engine(env_backend, tmp_path):
+    """agents.training on the real engine (the session's), evaluated there too."""
+    cfg = parse_config({**small_config("ucb", timesteps=20, eval_every=0, eval_episodes=1,
+                                       checkpoint_every=0, backend="vllm", compare_with=["fcfs"]),
+                        "scenario": {"name": "leval-kv-pressure",
+                                     "episode": {"groups": 3, "max_per_group": 2}}})
+    res = run(cfg, tmp_path / "vllm", backend=env_backend, verbose=False)
+    assert res.num_timesteps >= 20
+    assert res.final_eval["output_throughput"] > 0
     summary = json.loads((tmp_path / "vllm" / "summary.json").read_text())
-    assert set(summary["comparison"]) == {"ucb", "always-add"}
+    assert set(summary["comparison"]) == {"ucb", "fcfs"}
     assert load_policy(res.policy_path).agent == "ucb"
