@@ -801,8 +801,14 @@ class SimEngine:
             n, hit, reason = self._admission(waiting[0], self._budget0 - len(running), self._threshold())
             if reason == 0:
                 return 0, []
-            if reason == 2:
-                # Fewer free blocks cannot let it in; only losing one of its hit blocks can.
+            if reason == 2 and not self.config.scheduler_reserve_full_isl:
+                # A stretch only pops free blocks (one fewer free block each) and caches the
+                # running requests' own output blocks (never in the head's chain). Checked against
+                # its whole sequence, the head needs cdiv(tokens) - hit + evictable hit blocks:
+                # popping one of its free hit blocks lowers that by at most one, as the free count
+                # drops by one, so it keeps failing. Checked against its first chunk only, a
+                # shorter hit also shrinks the chunk's own need; end the stretch where a free hit
+                # block would be popped rather than prove that harmless too.
                 ref = self._ref
                 relevant = {b for b in hit if ref[b] == 0}
         bs = self._bs

@@ -159,6 +159,7 @@ class Counters:
     aborts: int = 0
     evictions: int = 0
     admitted_at: dict = field(default_factory=dict)  # request id -> step of its (last) admission
+    hit_of: dict = field(default_factory=dict)  # request id -> prefix-cache hit of that admission
     seen: set = field(default_factory=set)  # cached blocks after the last check
 
 
@@ -275,6 +276,7 @@ class Lockstep:
         c.hit_tokens += sum(h for _, h in got.admitted)
         c.finished += len(got.finished)
         c.admitted_at.update((rid, c.steps) for rid, _ in got.admitted)
+        c.hit_of.update(got.admitted)
         self.check_state()
 
     def check_entries(self, got, want_entries: dict) -> None:
@@ -487,6 +489,20 @@ def test_chunks_computed_side_by_side_leave_duplicate_cached_blocks(vm):
     # each of its blocks was cached twice; c hits the copy cached first, from either of them.
     a_doc, b_doc, c_doc = (set(blocks[r][:8]) for r in "abc")
     assert c_doc <= a_doc | b_doc and c_doc & a_doc and c_doc & b_doc
+
+
+def test_a_fully_cached_prompt_recomputes_its_last_block(vm):
+    rng = np.random.default_rng(8)
+    aligned = rng.integers(3, 8000, 256).tolist()  # exactly 2 blocks
+    ragged = rng.integers(3, 8000, 300).tolist()
+    arrivals = [Arrival(0, "a", aligned, 3), Arrival(0, "r", ragged, 3),
+                Arrival(6, "a2", aligned, 3), Arrival(6, "r2", ragged, 3), Arrival(6, "p", aligned[:128], 2)]
+    cfg = SimEngineConfig(num_blocks=30, block_size=128, max_num_seqs=4, max_num_batched_tokens=1024,
+                          max_model_len=MAX_MODEL_LEN)
+    c = run(Lockstep(vm, cfg), arrivals, probes=[aligned, ragged, aligned[:200]])
+    # The lookup stops at num_tokens - 1 tokens: the resent aligned prompt hits one of its two
+    # blocks, the ragged one both, the one-block prefix none.
+    assert c.hit_of == {"a": 0, "r": 0, "a2": 128, "r2": 256, "p": 0}
 
 
 def test_prefix_caching_off(vm):
