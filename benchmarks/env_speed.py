@@ -78,7 +78,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     out = {"benchmark": "env_speed", "scenario": args.scenario, "machine": machine_info(),
            "steps_per_s": overall, "results": results, "target_steps_per_s": TARGET_STEPS_PER_S,
            "met": overall >= TARGET_STEPS_PER_S, "episodes_per_run": args.episodes}
-    print(f"steps_per_s {overall:,.0f}: target >= {TARGET_STEPS_PER_S:,} {'met' if out['met'] else 'NOT met'}")
+    verdict = "met" if out["met"] else "NOT met"
+    print(f"steps_per_s {overall:,.0f}: target >= {TARGET_STEPS_PER_S:,} {verdict}")
     write_json(args.json, out)
     return out
 

@@ -76,28 +76,33 @@ def _kv(gib: float, prompt: int, groups: int, per: int, arrival: str = "burst", 
 
 
 _SCHEDULERS = ("fcfs", "lpm", "feather-heuristic")
-#: Calibration: L-Eval under KV pressure and with ample KV, burst and Poisson, prompts of 2K-8K,
-#: and ShareGPT; seeds 1-99.
+#: Calibration: whole leval-kv-pressure episodes, smaller L-Eval episodes under KV pressure and
+#: with ample KV (burst and Poisson, prompts of 2K-8K), and ShareGPT; episode seeds 1-99.
 CALIBRATION_PLAN: tuple[EpisodeSpec, ...] = tuple(
-    [EpisodeSpec("leval-kv-pressure", s, seed, _kv(0.05, 4096, 6, 6), f"pressure-4k-{s}")
-     for s, seed in zip(_SCHEDULERS, (1, 2, 3), strict=True)]
+    [EpisodeSpec("leval-kv-pressure", s, seed, {}, f"full-{s}")
+     for s, seed in (("fcfs", 1), ("feather-heuristic", 2), ("lpm", 3))]
+    + [EpisodeSpec("leval-kv-pressure", s, seed, _kv(0.05, 4096, 6, 6), f"pressure-4k-{s}")
+       for s, seed in zip(_SCHEDULERS, (11, 12, 13), strict=True)]
     + [EpisodeSpec("leval-kv-pressure", s, seed, _kv(0.1, 8192, 4, 8), f"pressure-8k-{s}")
-       for s, seed in zip(_SCHEDULERS, (4, 5, 6), strict=True)]
+       for s, seed in zip(_SCHEDULERS, (14, 15, 16), strict=True)]
     + [EpisodeSpec("leval-kv-pressure", s, seed, _kv(1.0, 2048, 8, 8, out=64), f"ample-2k-{s}")
-       for s, seed in zip(_SCHEDULERS, (7, 8, 9), strict=True)]
+       for s, seed in zip(_SCHEDULERS, (17, 18, 19), strict=True)]
     + [EpisodeSpec("leval-kv-pressure", s, seed, _kv(0.05, 4096, 6, 6, arrival="poisson:1.5"),
-                   f"poisson-4k-{s}") for s, seed in zip(_SCHEDULERS, (10, 11, 12), strict=True)]
-    + [EpisodeSpec("sharegpt", "fcfs", 13, {"episode": {"requests": 30}}, "sharegpt-fcfs")]
+                   f"poisson-4k-{s}") for s, seed in zip(_SCHEDULERS, (20, 21, 22), strict=True)]
+    + [EpisodeSpec("sharegpt", "fcfs", 23, {"episode": {"requests": 30}}, "sharegpt-fcfs")]
 )
-#: Validation: fresh seeds (1000+), with and without KV pressure, burst and Poisson.
+#: Validation: fresh episode seeds (1000+), with and without KV pressure, burst and Poisson, four
+#: orderings; whole leval-kv-pressure episodes first.
 VALIDATION_PLAN: tuple[EpisodeSpec, ...] = tuple(
-    [EpisodeSpec("leval-kv-pressure", s, 1000 + i, _kv(0.06, 4096, 6, 6), f"pressure-{s}")
-     for i, s in enumerate(_SCHEDULERS)]
-    + [EpisodeSpec("leval-kv-pressure", s, 1010 + i, _kv(0.12, 8192, 5, 6), f"pressure-8k-{s}")
+    [EpisodeSpec("leval-kv-pressure", s, 1000 + i, {}, f"full-{s}")
+     for i, s in enumerate(("fcfs", "feather-heuristic", "lpm", "dfs-weight"))]
+    + [EpisodeSpec("leval-kv-pressure", s, 1010 + i, _kv(0.06, 4096, 6, 6), f"pressure-{s}")
        for i, s in enumerate(_SCHEDULERS)]
-    + [EpisodeSpec("leval-kv-pressure", s, 1020 + i, _kv(1.0, 4096, 6, 6, out=48), f"ample-{s}")
+    + [EpisodeSpec("leval-kv-pressure", s, 1020 + i, _kv(0.12, 8192, 5, 6), f"pressure-8k-{s}")
        for i, s in enumerate(_SCHEDULERS)]
-    + [EpisodeSpec("leval-kv-pressure", s, 1030 + i, _kv(0.06, 4096, 6, 6, arrival="poisson:1.0"),
+    + [EpisodeSpec("leval-kv-pressure", s, 1030 + i, _kv(1.0, 4096, 6, 6, out=48), f"ample-{s}")
+       for i, s in enumerate(_SCHEDULERS)]
+    + [EpisodeSpec("leval-kv-pressure", s, 1040 + i, _kv(0.06, 4096, 6, 6, arrival="poisson:1.0"),
                    f"poisson-{s}") for i, s in enumerate(_SCHEDULERS)]
 )
 

@@ -151,13 +151,10 @@ class SimBackend(ServingBackend):
 
     def _batch_seconds(self, res: StepResult) -> float:
         """Predicted seconds of the (first) step of ``res``."""
-        order, blocks, prefill = res._order, res._blocks, res._prefill  # scheduling order
         hit = self._hit
-        ids = res.request_ids  # persistent-batch order, as the rest
-        groups = [blocks[k][0] if blocks[k] else -1 for k in order]
-        shared = [hit.get(rid, 0) for rid in ids]
-        feats = features_from_columns(res.num_scheduled, res.num_computed, groups, shared,
-                                      [prefill[k] for k in order], self.model.cache_tokens)
+        shared = [hit.get(rid, 0) for rid in res.request_ids]  # every column in persistent-batch order
+        feats = features_from_columns(res.num_scheduled, res.num_computed, res.first_block, shared,
+                                      res.is_prefill, self.model.cache_tokens)
         return float(self.model.predict_features(feats))
 
     def _step(self, adv: Advance) -> bool:
@@ -173,7 +170,7 @@ class SimBackend(ServingBackend):
         dt = self._batch_seconds(res)
         self._tick(dt, adv)
         now = self.clock
-        if not res.admitted and not any(res._prefill):  # (any order)
+        if not res.admitted and not any(res.is_prefill):
             adv.decode_tokens += n
             adv.decode_seconds += dt
         runtime = self.runtime

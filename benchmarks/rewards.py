@@ -1,0 +1,78 @@
+"""Which reward trains the best end-to-end output throughput? Every learning agent, every reward.
+
+    python -m benchmarks.rewards --json results/rewards.json [--scenario leval-kv-pressure] [--timesteps N]
+
+Trains UCB, Q-learning and PPO (the configs of ``configs/runs/``) on the simulator with each of the
+environment's rewards (``makespan``, ``latency``, ``decode_throughput``), then serves the same
+held-out episodes with each trained policy and reports their end-to-end output throughput (output
+tokens over the episodes' summed durations) and mean E2E latency, next to always-add. The reward
+whose agents reach the best throughput, summed over the agents, is the environment's default
+(``feather_env.env.REWARDS[0]``); the table goes in the README, section "Environment".
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from agents.base import evaluate
+from agents.registry import make_agent
+from agents.training import load_config, make_env, run
+from feather_env.engine import REPO_ROOT
+from feather_env.env import REWARDS
+from feather_env.reporting import format_table, machine_info, write_json
+from scheduler_runtime.policy import load_policy
+
+AGENTS = ("ucb", "qlearning", "ppo")
+EVAL_SEED = 3_000_000
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--scenario", default="leval-kv-pressure")
+    p.add_argument("--timesteps", type=int, default=20_000)
+    p.add_argument("--eval-episodes", type=int, default=8)
+    p.add_argument("--agents", default=",".join(AGENTS))
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    agents = [a.strip() for a in args.agents.split(",") if a.strip()]
+    seeds = [EVAL_SEED + i for i in range(args.eval_episodes)]
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for agent in agents:
+            results[agent] = {}
+            for reward in REWARDS:
+                cfg = load_config(REPO_ROOT / "configs" / "runs" / f"{agent}.yaml", agent,
+                                  scenario=args.scenario, timesteps=args.timesteps, eval_every=0,
+                                  checkpoint_every=0, eval_episodes=1, progress_bar=False, compare_with=[])
+                cfg = replace(cfg, env=replace(cfg.env, reward=reward))
+                res = run(cfg, Path(tmp) / f"{agent}-{reward}", verbose=False)
+                policy = load_policy(res.policy_path)  # what would be deployed
+                ev = evaluate(policy, make_env(cfg), seeds)
+                keep = ("output_throughput", "mean_e2el_s", "prefix_hit_rate", "mean_return")
+                results[agent][reward] = {k: ev[k] for k in keep} | {"train_wall_s": res.wall_s}
+                print(f"  {agent} / {reward}: {ev['output_throughput']:.1f} tok/s, mean E2E "
+                      f"{ev['mean_e2el_s']:.2f} s ({res.wall_s:.0f} s of training)", flush=True)
+        ref_cfg = load_config(REPO_ROOT / "configs" / "runs" / "ucb.yaml", "ucb", scenario=args.scenario)
+        env = make_env(ref_cfg)
+        always = evaluate(make_agent("always-add", env=env), env, seeds)
+    totals = {reward: sum(results[a][reward]["output_throughput"] for a in agents) for reward in REWARDS}
+    best = max(totals, key=totals.get)
+    rows = [[agent, *(results[agent][r]["output_throughput"] for r in REWARDS)] for agent in agents]
+    rows.append(["always-add (reference)", *([always["output_throughput"]] * len(REWARDS))])
+    print(format_table(["agent", *(f"{r} tok/s" for r in REWARDS)], rows))
+    print(f"best reward by summed throughput: {best}")
+    out = {"benchmark": "rewards", "scenario": args.scenario, "timesteps": args.timesteps,
+           "eval_seeds": seeds, "machine": machine_info(), "results": results,
+           "always_add": {k: always[k] for k in ("output_throughput", "mean_e2el_s")},
+           "totals": totals, "best": best, "default": REWARDS[0]}
+    write_json(args.json, out)
+    return out
+
+
+if __name__ == "__main__":
+    main()
