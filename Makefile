@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM ?= false
 FEATHER_DATA_DIR ?= $(abspath ../shared/data)
 export FEATHER_DATA_DIR
 
-.PHONY: venv demo homogeneity test bench lint clean
+.PHONY: venv demo homogeneity test bench bench-quick lint clean
 
 venv: $(STAMP)
 
@@ -26,10 +26,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -c "import vllm, torch, gymnasium, stable_baselines3; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	@touch $(STAMP)
 
-# Train a UCB policy briefly on the real engine (embedded default workload), export it, and
-# compare it with always-add on held-out episodes (configs/demo.yaml).
+# Train the UCB bandit in the serving-loop environment on leval-kv-pressure (the simulator), export
+# it, and compare it with always-add and fcfs on held-out episodes (configs/demo.yaml).
 demo: $(STAMP)
-	$(BIN)/python train.py --agent ucb --config configs/demo.yaml --backend vllm --out runs/demo
+	$(BIN)/python train.py --agent ucb --config configs/demo.yaml --out runs/demo --no-progress
 
 homogeneity: $(STAMP)
 	$(BIN)/python -m benchmarks.prefix_homogeneity --json results/prefix_homogeneity.json --plot results/prefix_homogeneity.png
@@ -42,15 +42,21 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.prefix_homogeneity --json results/prefix_homogeneity.json --plot results/prefix_homogeneity.png \
 		--repeats 2 --sweep-output-len 16
-	$(BIN)/python -m feather_env.calibrate --validate configs/profiles/cpu-tiny-llama.json --json results/sim_validation.json --points 12
+	$(BIN)/python -m feather_env.calibrate --validate configs/profiles/cpu-tiny-llama.json --json results/sim_validation.json
 	$(BIN)/python -m benchmarks.env_speed --json results/env_speed.json
+	$(BIN)/python -m benchmarks.env_orderings --json results/env_orderings.json --sim-episodes 20 --real-episodes 3
+	$(BIN)/python -m benchmarks.rewards --json results/rewards.json
 	$(BIN)/python -m benchmarks.cht_overhead --json results/cht_overhead.json --budget-s 2 \
 		--structures cht radix-lpm radix-lpm-nocheck radix-dfs-weight
-	$(BIN)/python -m benchmarks.agents --json results/agents.json --plot results/agents_learning.png \
-		--leval-episodes 4 --sharegpt-episodes 2
 	$(BIN)/python -m benchmarks.scheduler_overhead --json results/scheduler_overhead.json
-	$(BIN)/python -m benchmarks.evaluation --json results/evaluation.json --policy auto
 	$(BIN)/python scripts/update_readme.py
+
+# A smaller version of every table (a few minutes): smoke-checks the benchmarks themselves.
+bench-quick: $(STAMP)
+	$(BIN)/python -m feather_env.calibrate --validate configs/profiles/cpu-tiny-llama.json --json results/quick/sim_validation.json --episodes 4
+	$(BIN)/python -m benchmarks.env_speed --json results/quick/env_speed.json --episodes 3 --repeats 2
+	$(BIN)/python -m benchmarks.env_orderings --json results/quick/env_orderings.json --sim-episodes 4 --real-episodes 1
+	$(BIN)/python -m benchmarks.rewards --json results/quick/rewards.json --timesteps 3000 --eval-episodes 3
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

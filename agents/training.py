@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,6 +92,8 @@ class TrainSection:
         progress_bar: show a progress bar.
         compare_with: reference agents (:data:`REFERENCES`) evaluated at the end on the same
             held-out episodes, printed next to the trained agent (``make demo``).
+        confirm_episodes: after a simulator evaluation, also serve the first this many held-out
+            episodes on the real engine with the trained policy and the references (0: no).
     """
 
     timesteps: int = 20_000
@@ -106,6 +108,7 @@ class TrainSection:
     sync_every: int = 2_000
     progress_bar: bool = True
     compare_with: tuple[str, ...] = ()
+    confirm_episodes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("backend", "eval_backend"):
@@ -115,7 +118,7 @@ class TrainSection:
         for name in ("timesteps", "n_envs", "eval_episodes", "sync_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("eval_every", "checkpoint_every"):
+        for name in ("eval_every", "checkpoint_every", "confirm_episodes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if isinstance(self.compare_with, str):
@@ -489,12 +492,16 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
         if train_env is not None and train_env is not eval_env:
             train_env.close()
     comparison = {cfg.agent_name: {k: v for k, v in final.items() if k != "episodes"}}
-    for name in cfg.train.compare_with:
-        ref_env = eval_env
-        if name in _ORDERING_REFERENCES:
-            ref_env = make_env(cfg, backend=eval_env.backend, scheduler=name)
-        ref = reference_policy(name, ref_env, seed=cfg.train.seed)
-        comparison[name] = {k: v for k, v in evaluate(ref, ref_env, seeds).items() if k != "episodes"}
+    comparison.update(_compare(cfg, eval_env, seeds))
+    confirmed: dict[str, dict[str, Any]] = {}
+    if cfg.train.confirm_episodes and eval_kind == "sim":
+        real_env = make_env(cfg, backend="vllm")
+        try:
+            real_seeds = seeds[: cfg.train.confirm_episodes]
+            confirmed[cfg.agent_name] = _strip(evaluate(agent, real_env, real_seeds))
+            confirmed.update(_compare(cfg, real_env, real_seeds))
+        finally:
+            real_env.close()
     policy_path = agent.export(out / "policy.feather", meta={
         "config": cfg.to_dict(), "final_eval": {k: v for k, v in final.items() if k != "episodes"}})
     wall = time.perf_counter() - t0
@@ -502,7 +509,7 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
                "num_timesteps": int(agent.num_timesteps), "wall_s": wall, "checkpoint": str(checkpoint),
                "policy": str(policy_path),
                "final_eval": {k: v for k, v in final.items() if k != "episodes"}, "eval_history": history,
-               "comparison": comparison, "eval_backend": eval_kind}
+               "comparison": comparison, "eval_backend": eval_kind, "confirmed_on_real_engine": confirmed}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
     if backend is None:
         train_probe.close()
@@ -517,8 +524,26 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
               flush=True)
         if len(comparison) > 1:
             print(comparison_table(comparison, cfg.agent_name), flush=True)
+        if confirmed:
+            print(f"on the real engine, {cfg.train.confirm_episodes} held-out episode(s):\n"
+                  + comparison_table(confirmed, cfg.agent_name), flush=True)
     return TrainResult(out, policy_path, checkpoint, int(agent.num_timesteps), final, history, comparison,
                        wall)
+
+
+def _strip(result: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in result.items() if k != "episodes"}
+
+
+def _compare(cfg: RunConfig, env: Any, seeds: Sequence[int]) -> dict[str, dict[str, Any]]:
+    """The reference agents of ``train.compare_with`` on ``env``'s backend, the same episodes."""
+    from agents.base import evaluate
+
+    out = {}
+    for name in cfg.train.compare_with:
+        ref_env = make_env(cfg, backend=env.backend, scheduler=name) if name in _ORDERING_REFERENCES else env
+        out[name] = _strip(evaluate(reference_policy(name, ref_env, seed=cfg.train.seed), ref_env, seeds))
+    return out
 
 
 def comparison_table(results: Mapping[str, Mapping[str, Any]], agent: str) -> str:

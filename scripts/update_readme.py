@@ -90,29 +90,73 @@ def render_cht_overhead(res: dict[str, Any]) -> str:
 
 
 def render_sim_validation(res: dict[str, Any]) -> str:
-    return (f"Simulator error on {res['n']} fresh compositions measured on the real engine: "
-            f"**MAPE {res['mape']:.3f}** (median APE {res['median_ape']:.3f}) of the mean decode "
-            f"step time ({_machine(res)}; `python -m feather_env.calibrate --validate "
-            f"{res['profile']} --json results/sim_validation.json`).")
+    """results/sim_validation.json (feather_env.calibrate --validate): the simulator's error."""
+    rows = [[e["label"], e["seed"], e["requests"], e["real_duration_s"], e["sim_duration_s"],
+             f"{e['makespan_ape']:.1%}", f"{e['real_hit_rate']:.1%}", f"{e['sim_hit_rate']:.1%}",
+             _num(e["latency_median_ape"], "{:.1%}")] for e in res["episodes"]]
+    return "\n".join([
+        f"Simulator against the real engine on **{res['n']} fresh episodes** (other seeds than the "
+        f"calibration; with and without KV pressure, burst and Poisson arrivals, four orderings; "
+        f"{_machine(res)}; `python -m feather_env.calibrate --validate {res['profile']} "
+        f"--json results/sim_validation.json`): **makespan MAPE {res['makespan_mape']:.3f}**, "
+        f"**hit-rate error {res['hit_rate_abs_err']:.4f}** (absolute), median per-request E2E latency "
+        f"error {res['latency_median_ape']:.3f}; {res.get('excluded_under_load', 0)} episodes left out "
+        f"under foreign load.", "",
+        format_table(["episode", "seed", "requests", "real makespan s", "sim makespan s", "error",
+                      "real hit", "sim hit", "median latency error"], rows)])
 
 
 def render_env_speed(res: dict[str, Any]) -> str:
     """results/env_speed.json (benchmarks/env_speed.py): simulated environment steps per second."""
-    rows = [[r["workload"], r["policy"], r["steps_per_s"],
-             f"{min(r['runs']):,.0f}-{max(r['runs']):,.0f}" if r.get("runs") else "-"]
-            for r in res["results"]]
-    verdict = "met" if res.get("met") else "NOT met"
+    rows = []
+    for r in res["results"]:
+        rates = [x["steps_per_s"] for x in r["runs"]]
+        rows.append([res["scenario"], r["policy"], r["steps_per_s"], f"{min(rates):,.0f}-{max(rates):,.0f}",
+                     f"{max(x['foreign_cpu'] for x in r['runs']):.0%}"])
+    verdict = "met" if res.get("met") else "**NOT met**"
     n = max((len(r.get("runs", [])) for r in res["results"]), default=0)
-    out = [f"Simulated environment speed, median of {n} interleaved repeats ({_machine(res)}; "
-           f"`python -m benchmarks.env_speed --json results/env_speed.json`):", "",
-           format_table(["workload", "policy", "sim env steps/s", "range"], rows), "",
-           f"Target >= {res.get('target_steps_per_s', 10_000):,} steps/s in every row: **{verdict}**."]
-    foreign = [f for r in res["results"] for f in r.get("foreign_cpu", [])]
-    if foreign:
-        steal = [f for r in res["results"] for f in r.get("steal", [])]
-        out[-1] += (f" Other processes used at most {max(foreign):.1%} of the machine during a run "
-                    f"(steal time at most {max(steal, default=0):.1%}).")
-    return "\n".join(out)
+    return "\n".join([
+        f"Simulated environment steps per second on `{res['scenario']}`, whole episodes, median of {n} "
+        f"interleaved repeats ({_machine(res)}; `python -m benchmarks.env_speed --scenario "
+        f"{res['scenario']} --json results/env_speed.json`): **{res['steps_per_s']:,.0f} steps/s** "
+        f"(target >= {res.get('target_steps_per_s', 3000):,}: {verdict}).", "",
+        format_table(["scenario", "policy", "steps/s", "range", "max foreign CPU"], rows)])
+
+
+def render_env_orderings(res: dict[str, Any]) -> str:
+    """results/env_orderings.json (benchmarks/env_orderings.py): the orderings in the environment."""
+    names = list(res["results"]["sim"])
+    rows = []
+    for name in names:
+        row: list[Any] = [f"`{name}`"]
+        for backend in ("sim", "vllm"):
+            r = res["results"][backend].get(name)
+            row += ([r["output_throughput"], f"{r['vs_fcfs']:.2f}x", f"{r['prefix_hit_rate']:.0%}",
+                     r["mean_e2el_s"]] if r else ["-"] * 4)
+        rows.append(row)
+    t = res["target"]
+    met = ", ".join(f"{b}: {'met' if m else '**NOT met**'}" for b, m in t["met"].items())
+    return "\n".join([
+        f"The reference orderings served in the environment on `{res['scenario']}` episodes "
+        f"0-{res['sim_episodes'] - 1} (simulator) and 0-{res['real_episodes'] - 1} (real engine, "
+        f"orderings alternating; {_machine(res)}; `python -m benchmarks.env_orderings --json "
+        f"results/env_orderings.json`). End-to-end output throughput over the episodes:", "",
+        format_table(["ordering", "sim tok/s", "sim vs fcfs", "sim hit", "sim mean E2E s", "real tok/s",
+                      "real vs fcfs", "real hit", "real mean E2E s"], rows), "",
+        f"Target `{t['ordering']}` >= {t['vs_fcfs']}x fcfs: {met}."])
+
+
+def render_rewards(res: dict[str, Any]) -> str:
+    """results/rewards.json (benchmarks/rewards.py): which reward trains the best throughput."""
+    rewards = list(res["totals"])
+    rows = [[agent, *(by[r]["output_throughput"] for r in rewards)] for agent, by in res["results"].items()]
+    rows.append(["always-add (reference)", *([res["always_add"]["output_throughput"]] * len(rewards))])
+    return "\n".join([
+        f"Agents trained {res['timesteps']:,} steps on the simulator with each reward, then serving "
+        f"{len(res['eval_seeds'])} held-out `{res['scenario']}` episodes with the exported policy; e2e "
+        f"output tokens/s ({_machine(res)}; `python -m benchmarks.rewards --json results/rewards.json`):", "",
+        format_table(["agent", *rewards], rows), "",
+        f"Best by summed throughput: `{res['best']}`; the environment's default is `{res['default']}`."])
 
 
 def _num(value: Any, fmt: str = "{:.2f}") -> str:
@@ -214,6 +258,8 @@ RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "cht_overhead": ("cht_overhead.json", render_cht_overhead),
     "sim_validation": ("sim_validation.json", render_sim_validation),
     "env_speed": ("env_speed.json", render_env_speed),
+    "env_orderings": ("env_orderings.json", render_env_orderings),
+    "rewards": ("rewards.json", render_rewards),
     "evaluation": ("evaluation.json", render_evaluation),
 }
 
