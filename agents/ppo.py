@@ -12,7 +12,7 @@ Observations are divided by ``env.obs_scale`` (values in [-1, 1]) by :class:`~ag
 small tanh MLP (``net_arch``, default 64x64): the exported numpy version decides in a few
 microseconds. The critic (``vf_arch``) is not exported.
 
-``gamma`` defaults to 1.0 for the default makespan reward: the undiscounted return is minus the
+``gamma`` defaults to 1.0 for the time-like rewards (latency, makespan): the undiscounted return is minus the
 episode's serving time (see :mod:`agents.qlearning` for why discounting biases towards large
 batches); ``gae_lambda`` 0.95 keeps the advantage estimates' variance down.
 """

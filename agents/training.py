@@ -12,7 +12,7 @@ checkpoints::
       name: leval-kv-pressure
       episode: {groups: 8}
     env:                 # FeatherEnv arguments (EnvSection)
-      reward: makespan
+      reward: latency
     agent:               # the agent's config dataclass (agents/<name>.py), plus its name
       name: ucb
     train:               # TrainSection
@@ -66,7 +66,7 @@ class EnvSection:
     """``FeatherEnv`` arguments (see its manual); ``profile`` is the simulator's profile JSON."""
 
     scheduler: str = "feather-heuristic"
-    reward: str = "makespan"
+    reward: str = "latency"
     reward_scale: float = 1.0
     extended_obs: bool = False
     delta_clip: int = 64

@@ -12,19 +12,19 @@ candidate costs no shared prefix); otherwise UCB over the state's arms: an untri
 Credit. In the paper an episode is one batch, and the batch's decode throughput is credited to
 every decision that formed it. In the serving loop a decision's effect outlasts any batch (an
 admission now decides what the prefix cache evicts later), so the credit of an arm is what
-followed it until the episode ended: the environment's rewards from that decision on
-(``credit: return_to_go``, the default; with the makespan reward, minus the engine seconds
-left). A Monte Carlo estimate of the arm's value: how much time is left depends on when in the
-episode the decision came, but that offset is shared by the two arms of a state and cancels in
-the comparison. ``credit: episode`` credits every arm with its episode's end-to-end output
-throughput instead (tokens/s): unbiased by phase, but episodes differ so much (other documents,
-other lengths) that one decision's effect drowns; on a small leval-kv-pressure episode it
-learned to STOP where always-add is best (229 against 333 tokens/s, return-to-go: 322; 3,000
-steps, seed 0, ``tests/test_agents.py``'s setting). Decisions forced by a mask or by the two rules
-above are not arms and are not credited.
+followed it until the episode ended: the environment's rewards from that decision on (``credit:
+return_to_go``, the default; with the default latency reward, minus the request seconds still to
+come per request). A Monte Carlo estimate of the arm's value: how much is left depends on when
+in the episode the decision came, but that offset is shared by the two arms of a state and
+cancels in the comparison. ``credit: episode`` credits every arm with its episode's end-to-end
+output throughput instead (tokens/s): unbiased by phase, but episodes differ so much (other
+documents, other lengths) that one decision's effect drowns; on a small leval-kv-pressure
+episode it learned to STOP where always-add is best (229 against 333 tokens/s, return-to-go:
+322; makespan reward, 3,000 steps, seed 0, ``tests/test_agents.py``'s setting). Decisions forced
+by a mask or by the two rules above are not arms and are not credited.
 
-``c`` is in units of the credit (seconds for ``return_to_go`` under the makespan reward, tokens/s
-for ``episode``); 2.0 by default.
+``c`` is in units of the credit (seconds for ``return_to_go`` under the latency or makespan
+rewards, tokens/s for ``episode``); 2.0 by default.
 
 The deployed (exported) policy is greedy: the valid arm of highest mean among visited arms,
 ADD for states never visited (:func:`scheduler_runtime.policy.table_decision`).

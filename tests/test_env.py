@@ -56,7 +56,7 @@ def test_check_env_sim():
 
 @pytest.mark.parametrize("scheduler", ["feather-heuristic", "fcfs", "lpm", "dfs-weight", "svf"])
 def test_sim_episode_serves_everyone_once_and_is_reproducible(scheduler):
-    env = FeatherEnv(SCENARIO, "sim", scheduler=scheduler)
+    env = FeatherEnv(SCENARIO, "sim", scheduler=scheduler, reward="makespan")
     first = play_episode(env, episode_seed=3)
     again = play_episode(env, episode_seed=3)
     assert first == again  # the simulator is deterministic
