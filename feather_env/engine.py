@@ -152,6 +152,13 @@ def build_llm(config: EngineConfig | None = None, **overrides: Any):  # -> vllm.
         cores = pinned_cores(config.cpu_cores)
         if cores and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, cores)
+        # One intra-op thread per pinned core. vLLM cannot change torch's thread count once it has
+        # bound its threads, so a process that imported torch earlier (stable-baselines3 does) kept
+        # two threads on one core, which meet at a barrier in every layer: an episode took 161 s
+        # instead of 10 s.
+        import torch
+
+        torch.set_num_threads(max(1, len(cores)))
     from vllm import LLM
 
     kwargs: dict[str, Any] = dict(
