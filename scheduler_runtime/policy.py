@@ -39,7 +39,9 @@ Kinds and their ``params``:
 
 Any problem with a file (missing, truncated, not JSON, checksum mismatch, other format or
 version, unknown kind, observation/action spec that is malformed or not the one expected,
-parameters of the wrong shape) raises :class:`PolicyFormatError` naming the file and the problem.
+parameters of the wrong type, shape or range, non-finite numbers) raises
+:class:`PolicyFormatError` naming the file and the problem, when the file is loaded: a policy
+that loads does not fail at its first decision because of its file.
 
 A decision costs a few microseconds (``benchmarks/policy_latency.py`` measures each kind).
 """
@@ -49,6 +51,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import numbers
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -91,6 +94,21 @@ ACTION_NAMES = ("STOP", "ADD")
 BASE_OBS_NAMES = ("batch_size", "delta", "w")
 EXTENDED_OBS_NAMES = BASE_OBS_NAMES + ("waiting", "kv_usage", "missing_chunks", "prompt_chunks")
 KINDS = ("constant", "heuristic", "table", "mlp")
+
+
+def _is_number(x: Any) -> bool:
+    """A finite real number that is not a bool (JSON ``true`` is not a weight)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _all_numbers(x: Any) -> bool:
+    """Every leaf of nested lists is a finite number (:func:`_is_number`)."""
+    return all(_all_numbers(v) for v in x) if isinstance(x, list) else _is_number(x)
+
+
+def _is_count(x: Any, low: int = 0) -> bool:
+    """An int (not a bool) >= ``low``."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= low
 
 
 class PolicyFormatError(ValueError):
@@ -150,8 +168,7 @@ class ObservationSpec:
         vectors = {}
         for key in ("low", "high", "scale"):
             v = data.get(key)
-            if (not isinstance(v, list) or len(v) != n
-                    or not all(isinstance(x, int | float) and math.isfinite(x) for x in v)):
+            if not isinstance(v, list) or len(v) != n or not all(_is_number(x) for x in v):
                 raise PolicyFormatError(path, f"'observation.{key}' must be {n} finite numbers, got {v!r}")
             vectors[key] = tuple(float(x) for x in v)
         if any(s <= 0 for s in vectors["scale"]):
@@ -159,7 +176,7 @@ class ObservationSpec:
         if any(lo > hi for lo, hi in zip(vectors["low"], vectors["high"], strict=True)):
             raise PolicyFormatError(path, "'observation.low' exceeds 'observation.high'")
         chunk = data.get("chunk_size")
-        if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+        if chunk is not None and not _is_count(chunk, 1):
             raise PolicyFormatError(path, f"'observation.chunk_size' must be a positive int, got {chunk!r}")
         return cls(tuple(names), vectors["low"], vectors["high"], vectors["scale"], chunk)
 
@@ -227,6 +244,14 @@ class HeuristicRule:
     _last_batch: float = field(default=-1.0, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        for name in ("delta_max", "delta_max_shared", "w_shared"):
+            if not _is_number(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
+        for name in ("floor_cap", "floor_init"):
+            if not _is_count(getattr(self, name)):
+                raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+        if self.floor_init > self.floor_cap:
+            raise ValueError(f"floor_init {self.floor_init} exceeds floor_cap {self.floor_cap}")
         if self.floor_reset not in ("episode", "batch"):
             raise ValueError(f"floor_reset must be 'episode' or 'batch', got {self.floor_reset!r}")
         self.floor = self.floor_init
@@ -266,6 +291,11 @@ class TableBins:
     delta_clip: int = 5
     w_div: int = 4
     w_max: int = 10
+
+    def __post_init__(self) -> None:
+        for name, low in (("batch_div", 1), ("w_div", 1), ("batch_max", 0), ("delta_clip", 0), ("w_max", 0)):
+            if not _is_count(getattr(self, name), low):
+                raise ValueError(f"bins.{name} must be an integer >= {low}, got {getattr(self, name)!r}")
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -583,31 +613,39 @@ def policy_from_document(doc: Any, *, path: str | os.PathLike[str] | None = None
 
 def _table_from_params(spec: ObservationSpec, params: dict[str, Any], common: dict[str, Any]) -> TablePolicy:
     bins = TableBins(**params["bins"])
-    if min(bins.batch_div, bins.w_div) < 1 or min(bins.batch_max, bins.delta_clip, bins.w_max) < 0:
-        raise ValueError(f"bins must be positive, got {bins}")
     n = 2 * bins.num_states
     values, visits = params["values"], params["visits"]
     if not isinstance(values, list) or len(values) != n:
         raise ValueError(f"'values' must hold {n} numbers (bins {bins.shape} x 2 actions)")
     if not isinstance(visits, list) or len(visits) != n:
         raise ValueError(f"'visits' must hold {n} counts (bins {bins.shape} x 2 actions)")
-    if not all(isinstance(v, int | float) and math.isfinite(v) for v in values):
+    if not all(_is_number(v) for v in values):
         raise ValueError("'values' must be finite numbers")
-    if not all(isinstance(v, int) and v >= 0 for v in visits):
+    if not all(_is_count(v) for v in visits):
         raise ValueError("'visits' must be non-negative integers")
     extra = set(params) - {"bins", "values", "visits", "add_if_delta_zero"}
     if extra:
         raise ValueError(f"unknown keys {sorted(extra)}")
-    return TablePolicy(spec, bins, values, visits, bool(params.get("add_if_delta_zero", False)), **common)
+    add_if_delta_zero = params.get("add_if_delta_zero", False)
+    if not isinstance(add_if_delta_zero, bool):
+        raise ValueError(f"'add_if_delta_zero' must be true or false, got {add_if_delta_zero!r}")
+    return TablePolicy(spec, bins, values, visits, add_if_delta_zero, **common)
 
 
 def _mlp_from_params(spec: ObservationSpec, params: dict[str, Any], common: dict[str, Any]) -> MLPPolicy:
     layers = params["layers"]
     if not isinstance(layers, list) or not layers:
         raise ValueError("'layers' must be a non-empty list")
+    extra = set(params) - {"layers", "activation"}
+    if extra:
+        raise ValueError(f"unknown keys {sorted(extra)}")
     parsed = []
     fan_in = len(spec.names)
     for i, layer in enumerate(layers):
+        if not isinstance(layer, dict) or set(layer) != {"weight", "bias"}:
+            raise ValueError(f"layer {i}: must be {{'weight': [[...]], 'bias': [...]}}")
+        if not (_all_numbers(layer["weight"]) and _all_numbers(layer["bias"])):
+            raise ValueError(f"layer {i}: weights must be finite numbers")
         w = np.asarray(layer["weight"], dtype=np.float64)
         b = np.asarray(layer["bias"], dtype=np.float64)
         if w.ndim != 2 or b.ndim != 1 or w.shape != (b.shape[0], fan_in):
@@ -618,4 +656,7 @@ def _mlp_from_params(spec: ObservationSpec, params: dict[str, Any], common: dict
         fan_in = w.shape[0]
     if fan_in != len(ACTION_NAMES):
         raise ValueError(f"the last layer must output {len(ACTION_NAMES)} logits, outputs {fan_in}")
-    return MLPPolicy(spec, parsed, params.get("activation", "tanh"), **common)
+    activation = params.get("activation", "tanh")
+    if activation not in ("tanh", "relu"):
+        raise ValueError(f"'activation' must be 'tanh' or 'relu', got {activation!r}")
+    return MLPPolicy(spec, parsed, activation, **common)
