@@ -43,12 +43,20 @@ parameters of the wrong type, shape or range, non-finite numbers) raises
 :class:`PolicyFormatError` naming the file and the problem, when the file is loaded: a policy
 that loads does not fail at its first decision because of its file.
 
+Plug-in policies. :func:`load_policy_spec` also takes ``py:MODULE:ATTRIBUTE``: ATTRIBUTE of
+the importable module MODULE is a class (or any callable) that is called without arguments and
+returns an object with ``act(obs, mask) -> 0 | 1`` (optional: ``obs_spec``, an
+:class:`ObservationSpec`, and ``reset()``), as :class:`~scheduler_runtime.batching.BatchingPolicy`
+says. The scheduler names it ``feather:py:MODULE:ATTRIBUTE``. This runs the module's code inside
+the engine, exactly as vLLM's own ``--scheduler-cls`` does: name only code you trust.
+
 A decision costs a few microseconds (``benchmarks/policy_latency.py`` measures each kind).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import math
 import numbers
@@ -80,7 +88,9 @@ __all__ = [
     "PolicyFormatError",
     "TableBins",
     "TablePolicy",
+    "PLUGIN_PREFIX",
     "load_policy",
+    "load_policy_spec",
     "policy_from_document",
     "table_decision",
     "write_policy",
@@ -557,6 +567,57 @@ def load_policy(path: str | os.PathLike[str], obs_spec: ObservationSpec | None =
         raise PolicyFormatError(path, f"not a valid policy document (truncated or corrupted JSON: {exc})"
                                 ) from exc
     return policy_from_document(doc, path=path, obs_spec=obs_spec)
+
+
+#: ``load_policy_spec("py:MODULE:ATTRIBUTE")`` builds a plug-in policy (module docstring).
+PLUGIN_PREFIX = "py:"
+
+
+def load_policy_spec(spec: str) -> Any:
+    """The policy a scheduler name's ``feather:SPEC`` points at: a policy file, or a plug-in.
+
+    ``py:MODULE:ATTRIBUTE`` builds a plug-in policy (module docstring); anything else is a
+    policy file path (:func:`load_policy`). Raises :class:`PolicyFormatError`.
+    """
+    if not isinstance(spec, str) or not spec:
+        raise PolicyFormatError(None, f"policy must be a file path or {PLUGIN_PREFIX}MODULE:ATTRIBUTE, "
+                                      f"got {spec!r}")
+    if spec.startswith(PLUGIN_PREFIX):
+        return _load_plugin_policy(spec)
+    return load_policy(spec)
+
+
+def _load_plugin_policy(spec: str) -> Any:
+    def error(problem: str) -> PolicyFormatError:
+        return PolicyFormatError(None, f"plug-in {spec!r}: {problem}")
+
+    module_name, _, attribute = spec[len(PLUGIN_PREFIX):].partition(":")
+    if not module_name or not attribute:
+        raise error(f"expected {PLUGIN_PREFIX}MODULE:ATTRIBUTE (e.g. py:mypackage.policies:MyPolicy)")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any error in the user's module, ImportError included
+        raise error(f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from exc
+    factory = getattr(module, attribute, None)
+    if factory is None:
+        raise error(f"module {module_name!r} has no attribute {attribute!r}")
+    if not callable(factory):
+        raise error(f"{module_name}.{attribute} has no act(obs, mask): it is a {type(factory).__name__}, "
+                    "not a policy class or factory")
+    try:
+        policy = factory()
+    except Exception as exc:
+        raise error(f"{module_name}.{attribute}() could not be built: {type(exc).__name__}: {exc}") from exc
+    if not callable(getattr(policy, "act", None)):
+        raise error(f"{module_name}.{attribute}() returned a {type(policy).__name__}, "
+                    "which has no act(obs, mask)")
+    spec_attr = getattr(policy, "obs_spec", None)
+    if spec_attr is not None and not isinstance(spec_attr, ObservationSpec):
+        raise error(f"its obs_spec must be an ObservationSpec, got {type(spec_attr).__name__}")
+    reset = getattr(policy, "reset", None)
+    if reset is not None and not callable(reset):
+        raise error("its reset attribute is not callable")
+    return policy
 
 
 def policy_from_document(doc: Any, *, path: str | os.PathLike[str] | None = None,
