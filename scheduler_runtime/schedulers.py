@@ -285,6 +285,7 @@ def resolve(name: str, *, async_scheduling: bool = False, **overrides: Any) -> t
     :func:`engine_overrides`). ``async_scheduling``: the class for vLLM's async scheduling
     (on by default on CUDA). ``overrides``: fields of :class:`SchedulerConfig`.
     """
+    overrides = checked_fields(SchedulerConfig, overrides, where="scheduler config")
     config = SchedulerConfig.for_name(name, **overrides)
     if config.passthrough:
         cls = VLLM_ASYNC_SCHEDULER if async_scheduling else VLLM_SCHEDULER
