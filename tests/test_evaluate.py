@@ -89,6 +89,43 @@ def test_missing_policy_file_is_a_clear_error(tmp_path, capsys):
     assert rc == 2 and "does not exist" in capsys.readouterr().err
 
 
+@pytest.fixture
+def policy_256(tmp_path) -> Path:
+    from scheduler_runtime.policy import BASE_OBS_NAMES, ConstantPolicy, ObservationSpec, write_policy
+
+    spec = ObservationSpec(names=BASE_OBS_NAMES, low=(0, -64, 0), high=(64, 64, 64), scale=(64, 64, 64),
+                           chunk_size=256)
+    return write_policy(tmp_path / "add256.feather", ConstantPolicy(spec))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-wait", "nan"], "max_wait must be a finite number"),
+    (["--max-wait", "-1"], "max_wait must be a finite number"),
+    (["--chunk-size", "0"], "chunk_size must be >= 1"),
+    (["--schedulers", "fcfs,feather:{policy}", "--chunk-size", "512"], "in chunks of 256 tokens"),
+    (["--schedulers", "fcfs,feather:py:fault_policies:FailsToBuild"], "could not be built"),
+])
+def test_bad_knobs_are_errors_before_the_first_engine(tmp_path, capsys, monkeypatch, policy_256, args,
+                                                      message):
+    """Issue 12, M4: these failed when that scheduler's engine started, after the earlier ones ran."""
+    def no_engine(*a, **kw):
+        raise AssertionError("an engine was started")
+
+    monkeypatch.setattr(evaluate, "run_scheduler", no_engine)
+    argv = ["--workload", "leval", "--schedulers", "fcfs,feather-heuristic", "--out", str(tmp_path / "o")]
+    rc = evaluate.main(argv + [a.format(policy=policy_256) for a in args])
+    assert rc == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_evaluation_trusts_its_own_hints_and_gives_feather_its_knobs():
+    assert evaluate.scheduler_overrides("fcfs", 64, 5.0) == {}
+    assert evaluate.scheduler_overrides("oracle-svf", 64, 5.0) == {"trust_client_hints": True}
+    assert evaluate.scheduler_overrides("feather-heuristic+svf", 64, 5.0) == {
+        "trust_client_hints": True, "chunk_size": 64, "max_wait": 5.0}
+
+
 def test_missing_data_dir_says_where_to_get_the_data(tmp_path, capsys):
     rc = evaluate.main(["--workload", "leval", "--data-dir", str(tmp_path / "nowhere"),
                         "--schedulers", "fcfs", "--out", str(tmp_path / "o")])
