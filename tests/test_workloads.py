@@ -564,3 +564,28 @@ def test_sample_groups_keeps_groups_whole(w: Workload, data, seed: int) -> None:
     grouped = w.sample_groups(k, seed, max_per_group=cap, shuffle=False)
     runs = [r.prefix_group for r in grouped]
     assert runs == sorted(runs, key=lambda g: runs.index(g))  # members stay together
+
+
+# ---------------------------------------------------------------------------- text encoding
+
+
+def test_files_that_are_not_utf8_are_workload_errors_naming_them(tmp_path: Path) -> None:
+    """Issue 12: a non-UTF-8 file raised a raw UnicodeDecodeError in every reader."""
+    from feather_env.workloads.longbench import read_lengths, read_max_new_tokens
+    from feather_env.workloads.traces import read_trace
+
+    latin1 = "caf\u00e9".encode("latin-1")
+    lengths = tmp_path / "lengths" / "qasper.jsonl"
+    lengths.parent.mkdir()
+    lengths.write_bytes(b'{"length": 10, "answers": ["a"]}\n{"length": 12, "answers": ["' + latin1 + b'"]}\n')
+    with pytest.raises(WorkloadError, match=rf"{re.escape(str(lengths))}:2: not UTF-8 text"):
+        read_lengths(lengths)
+    config = tmp_path / "config" / "dataset2maxlen.json"
+    config.parent.mkdir()
+    config.write_bytes(b'{"qasper": 128, "' + latin1 + b'": 3}')
+    with pytest.raises(WorkloadError, match=rf"{re.escape(str(config))}: not UTF-8 text"):
+        read_max_new_tokens(tmp_path)
+    trace = tmp_path / "trace.csv"
+    trace.write_bytes(b"num_prefill_tokens,num_decode_tokens\n10,5\n" + latin1 + b",3\n")
+    with pytest.raises(WorkloadError, match=rf"{re.escape(str(trace))}: not UTF-8 text"):
+        read_trace(trace)
