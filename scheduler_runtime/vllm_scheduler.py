@@ -15,7 +15,8 @@ moves requests between vLLM's queues:
 Held requests are counted by :meth:`get_request_counts` (so ``has_requests()`` and the
 engine's idle check see them) and therefore by vLLM's ``num_requests_waiting`` metric.
 Requests the runtime cannot order (prompt embeddings, resumable streaming sessions) bypass
-it and go to ``self.waiting`` directly.
+it and go to ``self.waiting`` directly. Structured-output requests are held like any other
+(their grammar compiles meanwhile); once released, vLLM skips them until the grammar is ready.
 
 Fault isolation. Every call into Feather's own code (the runtime's ``arrive``, ``plan``,
 ``freed``, ``preempted``, the metrics push) is guarded: an exception there is logged once with
@@ -72,6 +73,8 @@ __all__ = [
 logger = init_logger(__name__)
 
 _COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+#: Statuses of a new request that Feather holds (a structured-output request compiles its grammar).
+_HOLDABLE = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR)
 
 
 class _FeatherMixin:
@@ -192,7 +195,7 @@ class _FeatherMixin:
         runtime = self.feather
         if (
             runtime is not None
-            and request.status == RequestStatus.WAITING
+            and request.status in _HOLDABLE
             and request.num_computed_tokens == 0
             and request.prompt_token_ids is not None
             and not request.resumable
