@@ -49,6 +49,32 @@ def vllm_backend(llm, engine_config):
     return VLLMBackend(engine_config, llm=llm)
 
 
+@pytest.fixture(scope="session")
+def exported_policies(tmp_path_factory) -> dict[str, Path]:
+    """Policies exported by ``train.py`` (its command line, on the simulator): a Q-learning
+    table and a PPO MLP, ``{"table": path, "mlp": path}``."""
+    import yaml
+
+    import train
+
+    root = tmp_path_factory.mktemp("policies")
+    workload = {"kind": "synthetic", "num_groups": 6, "per_group": "uniform:3:8",
+                "prefix_len": "uniform:600:1500", "suffix_len": "uniform:5:20",
+                "output_len": "uniform:4:10", "seed": 3}
+    out = {}
+    for kind, agent, extra in (("table", "qlearning", {}),
+                               ("mlp", "ppo", {"n_steps": 64, "batch_size": 32, "n_epochs": 2})):
+        config = root / f"{agent}.yaml"
+        config.write_text(yaml.safe_dump({
+            "env": {"waiting": 16, "max_batch_size": 8}, "workload": workload,
+            "agent": {"name": agent, **extra},
+            "train": {"timesteps": 256, "eval_every": 0, "eval_episodes": 1, "checkpoint_every": 0,
+                      "progress_bar": False}}))
+        result = train.main(["--agent", agent, "--config", str(config), "--out", str(root / agent)])
+        out[kind] = result.policy_path
+    return out
+
+
 # Modules that start engines of their own. Shutting an in-process vLLM engine down tears
 # down process-wide state (its parallel groups) that the session engine also uses, so these
 # run after every test that uses the session engine.

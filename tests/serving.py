@@ -6,6 +6,7 @@ The server runs as a subprocess with its engine core in a process of its own, as
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -18,6 +19,7 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -103,3 +105,60 @@ def wait_until_idle(base: str, timeout_s: float = 120.0) -> str:
         if time.monotonic() > deadline:
             raise AssertionError(f"requests still in the engine after {timeout_s} s: {busy}")
         time.sleep(0.5)
+
+
+class Prompts:
+    """Prompts of 8 shared 1,024-token documents with unique 16-token questions."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.docs = [self.rng.integers(3, 8000, 1024) for _ in range(8)]
+        self.count = 0
+
+    def next(self) -> list[int]:
+        doc = self.docs[self.count % len(self.docs)]
+        self.count += 1
+        return np.concatenate([doc, self.rng.integers(3, 8000, 16)]).tolist()
+
+
+async def run_completions(base: str, jobs):
+    """Run ``(kind, rid, prompt, max_tokens, hint)`` jobs concurrently; ``{rid: outcome}``.
+
+    ``kind`` ``complete``: a completion of exactly ``max_tokens`` tokens with ``hint`` as its
+    ``feather_output_len``; outcome ``("ok", id, completion tokens, finish reason)`` or
+    ``("status", HTTP status)``. ``disconnect``: a streamed one whose client goes away after two
+    chunks; outcome ``("disconnected", chunks read)``.
+    """
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def body(max_tokens, hint):
+        return {"ignore_eos": True, "min_tokens": max_tokens, "vllm_xargs": {"feather_output_len": hint}}
+
+    async def complete(rid, prompt, max_tokens, hint):
+        try:
+            resp = await client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=max_tokens,
+                                                   temperature=0.0, extra_body=body(max_tokens, hint))
+        except openai.APIStatusError as exc:
+            return rid, ("status", exc.status_code)
+        return rid, ("ok", resp.id, resp.usage.completion_tokens, resp.choices[0].finish_reason)
+
+    async def disconnect(rid, prompt, max_tokens, hint):
+        stream = await client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=max_tokens,
+                                                 temperature=0.0, stream=True,
+                                                 extra_body=body(max_tokens, hint))
+        chunks = 0
+        async for _ in stream:
+            chunks += 1
+            if chunks == 2:
+                break
+        await stream.close()  # the client goes away mid-stream
+        return rid, ("disconnected", chunks)
+
+    runners = {"complete": complete, "disconnect": disconnect}
+    try:
+        results = await asyncio.gather(*(runners[kind](*args) for kind, *args in jobs))
+    finally:
+        await client.close()
+    return dict(results)

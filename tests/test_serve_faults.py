@@ -25,7 +25,17 @@ import re
 
 import numpy as np
 import pytest
-from serving import SMALL_SERVER, TESTS, feather_serve_command, get, metric, running_server, wait_until_idle
+from serving import (
+    SMALL_SERVER,
+    TESTS,
+    Prompts,
+    feather_serve_command,
+    get,
+    metric,
+    run_completions,
+    running_server,
+    wait_until_idle,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -46,57 +56,6 @@ def server(tmp_path_factory):
         yield base, proc, log_path
 
 
-class Prompts:
-    """Prompts of 8 shared 1,024-token documents with unique 16-token questions."""
-
-    def __init__(self, seed: int = 0) -> None:
-        self.rng = np.random.default_rng(seed)
-        self.docs = [self.rng.integers(3, 8000, 1024) for _ in range(8)]
-        self.count = 0
-
-    def next(self) -> list[int]:
-        doc = self.docs[self.count % len(self.docs)]
-        self.count += 1
-        return np.concatenate([doc, self.rng.integers(3, 8000, 16)]).tolist()
-
-
-async def _run(base: str, jobs):
-    """Run ``(kind, rid, prompt, max_tokens, hint)`` jobs concurrently; ``{rid: outcome}``."""
-    import openai
-
-    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-    def body(max_tokens, hint):
-        return {"ignore_eos": True, "min_tokens": max_tokens, "vllm_xargs": {"feather_output_len": hint}}
-
-    async def complete(rid, prompt, max_tokens, hint):
-        try:
-            resp = await client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=max_tokens,
-                                                   temperature=0.0, extra_body=body(max_tokens, hint))
-        except openai.APIStatusError as exc:
-            return rid, ("status", exc.status_code)
-        return rid, ("ok", resp.id, resp.usage.completion_tokens, resp.choices[0].finish_reason)
-
-    async def disconnect(rid, prompt, max_tokens, hint):
-        stream = await client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=max_tokens,
-                                                 temperature=0.0, stream=True,
-                                                 extra_body=body(max_tokens, hint))
-        chunks = 0
-        async for _ in stream:
-            chunks += 1
-            if chunks == 2:
-                break
-        await stream.close()  # the client goes away mid-stream
-        return rid, ("disconnected", chunks)
-
-    runners = {"complete": complete, "disconnect": disconnect}
-    try:
-        results = await asyncio.gather(*(runners[kind](*args) for kind, *args in jobs))
-    finally:
-        await client.close()
-    return dict(results)
-
-
 def _successes(text: str, reason: str) -> float:
     return metric(text, "vllm:request_success_total", finished_reason=reason)
 
@@ -113,7 +72,7 @@ def test_malformed_hints_disconnects_and_a_policy_fault_do_not_take_the_server_d
     jobs += [("complete", f"warm-{i}", prompts.next(), n, n)
              for i, n in enumerate(rng.integers(2, 17, len(MALFORMED)).tolist())]
     wanted = {rid: n for _, rid, _, n, _ in jobs}
-    first = asyncio.run(_run(base, jobs))
+    first = asyncio.run(run_completions(base, jobs))
     after_first = get(base + "/metrics")
     assert metric(after_first, "feather_scheduler_faults_total", scheduler=NAME) == 0  # still Feather's
     assert metric(after_first, "feather_scheduler_invalid_hints_total", scheduler=NAME) == len(MALFORMED)
@@ -129,7 +88,7 @@ def test_malformed_hints_disconnects_and_a_policy_fault_do_not_take_the_server_d
     jobs = [jobs[i] for i in order]
     assert len(jobs) == 200
     wanted.update({rid: n for kind, rid, _, n, _ in jobs if kind == "complete"})
-    second = asyncio.run(_run(base, jobs))
+    second = asyncio.run(run_completions(base, jobs))
 
     assert get(base + "/health", timeout=5.0) == ""  # healthy (vLLM's /health: 200, empty body)
     loaded = wait_until_idle(base)  # nothing stuck: handed-over and aborted requests are all gone
@@ -159,7 +118,7 @@ def test_malformed_hints_disconnects_and_a_policy_fault_do_not_take_the_server_d
     # 3. it serves on, as vLLM's fcfs: Feather no longer releases anything
     jobs = [("complete", f"after-{i}", prompts.next(), n, n)
             for i, n in enumerate(rng.integers(2, 17, FOLLOW_UP).tolist())]
-    third = asyncio.run(_run(base, jobs))
+    third = asyncio.run(run_completions(base, jobs))
     assert all(o[0] == "ok" and o[2] == n for (_, _, _, n, _), o in zip(jobs, third.values(), strict=True))
     end = wait_until_idle(base)
     released = "feather_scheduler_released_total"
