@@ -1,7 +1,10 @@
-"""evaluate.py end to end on a tiny L-Eval workload, plus its error paths.
+"""evaluate.py end to end on a tiny L-Eval workload and a small LongBench one, plus its error paths.
 
-The end-to-end test starts two real engines (fcfs and feather-heuristic, ~3-20 s each) on 12
-L-Eval requests cut to 1024 prompt tokens with 4 output tokens; the other tests start none.
+The L-Eval test starts four real engines (fcfs, feather-heuristic, and the two policies
+train.py exported: a Q-learning table alone and a PPO MLP with SVF admission, ~3-20 s each)
+on 12 L-Eval requests cut to 1024 prompt tokens with 4 output tokens. The LongBench test
+starts two (svf, oracle-svf) on 8 requests generating their task's maximum tokens,
+with a KV cache too small for all of them at once, SVF's setting. The other tests start none.
 """
 
 from __future__ import annotations
@@ -16,14 +19,18 @@ import pytest
 import evaluate
 from feather_env.workloads import DataNotFoundError
 
-SCHEDULERS = ("fcfs", "feather-heuristic")
+
+@pytest.fixture(scope="module")
+def schedulers(exported_policies) -> tuple[str, ...]:
+    return ("fcfs", "feather-heuristic", f"feather:{exported_policies['table']}",
+            f"feather:{exported_policies['mlp']}+svf")
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory, data_dir):
+def tiny_run(tmp_path_factory, data_dir, schedulers):
     out = tmp_path_factory.mktemp("eval")
     rc = evaluate.main([
-        "--workload", "leval", "--data-dir", str(data_dir), "--schedulers", ",".join(SCHEDULERS),
+        "--workload", "leval", "--data-dir", str(data_dir), "--schedulers", ",".join(schedulers),
         "--num-groups", "3", "--max-per-group", "4", "--max-prompt-tokens", "1024",
         "--max-output-tokens", "4", "--kv-cache-gib", "0.5", "--max-num-seqs", "16",
         "--arrival", "poisson:20", "--seed", "3", "--out", str(out / "run"),
@@ -34,14 +41,14 @@ def tiny_run(tmp_path_factory, data_dir):
 
 
 @pytest.mark.engine
-def test_outputs_exist_and_every_request_completes(tiny_run):
+def test_outputs_exist_and_every_request_completes(tiny_run, schedulers):
     run = tiny_run / "run"
     for name in ("results.json", "results.csv", "results.md", "requests.csv", "throughput.png",
                  "latency_cdf.png", "batch_size.png"):
         assert (run / name).is_file() and (run / name).stat().st_size > 0, name
     payload = json.loads((run / "results.json").read_text())
     assert json.loads((tiny_run / "copy.json").read_text())["schedulers"] == payload["schedulers"]
-    assert list(payload["schedulers"]) == list(SCHEDULERS)
+    assert list(payload["schedulers"]) == list(schedulers)
     n = payload["workload"]["requests"]
     assert 3 < n <= 12 and payload["workload"]["groups"] == 3 and payload["machine"]["cores"]
     for name, m in payload["schedulers"].items():
@@ -61,18 +68,53 @@ def test_outputs_exist_and_every_request_completes(tiny_run):
     assert feather["scheduler_stats"]["finished"] == n
     # three documents, four questions each: the prefix cache must be hit
     assert feather["prefix_hit_rate"] > 0.3
+    for name in schedulers[2:]:  # the exported policies decided in the engine
+        stats = payload["schedulers"][name]["scheduler_stats"]
+        assert stats["finished"] == n and stats["decisions"] == stats["adds"] + stats["stops"] > 0
+        assert stats["faults"] == {}, name
     # per-request rows: every request once per scheduler, timeline in order
     with (run / "requests.csv").open() as fh:
         rows = list(csv.DictReader(fh))
-    assert len(rows) == n * len(SCHEDULERS)
+    assert len(rows) == n * len(schedulers)
     for r in rows:
         t = [float(r[k]) for k in ("arrival", "first_scheduled", "first_token", "finish")]
         assert all(math.isfinite(x) for x in t) and t[0] <= t[1] <= t[2] <= t[3], r
         assert int(r["tokens"]) == int(r["output_len"])
     with (run / "results.csv").open() as fh:
         table = list(csv.DictReader(fh))
-    assert [r["scheduler"] for r in table] == list(SCHEDULERS)
+    assert [r["scheduler"] for r in table] == list(schedulers)
     assert "| fcfs |" in (run / "results.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def longbench_run(tmp_path_factory, data_dir):
+    out = tmp_path_factory.mktemp("eval-longbench")
+    rc = evaluate.main([
+        "--workload", "longbench", "--data-dir", str(data_dir), "--schedulers", "svf,oracle-svf",
+        "--num-requests", "8", "--max-prompt-tokens", "2048", "--output", "max", "--max-output-tokens", "32",
+        "--kv-cache-gib", "0.03125", "--max-num-seqs", "16", "--arrival", "burst", "--seed", "1",
+        "--out", str(out), "--no-progress", "--no-plots", "--no-isolated",
+    ])
+    assert rc == 0
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.engine
+def test_svf_on_longbench_admits_by_volume_within_the_kv_cache(longbench_run):
+    payload = longbench_run
+    n = payload["workload"]["requests"]
+    assert n == 8 and list(payload["schedulers"]) == ["svf", "oracle-svf"]
+    for name, m in payload["schedulers"].items():
+        assert m["submitted"] == m["completed"] == n, name
+        assert m["latency_p95_s"] >= m["latency_p50_s"] > 0 and m["decode_tok_s"] > 0
+    for name in ("svf", "oracle-svf"):
+        stats = payload["schedulers"][name]["scheduler_stats"]
+        assert stats["finished"] == n and stats["faults"] == {}
+        assert sum(stats["released"].values()) == n and stats["released"]["order"] > 0
+        # 8 prompts of up to 2,048 tokens do not fit 8K KV tokens at once: the peak check refused some
+        assert stats["capacity_stops"] > 0, stats
+    assert payload["schedulers"]["svf"]["scheduler_stats"]["predictions"] == n  # predicted lengths
+    assert payload["schedulers"]["oracle-svf"]["scheduler_stats"]["predictions"] == 0  # the true ones
 
 
 def test_unknown_scheduler_is_a_clear_error_before_any_engine(tmp_path, capsys):
