@@ -4,8 +4,9 @@ The server runs as a subprocess (``python -m scheduler_runtime.serve``, what the
 ``feather-serve`` console script calls), with its engine core in a process of its own, as in
 production. Prompts are L-Eval questions (documents cut to 1,024 tokens so the test stays
 fast), sent as token ids so that every question of a document shares the document exactly.
-Two structured-output requests (a choice grammar) go with them: Feather holds and releases
-those too.
+Two structured-output requests (a choice grammar) go with them (Feather holds and releases
+those too), and ten streaming clients that disconnect after their first chunks (aborted by the
+server, they leave nothing in Feather's queues).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 import time
 
 import pytest
-from serving import SMALL_SERVER, get, metric, running_server
+from serving import SMALL_SERVER, Prompts, get, metric, run_completions, running_server, wait_until_idle
 
 from feather_env.workloads import load_leval
 
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.engine
 NUM_REQUESTS = 240
 CHOICES = ["yes", "no"]
 NUM_STRUCTURED = 2
+NUM_DISCONNECTING = 10
 
 
 @pytest.fixture(scope="module")
@@ -80,13 +82,16 @@ async def _send_all(base: str, reqs):
 
     poller = asyncio.create_task(poll())
     try:
-        results = await asyncio.gather(*(one(*r) for r in reqs),
-                                       *(structured(i) for i in range(NUM_STRUCTURED)))
+        prompts = Prompts(seed=5)
+        gone = [("disconnect", f"gone-{i}", prompts.next(), 200, 200) for i in range(NUM_DISCONNECTING)]
+        *results, disconnected = await asyncio.gather(*(one(*r) for r in reqs),
+                                                      *(structured(i) for i in range(NUM_STRUCTURED)),
+                                                      run_completions(base, gone))
     finally:
         done.set()
         await poller
         await client.close()
-    return results, held
+    return results, held, disconnected
 
 
 def test_serve_completes_every_concurrent_request_once_and_stops_cleanly(server, data_dir):
@@ -96,8 +101,9 @@ def test_serve_completes_every_concurrent_request_once_and_stops_cleanly(server,
     before = get(base + "/metrics")
 
     start = time.monotonic()
-    results, held = asyncio.run(_send_all(base, reqs))
+    results, held, disconnected = asyncio.run(_send_all(base, reqs))
     elapsed = time.monotonic() - start
+    assert list(disconnected.values()) == [("disconnected", 2)] * NUM_DISCONNECTING
 
     wanted = {rid: n for rid, _, n, _ in reqs}
     total = NUM_REQUESTS + NUM_STRUCTURED
@@ -111,18 +117,21 @@ def test_serve_completes_every_concurrent_request_once_and_stops_cleanly(server,
         assert resp.usage.completion_tokens == wanted[rid], rid
         assert resp.choices[0].finish_reason == "length"
 
-    after = get(base + "/metrics")
+    after = wait_until_idle(base)  # the disconnected ones too are gone from the engine
     served = metric(after, "vllm:request_success_total") - metric(before, "vllm:request_success_total")
-    assert served == total  # the engine finished each request exactly once
+    assert served == total  # the engine finished each request exactly once, and no disconnected one
     name = "feather-heuristic+svf"
     released = metric(after, "feather_scheduler_released_total", scheduler=name)
-    assert released == total  # the structured-output requests went through Feather too
+    # the structured-output requests went through Feather too; a disconnected request was
+    # released before it went away, or removed while held
+    assert total <= released <= total + NUM_DISCONNECTING
     decisions = metric(after, "feather_scheduler_decisions_total", scheduler=name)
     adds = metric(after, "feather_scheduler_add_total", scheduler=name)
     stops = metric(after, "feather_scheduler_stop_total", scheduler=name)
     assert decisions == adds + stops and adds > 0 and stops > 0
     assert metric(after, "feather_scheduler_decision_seconds_total", scheduler=name) > 0
     assert metric(after, "feather_scheduler_held_requests", scheduler=name) == 0
+    assert metric(after, "feather_scheduler_batch_requests", scheduler=name) == 0  # nothing left behind
     assert metric(after, "feather_scheduler_faults_total", scheduler=name) == 0
     assert re.search(r"^feather_scheduler_batch_requests\{", after, re.M)
     assert max(held) > 0, held  # requests were really held back (that vLLM counts them as
