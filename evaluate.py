@@ -11,7 +11,8 @@ is started with ``build_llm(config, **engine_overrides(name))``, warmed up with 
 batch (its prefix cache then reset and the scheduler's state rebuilt), the workload is replayed
 in real time (a request is added when the wall clock passes its arrival time; ``burst``: all at
 t = 0), and the engine is shut down before the next one starts. Requests carry their true
-length and source in ``SamplingParams.extra_args`` (``feather_output_len``, ``feather_source``)
+length and source in ``SamplingParams.extra_args`` (``feather_output_len``, ``feather_source``),
+which the schedulers read because the evaluation trusts its own clients (``trust_client_hints``),
 and generate exactly their ``output_len`` tokens (``min_tokens == max_tokens``, ``ignore_eos``).
 
 Every request must finish exactly once with its requested token count; anything else (a request
@@ -174,36 +175,50 @@ class EvalConfig:
             raise ConfigError(f"repeats must be >= 1, got {self.repeats}")
 
 
-def validate_schedulers(names: Sequence[str]) -> tuple[str, ...]:
-    """Check every name (unknown name, duplicate, unreadable ``feather:PATH``) before anything runs.
+def validate_schedulers(names: Sequence[str], chunk_size: int | None = None,
+                        max_wait: float | None = None) -> tuple[str, ...]:
+    """Check every name, and the knobs each gets, before anything runs: unknown name, duplicate,
+    unreadable ``feather:PATH`` policy, a ``chunk_size`` or ``max_wait`` out of range, a chunk
+    size that is not the policy's (the scheduler's own check, made at its engine's start).
 
     Raises:
         ConfigError: naming the bad entry and the known names.
     """
-    from scheduler_runtime.schedulers import SchedulerConfig
+    from scheduler_runtime.policy import PLUGIN_PREFIX
+    from scheduler_runtime.schedulers import SchedulerConfig, check_scheduler
 
     names = tuple(n.strip() for n in names if n.strip())
     if not names:
         raise ConfigError("no scheduler given: --schedulers fcfs,feather-heuristic,...")
+    SchedulerConfig(chunk_size=chunk_size, max_wait=max_wait)  # the knobs, whichever names use them
     seen: set[str] = set()
     for name in names:
         if name in seen:
             raise ConfigError(f"scheduler {name!r} is listed twice")
         seen.add(name)
         config = SchedulerConfig.for_name(name)  # unknown names raise ConfigError listing the known
-        if config.policy:
-            path = Path(config.policy)
-            if not path.is_file():
-                raise ConfigError(f"scheduler {name!r}: policy file {path} does not exist")
-            try:
-                from scheduler_runtime.policy import load_policy
-
-                load_policy(path)
-            except ImportError as exc:
-                raise ConfigError(f"scheduler {name!r}: cannot load policies: {exc}") from exc
-            except ValueError as exc:  # PolicyFormatError
-                raise ConfigError(f"scheduler {name!r}: {exc}") from exc
+        policy_file = config.policy and not config.policy.startswith(PLUGIN_PREFIX)
+        if policy_file and not Path(config.policy).is_file():
+            raise ConfigError(f"scheduler {name!r}: policy file {config.policy} does not exist")
+        check_scheduler(name, **scheduler_overrides(name, chunk_size, max_wait))
     return names
+
+
+def scheduler_overrides(name: str, chunk_size: int | None, max_wait: float | None) -> dict[str, Any]:
+    """The :class:`~scheduler_runtime.schedulers.SchedulerConfig` fields an evaluation sets.
+
+    Client hints are trusted (the evaluation replays its own workload: true lengths and sources);
+    ``chunk_size`` and ``max_wait`` are Feather's knobs (the Feather names only).
+    """
+    if name == "fcfs":
+        return {}
+    overrides: dict[str, Any] = {"trust_client_hints": True}
+    if name.startswith("feather"):
+        if chunk_size is not None:
+            overrides["chunk_size"] = chunk_size
+        if max_wait is not None:
+            overrides["max_wait"] = max_wait
+    return overrides
 
 
 def build_eval_workload(config: WorkloadConfig) -> Workload:
@@ -385,13 +400,7 @@ def run_scheduler(
     from feather_env.engine import build_llm
     from scheduler_runtime.schedulers import engine_overrides
 
-    sched_overrides: dict[str, Any] = {}
-    if name != "fcfs" and name.startswith("feather"):
-        if chunk_size is not None:
-            sched_overrides["chunk_size"] = chunk_size
-        if max_wait is not None:
-            sched_overrides["max_wait"] = max_wait
-    overrides = engine_overrides(name, **sched_overrides)
+    overrides = engine_overrides(name, **scheduler_overrides(name, chunk_size, max_wait))
     extra = {**engine_config.extra, **overrides.pop("extra")}
     t_start = time.perf_counter()
     llm = build_llm(engine_config, extra=extra, **overrides)
@@ -766,7 +775,7 @@ def evaluate(
         DataNotFoundError: the workload's data is not on disk (the message says where to get it).
         EvaluationError: a run did not serve every request exactly once with its tokens.
     """
-    names = validate_schedulers(config.schedulers)
+    names = validate_schedulers(config.schedulers, config.chunk_size, config.max_wait)
     t_all = time.perf_counter()
     if workload is None:
         workload = build_eval_workload(config.workload)

@@ -44,9 +44,11 @@ def main(argv: Sequence[str] | None = None):  # -> agents.training.TrainResult
     except ConfigError as exc:
         p.exit(2, f"train.py: config error: {exc}\n")
     out = Path(args.out) if args.out else REPO_ROOT / "runs" / f"{args.agent}-{Path(args.config).stem}"
+    from feather_env.workloads import DataNotFoundError
+
     try:
         return run(cfg, out, resume=args.resume)
-    except ConfigError as exc:
+    except (ConfigError, DataNotFoundError) as exc:  # the data error says where to get the data
         p.exit(2, f"train.py: {exc}\n")
 
 

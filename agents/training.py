@@ -388,6 +388,34 @@ def _check_resume_config(out: Path, cfg: RunConfig) -> None:
         raise ConfigError(f"--resume: the config differs from the run's saved config in {out}: {details}")
 
 
+def _resume_checkpoint(ckpt_dir: Path) -> Path:
+    """The checkpoint ``ckpt_dir/latest.json`` points at, checked before anything loads it.
+
+    The pointer names a file *in* ``ckpt_dir`` (what :func:`save_checkpoint` writes): an absolute
+    path, a ``..``, or a link out of the folder is refused, since the agents' loaders unpickle
+    (SB3's cloudpickle) and must only read this run's own checkpoints.
+    """
+    latest = ckpt_dir / "latest.json"
+    if not latest.is_file():
+        raise ConfigError(f"--resume: {latest} not found (no checkpoint to resume from)")
+    try:
+        pointer = json.loads(latest.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--resume: {latest} is not a JSON object: {exc}") from None
+    if not isinstance(pointer, dict):
+        raise ConfigError(f"--resume: {latest} is not a JSON object")
+    name = pointer.get("path")
+    where = f"--resume: {latest}: 'path' must name a checkpoint file in {ckpt_dir}"
+    if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name or "\\" in name:
+        raise ConfigError(f"{where}, got {name!r}")
+    path = ckpt_dir / name
+    if not path.exists():
+        raise ConfigError(f"--resume: {latest} points at {name}, but {path} does not exist")
+    if not path.is_file() or path.resolve().parent != ckpt_dir.resolve():
+        raise ConfigError(f"{where}, got {name!r} (it leads to {path.resolve()})")
+    return path
+
+
 def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any = None,
         verbose: bool = True) -> TrainResult:
     """Train, evaluate, checkpoint and export as ``cfg`` says (what ``python train.py`` does).
@@ -411,8 +439,10 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
     out = Path(out)
     if backend is not None and cfg.train.n_envs > 1:
         raise ConfigError("a shared backend object needs n_envs == 1 (each worker builds its own)")
+    checkpoint_to_resume = None
     if resume:
         _check_resume_config(out, cfg)
+        checkpoint_to_resume = _resume_checkpoint(out / "checkpoints")
     out.mkdir(parents=True, exist_ok=True)
     text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     (out / "config.yaml").write_text(text)
@@ -447,14 +477,12 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
     else:
         train_env = None if cfg.train.n_envs > 1 else make_env(cfg, backend=shared)
 
-    if resume:
-        pointer = json.loads((ckpt_dir / "latest.json").read_text())
-        agent = cls.load(ckpt_dir / pointer["path"], env=train_env if ppo else None)
+    if checkpoint_to_resume is not None:
+        agent = cls.load(checkpoint_to_resume, env=train_env if ppo else None)
         if ppo:
             agent.bind(train_env)
         if verbose:
-            print(f"resuming from {ckpt_dir / pointer['path']} at {agent.num_timesteps} timesteps",
-                  flush=True)
+            print(f"resuming from {checkpoint_to_resume} at {agent.num_timesteps} timesteps", flush=True)
     else:
         agent = make_agent(cfg.agent_name, cfg.agent, seed=cfg.train.seed)
     if not ppo:

@@ -64,7 +64,8 @@ def measure(llm: Any, waiting: int, args: argparse.Namespace) -> dict[str, Any]:
 
     engine = llm.llm_engine
     sched = engine_core_of(llm).scheduler
-    sched.feather_configure(args.scheduler)
+    # its own requests: their source hint is trusted, as in evaluate.py
+    sched.feather_configure({"name": args.scheduler, "trust_client_hints": True})
     runtime = sched.feather
     rng = np.random.default_rng(waiting)
     prompts = make_prompts(waiting, args.prompt, seed=waiting)

@@ -68,7 +68,7 @@ def env_scheduler_config(name: str, **overrides: Any) -> SchedulerConfig:
     queue does. Output lengths are the requests' true lengths (the environment replays its own
     workload, so its hints are trusted).
     """
-    config = SchedulerConfig.for_name(name, **overrides)
+    config = SchedulerConfig.for_name(name, **{"trust_client_hints": True, **overrides})
     if config.passthrough:
         from dataclasses import replace
 

@@ -100,7 +100,8 @@ class SimBackend(ServingBackend):
 
     def _reset_engine(self, config: SchedulerConfig) -> None:
         self.engine = SimEngine(self.sim_config)
-        self.runtime = FeatherRuntime(config, self.kv_capacity_tokens)
+        self.runtime = FeatherRuntime(config, self.kv_capacity_tokens,
+                                      max_model_len=self.sim_config.max_model_len)
         self._held = {}
         self._hit = {}
 

@@ -49,6 +49,7 @@ same; this keeps a long STOP cheap (``skipped_decisions``), in serving and in th
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -125,10 +126,12 @@ class CoreConfig:
             raise ValueError(f"ordering must be one of {ORDERINGS}, got {self.ordering!r}")
         if self.admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {ADMISSIONS}, got {self.admission!r}")
-        if self.chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
-        if self.max_wait is not None and self.max_wait < 0:
-            raise ValueError(f"max_wait must be >= 0 seconds or None, got {self.max_wait}")
+        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be an int >= 1, got {self.chunk_size!r}")
+        if self.max_wait is not None and not (math.isfinite(self.max_wait) and self.max_wait >= 0):
+            raise ValueError(f"max_wait must be finite seconds >= 0 or None, got {self.max_wait}")
+        if self.lpm_fcfs_fallback is not None and self.lpm_fcfs_fallback < 0:
+            raise ValueError(f"lpm_fcfs_fallback must be >= 0 or None, got {self.lpm_fcfs_fallback}")
 
 
 @dataclass

@@ -59,35 +59,50 @@ def from_mapping(cls: type[T], data: Mapping[str, Any] | None, *, where: str = "
         data = {}
     if not isinstance(data, Mapping):
         raise ConfigError(f"{where or cls.__name__}: expected a mapping, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(data) - set(fields))
+    kwargs = checked_fields(cls, data, where=where)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # a required field is missing
+        raise ConfigError(f"{where or cls.__name__}: {exc}") from exc
+
+
+def checked_fields(cls: type, data: Mapping[str, Any], *, where: str = "") -> dict[str, Any]:
+    """``data``'s values converted to the types of dataclass ``cls``'s fields, without building one
+    (for overrides of another instance: ``dataclasses.replace(base, **checked_fields(...))``).
+
+    Unknown keys and values of the wrong type raise :class:`ConfigError`.
+    """
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - fields)
     label = where or cls.__name__
     if unknown:
         raise ConfigError(
             f"{label}: unknown key(s) {unknown}; valid keys are {sorted(fields)}"
         )
     hints = typing.get_type_hints(cls)
-    kwargs = {
-        name: _coerce(value, hints[name], f"{label}.{name}") for name, value in data.items()
-    }
+    return {name: _coerce(value, hints[name], f"{label}.{name}") for name, value in data.items()}
+
+
+def _read_utf8(path: Path) -> str:
     try:
-        return cls(**kwargs)
-    except TypeError as exc:  # a required field is missing
-        raise ConfigError(f"{label}: {exc}") from exc
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
 
 
 def load_mapping(path: str | Path) -> dict[str, Any]:
-    """Read a mapping from a ``.json`` file, else from YAML (:func:`load_yaml`); a missing or
-    malformed file, or one that holds no mapping, is a :class:`ConfigError` naming it."""
+    """Read a mapping from a ``.json`` file, else from YAML (:func:`load_yaml`); a missing,
+    malformed or non-UTF-8 file, or one that holds no mapping, is a :class:`ConfigError` naming it."""
     path = Path(path)
     if path.suffix != ".json":
         return load_yaml(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
+    text = _read_utf8(path)
     try:
-        data = json.loads(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc}") from exc
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: malformed JSON: {exc}") from exc
     if not isinstance(data, dict):
@@ -96,12 +111,13 @@ def load_mapping(path: str | Path) -> dict[str, Any]:
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML mapping; a missing or malformed file is a :class:`ConfigError` naming it."""
+    """Read a YAML mapping; a missing, malformed or non-UTF-8 file is a :class:`ConfigError` naming it."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
+    text = _read_utf8(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: malformed YAML: {exc}") from exc
     if data is None:

@@ -22,6 +22,12 @@ Exported (label ``scheduler``: the scheduler name):
 ``feather_scheduler_decision_seconds_total``  time spent deciding (the core's ``plan``)
 ``feather_scheduler_schedule_calls_total`` ``schedule()`` calls
 ``feather_scheduler_prediction_seconds_total``  time spent predicting output lengths
+``feather_scheduler_invalid_hints_total``  trusted client hints clamped or replaced (see
+                                           ``scheduler_runtime.schedulers``)
+``feather_scheduler_faults_total``         exceptions in Feather's own code, label ``stage``
+                                           (``arrive``, ``plan``, ``freed``, ``preempted``,
+                                           ``metrics``, ``restart``); see
+                                           ``scheduler_runtime.vllm_scheduler``
 ``feather_scheduler_held_requests``        requests held back now (gauge)
 ``feather_scheduler_batch_requests``       requests in the formed batch now (gauge)
 =========================================  ====================================================
@@ -32,7 +38,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["METRIC_NAMES", "SchedulerMetrics"]
+__all__ = ["FAULT_STAGES", "METRIC_NAMES", "SchedulerMetrics"]
+
+#: Where the vLLM scheduler catches an exception of Feather's own code (label ``stage``).
+FAULT_STAGES = ("arrive", "plan", "freed", "preempted", "metrics", "restart")
 
 _COUNTERS = {
     # metric suffix: (snapshot key, help)
@@ -44,8 +53,9 @@ _COUNTERS = {
     "decision_seconds": ("decision_seconds", "Seconds spent in the scheduler's own decisions"),
     "schedule_calls": ("plan_calls", "schedule() calls that ran the decision loop"),
     "prediction_seconds": ("prediction_seconds", "Seconds spent predicting output lengths"),
+    "invalid_hints": ("invalid_hints", "Trusted client hints that were clamped or replaced"),
 }
-METRIC_NAMES = tuple(f"feather_scheduler_{k}_total" for k in (*_COUNTERS, "released")) + (
+METRIC_NAMES = tuple(f"feather_scheduler_{k}_total" for k in (*_COUNTERS, "released", "faults")) + (
     "feather_scheduler_held_requests",
     "feather_scheduler_batch_requests",
 )
@@ -71,6 +81,8 @@ def _create() -> dict[str, Any] | None:
     }
     metrics["released"] = Counter("feather_scheduler_released", "Requests released to the engine",
                                   ["scheduler", "reason"])
+    metrics["faults"] = Counter("feather_scheduler_faults", "Exceptions in the Feather scheduler's own code",
+                                ["scheduler", "stage"])
     metrics["held"] = Gauge("feather_scheduler_held_requests", "Requests held back by the scheduler",
                             ["scheduler"], **gauge_kw)
     metrics["batch"] = Gauge("feather_scheduler_batch_requests", "Requests in the formed batch",
@@ -98,8 +110,17 @@ class SchedulerMetrics:
             if key == "released":
                 for reason in ("policy", "seed", "max_wait", "order"):
                     self._children[f"released/{reason}"] = metric.labels(scheduler_name, reason)
+            elif key == "faults":
+                for stage in FAULT_STAGES:
+                    self._children[f"faults/{stage}"] = metric.labels(scheduler_name, stage)
             else:
                 self._children[key] = metric.labels(scheduler_name)
+
+    def fault(self, stage: str) -> None:
+        """Count one fault at ``stage`` (one of :data:`FAULT_STAGES`)."""
+        child = self._children.get(f"faults/{stage}")
+        if child is not None:
+            child.inc()
 
     def push(self, stats: Any, runtime_stats: Any, held: int, batch: int) -> None:
         """Export a :class:`~scheduler_runtime.batching.CoreStats` and its runtime's stats."""
@@ -121,5 +142,11 @@ class SchedulerMetrics:
             if delta > 0:
                 children[key].inc(delta)
                 last[key] = value
-        children["held"].set(held)
-        children["batch"].set(batch)
+        self.gauges(held, batch)
+
+    def gauges(self, held: int, batch: int) -> None:
+        """Set the two gauges (held requests, requests in the formed batch)."""
+        children = self._children
+        if children:
+            children["held"].set(held)
+            children["batch"].set(batch)

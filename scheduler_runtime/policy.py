@@ -40,7 +40,16 @@ Kinds and their ``params``:
 
 Any problem with a file (missing, truncated, not JSON, checksum mismatch, other format or
 version, unknown kind, observation/action spec that is malformed or not the one expected,
-parameters of the wrong shape) raises :class:`PolicyFormatError` naming the file and the problem.
+parameters of the wrong type, shape or range, non-finite numbers) raises
+:class:`PolicyFormatError` naming the file and the problem, when the file is loaded: a policy
+that loads does not fail at its first decision because of its file.
+
+Plug-in policies. :func:`load_policy_spec` also takes ``py:MODULE:ATTRIBUTE``: ATTRIBUTE of
+the importable module MODULE is a class (or any callable) that is called without arguments and
+returns an object with ``act(obs, mask) -> 0 | 1`` (optional: ``obs_spec``, an
+:class:`ObservationSpec`, and ``reset()``), as :class:`~scheduler_runtime.batching.BatchingPolicy`
+says. The scheduler names it ``feather:py:MODULE:ATTRIBUTE``. This runs the module's code inside
+the engine, exactly as vLLM's own ``--scheduler-cls`` does: name only code you trust.
 
 A decision costs a few microseconds (``benchmarks/policy_latency.py`` measures each kind).
 """
@@ -48,8 +57,10 @@ A decision costs a few microseconds (``benchmarks/policy_latency.py`` measures e
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import math
+import numbers
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -80,7 +91,9 @@ __all__ = [
     "PolicyFormatError",
     "TableBins",
     "TablePolicy",
+    "PLUGIN_PREFIX",
     "load_policy",
+    "load_policy_spec",
     "policy_from_document",
     "table_decision",
     "write_policy",
@@ -89,6 +102,21 @@ __all__ = [
 FORMAT = "feather-policy"
 FORMAT_VERSION = 1
 KINDS = ("constant", "heuristic", "table", "mlp")
+
+
+def _is_number(x: Any) -> bool:
+    """A finite real number that is not a bool (JSON ``true`` is not a weight)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _all_numbers(x: Any) -> bool:
+    """Every leaf of nested lists is a finite number (:func:`_is_number`)."""
+    return all(_all_numbers(v) for v in x) if isinstance(x, list) else _is_number(x)
+
+
+def _is_count(x: Any, low: int = 0) -> bool:
+    """An int (not a bool) >= ``low``."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= low
 
 
 class PolicyFormatError(ValueError):
@@ -148,8 +176,7 @@ class ObservationSpec:
         vectors = {}
         for key in ("low", "high", "scale"):
             v = data.get(key)
-            if (not isinstance(v, list) or len(v) != n
-                    or not all(isinstance(x, int | float) and math.isfinite(x) for x in v)):
+            if not isinstance(v, list) or len(v) != n or not all(_is_number(x) for x in v):
                 raise PolicyFormatError(path, f"'observation.{key}' must be {n} finite numbers, got {v!r}")
             vectors[key] = tuple(float(x) for x in v)
         if any(s <= 0 for s in vectors["scale"]):
@@ -157,7 +184,7 @@ class ObservationSpec:
         if any(lo > hi for lo, hi in zip(vectors["low"], vectors["high"], strict=True)):
             raise PolicyFormatError(path, "'observation.low' exceeds 'observation.high'")
         chunk = data.get("chunk_size")
-        if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+        if chunk is not None and not _is_count(chunk, 1):
             raise PolicyFormatError(path, f"'observation.chunk_size' must be a positive int, got {chunk!r}")
         return cls(tuple(names), vectors["low"], vectors["high"], vectors["scale"], chunk)
 
@@ -225,6 +252,14 @@ class HeuristicRule:
     _last_batch: float = field(default=-1.0, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        for name in ("delta_max", "delta_max_shared", "w_shared"):
+            if not _is_number(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
+        for name in ("floor_cap", "floor_init"):
+            if not _is_count(getattr(self, name)):
+                raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+        if self.floor_init > self.floor_cap:
+            raise ValueError(f"floor_init {self.floor_init} exceeds floor_cap {self.floor_cap}")
         if self.floor_reset not in ("episode", "batch"):
             raise ValueError(f"floor_reset must be 'episode' or 'batch', got {self.floor_reset!r}")
         self.floor = self.floor_init
@@ -264,6 +299,11 @@ class TableBins:
     delta_clip: int = 5
     w_div: int = 4
     w_max: int = 10
+
+    def __post_init__(self) -> None:
+        for name, low in (("batch_div", 1), ("w_div", 1), ("batch_max", 0), ("delta_clip", 0), ("w_max", 0)):
+            if not _is_count(getattr(self, name), low):
+                raise ValueError(f"bins.{name} must be an integer >= {low}, got {getattr(self, name)!r}")
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -527,6 +567,57 @@ def load_policy(path: str | os.PathLike[str], obs_spec: ObservationSpec | None =
     return policy_from_document(doc, path=path, obs_spec=obs_spec)
 
 
+#: ``load_policy_spec("py:MODULE:ATTRIBUTE")`` builds a plug-in policy (module docstring).
+PLUGIN_PREFIX = "py:"
+
+
+def load_policy_spec(spec: str) -> Any:
+    """The policy a scheduler name's ``feather:SPEC`` points at: a policy file, or a plug-in.
+
+    ``py:MODULE:ATTRIBUTE`` builds a plug-in policy (module docstring); anything else is a
+    policy file path (:func:`load_policy`). Raises :class:`PolicyFormatError`.
+    """
+    if not isinstance(spec, str) or not spec:
+        raise PolicyFormatError(None, f"policy must be a file path or {PLUGIN_PREFIX}MODULE:ATTRIBUTE, "
+                                      f"got {spec!r}")
+    if spec.startswith(PLUGIN_PREFIX):
+        return _load_plugin_policy(spec)
+    return load_policy(spec)
+
+
+def _load_plugin_policy(spec: str) -> Any:
+    def error(problem: str) -> PolicyFormatError:
+        return PolicyFormatError(None, f"plug-in {spec!r}: {problem}")
+
+    module_name, _, attribute = spec[len(PLUGIN_PREFIX):].partition(":")
+    if not module_name or not attribute:
+        raise error(f"expected {PLUGIN_PREFIX}MODULE:ATTRIBUTE (e.g. py:mypackage.policies:MyPolicy)")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any error in the user's module, ImportError included
+        raise error(f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from exc
+    factory = getattr(module, attribute, None)
+    if factory is None:
+        raise error(f"module {module_name!r} has no attribute {attribute!r}")
+    if not callable(factory):
+        raise error(f"{module_name}.{attribute} has no act(obs, mask): it is a {type(factory).__name__}, "
+                    "not a policy class or factory")
+    try:
+        policy = factory()
+    except Exception as exc:
+        raise error(f"{module_name}.{attribute}() could not be built: {type(exc).__name__}: {exc}") from exc
+    if not callable(getattr(policy, "act", None)):
+        raise error(f"{module_name}.{attribute}() returned a {type(policy).__name__}, "
+                    "which has no act(obs, mask)")
+    spec_attr = getattr(policy, "obs_spec", None)
+    if spec_attr is not None and not isinstance(spec_attr, ObservationSpec):
+        raise error(f"its obs_spec must be an ObservationSpec, got {type(spec_attr).__name__}")
+    reset = getattr(policy, "reset", None)
+    if reset is not None and not callable(reset):
+        raise error("its reset attribute is not callable")
+    return policy
+
+
 def policy_from_document(doc: Any, *, path: str | os.PathLike[str] | None = None,
                          obs_spec: ObservationSpec | None = None) -> Policy:
     """Validate a parsed policy document (see the module docstring) and build its :class:`Policy`."""
@@ -581,31 +672,39 @@ def policy_from_document(doc: Any, *, path: str | os.PathLike[str] | None = None
 
 def _table_from_params(spec: ObservationSpec, params: dict[str, Any], common: dict[str, Any]) -> TablePolicy:
     bins = TableBins(**params["bins"])
-    if min(bins.batch_div, bins.w_div) < 1 or min(bins.batch_max, bins.delta_clip, bins.w_max) < 0:
-        raise ValueError(f"bins must be positive, got {bins}")
     n = 2 * bins.num_states
     values, visits = params["values"], params["visits"]
     if not isinstance(values, list) or len(values) != n:
         raise ValueError(f"'values' must hold {n} numbers (bins {bins.shape} x 2 actions)")
     if not isinstance(visits, list) or len(visits) != n:
         raise ValueError(f"'visits' must hold {n} counts (bins {bins.shape} x 2 actions)")
-    if not all(isinstance(v, int | float) and math.isfinite(v) for v in values):
+    if not all(_is_number(v) for v in values):
         raise ValueError("'values' must be finite numbers")
-    if not all(isinstance(v, int) and v >= 0 for v in visits):
+    if not all(_is_count(v) for v in visits):
         raise ValueError("'visits' must be non-negative integers")
     extra = set(params) - {"bins", "values", "visits", "add_if_delta_zero"}
     if extra:
         raise ValueError(f"unknown keys {sorted(extra)}")
-    return TablePolicy(spec, bins, values, visits, bool(params.get("add_if_delta_zero", False)), **common)
+    add_if_delta_zero = params.get("add_if_delta_zero", False)
+    if not isinstance(add_if_delta_zero, bool):
+        raise ValueError(f"'add_if_delta_zero' must be true or false, got {add_if_delta_zero!r}")
+    return TablePolicy(spec, bins, values, visits, add_if_delta_zero, **common)
 
 
 def _mlp_from_params(spec: ObservationSpec, params: dict[str, Any], common: dict[str, Any]) -> MLPPolicy:
     layers = params["layers"]
     if not isinstance(layers, list) or not layers:
         raise ValueError("'layers' must be a non-empty list")
+    extra = set(params) - {"layers", "activation"}
+    if extra:
+        raise ValueError(f"unknown keys {sorted(extra)}")
     parsed = []
     fan_in = len(spec.names)
     for i, layer in enumerate(layers):
+        if not isinstance(layer, dict) or set(layer) != {"weight", "bias"}:
+            raise ValueError(f"layer {i}: must be {{'weight': [[...]], 'bias': [...]}}")
+        if not (_all_numbers(layer["weight"]) and _all_numbers(layer["bias"])):
+            raise ValueError(f"layer {i}: weights must be finite numbers")
         w = np.asarray(layer["weight"], dtype=np.float64)
         b = np.asarray(layer["bias"], dtype=np.float64)
         if w.ndim != 2 or b.ndim != 1 or w.shape != (b.shape[0], fan_in):
@@ -616,4 +715,7 @@ def _mlp_from_params(spec: ObservationSpec, params: dict[str, Any], common: dict
         fan_in = w.shape[0]
     if fan_in != len(ACTION_NAMES):
         raise ValueError(f"the last layer must output {len(ACTION_NAMES)} logits, outputs {fan_in}")
-    return MLPPolicy(spec, parsed, params.get("activation", "tanh"), **common)
+    activation = params.get("activation", "tanh")
+    if activation not in ("tanh", "relu"):
+        raise ValueError(f"'activation' must be 'tanh' or 'relu', got {activation!r}")
+    return MLPPolicy(spec, parsed, activation, **common)

@@ -25,6 +25,7 @@ accuracy. Predicting one request costs a few numpy operations on at most ``tail_
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -242,10 +243,15 @@ class OutputLengthPredictor:
 
     @classmethod
     def load(cls, path: str | Path) -> OutputLengthPredictor:
-        """Read a predictor file; ValueError naming the file when it is not one."""
+        """Read a predictor file; ValueError naming the file and the problem when it cannot be
+        used (not UTF-8 JSON, another format or version, a missing field, a value of the wrong
+        type or range, a non-finite weight), so a predictor that loads predicts finite lengths."""
         path = Path(path)
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"predictor file {path}: not UTF-8 text (byte {exc.start}: {exc.reason})"
+                             ) from None
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"cannot read predictor file {path}: {exc}") from exc
         if not isinstance(data, dict) or data.get("format") != "feather-output-length-predictor":
@@ -253,10 +259,48 @@ class OutputLengthPredictor:
         if data.get("version") != FORMAT_VERSION:
             raise ValueError(f"{path}: predictor format version {data.get('version')}, "
                              f"this code reads {FORMAT_VERSION}")
-        fields = {k: data[k] for k in (
-            "sources", "families", "hash_buckets", "tail_tokens", "reg_weights", "clf_weights",
-            "threshold", "proxy_short", "proxy_long", "max_output")}
-        return cls(**fields, metrics=data.get("metrics", {}))
+        problem = _schema_problem(data)
+        if problem:
+            raise ValueError(f"predictor file {path}: {problem}")
+        fields = {k: data[k] for k in _FIELDS}
+        try:
+            return cls(**fields, metrics=data.get("metrics", {}))
+        except ValueError as exc:  # shapes, hash_buckets not a power of two
+            raise ValueError(f"predictor file {path}: {exc}") from None
+
+
+_FIELDS = ("sources", "families", "hash_buckets", "tail_tokens", "reg_weights", "clf_weights",
+           "threshold", "proxy_short", "proxy_long", "max_output")
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _schema_problem(data: dict[str, Any]) -> str | None:
+    """What is wrong with a predictor document's fields (None: nothing)."""
+    missing = [k for k in _FIELDS if k not in data]
+    if missing:
+        return f"missing field(s) {missing}"
+    for key in ("sources", "families"):
+        if not isinstance(data[key], list) or not all(isinstance(v, str) for v in data[key]):
+            return f"{key!r} must be a list of strings"
+    for key, low in (("hash_buckets", 1), ("tail_tokens", 1), ("threshold", 0)):
+        value = data[key]
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"{key!r} must be an integer, got {value!r}"
+        if value < low:
+            return f"{key!r} must be >= {low}, got {value}"
+    for key in ("reg_weights", "clf_weights"):
+        if not isinstance(data[key], list) or not all(_finite(v) for v in data[key]):
+            return f"{key!r} must be a list of finite numbers"
+    for key, low in (("proxy_short", 0.0), ("proxy_long", 0.0), ("max_output", 1.0)):
+        value = data[key]
+        if not _finite(value):
+            return f"{key!r} must be a finite number, got {value!r}"
+        if value < low:
+            return f"{key!r} must be >= {low:g}, got {value}"
+    return None
 
 
 def load_predictor(path: str | Path | None = None) -> OutputLengthPredictor:

@@ -23,29 +23,42 @@ increasing precedence: the scheduler class's default name, the JSON/YAML file na
 ``$FEATHER_SCHEDULER_CONFIG``, and the engine's ``additional_config["feather_scheduler"]``
 (``LLM(additional_config=...)``, ``--additional-config``).
 
-True output lengths (the ``oracle-*`` names) come with each request, in its sampling
-parameters' ``extra_args["feather_output_len"]`` (OpenAI API: ``extra_body={"vllm_xargs":
-{"feather_output_len": N}}``); without it, ``max_tokens`` is taken (exact for benchmark
-requests, which force their length with ``ignore_eos`` and ``min_tokens == max_tokens``).
-The request's source (task) for the predictor comes the same way, as
-``extra_args["feather_source"]`` (e.g. ``"leval/sci_fi"``).
+Client hints. True output lengths (the ``oracle-*`` names) can come with each request, in its
+sampling parameters' ``extra_args["feather_output_len"]`` (OpenAI API: ``extra_body={"vllm_xargs":
+{"feather_output_len": N}}``), and the request's source (task) for the predictor as
+``extra_args["feather_source"]`` (e.g. ``"leval/sci_fi"``). A client that lies about either
+moves itself up the SJF/SVF queues, so both are read only when the configuration trusts its
+clients (``trust_client_hints``: off by default, on in ``evaluate.py``, which replays its own
+workload). Otherwise the oracle names take ``max_tokens`` (exact for benchmark requests, which
+force their length with ``ignore_eos`` and ``min_tokens == max_tokens``) and the predictor
+sees no source. A trusted hint is still checked, at arrival, outside the engine's busy loop:
+
+* ``feather_output_len``: a finite real number (``bool`` is not one), clamped to
+  ``[1, min(max_tokens, max_model_len)]``; anything else (a string such as ``"10"`` or
+  ``"nan"``, a list, NaN, infinity) is replaced by ``max_tokens``;
+* ``feather_source``: a string of at most :data:`MAX_SOURCE_CHARS` characters, else ignored.
+
+A hint that was clamped or replaced is counted (``RuntimeStats.invalid_hints``,
+``feather_scheduler_invalid_hints_total``); the request is served as any other.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 import numpy as np
 
 from scheduler_runtime.batching import BatchingCore, CoreConfig
-from scheduler_runtime.config import ConfigError, from_mapping, load_mapping
+from scheduler_runtime.config import ConfigError, checked_fields, load_mapping
 from scheduler_runtime.decision import BatchingPolicy, EngineView
-from scheduler_runtime.policy import HeuristicRule
+from scheduler_runtime.policy import HeuristicRule, load_policy_spec
 from scheduler_runtime.predictor import OutputLengthPredictor, load_predictor
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 
@@ -55,8 +68,10 @@ __all__ = [
     "CONFIG_ENV",
     "EXTRA_OUTPUT_LEN",
     "EXTRA_SOURCE",
+    "MAX_SOURCE_CHARS",
     "FeatherRuntime",
     "SchedulerConfig",
+    "check_scheduler",
     "engine_overrides",
     "load_scheduler_config",
     "resolve",
@@ -68,6 +83,8 @@ EXTRA_OUTPUT_LEN = "feather_output_len"
 EXTRA_SOURCE = "feather_source"
 DEFAULT_NAME = "feather-heuristic+svf"
 DEFAULT_MAX_WAIT = 60.0
+#: The longest ``feather_source`` hint that is read (task names are a few dozen characters).
+MAX_SOURCE_CHARS = 128
 VLLM_SCHEDULER = "vllm.v1.core.sched.scheduler.Scheduler"
 VLLM_ASYNC_SCHEDULER = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
 FEATHER_SCHEDULER = "scheduler_runtime.vllm_scheduler.FeatherScheduler"
@@ -107,14 +124,21 @@ class SchedulerConfig:
         svf_seed: Feather: seed an empty batch with the smallest-volume request.
         chunk_size: CHT chunk size in tokens; ``None``: the policy's (its observation's
             ``chunk_size``), else 512.
-        max_wait: seconds after which a waiting request is released whatever the policy says
-            (Feather default 60; baselines ``None``: they keep their own starvation behaviour).
+        max_wait: seconds after which a waiting request is released whatever the policy or the
+            ordering says (default 60 for every ordering, so a request with a long predicted or
+            claimed output cannot starve); ``None`` switches anti-starvation off.
         predictor: predictor file; ``None``: the shipped ``configs/predictors/output_len.json``.
         kv_capacity_tokens: capacity for the admission check; ``None``: the engine's KV cache.
         clamp_to_max_tokens: cap predictions at the request's ``max_tokens``. Off by default:
             benchmark requests set ``max_tokens`` to their true length, so capping would hand
             the predicted schedulers the oracle's information.
         lpm_fcfs_fallback: ``lpm`` serves FCFS above this many waiting requests (SGLang: 128).
+        trust_client_hints: read the requests' ``feather_output_len`` and ``feather_source``
+            (module docstring). Off by default: on a public server a client could claim a short
+            output to jump the queue.
+        max_faults: the vLLM scheduler switches Feather off (it then runs as vLLM's fcfs until
+            the engine restarts) at this many faults in Feather's own code; before that, each
+            fault restarts Feather with a fresh runtime. Default 1: the first fault switches it off.
     """
 
     name: str = DEFAULT_NAME
@@ -129,23 +153,38 @@ class SchedulerConfig:
     kv_capacity_tokens: int | None = None
     clamp_to_max_tokens: bool = False
     lpm_fcfs_fallback: int | None = 128
+    trust_client_hints: bool = False
+    max_faults: int = 1
 
     def __post_init__(self) -> None:
+        # types first (a value built in code skips from_mapping), then ranges
+        checked_fields(SchedulerConfig, {f.name: getattr(self, f.name) for f in fields(self)},
+                       where="scheduler")
         if self.lengths not in LENGTH_SOURCES:
             raise ConfigError(f"scheduler.lengths must be one of {LENGTH_SOURCES}, got {self.lengths!r}")
+        if self.max_wait is not None and not (math.isfinite(self.max_wait) and self.max_wait >= 0):
+            raise ConfigError(f"scheduler.max_wait must be a finite number of seconds >= 0 (or null: "
+                              f"no anti-starvation), got {self.max_wait}")
+        for name, low in (("chunk_size", 1), ("kv_capacity_tokens", 1), ("lpm_fcfs_fallback", 0)):
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise ConfigError(f"scheduler.{name} must be >= {low}, got {value}")
+        if self.max_faults < 1:
+            raise ConfigError(f"scheduler.max_faults must be >= 1, got {self.max_faults}")
         if self.ordering is not None:
             try:
                 self.core_config(DEFAULT_CHUNK_SIZE)
             except ValueError as exc:
                 raise ConfigError(f"scheduler {self.name!r}: {exc}") from None
-        if self.chunk_size is not None and self.chunk_size < 1:
-            raise ConfigError(f"scheduler.chunk_size must be >= 1, got {self.chunk_size}")
-        if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
-            raise ConfigError(f"scheduler.kv_capacity_tokens must be >= 1, got {self.kv_capacity_tokens}")
 
     @classmethod
     def for_name(cls, name: str, **overrides: Any) -> SchedulerConfig:
-        """The configuration of scheduler ``name`` (module docstring), with ``overrides``."""
+        """The configuration of scheduler ``name`` (module docstring), with ``overrides``.
+
+        Raises:
+            ConfigError: an unknown name, an unknown field, or a value of the wrong type or range.
+        """
+        overrides = checked_fields(cls, overrides, where="scheduler config")
         return replace(_defaults_for(name), **overrides)
 
     @property
@@ -177,7 +216,7 @@ def _defaults_for(name: str) -> SchedulerConfig:
     if name in _BASELINES:
         ordering, lengths, admission = _BASELINES[name]
         return SchedulerConfig(name=name, ordering=ordering, lengths=lengths, admission=admission,
-                               svf_seed=False, max_wait=None)
+                               svf_seed=False)
     base, lengths = name, None
     for suffix, source in _SVF_SUFFIXES.items():
         if name.endswith(suffix):
@@ -219,9 +258,7 @@ def load_scheduler_config(
                 raise ConfigError(f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] must be a mapping")
             merged.update(section)
     name = merged.pop("name", default_name)
-    base = _defaults_for(name)
-    given = from_mapping(SchedulerConfig, {"name": name, **merged}, where="scheduler config")
-    return replace(base, **{k: getattr(given, k) for k in merged})
+    return SchedulerConfig.for_name(name, **merged)
 
 
 def _read_config_source(source: str) -> dict[str, Any]:
@@ -249,6 +286,7 @@ def resolve(name: str, *, async_scheduling: bool = False, **overrides: Any) -> t
     :func:`engine_overrides`). ``async_scheduling``: the class for vLLM's async scheduling
     (on by default on CUDA). ``overrides``: fields of :class:`SchedulerConfig`.
     """
+    overrides = checked_fields(SchedulerConfig, overrides, where="scheduler config")
     config = SchedulerConfig.for_name(name, **overrides)
     if config.passthrough:
         cls = VLLM_ASYNC_SCHEDULER if async_scheduling else VLLM_SCHEDULER
@@ -267,16 +305,28 @@ def engine_overrides(name: str, *, async_scheduling: bool = False, **overrides: 
     return {"scheduler_cls": cls, "extra": {"additional_config": {ADDITIONAL_CONFIG_KEY: cfg}}}
 
 
+def check_scheduler(name: str, **overrides: Any) -> SchedulerConfig:
+    """The configuration of scheduler ``name``, after loading everything its engine will load.
+
+    The policy (file or plug-in) and the predictor are read and checked against the
+    configuration (e.g. a ``chunk_size`` that is not the policy's), as the scheduler does at
+    engine start, so a command line can refuse them before any model loads.
+
+    Raises:
+        ConfigError: naming the scheduler and the problem.
+    """
+    config = SchedulerConfig.for_name(name, **overrides)
+    if not config.passthrough:
+        try:
+            FeatherRuntime(config)
+        except ConfigError:
+            raise
+        except ValueError as exc:  # PolicyFormatError, a bad predictor file
+            raise ConfigError(f"scheduler {name!r}: {exc}") from exc
+    return config
+
+
 # ---------------------------------------------------------------------------- the runtime
-
-
-def _load_feather_policy(path: str) -> BatchingPolicy:
-    try:
-        from scheduler_runtime.policy import load_policy
-    except ImportError as exc:  # the agents' module is not installed
-        raise ConfigError(f"feather:{path}: scheduler_runtime.policy.load_policy is unavailable: {exc}"
-                          ) from exc
-    return load_policy(path)
 
 
 def _policy_chunk_size(policy: BatchingPolicy) -> int | None:
@@ -291,13 +341,15 @@ class RuntimeStats:
     ``arrival_seconds``: handling new requests (length prediction + CHT insert), of which
     ``prediction_seconds`` predicting; ``hook_seconds``: the vLLM subclass's own work in
     ``schedule()`` around the decision loop (moving released requests, exporting metrics)
-    and when requests are freed (CHT finish).
+    and when requests are freed (CHT finish). ``invalid_hints``: trusted client hints that were
+    clamped or replaced (module docstring).
     """
 
     predictions: int = 0
     prediction_seconds: float = 0.0
     arrival_seconds: float = 0.0
     hook_seconds: float = 0.0
+    invalid_hints: int = 0
 
 
 class FeatherRuntime:
@@ -308,6 +360,7 @@ class FeatherRuntime:
     Args:
         config: the scheduler configuration (not ``fcfs``).
         kv_capacity_tokens: the engine's KV capacity (``config.kv_capacity_tokens`` wins).
+        max_model_len: the engine's longest sequence: the upper bound of an output-length hint.
         policy: a policy object instead of ``config.policy`` (tests).
         predictor: a predictor instead of ``config.predictor`` (tests).
     """
@@ -317,14 +370,16 @@ class FeatherRuntime:
         config: SchedulerConfig,
         kv_capacity_tokens: int | None = None,
         *,
+        max_model_len: int | None = None,
         policy: BatchingPolicy | None = None,
         predictor: OutputLengthPredictor | None = None,
     ) -> None:
         if config.passthrough:
             raise ConfigError("fcfs is vLLM's own scheduler: it has no Feather runtime")
         self.config = config
+        self.max_model_len = max_model_len
         if policy is None and config.ordering == "feather":
-            policy = _load_feather_policy(config.policy) if config.policy else HeuristicRule()
+            policy = load_policy_spec(config.policy) if config.policy else HeuristicRule()
         policy_chunk = _policy_chunk_size(policy) if policy is not None else None
         if config.chunk_size is not None and policy_chunk is not None and config.chunk_size != policy_chunk:
             raise ConfigError(f"scheduler.chunk_size={config.chunk_size} but the policy {config.policy} "
@@ -343,17 +398,18 @@ class FeatherRuntime:
         max_tokens: int | None,
         extra_args: Mapping[str, Any] | None,
     ) -> float:
-        """The output length the core uses for this request (see :class:`SchedulerConfig`)."""
+        """The output length the core uses for this request: finite, >= 1 (module docstring)."""
         config = self.config
         if not config.uses_lengths:
             return float(max_tokens or 1)
-        extra = extra_args or {}
+        extra = extra_args if config.trust_client_hints and extra_args else {}
+        upper = self._length_bound(max_tokens)
         if config.lengths == "oracle":
-            true_len = extra.get(EXTRA_OUTPUT_LEN)
-            return float(true_len if true_len is not None else (max_tokens or 1))
+            hint = self._output_len_hint(extra.get(EXTRA_OUTPUT_LEN), upper)
+            return hint if hint is not None else float(upper or 1)
         predictor = self.predictor
         assert predictor is not None
-        source = str(extra.get(EXTRA_SOURCE, ""))
+        source = self._source_hint(extra.get(EXTRA_SOURCE))
         start = time.perf_counter()
         if config.lengths == "1bit":
             length = predictor.proxy_length(predictor.predict_long(token_ids, source))
@@ -364,6 +420,36 @@ class FeatherRuntime:
         if config.clamp_to_max_tokens and max_tokens:
             length = min(length, float(max_tokens))
         return length
+
+    def _length_bound(self, max_tokens: int | None) -> int | None:
+        """The longest output a request can have: its ``max_tokens``, at most ``max_model_len``."""
+        bounds = [b for b in (max_tokens, self.max_model_len) if b]
+        return max(1, min(bounds)) if bounds else None
+
+    def _output_len_hint(self, value: Any, upper: int | None) -> float | None:
+        """A trusted ``feather_output_len`` in ``[1, upper]``; None when absent or not a finite number."""
+        if value is None:
+            return None
+        length: float | None = None
+        if (isinstance(value, numbers.Real) and not isinstance(value, bool)
+                and (isinstance(value, numbers.Integral) or math.isfinite(value))):
+            clamped = max(value, 1) if upper is None else min(max(value, 1), upper)
+            try:
+                length = float(clamped)
+            except OverflowError:  # an integer beyond float range, with no bound to clamp it to
+                length = None
+        if length is None or length != value:
+            self.stats.invalid_hints += 1
+        return length
+
+    def _source_hint(self, value: Any) -> str:
+        """A trusted ``feather_source``; "" when absent or not a short string."""
+        if value is None:
+            return ""
+        if isinstance(value, str) and len(value) <= MAX_SOURCE_CHARS:
+            return value
+        self.stats.invalid_hints += 1
+        return ""
 
     def arrive(
         self,

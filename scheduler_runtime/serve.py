@@ -19,6 +19,13 @@ defaults below):
   (vLLM's own default there), off on CPU (where vLLM does not support it);
 * ``--print-command``: print the vLLM arguments and exit.
 
+Everything is checked before vLLM is imported (so before any model loads): the scheduler name,
+every ``--scheduler-config`` key and value (:class:`~scheduler_runtime.schedulers.SchedulerConfig`),
+the policy (``feather:PATH`` file or ``feather:py:MODULE:ATTRIBUTE`` plug-in) and the predictor,
+loaded as the engine will load them, and ``--additional-config`` (a JSON object; the scheduler's
+own section comes from ``--scheduler``/``--scheduler-config`` only). A problem is a usage error:
+exit status 2 and one line ``feather-serve: error: ...`` naming it.
+
 Defaults for this project's CPU setup: the bundled model (``configs/models/tiny-llama``,
 random weights via ``--load-format dummy``, served as ``tiny-llama``), an explicit KV cache
 (``--kv-cache-memory-bytes``, 2 GiB: vLLM would otherwise reserve a share of host memory),
@@ -72,10 +79,11 @@ def _given(flag: str, args: Sequence[str]) -> bool:
 def vllm_arguments(argv: Sequence[str] | None = None) -> tuple[list[str], dict[str, Any]]:
     """The vLLM server arguments for a ``feather-serve`` command line, and the scheduler config.
 
-    Raises SystemExit (argparse) on bad options and ConfigError on a bad scheduler config.
+    Raises SystemExit (argparse's usage error, status 2) on a bad option, scheduler
+    configuration, policy, predictor or ``--additional-config`` (module docstring).
     """
-    from scheduler_runtime.config import load_mapping
-    from scheduler_runtime.schedulers import ADDITIONAL_CONFIG_KEY, resolve
+    from scheduler_runtime.config import ConfigError, load_mapping
+    from scheduler_runtime.schedulers import ADDITIONAL_CONFIG_KEY, check_scheduler, resolve
 
     parser = argparse.ArgumentParser(
         prog="feather-serve", description=__doc__.split("\n\n")[0],
@@ -88,13 +96,17 @@ def vllm_arguments(argv: Sequence[str] | None = None) -> tuple[list[str], dict[s
     parser.add_argument("--additional-config", default=None, help=argparse.SUPPRESS)
     ours, rest = parser.parse_known_args(argv)
 
-    overrides: dict[str, Any] = {}
-    if ours.scheduler_config:
-        overrides = load_mapping(ours.scheduler_config)
-        overrides.pop("name", None)  # --scheduler names it
+    additional = _additional_config(parser, ours.additional_config, ADDITIONAL_CONFIG_KEY)
+    try:
+        overrides: dict[str, Any] = {}
+        if ours.scheduler_config:
+            overrides = load_mapping(ours.scheduler_config)
+            overrides.pop("name", None)  # --scheduler names it
+        check_scheduler(ours.scheduler, **overrides)  # loads the policy and predictor, as the engine will
+    except ConfigError as exc:
+        parser.error(str(exc))
     use_async = _cuda_available() if ours.async_scheduling is None else ours.async_scheduling
     scheduler_cls, scheduler_config = resolve(ours.scheduler, async_scheduling=use_async, **overrides)
-    additional = json.loads(ours.additional_config) if ours.additional_config else {}
     additional[ADDITIONAL_CONFIG_KEY] = scheduler_config
 
     args = list(rest)
@@ -109,6 +121,22 @@ def vllm_arguments(argv: Sequence[str] | None = None) -> tuple[list[str], dict[s
         print(" ".join(["python -m vllm.entrypoints.openai.api_server", *map(_quote, args)]))
         raise SystemExit(0)
     return args, scheduler_config
+
+
+def _additional_config(parser: argparse.ArgumentParser, text: str | None, own_key: str) -> dict[str, Any]:
+    """``--additional-config`` as a mapping (vLLM's own extension point), checked."""
+    if not text:
+        return {}
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        parser.error(f"--additional-config is not valid JSON: {exc}")
+    if not isinstance(data, dict):
+        parser.error(f"--additional-config must be a JSON object, got {type(data).__name__}")
+    if own_key in data:
+        parser.error(f"--additional-config must not hold {own_key!r}: configure the scheduler with "
+                     "--scheduler and --scheduler-config")
+    return data
 
 
 def _cuda_available() -> bool:

@@ -15,10 +15,25 @@ moves requests between vLLM's queues:
 Held requests are counted by :meth:`get_request_counts` (so ``has_requests()`` and the
 engine's idle check see them) and therefore by vLLM's ``num_requests_waiting`` metric.
 Requests the runtime cannot order (prompt embeddings, resumable streaming sessions) bypass
-it and go to ``self.waiting`` directly.
+it and go to ``self.waiting`` directly. Structured-output requests are held like any other
+(their grammar compiles meanwhile); once released, vLLM skips them until the grammar is ready.
+
+Fault isolation. Every call into Feather's own code (the runtime's ``arrive``, ``plan``,
+``freed``, ``preempted``, the metrics push) is guarded: an exception there is logged once with
+its traceback, counted on ``/metrics`` as ``feather_scheduler_faults_total{stage=...}``, and
+the scheduler stops using the runtime. Every held request is then handed to vLLM's own waiting
+queue, in arrival order, at once (``arrive``, ``plan``) or at the next ``schedule()`` or arrival
+(the other hooks run inside vLLM's own loops over its queues); requests already released stay
+where vLLM has them. So no request is lost or queued twice, and the engine serves on as vLLM's
+plain fcfs scheduler until it restarts. With ``max_faults`` above 1 (``SchedulerConfig``),
+the faults before the last one restart Feather instead, with a fresh runtime (fresh policy,
+empty CHT) for the requests that arrive from then on. An exception in vLLM's own code is not
+Feather's to catch. :meth:`feather_stats` reports ``faults`` (per stage), ``disabled`` and
+``handed_to_vllm``.
 
 On CUDA, vLLM schedules asynchronously by default: use :class:`FeatherAsyncScheduler` there
-(``resolve(name, async_scheduling=True)``).
+(``resolve(name, async_scheduling=True)``). vLLM's CPU platform switches async scheduling off
+(``vllm/platforms/cpu.py``), so on CPU the class runs in a synchronously stepped engine.
 
 The environment (``feather_env.env``, real-engine backend) runs this very class in its loop. It
 sets ``feather_clock`` to the episode's engine clock and ``feather_external_rounds``: then
@@ -33,6 +48,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
+from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -61,7 +77,11 @@ __all__ = [
 ]
 
 
+logger = init_logger(__name__)
+
 _COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+#: Statuses of a new request that Feather holds (a structured-output request compiles its grammar).
+_HOLDABLE = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR)
 
 
 class _EngineView:
@@ -96,6 +116,12 @@ class _FeatherMixin:
         #: The environment answers the core's decisions itself (see the module docstring).
         self.feather_external_rounds = False
         self.feather_view = _EngineView(self)
+        self._feather_policy: BatchingPolicy | None = None
+        self._feather_faults: dict[str, int] = {}
+        self._feather_disabled = False
+        self._feather_handover_pending = False
+        self._feather_handed = 0
+        self._feather_last_stats: dict[str, Any] = {}
         super().__init__(*args, **kwargs)
         self.feather_configure(
             load_scheduler_config(self.vllm_config.additional_config, self.default_scheduler_name)
@@ -108,6 +134,7 @@ class _FeatherMixin:
         with a policy object instead of the configuration's (``config.policy`` or the heuristic).
 
         Only between workloads: raises RuntimeError while the scheduler holds any request.
+        Clears the fault state (:meth:`feather_stats`).
         """
         if self.requests:
             raise RuntimeError(f"cannot reconfigure the scheduler with {len(self.requests)} requests in it")
@@ -116,55 +143,141 @@ class _FeatherMixin:
         elif isinstance(config, Mapping):
             config = load_scheduler_config({"feather_scheduler": dict(config)}, DEFAULT_NAME, environ={})
         self.feather_config = config
-        pool = self.kv_cache_manager.block_pool
-        capacity = (pool.num_gpu_blocks - 1) * self.block_size  # block 0 is vLLM's null block
-        self.feather = None if config.passthrough else FeatherRuntime(config, capacity, policy=policy)
+        self._feather_policy = policy
+        self._feather_faults = {}
+        self._feather_disabled = self._feather_handover_pending = False
+        self._feather_handed = 0
+        self._feather_last_stats = {}
+        self.feather = None if config.passthrough else self._feather_runtime()
         self._feather_metrics = SchedulerMetrics(config.name)
 
+    def _feather_runtime(self) -> FeatherRuntime:
+        pool = self.kv_cache_manager.block_pool
+        capacity = (pool.num_gpu_blocks - 1) * self.block_size  # block 0 is vLLM's null block
+        return FeatherRuntime(self.feather_config, capacity, policy=self._feather_policy,
+                              max_model_len=self.vllm_config.model_config.max_model_len)
+
     def feather_stats(self) -> dict[str, Any]:
-        """The runtime's counters (decisions, ADD/STOP, held, decision time, ...)."""
-        if self.feather is None:
-            return {"scheduler": self.feather_config.name, "held": 0}
-        return self.feather.snapshot()
+        """The runtime's counters (decisions, ADD/STOP, held, decision time, ...) and the faults.
+
+        After the runtime was switched off by a fault, its counters as they were at the fault.
+        """
+        if self.feather is not None:
+            out = self.feather.snapshot()
+        else:
+            out = {"scheduler": self.feather_config.name, **self._feather_last_stats,
+                   "held": len(self._feather_held)}
+        out["faults"] = dict(self._feather_faults)
+        out["disabled"] = self._feather_disabled
+        out["handed_to_vllm"] = self._feather_handed
+        return out
+
+    # -- fault isolation ----------------------------------------------------------------------
+    def _feather_fault(self, stage: str, exc: Exception) -> None:
+        """Feather's own code raised at ``stage``: count and log it, stop using the runtime; the
+        held requests go to vLLM at :meth:`_feather_hand_over` (module docstring)."""
+        self._feather_faults[stage] = self._feather_faults.get(stage, 0) + 1
+        total = sum(self._feather_faults.values())
+        self._feather_disabled = total >= self.feather_config.max_faults
+        try:
+            self._feather_metrics.fault(stage)
+        except Exception:  # the count is also in feather_stats()
+            logger.warning("Feather scheduler: cannot export the fault count", exc_info=True)
+        runtime, self.feather = self.feather, None
+        if runtime is not None:
+            try:
+                self._feather_last_stats = runtime.snapshot()
+            except Exception:  # a broken runtime may not even report
+                self._feather_last_stats = {}
+        then = ("running as vLLM's fcfs scheduler until the engine restarts" if self._feather_disabled
+                else f"restarting Feather (fault {total} of max_faults={self.feather_config.max_faults})")
+        logger.error("Feather scheduler %r: %s in %s; %d held request(s) go to vLLM's queue; %s",
+                     self.feather_config.name, type(exc).__name__, stage, len(self._feather_held), then,
+                     exc_info=exc)
+        self._feather_handover_pending = True
+
+    def _feather_hand_over(self) -> None:
+        """Give every held request to vLLM's waiting queue (arrival order), then restart Feather
+        unless the last fault switched it off. Only where vLLM's queues may change."""
+        self._feather_handover_pending = False
+        held, self._feather_held = self._feather_held, {}
+        for request in held.values():
+            if not request.is_finished():
+                super()._enqueue_waiting_request(request)  # type: ignore[misc]
+        self._feather_handed += len(held)
+        try:
+            self._feather_metrics.gauges(held=0, batch=0)
+        except Exception:
+            logger.warning("Feather scheduler: cannot export its gauges", exc_info=True)
+        if self._feather_disabled:
+            return
+        try:
+            self.feather = self._feather_runtime()
+            self._feather_metrics = SchedulerMetrics(self.feather_config.name)
+        except Exception as exc:
+            self._feather_faults["restart"] = self._feather_faults.get("restart", 0) + 1
+            self._feather_disabled = True
+            self.feather = None
+            logger.error("Feather scheduler %r: cannot restart (%s); running as vLLM's fcfs scheduler",
+                         self.feather_config.name, exc, exc_info=exc)
 
     # -- vLLM hooks ---------------------------------------------------------------------------
     def _enqueue_waiting_request(self, request: Request) -> None:
+        if self._feather_handover_pending:
+            self._feather_hand_over()
         runtime = self.feather
         if (
             runtime is not None
-            and request.status == RequestStatus.WAITING
+            and request.status in _HOLDABLE
             and request.num_computed_tokens == 0
             and request.prompt_token_ids is not None
             and not request.resumable
             and request.request_id not in runtime
         ):
             sampling = request.sampling_params
-            runtime.arrive(
-                request.request_id,
-                request.prompt_token_ids,
-                now=self.feather_clock(),
-                max_tokens=request.max_tokens,
-                extra_args=sampling.extra_args if sampling is not None else None,
-            )
+            try:
+                runtime.arrive(
+                    request.request_id,
+                    request.prompt_token_ids,
+                    now=self.feather_clock(),
+                    max_tokens=request.max_tokens,
+                    extra_args=sampling.extra_args if sampling is not None else None,
+                )
+            except Exception as exc:  # fault isolation (module docstring)
+                self._feather_fault("arrive", exc)
+                self._feather_hand_over()
+                super()._enqueue_waiting_request(request)  # type: ignore[misc]
+                return
             self._feather_held[request.request_id] = request
             return
-        super()._enqueue_waiting_request(request)
+        super()._enqueue_waiting_request(request)  # type: ignore[misc]
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        if self._feather_handover_pending:
+            self._feather_hand_over()
         runtime = self.feather
         if runtime is None:
-            return super().schedule(*args, **kwargs)
+            return super().schedule(*args, **kwargs)  # type: ignore[misc]
         core = runtime.core
         start, planned = time.perf_counter(), core.stats.decision_seconds
         unpaused = self._pause_state == PauseState.UNPAUSED
         if self._feather_held and unpaused and not self.feather_external_rounds:
-            released = runtime.plan(self.feather_clock(), self.feather_free_slots(), self.feather_view)
-            self.feather_release(released)
+            try:
+                released = runtime.plan(self.feather_clock(), self.feather_free_slots(), self.feather_view)
+                self.feather_release(released)
+            except Exception as exc:  # fault isolation (module docstring)
+                self._feather_fault("plan", exc)
+                self._feather_hand_over()
+                return super().schedule(*args, **kwargs)  # type: ignore[misc]
         # the plan itself is counted in decision_seconds; the hooks get the rest
         middle = time.perf_counter() - (core.stats.decision_seconds - planned)
-        output = super().schedule(*args, **kwargs)
+        output = super().schedule(*args, **kwargs)  # type: ignore[misc]
         end = time.perf_counter()
-        self._feather_metrics.push(core.stats, runtime.stats, core.num_waiting, core.num_active)
+        if self.feather is runtime:  # no fault inside vLLM's schedule() (a preemption hook)
+            try:
+                self._feather_metrics.push(core.stats, runtime.stats, core.num_waiting, core.num_active)
+            except Exception as exc:
+                self._feather_fault("metrics", exc)
         runtime.stats.hook_seconds += (middle - start) + (time.perf_counter() - end)
         return output
 
@@ -175,29 +288,37 @@ class _FeatherMixin:
         return self.max_num_active_reqs - in_engine
 
     def feather_release(self, request_ids: list[str]) -> None:
-        """Hand released requests (in release order) from the hold to vLLM's waiting queue."""
+        """Hand released requests (in release order) from the hold to vLLM's waiting queue,
+        through vLLM's own enqueue (as a request it never held)."""
         held = self._feather_held
         for request_id in request_ids:
-            self.waiting.add_request(held.pop(request_id))
+            super()._enqueue_waiting_request(held.pop(request_id))  # type: ignore[misc]
 
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
-        super()._preempt_request(request, *args, **kwargs)
-        if self.feather is not None:
-            self.feather.preempted(request.request_id)
+        super()._preempt_request(request, *args, **kwargs)  # type: ignore[misc]
+        runtime = self.feather
+        if runtime is not None:
+            try:
+                runtime.preempted(request.request_id)
+            except Exception as exc:  # fault isolation (module docstring)
+                self._feather_fault("preempted", exc)
 
     def _free_request(self, request: Request, *args: Any, **kwargs: Any) -> Any:
-        result = super()._free_request(request, *args, **kwargs)
+        result = super()._free_request(request, *args, **kwargs)  # type: ignore[misc]
+        self._feather_held.pop(request.request_id, None)  # a held request was aborted
         runtime = self.feather
         if runtime is not None and request.request_id in runtime:
             start = time.perf_counter()
-            self._feather_held.pop(request.request_id, None)
-            # Anything but a normal end (stop string/EOS, length) counts as an abort.
-            runtime.freed(request.request_id, aborted=request.status not in _COMPLETED)
+            try:
+                # Anything but a normal end (stop string/EOS, length) counts as an abort.
+                runtime.freed(request.request_id, aborted=request.status not in _COMPLETED)
+            except Exception as exc:  # fault isolation (module docstring)
+                self._feather_fault("freed", exc)
             runtime.stats.hook_seconds += time.perf_counter() - start
         return result
 
     def get_request_counts(self) -> tuple[int, int]:
-        num_running, num_waiting = super().get_request_counts()
+        num_running, num_waiting = super().get_request_counts()  # type: ignore[misc]
         return num_running, num_waiting + len(self._feather_held)
 
 

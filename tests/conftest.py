@@ -59,6 +59,31 @@ def isolated_runner(llm, engine_config):
     return IsolatedBatchRunner(engine_config, llm=llm)
 
 
+@pytest.fixture(scope="session")
+def exported_policies(tmp_path_factory) -> dict[str, Path]:
+    """Policies exported by ``train.py`` (its command line, on the simulator): a Q-learning
+    table and a PPO MLP, ``{"table": path, "mlp": path}``."""
+    import yaml
+
+    import train
+
+    root = tmp_path_factory.mktemp("policies")
+    # a small leval-kv-pressure episode on the simulator: milliseconds each
+    scenario = {"name": "leval-kv-pressure", "episode": {"groups": 4, "max_per_group": 3},
+                "workload": {"max_prompt_tokens": 2048}, "engine": {"kv_cache_gib": 0.03}}
+    out = {}
+    for kind, agent, extra in (("table", "qlearning", {}),
+                               ("mlp", "ppo", {"n_steps": 64, "batch_size": 32, "n_epochs": 2})):
+        config = root / f"{agent}.yaml"
+        config.write_text(yaml.safe_dump({
+            "scenario": scenario, "agent": {"name": agent, **extra},
+            "train": {"timesteps": 256, "eval_every": 0, "eval_episodes": 1, "checkpoint_every": 0,
+                      "progress_bar": False}}))
+        result = train.main(["--agent", agent, "--config", str(config), "--out", str(root / agent)])
+        out[kind] = result.policy_path
+    return out
+
+
 # Modules that start engines of their own. Shutting an in-process vLLM engine down tears
 # down process-wide state (its parallel groups) that the session engine also uses, so these
 # run after every test that uses the session engine.

@@ -8,7 +8,6 @@ and the workload driver defined here.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from unittest import mock
@@ -445,14 +444,19 @@ def test_reinsert_after_finish_and_slot_reuse() -> None:
         assert index.num_keys == 0
 
 
-def test_insert_32k_prompt_is_fast() -> None:
-    """docs/design.md target: a 32K-token prompt inserts in <= 2 ms (default chunk size)."""
+def test_a_32k_prompt_is_one_key_per_chunk_and_shared_in_full() -> None:
+    """A 32K-token prompt at the default chunk size: 64 keys, shared whole by an equal prompt.
+
+    (Its insert cost, docs/design.md's <= 2 ms target, is measured by benchmarks/cht_overhead.py.)
+    """
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, 8192, 32 * 1024)
     index = ChunkedHashTree()
-    times = []
-    for i in range(15):
-        start = time.perf_counter()
+    for i in range(3):
         index.insert(f"r{i}", prompt)
-        times.append(time.perf_counter() - start)
-    assert float(np.median(times)) <= 2e-3
+    assert index.num_keys == 32 * 1024 // index.chunk_size == 64
+    index.activate("r0")
+    cand = index.best_candidate()
+    assert cand.depth_before == cand.depth_after == 64 and cand.w == 1  # r2, the other waiting one
+    assert index.missing_count(cand.request_id) == 0
+    index.check_consistency()

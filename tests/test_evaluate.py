@@ -1,7 +1,10 @@
-"""evaluate.py end to end on a tiny L-Eval workload, plus its error paths.
+"""evaluate.py end to end on a tiny L-Eval workload and a small LongBench one, plus its error paths.
 
-The end-to-end test starts two real engines (fcfs and feather-heuristic, ~3-20 s each) on 12
-L-Eval requests cut to 1024 prompt tokens with 4 output tokens; the other tests start none.
+The L-Eval test starts four real engines (fcfs, feather-heuristic, and the two policies
+train.py exported: a Q-learning table alone and a PPO MLP with SVF admission, ~3-20 s each)
+on 12 L-Eval requests cut to 1024 prompt tokens with 4 output tokens. The LongBench test
+starts two (svf, oracle-svf) on 8 requests generating their task's maximum tokens,
+with a KV cache too small for all of them at once, SVF's setting. The other tests start none.
 """
 
 from __future__ import annotations
@@ -16,14 +19,18 @@ import pytest
 import evaluate
 from feather_env.workloads import DataNotFoundError
 
-SCHEDULERS = ("fcfs", "feather-heuristic")
+
+@pytest.fixture(scope="module")
+def schedulers(exported_policies) -> tuple[str, ...]:
+    return ("fcfs", "feather-heuristic", f"feather:{exported_policies['table']}",
+            f"feather:{exported_policies['mlp']}+svf")
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory, data_dir):
+def tiny_run(tmp_path_factory, data_dir, schedulers):
     out = tmp_path_factory.mktemp("eval")
     rc = evaluate.main([
-        "--workload", "leval", "--data-dir", str(data_dir), "--schedulers", ",".join(SCHEDULERS),
+        "--workload", "leval", "--data-dir", str(data_dir), "--schedulers", ",".join(schedulers),
         "--num-groups", "3", "--max-per-group", "4", "--max-prompt-tokens", "1024",
         "--max-output-tokens", "4", "--kv-cache-gib", "0.5", "--max-num-seqs", "16",
         "--arrival", "poisson:20", "--seed", "3", "--out", str(out / "run"),
@@ -34,14 +41,14 @@ def tiny_run(tmp_path_factory, data_dir):
 
 
 @pytest.mark.engine
-def test_outputs_exist_and_every_request_completes(tiny_run):
+def test_outputs_exist_and_every_request_completes(tiny_run, schedulers):
     run = tiny_run / "run"
     for name in ("results.json", "results.csv", "results.md", "requests.csv", "throughput.png",
                  "latency_cdf.png", "batch_size.png"):
         assert (run / name).is_file() and (run / name).stat().st_size > 0, name
     payload = json.loads((run / "results.json").read_text())
     assert json.loads((tiny_run / "copy.json").read_text())["schedulers"] == payload["schedulers"]
-    assert list(payload["schedulers"]) == list(SCHEDULERS)
+    assert list(payload["schedulers"]) == list(schedulers)
     n = payload["workload"]["requests"]
     assert 3 < n <= 12 and payload["workload"]["groups"] == 3 and payload["machine"]["cores"]
     for name, m in payload["schedulers"].items():
@@ -61,18 +68,53 @@ def test_outputs_exist_and_every_request_completes(tiny_run):
     assert feather["scheduler_stats"]["finished"] == n
     # three documents, four questions each: the prefix cache must be hit
     assert feather["prefix_hit_rate"] > 0.3
+    for name in schedulers[2:]:  # the exported policies decided in the engine
+        stats = payload["schedulers"][name]["scheduler_stats"]
+        assert stats["finished"] == n and stats["decisions"] == stats["adds"] + stats["stops"] > 0
+        assert stats["faults"] == {}, name
     # per-request rows: every request once per scheduler, timeline in order
     with (run / "requests.csv").open() as fh:
         rows = list(csv.DictReader(fh))
-    assert len(rows) == n * len(SCHEDULERS)
+    assert len(rows) == n * len(schedulers)
     for r in rows:
         t = [float(r[k]) for k in ("arrival", "first_scheduled", "first_token", "finish")]
         assert all(math.isfinite(x) for x in t) and t[0] <= t[1] <= t[2] <= t[3], r
         assert int(r["tokens"]) == int(r["output_len"])
     with (run / "results.csv").open() as fh:
         table = list(csv.DictReader(fh))
-    assert [r["scheduler"] for r in table] == list(SCHEDULERS)
+    assert [r["scheduler"] for r in table] == list(schedulers)
     assert "| fcfs |" in (run / "results.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def longbench_run(tmp_path_factory, data_dir):
+    out = tmp_path_factory.mktemp("eval-longbench")
+    rc = evaluate.main([
+        "--workload", "longbench", "--data-dir", str(data_dir), "--schedulers", "svf,oracle-svf",
+        "--num-requests", "8", "--max-prompt-tokens", "2048", "--output", "max", "--max-output-tokens", "32",
+        "--kv-cache-gib", "0.03125", "--max-num-seqs", "16", "--arrival", "burst", "--seed", "1",
+        "--out", str(out), "--no-progress", "--no-plots", "--no-isolated",
+    ])
+    assert rc == 0
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.engine
+def test_svf_on_longbench_admits_by_volume_within_the_kv_cache(longbench_run):
+    payload = longbench_run
+    n = payload["workload"]["requests"]
+    assert n == 8 and list(payload["schedulers"]) == ["svf", "oracle-svf"]
+    for name, m in payload["schedulers"].items():
+        assert m["submitted"] == m["completed"] == n, name
+        assert m["latency_p95_s"] >= m["latency_p50_s"] > 0 and m["decode_tok_s"] > 0
+    for name in ("svf", "oracle-svf"):
+        stats = payload["schedulers"][name]["scheduler_stats"]
+        assert stats["finished"] == n and stats["faults"] == {}
+        assert sum(stats["released"].values()) == n and stats["released"]["order"] > 0
+        # 8 prompts of up to 2,048 tokens do not fit 8K KV tokens at once: the peak check refused some
+        assert stats["capacity_stops"] > 0, stats
+    assert payload["schedulers"]["svf"]["scheduler_stats"]["predictions"] == n  # predicted lengths
+    assert payload["schedulers"]["oracle-svf"]["scheduler_stats"]["predictions"] == 0  # the true ones
 
 
 def test_unknown_scheduler_is_a_clear_error_before_any_engine(tmp_path, capsys):
@@ -87,6 +129,43 @@ def test_missing_policy_file_is_a_clear_error(tmp_path, capsys):
     rc = evaluate.main(["--workload", "leval", "--schedulers", f"feather:{tmp_path}/none.feather",
                         "--out", str(tmp_path / "o")])
     assert rc == 2 and "does not exist" in capsys.readouterr().err
+
+
+@pytest.fixture
+def policy_256(tmp_path) -> Path:
+    from scheduler_runtime.policy import BASE_OBS_NAMES, ConstantPolicy, ObservationSpec, write_policy
+
+    spec = ObservationSpec(names=BASE_OBS_NAMES, low=(0, -64, 0), high=(64, 64, 64), scale=(64, 64, 64),
+                           chunk_size=256)
+    return write_policy(tmp_path / "add256.feather", ConstantPolicy(spec))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-wait", "nan"], "max_wait must be a finite number"),
+    (["--max-wait", "-1"], "max_wait must be a finite number"),
+    (["--chunk-size", "0"], "chunk_size must be >= 1"),
+    (["--schedulers", "fcfs,feather:{policy}", "--chunk-size", "512"], "in chunks of 256 tokens"),
+    (["--schedulers", "fcfs,feather:py:fault_policies:FailsToBuild"], "could not be built"),
+])
+def test_bad_knobs_are_errors_before_the_first_engine(tmp_path, capsys, monkeypatch, policy_256, args,
+                                                      message):
+    """Issue 12, M4: these failed when that scheduler's engine started, after the earlier ones ran."""
+    def no_engine(*a, **kw):
+        raise AssertionError("an engine was started")
+
+    monkeypatch.setattr(evaluate, "run_scheduler", no_engine)
+    argv = ["--workload", "leval", "--schedulers", "fcfs,feather-heuristic", "--out", str(tmp_path / "o")]
+    rc = evaluate.main(argv + [a.format(policy=policy_256) for a in args])
+    assert rc == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_evaluation_trusts_its_own_hints_and_gives_feather_its_knobs():
+    assert evaluate.scheduler_overrides("fcfs", 64, 5.0) == {}
+    assert evaluate.scheduler_overrides("oracle-svf", 64, 5.0) == {"trust_client_hints": True}
+    assert evaluate.scheduler_overrides("feather-heuristic+svf", 64, 5.0) == {
+        "trust_client_hints": True, "chunk_size": 64, "max_wait": 5.0}
 
 
 def test_missing_data_dir_says_where_to_get_the_data(tmp_path, capsys):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import train
 from agents.training import load_config, parse_config, run
 from scheduler_runtime.config import ConfigError
 from scheduler_runtime.policy import load_policy
@@ -163,3 +164,60 @@ def test_short_run_on_the_session_engine(env_backend, tmp_path):
     summary = json.loads((tmp_path / "vllm" / "summary.json").read_text())
     assert set(summary["comparison"]) == {"ucb", "fcfs"}
     assert load_policy(res.policy_path).agent == "ucb"
+
+
+@pytest.fixture
+def resumable(tmp_path):
+    """A run folder --resume accepts: the saved config, and a real checkpoint beside latest.json."""
+    cfg_path = write(tmp_path, small_config("ucb", timesteps=150, eval_every=0, checkpoint_every=0))
+    out = tmp_path / "run"
+    train.main(["--agent", "ucb", "--config", str(cfg_path), "--out", str(out), "--no-progress"])
+    return cfg_path, out
+
+
+@pytest.mark.parametrize("pointer, message", [
+    (None, "latest.json not found"),
+    ("{not json", "latest.json is not a JSON object"),
+    ('["ucb_150_steps.npz"]', "latest.json is not a JSON object"),
+    ('{"num_timesteps": 150}', "'path' must name a checkpoint file in"),
+    ('{"path": "/etc/passwd"}', "'path' must name a checkpoint file in"),
+    ('{"path": "../config.yaml"}', "'path' must name a checkpoint file in"),
+    ('{"path": "ucb_999_steps.npz"}', "ucb_999_steps.npz does not exist"),
+])
+def test_resume_refuses_a_bad_pointer_before_loading_anything(resumable, capsys, pointer, message):
+    """Issue 12: --resume followed pointer["path"] unchecked into the agent's loader (SB3's
+    cloudpickle for PPO), absolute paths and ../ included; a missing latest.json was a traceback."""
+    cfg_path, out = resumable
+    latest = out / "checkpoints" / "latest.json"
+    if pointer is None:
+        latest.unlink()
+    else:
+        latest.write_text(pointer)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--agent", "ucb", "--config", str(cfg_path), "--out", str(out), "--resume",
+                    "--timesteps", "300", "--no-progress"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("train.py: --resume: ") and message in err, err
+
+
+def test_resume_refuses_a_checkpoint_link_that_leaves_the_folder(resumable, capsys):
+    cfg_path, out = resumable
+    outside = out.parent / "elsewhere.npz"
+    outside.write_bytes((out / "checkpoints" / "ucb_150_steps.npz").read_bytes())
+    (out / "checkpoints" / "link.npz").symlink_to(outside)
+    (out / "checkpoints" / "latest.json").write_text('{"path": "link.npz"}')
+    with pytest.raises(SystemExit):
+        train.main(["--agent", "ucb", "--config", str(cfg_path), "--out", str(out), "--resume",
+                    "--timesteps", "300", "--no-progress"])
+    assert "'path' must name a checkpoint file in" in capsys.readouterr().err
+
+
+def test_missing_data_is_a_clear_error(tmp_path, capsys):
+    cfg = small_config("ucb")
+    cfg["scenario"]["workload"] = {"max_prompt_tokens": 2048, "data_dir": str(tmp_path / "nowhere")}
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--agent", "ucb", "--config", str(write(tmp_path, cfg)), "--out", str(tmp_path / "o")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("train.py: ") and "nowhere" in err and "OpenLMLab/LEval" in err

@@ -3,17 +3,27 @@
 One engine with :class:`~scheduler_runtime.vllm_scheduler.FeatherScheduler` and a small KV cache
 (64 blocks of 128 tokens) is built for the module; each test switches the scheduler's
 configuration between workloads (``feather_configure``), so every name runs in the same engine.
+The fault-isolation tests make Feather's own code raise inside that engine (a plug-in policy
+that raises, or a hook made to raise) and check that the engine serves on. The last test
+builds a second engine with :class:`~scheduler_runtime.vllm_scheduler.FeatherAsyncScheduler`.
 """
 
 from __future__ import annotations
 
-import time
+import sys
+from pathlib import Path
 
 import numpy as np
+import prometheus_client
 import pytest
 
 from feather_env.engine import EngineConfig, build_llm, engine_core_of, forced_length_params, tokens_prompt
+from scheduler_runtime import policy
 from scheduler_runtime.schedulers import EXTRA_OUTPUT_LEN, EXTRA_SOURCE, engine_overrides
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # tests/fault_policies.py, loaded as feather:py:fault_policies:...
+    sys.path.insert(0, str(HERE))
 
 pytestmark = pytest.mark.engine
 
@@ -53,8 +63,9 @@ def workload(tag: str, groups: int, per_group: int, prefix: int, out: tuple[int,
              int(rng.integers(out[0], out[1] + 1))) for i in range(groups * per_group)]
 
 
-def add(engine, rid: str, prompt: list[int], out: int) -> None:
-    params = forced_length_params(out, extra_args={EXTRA_OUTPUT_LEN: out, EXTRA_SOURCE: "leval/quality"})
+def add(engine, rid: str, prompt: list[int], out: int, hint: object = None) -> None:
+    params = forced_length_params(out, extra_args={EXTRA_OUTPUT_LEN: out if hint is None else hint,
+                                                   EXTRA_SOURCE: "leval/quality"})
     engine.add_request(rid, tokens_prompt(prompt), params)
 
 
@@ -68,19 +79,25 @@ def drain(engine, sched, on_step=None, max_steps: int = 20_000) -> dict[str, int
             if out.finished:
                 assert out.request_id not in done, f"{out.request_id} finished twice"
                 done[out.request_id] = len(out.outputs[0].token_ids)
-        if sched.feather is not None:
-            # held requests are waiting requests for the engine
-            assert sched.get_request_counts()[1] >= len(sched._feather_held)
+        # what the scheduler reports to vLLM (has_requests(), the waiting gauge) covers every
+        # request the engine's front end still waits on, held ones included
+        assert sum(sched.get_request_counts()) == engine.get_num_unfinished_requests()
         if on_step is not None:
             on_step()
     raise AssertionError("engine did not drain")
+
+
+def fault_count(name: str, stage: str) -> float:
+    """``feather_scheduler_faults_total`` in this process's Prometheus registry."""
+    value = prometheus_client.REGISTRY.get_sample_value(
+        "feather_scheduler_faults_total", {"scheduler": name, "stage": stage})
+    return value or 0.0
 
 
 @pytest.mark.parametrize("name", NAMES + ["feather:CKPT+svf"])
 def test_every_scheduler_serves_each_request_once_with_its_tokens(sched, feather_llm, name, tmp_path):
     overrides = {}
     if name.startswith("feather:"):
-        policy = pytest.importorskip("scheduler_runtime.policy")
         spec = policy.ObservationSpec(names=policy.BASE_OBS_NAMES, low=(0, -64, 0), high=(64, 64, 64),
                                       scale=(64, 64, 64), chunk_size=TEST_CHUNK)
         rule = policy.HeuristicPolicy(spec, policy.HeuristicRule())
@@ -115,9 +132,9 @@ def test_stop_holds_requests_and_they_still_count_as_waiting(sched, feather_llm)
     held = len(sched._feather_held)
     assert held > 0, "the heuristic should STOP before other documents"
     running, waiting = sched.get_request_counts()
-    assert waiting >= held and running + waiting == len(reqs)
-    stats = sched.make_stats()
-    assert stats.num_waiting_reqs + stats.num_skipped_waiting_reqs >= held
+    assert running + waiting == len(reqs)  # no request finishes in one step
+    stats = sched.make_stats()  # what vLLM exports (vllm:num_requests_waiting)
+    assert stats.num_running_reqs + stats.num_waiting_reqs + stats.num_skipped_waiting_reqs == len(reqs)
     assert sched.feather_stats()["stops"] >= 1
     assert drain(engine, sched) == {rid: out for rid, _, out in reqs}
 
@@ -172,32 +189,160 @@ def test_aborts_leave_nothing_behind(sched, feather_llm):
 
 
 def test_max_wait_releases_what_the_policy_holds(sched, feather_llm, tmp_path):
-    """A policy that always STOPs would serve one request per batch; max_wait bounds every wait."""
-    policy = pytest.importorskip("scheduler_runtime.policy")
+    """A policy that always STOPs would serve one request per batch; max_wait releases the rest.
+
+    The bound itself (no wait beyond max_wait plus one batch) is a property of the core, checked
+    on a simulated clock in test_scheduler_core; here: the engine really runs those releases.
+    """
     spec = policy.ObservationSpec(names=policy.BASE_OBS_NAMES, low=(0, -64, 0), high=(64, 64, 64),
                                   scale=(64, 64, 64), chunk_size=TEST_CHUNK)
     path = policy.write_policy(tmp_path / "stop.feather", policy.ConstantPolicy(spec, policy.STOP))
-    max_wait = 0.3
-    sched.feather_configure({"name": f"feather:{path}", "max_wait": max_wait})
+    sched.feather_configure({"name": f"feather:{path}", "max_wait": 0.3})
     engine = feather_llm.llm_engine
     reqs = workload("wait", groups=4, per_group=3, prefix=300, out=(40, 40), seed=5)
-    added = time.monotonic()
     for rid, prompt, out in reqs:
         add(engine, rid, prompt, out)
-    started: dict[str, float] = {}
-    finished_at: dict[str, float] = {}
+    batches = []  # the running set after each step
 
-    def watch():
-        now = time.monotonic()
-        for r in sched.running:
-            started.setdefault(r.request_id, now)
-        for rid in set(started) - {r.request_id for r in sched.running} - set(finished_at):
-            finished_at[rid] = now
-
-    done = drain(engine, sched, on_step=watch)
+    done = drain(engine, sched, on_step=lambda: batches.append(len(sched.running)))
     assert done == {rid: out for rid, _, out in reqs}
     stats = sched.feather_stats()
-    assert stats["released"]["max_wait"] > 0 and stats["adds"] == 0
-    one_batch = max(finished_at[r] - started[r] for r in finished_at)
-    worst = max(started[r] - added for r in started)
-    assert worst <= max_wait + one_batch + 0.25, (worst, one_batch)
+    assert stats["adds"] == 0 and stats["stops"] > 0
+    # every release but the seeds of empty batches was max_wait's, and they ran side by side
+    assert stats["released"]["max_wait"] + stats["released"]["seed"] == len(reqs)
+    assert stats["released"]["max_wait"] > 0 and max(batches) > 1
+
+
+# ---------------------------------------------------------------------------- fault isolation
+
+FAULTY = "feather:py:fault_policies:RaisesOnFiftiethDecision"
+
+
+def test_a_policy_fault_hands_every_held_request_to_vllm_and_serves_on_as_fcfs(sched, feather_llm):
+    """Issue 12, H2: an exception in the policy used to end the engine and every request in it."""
+    sched.feather_configure({"name": FAULTY, "chunk_size": TEST_CHUNK})
+    engine = feather_llm.llm_engine
+    reqs = workload("fault", groups=8, per_group=10, prefix=600, out=(2, 8), seed=6)
+    before = fault_count(FAULTY, "plan")
+    for rid, prompt, out in reqs:
+        add(engine, rid, prompt, out)
+    held_at_fault = []
+
+    def watch():
+        if sched.feather is None and not held_at_fault:
+            held_at_fault.append(sched.feather_stats()["handed_to_vllm"])
+
+    done = drain(engine, sched, on_step=watch)
+    assert done == {rid: out for rid, _, out in reqs}  # none lost, none twice
+    stats = sched.feather_stats()
+    assert stats["faults"] == {"plan": 1} and stats["disabled"]
+    assert held_at_fault and held_at_fault[0] > 0  # requests were held when it failed
+    assert sched.feather is None  # fcfs from there on
+    assert fault_count(FAULTY, "plan") - before == 1
+
+
+def _raise_on_call(fn, n: int):
+    calls = [0]
+
+    def wrapper(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == n:
+            raise RuntimeError(f"injected fault in {fn.__name__}")
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@pytest.mark.parametrize("stage, target", [("arrive", "arrive"), ("freed", "freed"),
+                                           ("preempted", "preempted"), ("metrics", "push")])
+def test_a_fault_in_any_hook_is_isolated(sched, feather_llm, monkeypatch, stage, target):
+    """Fault injection into each hook of the real scheduler (arrival, free, preemption, metrics)."""
+    name = "feather-heuristic+svf"
+    if stage == "preempted":  # as test_preemption_keeps_the_state_consistent: the KV cache overflows
+        sched.feather_configure("feather-heuristic")
+        name = "feather-heuristic"
+        reqs = workload("fp", groups=16, per_group=1, prefix=480, out=(150, 150), seed=3)
+    else:
+        sched.feather_configure({"name": name, "chunk_size": TEST_CHUNK})
+        reqs = workload(f"f{stage[:2]}", groups=4, per_group=6, prefix=600, out=(2, 12), seed=7)
+    owner = sched._feather_metrics if target == "push" else sched.feather
+    nth_call = 1 if stage == "preempted" else 3
+    monkeypatch.setattr(owner, target, _raise_on_call(getattr(owner, target), nth_call))
+    engine = feather_llm.llm_engine
+    before = fault_count(name, stage)
+    for rid, prompt, out in reqs:
+        add(engine, rid, prompt, out)
+    done = drain(engine, sched)
+    assert done == {rid: out for rid, _, out in reqs}
+    assert sched.feather_stats()["faults"] == {stage: 1}
+    assert fault_count(name, stage) - before == 1
+
+
+def test_max_faults_restarts_feather_until_the_last_fault(sched, feather_llm):
+    """max_faults=2: the first fault restarts Feather for the requests that arrive after it, the
+    second switches it off."""
+    name = "feather:py:fault_policies:RaisesOnFifthDecision"
+    sched.feather_configure({"name": name, "chunk_size": TEST_CHUNK, "max_faults": 2})
+    engine = feather_llm.llm_engine
+    first = workload("once", groups=4, per_group=6, prefix=600, out=(2, 6), seed=8)
+    second = workload("twice", groups=4, per_group=6, prefix=600, out=(2, 6), seed=11)
+    for rid, prompt, out in first:
+        add(engine, rid, prompt, out)
+    restarted = []
+
+    def watch():
+        if not restarted and sched.feather is not None and sched.feather_stats()["faults"] == {"plan": 1}:
+            restarted.append(True)  # a fresh runtime (and policy) took over: the next wave arrives
+            for rid, prompt, out in second:
+                add(engine, rid, prompt, out)
+
+    done = drain(engine, sched, on_step=watch)
+    assert done == {rid: out for rid, _, out in first + second}
+    assert restarted and sched.feather_stats()["faults"] == {"plan": 2}
+    assert sched.feather is None and sched.feather_stats()["disabled"]
+
+
+def test_malformed_hints_from_trusted_clients_are_served_with_the_fallback(sched, feather_llm):
+    """Issue 12, H1: ``"abc"`` or ``[1]`` in feather_output_len raised in the engine's busy loop
+    (the engine died) and ``"nan"`` poisoned the KV budget."""
+    sched.feather_configure({"name": "oracle-svf", "trust_client_hints": True})
+    engine = feather_llm.llm_engine
+    reqs = workload("hint", groups=4, per_group=6, prefix=300, out=(4, 8), seed=9)
+    malformed = ["abc", [1], "nan", "inf", -5, 1e12]
+    for i, (rid, prompt, out) in enumerate(reqs):
+        add(engine, rid, prompt, out, hint=malformed[i] if i < len(malformed) else None)
+    seen = []
+    done = drain(engine, sched, on_step=lambda: seen.append(sched.feather.core.budget.used))
+    assert done == {rid: out for rid, _, out in reqs}
+    stats = sched.feather_stats()
+    assert stats["invalid_hints"] == len(malformed) and stats["faults"] == {}
+    assert all(np.isfinite(seen)) and max(seen) <= sched.feather.core.budget.capacity
+
+
+# ---------------------------------------------------------------------------- AsyncScheduler
+
+
+def test_feather_async_scheduler_serves_each_request_once_in_a_cpu_engine():
+    """vLLM's CPU platform turns async scheduling off (``platforms/cpu.py`` sets
+    ``scheduler_config.async_scheduling = False``), so the engine steps synchronously here; what
+    runs is FeatherAsyncScheduler's bookkeeping (AsyncScheduler's output placeholders under
+    Feather's hooks). Its own engine, after the module's tests."""
+    config = EngineConfig(kv_cache_gib=KV_GIB, max_num_seqs=32, max_model_len=2048,
+                          max_num_batched_tokens=2048)
+    llm = build_llm(config, **engine_overrides("feather-heuristic+svf", async_scheduling=True,
+                                               chunk_size=TEST_CHUNK))
+    try:
+        core = engine_core_of(llm)
+        sched = core.scheduler
+        assert type(sched).__name__ == "FeatherAsyncScheduler"
+        assert core.vllm_config.scheduler_config.async_scheduling is False  # the CPU platform's choice
+        engine = llm.llm_engine
+        reqs = workload("async", groups=4, per_group=6, prefix=600, out=(2, 12), seed=10)
+        for rid, prompt, out in reqs:
+            add(engine, rid, prompt, out)
+        assert sched.get_request_counts() == (0, len(reqs))  # all held
+        assert drain(engine, sched) == {rid: out for rid, _, out in reqs}
+        stats = sched.feather_stats()
+        assert stats["finished"] == len(reqs) and stats["decisions"] > 0 and stats["faults"] == {}
+    finally:
+        engine_core_of(llm).shutdown()

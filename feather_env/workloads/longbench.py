@@ -50,7 +50,7 @@ from feather_env.workloads.datadir import DataNotFoundError, require_file, resol
 from feather_env.workloads.request import Request
 from feather_env.workloads.synthetic import random_tokens
 from feather_env.workloads.tokenizer import count_tokens
-from feather_env.workloads.workload import Workload, WorkloadError, iter_jsonl_objects
+from feather_env.workloads.workload import Workload, WorkloadError, iter_jsonl_objects, not_utf8
 
 ZH_TASKS = frozenset({"dureader", "multifieldqa_zh", "vcsum", "lsht", "passage_retrieval_zh"})
 OUTPUT_MODES = ("answer", "max")
@@ -66,7 +66,9 @@ def read_max_new_tokens(longbench_dir: str | os.PathLike[str]) -> dict[str, int]
     """The official max new tokens per task (``config/dataset2maxlen.json``)."""
     path = require_file(Path(longbench_dir) / "config" / "dataset2maxlen.json", "longbench")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise not_utf8(path, exc) from None
     except json.JSONDecodeError as exc:
         raise WorkloadError(f"{path}:{exc.lineno}: malformed JSON: {exc.msg}") from None
     if not isinstance(data, dict) or not all(

@@ -20,7 +20,7 @@ import numpy as np
 from feather_env.workloads.datadir import require_file
 from feather_env.workloads.request import Request
 from feather_env.workloads.synthetic import random_tokens
-from feather_env.workloads.workload import Workload, WorkloadError
+from feather_env.workloads.workload import Workload, WorkloadError, not_utf8
 
 PREFILL, DECODE, ARRIVAL = "num_prefill_tokens", "num_decode_tokens", "arrived_at"
 OVERFLOW_MODES = ("truncate", "error")
@@ -57,6 +57,13 @@ def _parse_count(value: str | None, column: str, where: str) -> int:
 def read_trace(csv_path: str | os.PathLike[str], limit: int | None = None) -> TraceLengths:
     """Parse a trace CSV (the first ``limit`` rows); bad rows raise naming file and line."""
     path = require_file(csv_path, "traces")
+    try:
+        return _read_trace(path, limit)
+    except UnicodeDecodeError as exc:
+        raise not_utf8(path, exc) from None
+
+
+def _read_trace(path: Path, limit: int | None) -> TraceLengths:
     prefill: list[int] = []
     decode: list[int] = []
     arrived: list[float] = []

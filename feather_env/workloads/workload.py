@@ -28,16 +28,26 @@ class WorkloadError(ValueError):
     """A workload cannot be built or used: empty, duplicate ids, malformed input, bad sample."""
 
 
+def not_utf8(where: str | Path, exc: UnicodeDecodeError) -> WorkloadError:
+    """The error for a data file that is not UTF-8 text (``where``: the file, or file:line)."""
+    return WorkloadError(f"{where}: not UTF-8 text (byte {exc.start}: {exc.reason})")
+
+
 def iter_jsonl_objects(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """``(line number, object)`` for each non-blank line of a JSON-lines file.
 
-    A malformed line or a line that is not a JSON object raises :class:`WorkloadError` naming it.
+    A line that is not UTF-8, malformed, or not a JSON object raises :class:`WorkloadError`
+    naming it.
     """
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise not_utf8(where, exc) from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 item = json.loads(line)
             except json.JSONDecodeError as exc:
