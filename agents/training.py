@@ -142,7 +142,9 @@ class RunConfig:
 
     @property
     def scenario_name(self) -> str:
-        return str(self.scenario["name"])
+        """The scenario's name, or the names of a mix joined by ``+``."""
+        name = self.scenario["name"]
+        return "+".join(name) if isinstance(name, list | tuple) else str(name)
 
     @property
     def scenario_overrides(self) -> dict[str, Any]:
@@ -205,7 +207,11 @@ def parse_config(data: Mapping[str, Any], agent: str | None = None, *, scenario:
         scen["name"] = scenario
     if "name" not in scen:
         raise ConfigError(f"{where}: no scenario given (--scenario or scenario.name)")
-    load_scenario(scen["name"], {k: v for k, v in scen.items() if k != "name"})
+    scenarios = scen["name"]
+    if isinstance(scenarios, str) and "+" in scenarios:  # --scenario a+b: a mix
+        scenarios = scen["name"] = scenarios.split("+")
+    for scenario_name in scenarios if isinstance(scenarios, list | tuple) else [scenarios]:
+        load_scenario(scenario_name, {k: v for k, v in scen.items() if k != "name"})
     return RunConfig(name, agent_cfg, scen, env, train, source=where)
 
 
@@ -223,14 +229,18 @@ def load_config(path: str | Path, agent: str | None = None, *, scenario: str | N
 def make_env(cfg: RunConfig, backend: Any = None, *, scheduler: str | None = None) -> Any:
     """A raw ``FeatherEnv`` for the run (``backend``: a backend object to share, else the config's;
     ``scheduler``: another ordering than the config's, for a reference agent)."""
-    from feather_env.env import FeatherEnv
+    from feather_env.env import FeatherEnv, ScenarioMix
 
     e = asdict(cfg.env)
     profile = e.pop("profile")
     if scheduler is not None:
         e["scheduler"] = scheduler
-    return FeatherEnv(cfg.scenario_name, backend if backend is not None else cfg.train.backend,
-                      scenario_overrides=cfg.scenario_overrides, profile=profile, **e)
+    backend = backend if backend is not None else cfg.train.backend
+    name = cfg.scenario["name"]
+    if isinstance(name, list | tuple):  # a mix: one environment per scenario, one drawn per episode
+        return ScenarioMix(list(name), backend, scenario_overrides=cfg.scenario_overrides, profile=profile,
+                           **e)
+    return FeatherEnv(name, backend, scenario_overrides=cfg.scenario_overrides, profile=profile, **e)
 
 
 class EnvFactory:

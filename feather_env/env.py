@@ -6,7 +6,7 @@ Registered as ``feather/Batching-v0``; see :class:`FeatherEnv` for its manual.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import gymnasium as gym
@@ -30,7 +30,8 @@ from scheduler_runtime.decision import (
 )
 from scheduler_runtime.policy import HeuristicRule
 
-__all__ = ["ADD", "REWARDS", "STOP", "FeatherEnv", "InvalidActionError", "play_episode", "scheduler_policy"]
+__all__ = ["ADD", "REWARDS", "STOP", "FeatherEnv", "InvalidActionError", "ScenarioMix", "play_episode",
+           "scheduler_policy"]
 
 #: The rewards the environment offers (see the manual); the default is the first.
 REWARDS = ("latency", "makespan", "decode_throughput")
@@ -145,7 +146,8 @@ class FeatherEnv(gym.Env):
       candidates), a baseline's ordering (``"fcfs"``, ``"lpm"``, ``"dfs-weight"``, ``"svf"``,
       ``"sjf"``), or a ``+svf`` Feather name; the baselines' own answer is always ADD.
     - ``reward`` (:data:`REWARDS`), ``reward_scale``; ``extended_obs``; ``delta_clip`` (chunks);
-      ``max_episode_seconds``.
+      ``max_episode_seconds``; ``obs_max_requests``: the bound of ``w`` and ``waiting`` (default: the
+      scenario's largest episode; :class:`ScenarioMix` sets one bound for all its scenarios).
     """
 
     metadata = {"render_modes": []}
@@ -164,6 +166,7 @@ class FeatherEnv(gym.Env):
         max_episode_seconds: float | None = None,
         profile: str | None = None,
         llm: Any = None,
+        obs_max_requests: int | None = None,
     ) -> None:
         super().__init__()
         if reward not in REWARDS:
@@ -190,7 +193,7 @@ class FeatherEnv(gym.Env):
             # real-engine rewards are wall-clock measurements: say so to gymnasium's checks
             self.spec = EnvSpec("feather/Batching-v0", entry_point="feather_env.env:FeatherEnv",
                                 nondeterministic=True)
-        n_max = self.scenario.max_episode_requests
+        n_max = obs_max_requests if obs_max_requests is not None else self.scenario.max_episode_requests
         names = EXTENDED_OBS_NAMES if self.extended_obs else BASE_OBS_NAMES
         high = np.array([self.engine_config.max_num_seqs, delta_clip, n_max, n_max, 1.0,
                          delta_clip, delta_clip, delta_clip], dtype=np.float32)[: len(names)]
@@ -391,6 +394,66 @@ class FeatherEnv(gym.Env):
     def units(self) -> str:
         """The reward's unit (before ``reward_scale``)."""
         return _UNITS[self.reward_kind]
+
+
+class ScenarioMix(gym.Env):
+    """Episodes of several scenarios, one drawn at random per ``reset``: what a policy that must
+    serve them all (``policies/general.feather``) trains on.
+
+    Every scenario gets its own :class:`FeatherEnv` (its own engine configuration); the
+    observation bounds are shared (the largest episode of any of them), so one policy reads them
+    all alike. ``reset(options={"scenario": NAME})`` picks one; the chosen one's attributes
+    (``core``, ``backend``, ``candidate_request``, ...) are reachable through :attr:`current`.
+    """
+
+    metadata = {"render_modes": []}
+
+    def __init__(self, scenarios: Sequence[str], backend: str = "sim", **kwargs: Any) -> None:
+        super().__init__()
+        if not scenarios:
+            raise ConfigError("a scenario mix needs at least one scenario")
+        names = list(scenarios)
+        bound = max(load_scenario(n, kwargs.get("scenario_overrides")).max_episode_requests for n in names)
+        kwargs = {k: v for k, v in kwargs.items() if k != "obs_max_requests"}
+        self.envs = {n: FeatherEnv(n, backend, obs_max_requests=bound, **kwargs) for n in names}
+        first = self.envs[names[0]]
+        for n, env in self.envs.items():
+            if env.observation_space != first.observation_space or env.chunk_size != first.chunk_size:
+                raise ConfigError(f"scenario {n!r} observes differently from {names[0]!r} (batch size "
+                                  f"bound or chunk size): they cannot share one policy")
+        self.names = names
+        self.current = first
+        self.observation_space = first.observation_space
+        self.action_space = first.action_space
+        self.obs_scale = first.obs_scale
+        self.obs_names = first.obs_names
+        self.chunk_size = first.chunk_size
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        options = dict(options or {})
+        name = options.pop("scenario", None)
+        if name is None:
+            name = self.names[int(self.np_random.integers(len(self.names)))]
+        if name not in self.envs:
+            raise ConfigError(f"scenario {name!r} is not in this mix {self.names}")
+        self.current = self.envs[name]
+        obs, info = self.current.reset(seed=int(self.np_random.integers(2**31 - 1)), options=options or None)
+        return obs, {**info, "scenario": name}
+
+    def step(self, action: int):
+        return self.current.step(action)
+
+    def action_masks(self) -> np.ndarray:
+        return self.current.action_masks()
+
+    @property
+    def core(self) -> BatchingCore | None:
+        return self.current.core
+
+    def close(self) -> None:
+        for env in self.envs.values():
+            env.close()
 
 
 def scheduler_policy(env: FeatherEnv) -> BatchingPolicy:

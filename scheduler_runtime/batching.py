@@ -512,15 +512,7 @@ class BatchingCore:
         if not self._waiting or self._free <= 0:
             return
         self.ordering.begin_round()
-        # 2. seed an empty batch (STOP would be meaningless there)
-        if not self._active:
-            if self._volume_q is not None:
-                seed = self._volume_q.peek()
-            else:
-                seed = self.ordering.next_candidate()
-            assert seed is not None
-            self._release(seed, "seed")
-        # 3. the first decision
+        # 2. seed an empty batch and 3. the first decision
         self._next_decision()
 
     @property
@@ -648,9 +640,20 @@ class BatchingCore:
         return self._pending
 
     def _next_decision(self) -> None:
-        """Make the ordering's next candidate the pending decision, or end the round's decisions."""
+        """Make the ordering's next candidate the pending decision, or end the round's decisions.
+
+        An empty batch is seeded first, without a decision (STOP would be meaningless there): with
+        ``svf_seed`` by the smallest-volume request, else by the ordering's first candidate. This
+        also holds when the batch empties during an open round.
+        """
         if not self._round_open or self._free <= 0 or not self._waiting:
             return
+        if not self._active:
+            seed = self._volume_q.peek() if self._volume_q is not None else self.ordering.next_candidate()
+            assert seed is not None
+            self._release(seed, "seed")
+            if self._free <= 0 or not self._waiting:
+                return
         rid = self.ordering.next_candidate()
         if rid is None:
             return
