@@ -578,8 +578,10 @@ def _compare(cfg: RunConfig, env: Any, seeds: Sequence[int]) -> dict[str, dict[s
     from agents.base import evaluate
 
     out = {}
+    # a single environment's engine is shared; a scenario mix builds its own per scenario
+    backend = env.backend if hasattr(env, "backend") else cfg.train.backend
     for name in cfg.train.compare_with:
-        ref_env = make_env(cfg, backend=env.backend, scheduler=name) if name in _ORDERING_REFERENCES else env
+        ref_env = make_env(cfg, backend=backend, scheduler=name) if name in _ORDERING_REFERENCES else env
         out[name] = _strip(evaluate(reference_policy(name, ref_env, seed=cfg.train.seed), ref_env, seeds))
     return out
 

@@ -264,8 +264,28 @@ RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
 }
 
 
+def render_env_manual() -> str:
+    """FeatherEnv's docstring, the environment's manual, as the README shows it (one source)."""
+    import inspect
+
+    from feather_env.env import FeatherEnv
+
+    doc = inspect.getdoc(FeatherEnv) or ""
+    body = doc.split("\n", 1)[1].strip() if "\n" in doc else doc
+    body = body.replace("\n## ", "\n#### ")
+    if body.startswith("## "):
+        body = "#### " + body[3:]
+    summary = "<details><summary><code>help(feather_env.env.FeatherEnv)</code>: the manual</summary>"
+    return f"{summary}\n\n{body}\n\n</details>"
+
+
 def update(readme: str, results: Path, renderers=RENDERERS) -> tuple[str, list[str]]:
     done = []
+    pattern = re.compile(r"(<!-- BEGIN env_manual -->\n).*?(<!-- END env_manual -->)", re.S)
+    if pattern.search(readme):
+        body = render_env_manual()
+        readme = pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), readme)
+        done.append("env_manual")
     for name, (fname, render) in renderers.items():
         path = results / fname
         pattern = re.compile(rf"(<!-- BEGIN {re.escape(name)} -->\n).*?(<!-- END {re.escape(name)} -->)",

@@ -1,0 +1,125 @@
+"""Train, select and ship the policies of ``policies/``: every agent on every scenario, the best kept.
+
+    python scripts/build_policies.py [--scenarios a,b,...] [--timesteps N] [--out policies]
+
+For each scenario: ``train.py`` trains UCB, Q-learning and PPO (``configs/runs/<agent>.yaml``, on
+the simulator, evaluated on its held-out episodes ``train.eval_seed + i``), and
+``python -m agents.tuning`` searches the heuristic's constants (``heuristic-tuned``). The agent
+whose exported policy reached the highest held-out end-to-end output throughput is shipped as
+``policies/<scenario>.feather`` (ties go to the earlier agent of ``AGENTS``: the simpler policy);
+the tuned heuristic goes to ``policies/heuristic-tuned/<scenario>.feather``. ``general.feather`` is
+PPO trained on a mix of every scenario (``--scenario a+b+...``). ``policies/README.md`` is written
+with every command, the configs and the figures. Each command is run as a user would run it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from feather_env.reporting import format_table, machine_info  # noqa: E402
+
+SCENARIOS = ("leval-kv-pressure", "leval-kv-pressure-poisson", "leval-high-load", "leval-summaries",
+             "sharegpt", "longbench")
+AGENTS = ("ucb", "qlearning", "ppo")
+
+
+def _run(cmd: list[str]) -> None:
+    print("$ " + " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=REPO)
+
+
+def train(agent: str, scenario: str, timesteps: int, runs: Path) -> tuple[list[str], dict[str, Any]]:
+    out = runs / f"{scenario}-{agent}"
+    cmd = ["python", "train.py", "--agent", agent, "--config", f"configs/runs/{agent}.yaml", "--scenario",
+           scenario, "--timesteps", str(timesteps), "--out", str(out.relative_to(REPO)), "--no-progress"]
+    _run([sys.executable, *cmd[1:]])
+    return cmd, json.loads((out / "summary.json").read_text())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--timesteps", type=int, default=20_000)
+    p.add_argument("--general-timesteps", type=int, default=40_000)
+    p.add_argument("--out", default=str(REPO / "policies"))
+    args = p.parse_args()
+    scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    out = Path(args.out)
+    runs = REPO / "runs" / "policies"
+    (out / "heuristic-tuned").mkdir(parents=True, exist_ok=True)
+    records: dict[str, Any] = {"machine": machine_info(), "timesteps": args.timesteps, "scenarios": {}}
+    for scenario in scenarios:
+        results = {agent: train(agent, scenario, args.timesteps, runs) for agent in AGENTS}
+        best = max(AGENTS, key=lambda a: (results[a][1]["final_eval"]["output_throughput"], -AGENTS.index(a)))
+        shutil.copyfile(results[best][1]["policy"] if Path(results[best][1]["policy"]).is_absolute()
+                        else REPO / results[best][1]["policy"], out / f"{scenario}.feather")
+        tuned_cmd = ["python", "-m", "agents.tuning", "--scenario", scenario, "--out",
+                     f"policies/heuristic-tuned/{scenario}.feather"]
+        _run([sys.executable, *tuned_cmd[1:]])
+        records["scenarios"][scenario] = {
+            "shipped": best, "command": " ".join(results[best][0]), "tuned_command": " ".join(tuned_cmd),
+            "agents": {a: {"output_throughput": r[1]["final_eval"]["output_throughput"],
+                           "mean_e2el_s": r[1]["final_eval"]["mean_e2el_s"], "command": " ".join(r[0]),
+                           "timesteps": r[1]["num_timesteps"], "wall_s": r[1]["wall_s"]}
+                       for a, r in results.items()}}
+    mix = "+".join(scenarios)
+    general_cmd, general = train("ppo", mix, args.general_timesteps, runs)
+    general_src = Path(general["policy"])
+    shutil.copyfile(general_src if general_src.is_absolute() else REPO / general_src, out / "general.feather")
+    records["general"] = {"agent": "ppo", "command": " ".join(general_cmd),
+                          "output_throughput_mix": general["final_eval"]["output_throughput"]}
+    (out / "build.json").write_text(json.dumps(records, indent=1) + "\n")
+    write_readme(out, records)
+    return 0
+
+
+def write_readme(out: Path, records: dict[str, Any]) -> None:
+    rows = []
+    for scenario, rec in records["scenarios"].items():
+        a = rec["agents"]
+        rows.append([f"`{scenario}.feather`", rec["shipped"],
+                     *(f"{a[x]['output_throughput']:.1f}" for x in AGENTS)])
+    lines = [
+        "# Shipped policies",
+        "",
+        "Every file here is a versioned policy file (`scheduler_runtime.policy`), served with",
+        "`feather-serve --scheduler feather:policies/NAME.feather` or `evaluate.py --schedulers",
+        "feather:policies/NAME.feather`, and made by `python scripts/build_policies.py`, which runs the",
+        "commands below as a user would. Training is on the simulator (calibrated on the real engine,",
+        "`configs/profiles/cpu-tiny-llama.json`); the figures are held-out end-to-end output tokens/s",
+        f"on the simulator ({records['timesteps']:,} training steps each; measured "
+        f"{records['machine']['date']} on {records['machine']['cpu']}). The real-engine figures of",
+        "each file are in the README's evaluation tables (`benchmarks/evaluation.py`).",
+        "",
+        "- `<scenario>.feather`: the best of UCB, Q-learning and PPO on the scenario (ties: the",
+        "  simpler agent, in that order).",
+        "- `heuristic-tuned/<scenario>.feather`: the authors' heuristic with its constants searched on",
+        "  the scenario (`python -m agents.tuning`), the baseline a learned policy must beat.",
+        "- `general.feather`: PPO trained on a mix of every scenario, for a user who deploys one policy.",
+        "",
+        format_table(["file", "shipped agent", *(f"{a} tok/s" for a in AGENTS)], rows),
+        "",
+        "Commands (run from the repository root):",
+        "",
+    ]
+    for scenario, rec in records["scenarios"].items():
+        lines += [f"- `{scenario}.feather`: `{rec['command']}` (then copied from its `policy.feather`); "
+                  f"tuned heuristic: `{rec['tuned_command']}`"]
+    g = records["general"]
+    lines += [f"- `general.feather`: `{g['command']}` (held-out output on the mix: "
+              f"{g['output_throughput_mix']:.1f} tokens/s)", "",
+              "Configs: `configs/runs/ucb.yaml`, `configs/runs/qlearning.yaml`, `configs/runs/ppo.yaml`; "
+              "scenarios: `configs/scenarios/`. `build.json` has every figure."]
+    (out / "README.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
