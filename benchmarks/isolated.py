@@ -24,6 +24,7 @@ from feather_env.engine import (
     build_llm,
     engine_core_of,
     forced_length_params,
+    shutdown_engine,
     tokens_prompt,
 )
 from feather_env.hostload import ForeignLoad, wait_for_quiet
@@ -185,10 +186,7 @@ class IsolatedBatchRunner:
         if self._closed:
             return
         self._closed = True
-        try:
-            engine_core_of(self.llm).shutdown()
-        except Exception:  # noqa: BLE001 - closing must not mask the original error
-            pass
+        shutdown_engine(self.llm)
         self.llm = None
         self._engine = None
 

@@ -208,6 +208,14 @@ def engine_core_of(llm: Any) -> Any:
     return core
 
 
+def shutdown_engine(llm: Any) -> None:
+    """Shut an in-process engine down; best effort (closing must not mask an earlier error)."""
+    try:
+        engine_core_of(llm).shutdown()
+    except Exception:  # noqa: BLE001 - the caller may be handling the error that brought it here
+        pass
+
+
 def forced_length_params(output_len: int, *, extra_args: Mapping[str, Any] | None = None,
                          delta: bool = False) -> Any:
     """``SamplingParams`` that generate exactly ``output_len`` tokens (token ids only).

@@ -42,6 +42,7 @@ from feather_env.engine import (
     build_llm,
     engine_core_of,
     forced_length_params,
+    shutdown_engine,
     tokens_prompt,
 )
 from feather_env.serving_metrics import RequestTimeline
@@ -406,7 +407,4 @@ class VLLMBackend(ServingBackend):
         if self._closed:
             return
         self._closed = True
-        try:
-            engine_core_of(self.llm).shutdown()
-        except Exception:  # noqa: BLE001 - closing must not mask the original error
-            pass
+        shutdown_engine(self.llm)
