@@ -433,7 +433,10 @@ class ScenarioMix(gym.Env):
         super().reset(seed=seed)
         options = dict(options or {})
         name = options.pop("scenario", None)
-        if name is None:
+        if name is None and options.get("episode_seed") is not None:
+            # a given episode is the same episode for every agent, whatever was drawn before
+            name = self.names[int(options["episode_seed"]) % len(self.names)]
+        elif name is None:
             name = self.names[int(self.np_random.integers(len(self.names)))]
         if name not in self.envs:
             raise ConfigError(f"scenario {name!r} is not in this mix {self.names}")

@@ -29,6 +29,7 @@ from feather_env.reporting import format_table, machine_info  # noqa: E402
 SCENARIOS = ("leval-kv-pressure", "leval-kv-pressure-poisson", "leval-high-load", "leval-summaries",
              "sharegpt", "longbench")
 AGENTS = ("ucb", "qlearning", "ppo")
+REFERENCES = ("always-add", "fcfs", "feather-heuristic", "heuristic-tuned", "general")
 
 
 def _run(cmd: list[str]) -> None:
@@ -76,17 +77,45 @@ def main() -> int:
     shutil.copyfile(general_src if general_src.is_absolute() else REPO / general_src, out / "general.feather")
     records["general"] = {"agent": "ppo", "command": " ".join(general_cmd),
                           "output_throughput_mix": general["final_eval"]["output_throughput"]}
+    references(out, records, runs)
     (out / "build.json").write_text(json.dumps(records, indent=1) + "\n")
     write_readme(out, records)
     return 0
+
+
+def references(out: Path, records: dict[str, Any], runs: Path) -> None:
+    """The baselines on each scenario's held-out episodes (those its agents were evaluated on).
+
+    always-add and fcfs come from the shipped agent's own run (``compare_with``); the authors'
+    heuristic, the tuned heuristic and ``general.feather`` are served here on the same seeds.
+    """
+    from agents.base import evaluate
+    from agents.training import load_config
+    from feather_env.env import FeatherEnv
+    from scheduler_runtime.policy import HeuristicRule, load_policy
+
+    for scenario, rec in records["scenarios"].items():
+        summary = json.loads((runs / f"{scenario}-{rec['shipped']}" / "summary.json").read_text())
+        cfg = load_config(REPO / "configs" / "runs" / f"{rec['shipped']}.yaml", scenario=scenario)
+        seeds = [cfg.train.eval_seed + i for i in range(cfg.train.eval_episodes)]
+        env = FeatherEnv(scenario, "sim")
+        refs = {name: summary["comparison"][name]["output_throughput"] for name in ("always-add", "fcfs")}
+        refs["feather-heuristic"] = evaluate(HeuristicRule(), env, seeds)["output_throughput"]
+        for name, path in (("heuristic-tuned", out / "heuristic-tuned" / f"{scenario}.feather"),
+                           ("general", out / "general.feather")):
+            refs[name] = evaluate(load_policy(path), env, seeds)["output_throughput"]
+        rec["references"] = refs
+        env.close()
 
 
 def write_readme(out: Path, records: dict[str, Any]) -> None:
     rows = []
     for scenario, rec in records["scenarios"].items():
         a = rec["agents"]
+        r = rec["references"]
         rows.append([f"`{scenario}.feather`", rec["shipped"],
-                     *(f"{a[x]['output_throughput']:.1f}" for x in AGENTS)])
+                     *(f"{a[x]['output_throughput']:.1f}" for x in AGENTS),
+                     *(f"{r[x]:.1f}" for x in REFERENCES)])
     lines = [
         "# Shipped policies",
         "",
@@ -105,7 +134,10 @@ def write_readme(out: Path, records: dict[str, Any]) -> None:
         "  the scenario (`python -m agents.tuning`), the baseline a learned policy must beat.",
         "- `general.feather`: PPO trained on a mix of every scenario, for a user who deploys one policy.",
         "",
-        format_table(["file", "shipped agent", *(f"{a} tok/s" for a in AGENTS)], rows),
+        "Columns: each agent's held-out output tokens/s, then the baselines on the same episodes",
+        "(`general` is `general.feather` served on the scenario).",
+        "",
+        format_table(["file", "shipped agent", *AGENTS, *REFERENCES], rows),
         "",
         "Commands (run from the repository root):",
         "",

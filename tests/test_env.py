@@ -146,6 +146,27 @@ def test_configuration_errors_are_clear():
 # ---------------------------------------------------------------------------- the real engine
 
 
+def test_scenario_mix_serves_a_held_out_episode_alike_for_every_agent():
+    from feather_env.env import ScenarioMix
+
+    names = [SCENARIO, "leval-summaries"]
+    mix = ScenarioMix(names, "sim")
+    check_env(mix, skip_render_check=True)
+    fresh = ScenarioMix(names, "sim")
+    # the first mix has drawn training episodes before; a held-out episode is the same episode
+    for seed in (0, 1, 7):
+        a = play_episode(mix, AlwaysAdd(), episode_seed=seed)
+        b = play_episode(fresh, AlwaysAdd(), episode_seed=seed)
+        assert mix.current.scenario.name == names[seed % 2] == fresh.current.scenario.name
+        assert a["duration"] == b["duration"] and a["completed"] == b["completed"] > 0
+    _, info = mix.reset(options={"scenario": "leval-summaries"})
+    assert info["scenario"] == "leval-summaries"
+    with pytest.raises(ConfigError, match="not in this mix"):
+        mix.reset(options={"scenario": "sharegpt"})
+    with pytest.raises(ConfigError, match="at least one"):
+        ScenarioMix([], "sim")
+
+
 def test_check_env_on_the_real_engine(env_backend):
     env = FeatherEnv(SCENARIO, env_backend)
     assert env.spec is None or env.spec.nondeterministic
