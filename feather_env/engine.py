@@ -14,8 +14,9 @@ read the scheduler's decisions. The same module holds the rest of what touches v
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -179,7 +180,40 @@ def build_llm(config: EngineConfig | None = None, **overrides: Any):  # -> vllm.
     if config.scheduler_cls:
         kwargs["scheduler_cls"] = config.scheduler_cls
     kwargs.update(config.extra)
-    return LLM(**kwargs)
+    with contextlib.ExitStack() as stack:
+        if config.skip_tokenizer_init:
+            stack.enter_context(_no_chat_template_warmup())
+        return LLM(**kwargs)
+
+
+@contextlib.contextmanager
+def _no_chat_template_warmup() -> Iterator[None]:
+    """Build an engine without the chat-template part of ``LLM()``'s renderer warm-up.
+
+    ``LLM.__init__`` warms up its renderer by rendering a chat message, which needs the
+    tokenizer; an engine told not to load one (``skip_tokenizer_init``: token ids in and out,
+    as every engine of this project) has none, so vLLM logged ``ValueError: Tokenizer not
+    available when skip_tokenizer_init=True`` with a traceback at every start. Such an engine
+    never renders a chat, so while it is built the warm-up skips that step when the renderer
+    has no tokenizer, and still runs the rest (the multimodal warm-up; nothing for this model).
+    """
+    from vllm.renderers.base import BaseRenderer
+
+    original = BaseRenderer.warmup
+
+    def warmup(self: Any, chat_params: Any) -> None:
+        if self.tokenizer is not None:
+            original(self, chat_params)
+            return
+        if self._mm_warmup_future is not None:
+            self._join_mm_warmup()
+        self.warmup_mm()
+
+    BaseRenderer.warmup = warmup
+    try:
+        yield
+    finally:
+        BaseRenderer.warmup = original
 
 
 class EngineError(RuntimeError):
