@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import math
 import sys
 import time
 from collections.abc import Sequence
@@ -53,6 +52,7 @@ from feather_env.evaluation import (  # noqa: E402
     compare,
     evaluate_endpoint,
     evaluate_in_process,
+    fit_engine,
     metrics_tables,
     probe_server,
     results_payload,
@@ -113,6 +113,8 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     how.add_argument("--max-concurrency", type=int, default=None, help="endpoint: requests in flight at most")
     how.add_argument("--no-hints", action="store_true", help="endpoint: do not send the Feather hints "
                      "(vllm_xargs feather_output_len, feather_source)")
+    how.add_argument("--reset-prefix-cache", action="store_true", help="endpoint: empty the server's prefix "
+                     "cache first, as each in-process run starts (vLLM: VLLM_SERVER_DEV_MODE=1)")
     how.add_argument("--request-timeout", type=float, default=600.0, help="endpoint: seconds per request")
     how.add_argument("--label", default=None, help="name of the run (in-process: prefix of each scheduler's)")
 
@@ -228,10 +230,7 @@ def build_workload(args: argparse.Namespace) -> tuple[Workload, EngineConfig, di
             wl[key] = _int_or_spec(getattr(args, key))
         config = WorkloadConfig(**wl)
         workload = _build_workload(config)
-        base = EngineConfig(**{**WORKLOAD_ENGINE, **engine_flags})
-        block = base.block_size
-        need = math.ceil((max(r.peak_tokens for r in workload) + 1) / block) * block
-        engine = replace(base, max_model_len=max(need, block))
+        engine = fit_engine(EngineConfig(**{**WORKLOAD_ENGINE, **engine_flags}), workload)
         knobs = {"chunk_size": None, "max_wait": None}
         record = {"workload_config": asdict(config)}
     if args.chunk_size is not None:
@@ -269,6 +268,7 @@ def run(argv: Sequence[str]) -> int:
     if args.endpoint is not None:
         endpoint = EndpointConfig(args.endpoint, model=args.model, max_concurrency=args.max_concurrency,
                                   label=args.label, hints=not args.no_hints,
+                                  reset_prefix_cache=args.reset_prefix_cache,
                                   request_timeout_s=args.request_timeout)
         server = probe_server(endpoint)
     else:

@@ -60,7 +60,7 @@ def e2e(tmp_path_factory, data_dir):
     _, engine, _ = evaluate.build_workload(evaluate._parse_args(["--quick"]))
     with LocalServer("feather-heuristic", engine, log_path=root / "feather-serve.log") as server:
         proc = _cli("--quick", "--endpoint", server.url, "--goodput", "ttft:60000", "e2el:60000",
-                    "--out", str(out["feather"]))
+                    "--reset-prefix-cache", "--out", str(out["feather"]))
         assert proc.returncode == 0, proc.stdout[-4000:] + server.log_tail()
         console["feather"] = proc.stdout
     with LocalServer(None, engine, log_path=root / "vllm-serve.log") as server:
@@ -138,6 +138,7 @@ def test_endpoint_runs_read_the_servers_metrics(e2e):
     vllm = payloads["vllm"]["runs"]["vllm-own"]
     assert label.startswith("feather-heuristic@127.0.0.1:")  # named after the server's scheduler
     assert feather["server_scheduler"] == "feather-heuristic" and vllm["server_scheduler"] is None
+    assert feather["prefix_cache_reset"] is True and vllm["prefix_cache_reset"] is False
     for m in (feather, vllm):
         s = m["server"]
         assert s["request_success"] == n and s["generation_tokens"] == m["total_output_tokens"]

@@ -14,7 +14,12 @@
 """
 
 from feather_env.evaluation.endpoint import EndpointConfig, EndpointError, evaluate_endpoint, probe_server
-from feather_env.evaluation.inprocess import InProcessConfig, evaluate_in_process, validate_schedulers
+from feather_env.evaluation.inprocess import (
+    InProcessConfig,
+    evaluate_in_process,
+    fit_engine,
+    validate_schedulers,
+)
 from feather_env.evaluation.report import (
     ENDPOINT,
     IN_PROCESS,
@@ -37,6 +42,7 @@ __all__ = [
     "compare",
     "evaluate_endpoint",
     "evaluate_in_process",
+    "fit_engine",
     "metrics_tables",
     "probe_server",
     "read_runs",

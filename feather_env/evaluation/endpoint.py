@@ -25,6 +25,10 @@ A request is completed when the server answered 200, streamed at least one chunk
 kept in the timelines, and its reason recorded in :attr:`Run.errors
 <feather_env.evaluation.report.Run>`, never dropped.
 
+With ``reset_prefix_cache`` the server's prefix cache is emptied before the run (``POST
+/reset_prefix_cache``, which vLLM serves with ``VLLM_SERVER_DEV_MODE=1``), so that the run starts
+cold as an in-process run does; otherwise it finds what earlier runs left cached.
+
 The server's ``/metrics`` is read before and after the run; the differences give the prefix-cache hit
 rate (``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries``), preemptions, requests served, the
 server's queue time and, when the server runs a Feather scheduler, its ``feather_scheduler_*``
@@ -53,7 +57,7 @@ from feather_env.workloads import Request, Workload
 from scheduler_runtime.config import ConfigError
 
 __all__ = ["EndpointConfig", "EndpointError", "ServerInfo", "evaluate_endpoint", "normalize_url",
-           "parse_prometheus", "probe_server", "read_metrics"]
+           "parse_prometheus", "probe_server", "read_metrics", "reset_prefix_cache"]
 
 
 class EndpointError(RuntimeError):
@@ -70,6 +74,7 @@ class EndpointConfig:
         max_concurrency: at most this many requests in flight (``None``: no limit).
         label: the run's name; ``None``: the server's Feather scheduler, or ``vllm``, ``@HOST:PORT``.
         hints: send the Feather hints in ``vllm_xargs`` (module docstring).
+        reset_prefix_cache: empty the server's prefix cache before the run (module docstring).
         request_timeout_s: a request not answered in full within this time fails.
         connect_timeout_s: for connecting, and for the checks before the run.
     """
@@ -79,6 +84,7 @@ class EndpointConfig:
     max_concurrency: int | None = None
     label: str | None = None
     hints: bool = True
+    reset_prefix_cache: bool = False
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
 
@@ -135,9 +141,26 @@ class ServerInfo:
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def _get(url: str, timeout: float) -> str:
-    with _OPENER.open(url, timeout=timeout) as resp:
+def _get(url: str, timeout: float, data: bytes | None = None) -> str:
+    with _OPENER.open(url, data=data, timeout=timeout) as resp:
         return resp.read().decode()
+
+
+def reset_prefix_cache(root: str, timeout: float = 30.0) -> None:
+    """Empty the server's prefix cache (vLLM's ``POST /reset_prefix_cache``, a dev-mode endpoint).
+
+    Raises:
+        EndpointError: the server has no such endpoint, or refused.
+    """
+    try:
+        _get(root + "/reset_prefix_cache", timeout, data=b"")
+    except urllib.error.HTTPError as exc:
+        hint = (" (vLLM serves it with VLLM_SERVER_DEV_MODE=1 in the server's environment)"
+                if exc.code in (404, 405) else "")
+        raise EndpointError(f"{root} cannot reset its prefix cache: HTTP {exc.code} for POST "
+                            f"/reset_prefix_cache{hint}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise EndpointError(f"cannot reach {root} to reset its prefix cache: {exc}") from None
 
 
 def probe_server(config: EndpointConfig) -> ServerInfo:
@@ -365,6 +388,8 @@ def evaluate_endpoint(workload: Workload, config: EndpointConfig, *, progress: b
         EndpointError: the server cannot be used (before any request is sent).
     """
     info = server or probe_server(config)
+    if config.reset_prefix_cache:
+        reset_prefix_cache(info.root)
     before = read_metrics(info.root, config.connect_timeout_s)
     figures = _server_figures(before, before)
     host = urllib.parse.urlsplit(info.root).netloc
@@ -385,7 +410,9 @@ def evaluate_endpoint(workload: Workload, config: EndpointConfig, *, progress: b
     errors = {t.request_id: err for t, _, err in results if err is not None}
     waits = [w for _, w, _ in results]
     extra: dict[str, Any] = {"endpoint": info.root, "model": info.model,
-                             "max_concurrency": config.max_concurrency, **_server_figures(before, after)}
+                             "max_concurrency": config.max_concurrency,
+                             "prefix_cache_reset": config.reset_prefix_cache,
+                             **_server_figures(before, after)}
     if config.max_concurrency:
         extra["mean_client_queue_ms"] = 1000 * sum(waits) / len(waits)
         extra["max_client_queue_ms"] = 1000 * max(waits)

@@ -26,10 +26,11 @@ requests at three prompt lengths, interpolated).
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +44,8 @@ from feather_env.workloads import Request, Workload
 from scheduler_runtime.config import ConfigError
 from scheduler_runtime.schedulers import SchedulerConfig
 
-__all__ = ["InProcessConfig", "IsolatedModel", "evaluate_in_process", "measure_isolated", "scheduler_config",
-           "serve_one", "validate_schedulers"]
+__all__ = ["InProcessConfig", "IsolatedModel", "evaluate_in_process", "fit_engine", "measure_isolated",
+           "scheduler_config", "serve_one", "validate_schedulers"]
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,13 @@ def validate_schedulers(names: Sequence[str]) -> tuple[str, ...]:
             except ValueError as exc:  # PolicyFormatError
                 raise ConfigError(f"scheduler {name!r}: {exc}") from exc
     return names
+
+
+def fit_engine(engine: EngineConfig, workload: Workload) -> EngineConfig:
+    """``engine`` with ``max_model_len`` set to the workload's longest request (whole blocks, + 1 token)."""
+    block = engine.block_size
+    need = math.ceil((max(r.peak_tokens for r in workload) + 1) / block) * block
+    return replace(engine, max_model_len=max(need, block))
 
 
 def scheduler_config(name: str, chunk_size: int | None = None,

@@ -7,8 +7,11 @@ with its engine core in a process of its own as in production, waits until ``/he
 and stops it (SIGINT, then SIGKILL of its process group) on exit. Both get the engine of an
 :class:`~feather_env.engine.EngineConfig` (:func:`server_args`: the bundled model with random
 weights, the KV cache, batch and token budget, block size, eager mode), so that a server and the
-in-process evaluation serve on the same engine; ``cpu_cores`` pins the server's engine threads
-(``VLLM_CPU_OMP_THREADS_BIND``). Everything the server prints goes to ``log_path``.
+in-process evaluation serve on the same engine; the engine's ``cpu_cores`` pins the server's engine
+threads (``VLLM_CPU_OMP_THREADS_BIND``), and ``other_cores`` the rest of the server (its API server
+process, the engine process's other threads), so that HTTP and detokenization do not run on the
+engine's core. The server runs with ``VLLM_SERVER_DEV_MODE=1``, so that a client can empty its
+prefix cache between runs (``POST /reset_prefix_cache``). Everything it prints goes to ``log_path``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 from types import TracebackType
 
 from feather_env.engine import GIB, EngineConfig
+from feather_env.hostload import pinned_cores
 
 __all__ = ["LocalServer", "free_port", "server_args"]
 
@@ -67,17 +71,21 @@ class LocalServer:
         log_path: where the server's output goes.
         extra_args: more server flags (they win over the defaults).
         scheduler_config: a ``--scheduler-config`` file for ``feather-serve``.
+        other_cores: pin the server's processes to these cores (``"0"``, ``"0-1"``), its engine
+            threads excepted (they follow the engine's ``cpu_cores``); ``None``: not pinned.
         start_timeout_s: how long to wait for ``/health``.
     """
 
     def __init__(self, scheduler: str | None, engine: EngineConfig | None = None, *,
                  log_path: str | Path, extra_args: tuple[str, ...] = (),
-                 scheduler_config: str | Path | None = None, start_timeout_s: float = 300.0) -> None:
+                 scheduler_config: str | Path | None = None, other_cores: str | None = None,
+                 start_timeout_s: float = 300.0) -> None:
         self.engine = engine or EngineConfig()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
         self.start_timeout_s = start_timeout_s
+        self.other_cores = pinned_cores(other_cores)
         args = [*server_args(self.engine), "--port", str(self.port), *extra_args]
         if scheduler is None:
             self.command = [sys.executable, "-m", VLLM_SERVER_MODULE, *args]
@@ -92,12 +100,19 @@ class LocalServer:
         # the server's default: its engine core in a process of its own
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         env.pop("VLLM_LOGGING_CONFIG_PATH", None)
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache (loopback only)
         if self.engine.cpu_cores is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.engine.cpu_cores
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        cores = self.other_cores
+
+        def pin() -> None:  # in the child, before exec: its processes inherit the mask
+            if cores and hasattr(os, "sched_setaffinity"):
+                os.sched_setaffinity(0, cores)
+
         with self.log_path.open("w") as log:
             self.proc = subprocess.Popen(self.command, cwd=REPO_ROOT, env=env, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+                                         stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin)
         try:
             self._wait_healthy()
         except BaseException:
