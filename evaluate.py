@@ -274,7 +274,8 @@ def run(argv: Sequence[str]) -> int:
     else:
         if args.max_concurrency is not None or args.model is not None:
             raise ConfigError("--max-concurrency and --model are for --endpoint runs")
-        schedulers = validate_schedulers((args.schedulers or DEFAULT_SCHEDULERS).split(","))
+        schedulers = validate_schedulers((args.schedulers or DEFAULT_SCHEDULERS).split(","),
+                                         args.chunk_size, args.max_wait)
     out = Path(args.out or f"runs/eval-{dt.datetime.now():%Y%m%d-%H%M%S}")
     workload, engine, record = build_workload(args)
     print(_describe(workload))

@@ -61,7 +61,7 @@ def measure(seed: int, repeats: int, out_dir: Path, progress: bool) -> dict[str,
     from dataclasses import replace
 
     from feather_env.evaluation.endpoint import EndpointConfig, evaluate_endpoint
-    from feather_env.evaluation.inprocess import InProcessConfig, serve_one
+    from feather_env.evaluation.inprocess import InProcessConfig, scheduler_overrides, serve_one
     from feather_env.evaluation.report import summarize
     from feather_env.evaluation.server import LocalServer
     from feather_env.hostload import wait_for_quiet
@@ -84,9 +84,11 @@ def measure(seed: int, repeats: int, out_dir: Path, progress: bool) -> dict[str,
         backend.serve(workload, SchedulerConfig.for_name("fcfs"))  # warm-up
         for name in SCHEDULERS:
             sched_file = None
-            if name.startswith("feather"):  # the knobs the in-process run gives it (scheduler_config)
+            if name != "fcfs":  # what the in-process run configures (inprocess.scheduler_overrides)
                 sched_file = out_dir / f"{name}.yaml"
-                sched_file.write_text(f"chunk_size: {knobs['chunk_size']}\nmax_wait: {knobs['max_wait']}\n")
+                overrides = scheduler_overrides(name, knobs["chunk_size"], knobs["max_wait"])
+                sched_file.write_text("".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}\n"
+                                              for k, v in overrides.items()))
             rows: dict[str, list[dict[str, Any]]] = {"inprocess": [], "endpoint": []}
             with LocalServer(name, engine, log_path=out_dir / f"server-{name}.log", other_cores=CLIENT_CORE,
                              scheduler_config=sched_file) as server:

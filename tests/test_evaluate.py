@@ -1,10 +1,12 @@
 """evaluate.py: in-process, against feather-serve and vLLM's own server, then compare; its errors; its report.
 
 The end-to-end fixture runs the command lines a user types, each in a subprocess: ``evaluate.py
---quick`` in-process (one engine, fcfs and feather-heuristic), ``feather-serve`` on loopback with
+--quick`` in-process (one engine: fcfs, feather-heuristic, and the two policies train.py exported, a
+Q-learning table alone and a PPO MLP with SVF admission), ``feather-serve`` on loopback with
 ``evaluate.py --endpoint URL --quick`` against it, the same against vLLM's own server (no Feather in
 it), and ``evaluate.py compare`` over the three folders. The servers are sized like the in-process
-engine (0.5 GiB KV). The other tests start no engine.
+engine (0.5 GiB KV). A second in-process run serves 8 LongBench requests with svf and oracle-svf on a
+KV cache too small for all of them at once, SVF's setting. The other tests start no engine.
 """
 
 from __future__ import annotations
@@ -50,11 +52,17 @@ def _requests(folder: Path) -> dict[str, list[dict[str, str]]]:
 
 
 @pytest.fixture(scope="module")
-def e2e(tmp_path_factory, data_dir):
+def schedulers(exported_policies) -> tuple[str, ...]:
+    return (*QUICK_SCHEDULERS, f"feather:{exported_policies['table']}",
+            f"feather:{exported_policies['mlp']}+svf")
+
+
+@pytest.fixture(scope="module")
+def e2e(tmp_path_factory, data_dir, schedulers):
     root = tmp_path_factory.mktemp("evaluate")
     out = {"inprocess": root / "inprocess", "feather": root / "feather", "vllm": root / "vllm",
            "compare": root / "compare"}
-    proc = _cli("--quick", "--schedulers", ",".join(QUICK_SCHEDULERS), "--out", str(out["inprocess"]))
+    proc = _cli("--quick", "--schedulers", ",".join(schedulers), "--out", str(out["inprocess"]))
     assert proc.returncode == 0, proc.stdout[-4000:]
     console = {"inprocess": proc.stdout}
     _, engine, _ = evaluate.build_workload(evaluate._parse_args(["--quick"]))
@@ -78,11 +86,11 @@ def e2e(tmp_path_factory, data_dir):
 
 
 @pytest.mark.engine
-def test_every_request_of_every_run_completes_with_its_tokens(e2e):
+def test_every_request_of_every_run_completes_with_its_tokens(e2e, schedulers):
     out, payloads, _ = e2e
     n = payloads["inprocess"]["workload"]["requests"]
     assert 6 <= n <= 12
-    labels = {"inprocess": list(QUICK_SCHEDULERS), "vllm": ["vllm-own"]}
+    labels = {"inprocess": list(schedulers), "vllm": ["vllm-own"]}
     for kind in ("inprocess", "feather", "vllm"):
         runs = payloads[kind]["runs"]
         if kind in labels:
@@ -154,13 +162,18 @@ def test_endpoint_runs_read_the_servers_metrics(e2e):
 
 
 @pytest.mark.engine
-def test_in_process_runs_keep_the_schedulers_own_figures(e2e):
+def test_in_process_runs_keep_the_schedulers_own_figures(e2e, schedulers):
     out, payloads, _ = e2e
-    fcfs, feather = payloads["inprocess"]["runs"]["fcfs"], payloads["inprocess"]["runs"]["feather-heuristic"]
+    runs = payloads["inprocess"]["runs"]
+    fcfs, feather = runs["fcfs"], runs["feather-heuristic"]
     n = fcfs["submitted"]
     assert fcfs["scheduler_stats"] is None and fcfs["scheduler_overhead_frac"] is None  # vLLM's own
     assert feather["scheduler_stats"]["finished"] == n and 0 <= feather["scheduler_overhead_frac"] < 1
-    for m in (fcfs, feather):
+    for name in schedulers[2:]:  # the exported policies decided in the engine
+        stats = runs[name]["scheduler_stats"]
+        assert stats["finished"] == n and stats["decisions"] == stats["adds"] + stats["stops"] > 0
+        assert stats["faults"] == {}, name
+    for m in runs.values():
         assert m["decode_tok_s"] > 0 and m["mean_running_batch"] >= 1 and m["preemptions"] == 0
         assert m["max_slowdown"] > 0 and 0 <= m["foreign_cpu"] <= 1 and m["prefix_hit_rate"] > 0.3
         assert 0 <= m["mean_queue_ms"] <= m["max_queue_ms"] <= m["mean_e2el_ms"] * 2
@@ -196,6 +209,35 @@ def test_compare_merges_in_process_and_endpoint_runs(e2e):
     assert all(f"| {label} |" in console["compare"] for label in expected)
 
 
+@pytest.fixture(scope="module")
+def longbench_run(tmp_path_factory, data_dir):
+    out = tmp_path_factory.mktemp("eval-longbench")
+    proc = _cli("--workload", "longbench", "--data-dir", str(data_dir), "--schedulers", "svf,oracle-svf",
+                "--num-requests", "8", "--max-prompt-tokens", "2048", "--output", "max",
+                "--max-output-tokens", "32", "--kv-cache-gib", "0.03125", "--max-num-seqs", "16",
+                "--arrival", "burst", "--seed", "1", "--out", str(out), "--no-progress", "--no-plots",
+                "--no-isolated")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.engine
+def test_svf_on_longbench_admits_by_volume_within_the_kv_cache(longbench_run):
+    payload = longbench_run
+    n = payload["workload"]["requests"]
+    assert n == 8 and list(payload["runs"]) == ["svf", "oracle-svf"]
+    for name, m in payload["runs"].items():
+        assert m["submitted"] == m["completed"] == n, name
+        assert m["p95_e2el_ms"] >= m["p50_e2el_ms"] > 0 and m["decode_tok_s"] > 0
+        stats = m["scheduler_stats"]
+        assert stats["finished"] == n and stats["faults"] == {}
+        assert sum(stats["released"].values()) == n and stats["released"]["order"] > 0
+        # 8 prompts of up to 2,048 tokens do not fit 8K KV tokens at once: the peak check refused some
+        assert stats["capacity_stops"] > 0, stats
+    assert payload["runs"]["svf"]["scheduler_stats"]["predictions"] == n  # predicted lengths
+    assert payload["runs"]["oracle-svf"]["scheduler_stats"]["predictions"] == 0  # the true ones
+
+
 # ------------------------------------------------------------------------------- no engine
 
 
@@ -218,6 +260,43 @@ def test_bad_input_is_a_clear_error_before_anything_starts(argv, message, tmp_pa
     assert evaluate.main([*argv, "--out", str(tmp_path / "o")]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.fixture
+def policy_256(tmp_path) -> Path:
+    from scheduler_runtime.policy import BASE_OBS_NAMES, ConstantPolicy, ObservationSpec, write_policy
+
+    spec = ObservationSpec(names=BASE_OBS_NAMES, low=(0, -64, 0), high=(64, 64, 64), scale=(64, 64, 64),
+                           chunk_size=256)
+    return write_policy(tmp_path / "add256.feather", ConstantPolicy(spec))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-wait", "nan"], "max_wait must be a finite number"),
+    (["--max-wait", "-1"], "max_wait must be a finite number"),
+    (["--chunk-size", "0"], "chunk_size must be >= 1"),
+    (["--schedulers", "fcfs,feather:{policy}", "--chunk-size", "512"], "in chunks of 256 tokens"),
+    (["--schedulers", "fcfs,feather:py:fault_policies:FailsToBuild"], "could not be built"),
+])
+def test_bad_knobs_are_errors_before_the_first_engine(tmp_path, capsys, monkeypatch, policy_256, args,
+                                                      message):
+    """Issue 12, M4: these failed when that scheduler's engine started, after the earlier ones ran."""
+    def no_engine(*a, **kw):
+        raise AssertionError("an engine was started")
+
+    monkeypatch.setattr(evaluate, "evaluate_in_process", no_engine)
+    argv = ["--quick", "--schedulers", "fcfs,feather-heuristic", "--out", str(tmp_path / "o")]
+    assert evaluate.main(argv + [a.format(policy=policy_256) for a in args]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_evaluation_trusts_its_own_hints_and_gives_feather_its_knobs():
+    assert inprocess.scheduler_overrides("fcfs", 64, 5.0) == {}
+    assert inprocess.scheduler_overrides("oracle-svf", 64, 5.0) == {"trust_client_hints": True}
+    assert inprocess.scheduler_overrides("feather-heuristic+svf", 64, 5.0) == {
+        "trust_client_hints": True, "chunk_size": 64, "max_wait": 5.0}
+    assert inprocess.scheduler_config("fcfs", 64, 5.0).passthrough  # vLLM's own scheduler
 
 
 def test_an_unreachable_server_is_named_with_the_reason(tmp_path, capsys):

@@ -11,8 +11,10 @@ clears its prefix cache.
 Time is the engine clock (the sum of measured step times; an idle engine jumps to the next
 arrival): arrivals, ``max_wait`` and every latency are on it, so nothing sleeps and the Python
 bookkeeping between steps is not counted. Requests carry their true length and source in
-``SamplingParams.extra_args`` and generate exactly their ``output_len`` tokens. A request that is not
-served exactly once with its tokens stops the evaluation (:class:`~feather_env.engine.EngineError`).
+``SamplingParams.extra_args``, which the schedulers read because the evaluation trusts its own
+clients (``trust_client_hints``, :func:`scheduler_overrides`), and generate exactly their
+``output_len`` tokens. A request that is not served exactly once with its tokens stops the
+evaluation (:class:`~feather_env.engine.EngineError`).
 
 Per run, besides the timelines (:mod:`feather_env.evaluation.report`), :attr:`Run.extra
 <feather_env.evaluation.report.Run>` holds ``decode_tok_s`` (decode-only steps), ``mean_running_batch``,
@@ -45,7 +47,7 @@ from scheduler_runtime.config import ConfigError
 from scheduler_runtime.schedulers import SchedulerConfig
 
 __all__ = ["InProcessConfig", "IsolatedModel", "evaluate_in_process", "fit_engine", "measure_isolated",
-           "scheduler_config", "serve_one", "validate_schedulers"]
+           "scheduler_config", "scheduler_overrides", "serve_one", "validate_schedulers"]
 
 
 @dataclass(frozen=True)
@@ -93,33 +95,32 @@ class InProcessConfig:
         return d
 
 
-def validate_schedulers(names: Sequence[str]) -> tuple[str, ...]:
-    """Check every name (unknown, duplicate, unreadable ``feather:PATH``) before anything starts.
+def validate_schedulers(names: Sequence[str], chunk_size: int | None = None,
+                        max_wait: float | None = None) -> tuple[str, ...]:
+    """Check every name, and the knobs each gets, before anything starts: unknown name, duplicate,
+    unreadable ``feather:PATH`` policy, a ``chunk_size`` or ``max_wait`` out of range, a chunk size
+    that is not the policy's (the scheduler's own check at engine start, made here for every name).
 
     Raises:
         ConfigError: naming the bad entry and the known names.
     """
+    from scheduler_runtime.policy import PLUGIN_PREFIX
+    from scheduler_runtime.schedulers import check_scheduler
+
     names = tuple(n.strip() for n in names if n.strip())
     if not names:
         raise ConfigError("no scheduler given: --schedulers fcfs,feather-heuristic,...")
+    SchedulerConfig(chunk_size=chunk_size, max_wait=max_wait)  # the knobs, whichever names use them
     seen: set[str] = set()
     for name in names:
         if name in seen:
             raise ConfigError(f"scheduler {name!r} is listed twice")
         seen.add(name)
         config = SchedulerConfig.for_name(name)  # unknown names raise ConfigError listing the known
-        if config.policy:
-            path = Path(config.policy)
-            if not path.is_file():
-                raise ConfigError(f"scheduler {name!r}: policy file {path} does not exist")
-            try:
-                from scheduler_runtime.policy import load_policy
-
-                load_policy(path)
-            except ImportError as exc:
-                raise ConfigError(f"scheduler {name!r}: cannot load policies: {exc}") from exc
-            except ValueError as exc:  # PolicyFormatError
-                raise ConfigError(f"scheduler {name!r}: {exc}") from exc
+        policy_file = config.policy and not config.policy.startswith(PLUGIN_PREFIX)
+        if policy_file and not Path(config.policy).is_file():
+            raise ConfigError(f"scheduler {name!r}: policy file {config.policy} does not exist")
+        check_scheduler(name, **scheduler_overrides(name, chunk_size, max_wait))
     return names
 
 
@@ -130,16 +131,28 @@ def fit_engine(engine: EngineConfig, workload: Workload) -> EngineConfig:
     return replace(engine, max_model_len=max(need, block))
 
 
-def scheduler_config(name: str, chunk_size: int | None = None,
-                     max_wait: float | None = None) -> SchedulerConfig:
-    """The production configuration of ``name``, with the Feather names' chunk and ``max_wait``."""
-    overrides: dict[str, Any] = {}
+def scheduler_overrides(name: str, chunk_size: int | None, max_wait: float | None) -> dict[str, Any]:
+    """The :class:`~scheduler_runtime.schedulers.SchedulerConfig` fields an evaluation sets.
+
+    Client hints are trusted (the evaluation serves its own workload: true lengths and sources);
+    ``chunk_size`` and ``max_wait`` are Feather's knobs (the Feather names only); ``fcfs`` is vLLM's
+    own scheduler and takes none.
+    """
+    if name == "fcfs":
+        return {}
+    overrides: dict[str, Any] = {"trust_client_hints": True}
     if name.startswith("feather"):
         if chunk_size is not None:
             overrides["chunk_size"] = chunk_size
         if max_wait is not None:
             overrides["max_wait"] = max_wait
-    return SchedulerConfig.for_name(name, **overrides)
+    return overrides
+
+
+def scheduler_config(name: str, chunk_size: int | None = None,
+                     max_wait: float | None = None) -> SchedulerConfig:
+    """The configuration scheduler ``name`` serves with in the evaluation (:func:`scheduler_overrides`)."""
+    return SchedulerConfig.for_name(name, **scheduler_overrides(name, chunk_size, max_wait))
 
 
 @dataclass
@@ -206,7 +219,7 @@ def evaluate_in_process(
         ConfigError: a bad scheduler name (before the engine starts).
         EngineError: a request not served exactly once with its tokens, or a run past the timeout.
     """
-    names = validate_schedulers(config.schedulers)
+    names = validate_schedulers(config.schedulers, config.chunk_size, config.max_wait)
     need = max(r.peak_tokens for r in workload) + 1
     if config.engine.max_model_len < need:
         raise ConfigError(f"engine max_model_len {config.engine.max_model_len} < the workload's longest "
