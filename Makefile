@@ -49,6 +49,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.cht_overhead --json results/cht_overhead.json --budget-s 2 \
 		--structures cht radix-lpm radix-lpm-nocheck radix-dfs-weight
 	$(BIN)/python -m benchmarks.scheduler_overhead --json results/scheduler_overhead.json
+	$(BIN)/python -m benchmarks.endpoint_agreement --json results/endpoint_agreement.json
 	$(BIN)/python scripts/update_readme.py
 
 # A smaller version of every table (a few minutes): smoke-checks the benchmarks themselves.

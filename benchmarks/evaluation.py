@@ -1,8 +1,9 @@
 """The README's evaluation: schedulers on the real vLLM engine, L-Eval, ShareGPT and LongBench.
 
-Each cell is one :func:`evaluate.evaluate` call (the same requests and arrival times replayed
-through one fresh in-process engine per scheduler); per-cell outputs (JSON, CSV, markdown,
-plots) go to ``results/eval/<cell>/`` and everything to ``--json``:
+Each cell is one in-process evaluation (:func:`feather_env.evaluation.evaluate_in_process`: the
+same requests and arrival times served by one in-process engine once per scheduler, each deciding
+as in production); per-cell outputs (JSON, CSV, markdown, plots; the metrics in ``vllm bench
+serve``'s vocabulary) go to ``results/eval/<cell>/`` and everything to ``--json``:
 
 1. ``leval-poisson`` and ``leval-burst``: L-Eval, all 15 task files mixed (8 documents drawn at
    random with at most 12 questions each, queue order shuffled), Poisson (6 requests/s) and
@@ -26,7 +27,7 @@ pinned to one core (``cpu_cores="1"``, see :class:`feather_env.engine.EngineConf
 ``--policy auto`` takes the learned L-Eval policy with the best real-engine decode throughput
 from ``results/agents.json`` (written by ``benchmarks/agents.py``), if there is one.
 ``--quick``: a smoke run (a few short requests per cell). Run it under
-``flock /tmp/feather-cpu.lock`` on the shared machine.
+``flock /tmp/feather-engine.lock`` on the shared machine.
 """
 
 from __future__ import annotations
@@ -35,10 +36,9 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +47,9 @@ from feather_env.engine import use_in_process_engine  # noqa: E402  (before vLLM
 use_in_process_engine()
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the benchmark prints its own progress
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
 from feather_env.reporting import machine_info, write_json  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
 
 __all__ = ["Cell", "check_targets", "combined_summary", "feather_names", "main", "make_cells",
            "resolve_policy"]
@@ -163,23 +161,30 @@ def resolve_policy(policy: str | None, results_dir: Path) -> tuple[str | None, s
 
 
 def run_cell(cell: Cell, out_root: Path, progress: bool, retry_until: float | None = None) -> dict[str, Any]:
-    import evaluate
     from feather_env.engine import EngineConfig
-    from feather_env.workloads import WorkloadConfig
-
-    config = evaluate.EvalConfig(
-        workload=WorkloadConfig.from_mapping(cell.workload),
-        schedulers=cell.schedulers,
-        engine=EngineConfig(max_model_len=256, **cell.engine),
-        quiet_wait_s=3.0,
-        max_foreign=MAX_FOREIGN,
-        retries=RETRIES,
-        repeats=cell.repeats,
-        progress=progress,
+    from feather_env.evaluation import (
+        InProcessConfig,
+        evaluate_in_process,
+        fit_engine,
+        metrics_tables,
+        results_payload,
+        write_results,
     )
+    from feather_env.workloads import WorkloadConfig, build_workload
+
+    t0 = time.perf_counter()
+    wl_config = WorkloadConfig.from_mapping(cell.workload)
+    workload = build_workload(wl_config)
+    engine = fit_engine(EngineConfig(**cell.engine), workload)
+    config = InProcessConfig(schedulers=cell.schedulers, engine=engine, quiet_wait_s=3.0,
+                             max_foreign=MAX_FOREIGN, retries=RETRIES, repeats=cell.repeats)
     print(f"\n== {cell.name}: {', '.join(cell.schedulers)}", flush=True)
-    payload = evaluate.evaluate(config, out_root / cell.name, retry_until=retry_until)
-    print(evaluate.metrics_tables(payload["schedulers"]), flush=True)
+    runs, info = evaluate_in_process(workload, config, progress=progress, retry_until=retry_until)
+    payload = results_payload(runs, workload={**workload.describe(), "fingerprint": workload.fingerprint()},
+                              workload_config=asdict(wl_config), engine=engine.to_dict(),
+                              inprocess=config.to_dict(), **info, wall_s=time.perf_counter() - t0)
+    write_results(out_root / cell.name, payload, runs, title=f"{cell.name} ({payload['machine']['date']})")
+    print(metrics_tables(payload["runs"]), flush=True)
     return payload
 
 
@@ -199,7 +204,7 @@ def check_targets(cells: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str,
     for cell in ("leval-poisson", "leval-burst"):
         if cell not in cells:
             continue
-        s = cells[cell]["schedulers"]
+        s = cells[cell]["runs"]
         feather = {n: m["decode_tok_s"] for n, m in s.items() if n.startswith("feather")}
         best = max(feather, key=lambda n: feather[n])
         fcfs = s["fcfs"]["decode_tok_s"]
@@ -209,42 +214,43 @@ def check_targets(cells: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str,
         t[f"{cell}: best Feather decode tok/s vs better of lpm/dfs-weight"] = _target(
             _ratio(feather[best], s[baseline]["decode_tok_s"]), ">=", 1.2,
             f"{best} {feather[best]:.1f} vs {baseline} {s[baseline]['decode_tok_s']:.1f} tok/s")
-    all_done = [(c, n) for c, p in cells.items() for n, m in p["schedulers"].items()
+    all_done = [(c, n) for c, p in cells.items() for n, m in p["runs"].items()
                 if m["completed"] != m["submitted"]]
     t["completed == submitted for every scheduler of every cell"] = {
         "value": not all_done, "target": "True", "met": not all_done,
         "detail": "all complete" if not all_done else f"incomplete: {all_done}"}
     if "sharegpt" in cells:
-        s = cells["sharegpt"]["schedulers"]
+        s = cells["sharegpt"]["runs"]
         feather = {n: m["decode_tok_s"] for n, m in s.items() if n.startswith("feather")}
         best = max(feather, key=lambda n: feather[n])
         t["sharegpt: best Feather decode tok/s vs fcfs"] = _target(
             _ratio(feather[best], s["fcfs"]["decode_tok_s"]), ">=", 0.98,
             f"{best} {feather[best]:.1f} vs fcfs {s['fcfs']['decode_tok_s']:.1f} tok/s")
     if "longbench" in cells:
-        s = cells["longbench"]["schedulers"]
+        s = cells["longbench"]["runs"]
         t["longbench: svf mean latency vs fcfs"] = _target(
-            _ratio(s["svf"]["latency_mean_s"], s["fcfs"]["latency_mean_s"]), "<=", 0.8,
-            f"svf {s['svf']['latency_mean_s']:.2f} s vs fcfs {s['fcfs']['latency_mean_s']:.2f} s")
+            _ratio(s["svf"]["mean_e2el_ms"], s["fcfs"]["mean_e2el_ms"]), "<=", 0.8,
+            f"svf {s['svf']['mean_e2el_ms']:.0f} ms vs fcfs {s['fcfs']['mean_e2el_ms']:.0f} ms")
         t["longbench: svf P95 latency vs sjf P95"] = _target(
-            _ratio(s["svf"]["latency_p95_s"], s["sjf"]["latency_p95_s"]), "<=", 1.0,
-            f"svf {s['svf']['latency_p95_s']:.2f} s vs sjf {s['sjf']['latency_p95_s']:.2f} s")
-        r = _ratio(s["svf-1bit"]["latency_mean_s"], s["svf"]["latency_mean_s"])
+            _ratio(s["svf"]["p95_e2el_ms"], s["sjf"]["p95_e2el_ms"]), "<=", 1.0,
+            f"svf {s['svf']['p95_e2el_ms']:.0f} ms vs sjf {s['sjf']['p95_e2el_ms']:.0f} ms")
+        r = _ratio(s["svf-1bit"]["mean_e2el_ms"], s["svf"]["mean_e2el_ms"])
         t["longbench: svf-1bit mean latency within 10% of svf"] = _target(
             None if r is None else abs(r - 1.0), "<=", 0.10,
-            f"svf-1bit {s['svf-1bit']['latency_mean_s']:.2f} s vs svf {s['svf']['latency_mean_s']:.2f} s "
+            f"svf-1bit {s['svf-1bit']['mean_e2el_ms']:.0f} ms vs svf {s['svf']['mean_e2el_ms']:.0f} ms "
             f"(ratio {r:.3f}; value = |ratio - 1|)" if r is not None else "n/a")
     return t
 
 
 def combined_summary(cells: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """(4): Feather + SVF admission vs each alone, per L-Eval cell."""
-    keys = ("decode_tok_s", "e2e_tok_s", "latency_mean_s", "latency_p95_s", "ttft_mean_s", "max_wait_s")
+    keys = ("decode_tok_s", "output_throughput", "mean_e2el_ms", "p95_e2el_ms", "mean_ttft_ms",
+            "max_queue_ms")
     out: dict[str, Any] = {}
     for cell in ("leval-poisson", "leval-burst"):
         if cell not in cells:
             continue
-        s = cells[cell]["schedulers"]
+        s = cells[cell]["runs"]
         out[cell] = {n: {k: s[n][k] for k in keys} for n in s if n == "svf" or n.startswith("feather")}
     return out
 
@@ -260,8 +266,9 @@ def _print_combined(combined: Mapping[str, Any]) -> None:
     print("\nFeather + SVF admission vs each alone (L-Eval):")
     for cell, rows in combined.items():
         for name, m in rows.items():
-            print(f"  {cell:14s} {name:28s} decode {m['decode_tok_s']:7.1f} tok/s  e2e {m['e2e_tok_s']:6.1f} "
-                  f"tok/s  latency mean {m['latency_mean_s']:6.2f} s  P95 {m['latency_p95_s']:6.2f} s")
+            print(f"  {cell:14s} {name:28s} decode {m['decode_tok_s']:7.1f} tok/s  output "
+                  f"{m['output_throughput']:6.1f} tok/s  E2EL mean {m['mean_e2el_ms']:6.0f} ms  "
+                  f"P95 {m['p95_e2el_ms']:6.0f} ms")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -305,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _print_combined(combined)
     _print_targets(targets)
     print(f"\nwall time: {wall:.0f} s (budget {BUDGET_S} s: {'within' if wall <= BUDGET_S else 'OVER'})")
-    import evaluate
+    from feather_env.evaluation.report import DEFINITIONS
 
     write_json(json_path, {
         "benchmark": "evaluation",
@@ -320,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "quick_overrides": QUICK if args.quick else None, "notes": SETTINGS_NOTES,
                      "cells": {c.name: {"schedulers": list(c.schedulers), "workload": c.workload,
                                         "engine": c.engine} for c in cells}},
-        "definitions": evaluate._DEFINITIONS,
+        "definitions": DEFINITIONS,
         "wall_s": wall,
         "budget_s": BUDGET_S,
         "machine": machine_info(),

@@ -9,13 +9,19 @@ read the scheduler's decisions. The same module holds the rest of what touches v
 - :func:`forced_length_params`: sampling parameters that generate exactly N tokens;
 - :func:`tokens_prompt`: a token-id prompt;
 - :class:`ScheduleTap`: what each ``schedule()`` of a scheduler decided;
-- :func:`engine_core_of`: the in-process ``EngineCore`` of a ``vllm.LLM``.
+- :func:`engine_core_of`: the in-process ``EngineCore`` of a ``vllm.LLM``;
+- :func:`send_vllm_logs_to`: vLLM's log lines into a file instead of the terminal.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
+import logging.config
 import os
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,8 +184,119 @@ def build_llm(config: EngineConfig | None = None, **overrides: Any):  # -> vllm.
     )
     if config.scheduler_cls:
         kwargs["scheduler_cls"] = config.scheduler_cls
+    if _vllm_log_config is not None:
+        from vllm.config.logging import LoggingConfig
+
+        kwargs["logging_config"] = LoggingConfig(pylogging_config_file=str(_vllm_log_config))
     kwargs.update(config.extra)
-    return LLM(**kwargs)
+    with contextlib.ExitStack() as stack:
+        if _vllm_log_config is not None:
+            stack.enter_context(_native_stderr_to(_vllm_log_file()))
+        if config.skip_tokenizer_init:
+            stack.enter_context(_no_chat_template_warmup())
+        return LLM(**kwargs)
+
+
+@contextlib.contextmanager
+def _no_chat_template_warmup() -> Iterator[None]:
+    """Build an engine without the chat-template part of ``LLM()``'s renderer warm-up.
+
+    ``LLM.__init__`` warms up its renderer by rendering a chat message, which needs the
+    tokenizer; an engine told not to load one (``skip_tokenizer_init``: token ids in and out,
+    as every engine of this project) has none, so vLLM logged ``ValueError: Tokenizer not
+    available when skip_tokenizer_init=True`` with a traceback at every start. Such an engine
+    never renders a chat, so while it is built the warm-up skips that step when the renderer
+    has no tokenizer, and still runs the rest (the multimodal warm-up; nothing for this model).
+    """
+    from vllm.renderers.base import BaseRenderer
+
+    original = BaseRenderer.warmup
+
+    def warmup(self: Any, chat_params: Any) -> None:
+        if self.tokenizer is not None:
+            original(self, chat_params)
+            return
+        if self._mm_warmup_future is not None:
+            self._join_mm_warmup()
+        self.warmup_mm()
+
+    BaseRenderer.warmup = warmup
+    try:
+        yield
+    finally:
+        BaseRenderer.warmup = original
+
+
+#: The dictConfig file that sends vLLM's log records to a file (:func:`send_vllm_logs_to`).
+_vllm_log_config: Path | None = None
+
+
+def send_vllm_logs_to(log_file: str | Path | None) -> Path | None:
+    """From now on, vLLM's log records go to ``log_file`` (appended) instead of the terminal.
+
+    For command lines that print their own progress: vLLM logs tens of INFO and WARNING lines per
+    engine start. It uses vLLM's own mechanism, a ``logging.config.dictConfig`` file
+    (``VLLM_LOGGING_CONFIG_PATH``, read when vLLM is imported, and ``LoggingConfig`` given to every
+    engine :func:`build_llm` starts), written next to the log and applied at once; Python warnings
+    raised meanwhile go to the same file, and so does what native code writes to stderr while an
+    engine starts. ``None`` puts vLLM's own configuration back (its lines on the terminal).
+
+    Returns the path of the dictConfig file (``None`` when restoring).
+    """
+    global _vllm_log_config
+    if log_file is None:
+        if _vllm_log_config is not None:
+            _vllm_log_config = None
+            os.environ.pop("VLLM_LOGGING_CONFIG_PATH", None)
+            logging.captureWarnings(False)
+            if "vllm.logger" in sys.modules:
+                from vllm.config.logging import LoggingConfig
+                from vllm.logger import configure_logging
+
+                configure_logging(LoggingConfig(pylogging_config_file=None))
+        return None
+    log_file = Path(log_file).resolve()
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    handler = {"class": "logging.FileHandler", "filename": str(log_file), "mode": "a",
+               "formatter": "plain", "encoding": "utf-8"}
+    config = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"plain": {"format": "%(levelname)s %(asctime)s [%(name)s] %(message)s"}},
+        "handlers": {"file": handler},
+        "loggers": {"vllm": {"handlers": ["file"], "level": "INFO", "propagate": False},
+                    "py.warnings": {"handlers": ["file"], "level": "WARNING", "propagate": False}},
+    }
+    path = log_file.with_name(log_file.name + ".config.json")
+    path.write_text(json.dumps(config, indent=1) + "\n")
+    _vllm_log_config = path
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(path)
+    logging.captureWarnings(True)
+    # Now too: vLLM may already be configured, and some of its modules log at import time,
+    # before vLLM reads the file.
+    logging.config.dictConfig(config)
+    return path
+
+
+def _vllm_log_file() -> Path:
+    assert _vllm_log_config is not None
+    return _vllm_log_config.with_name(_vllm_log_config.name.removesuffix(".config.json"))
+
+
+@contextlib.contextmanager
+def _native_stderr_to(path: Path) -> Iterator[None]:
+    """File descriptor 2 goes to ``path`` while inside (torch's C++ warnings bypass ``logging``)."""
+    fd = 2
+    sys.stderr.flush()
+    saved = os.dup(fd)
+    with open(path, "ab") as target:
+        os.dup2(target.fileno(), fd)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, fd)
+        os.close(saved)
 
 
 class EngineError(RuntimeError):

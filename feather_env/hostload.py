@@ -87,14 +87,16 @@ class ForeignLoad:
         self.steal = max(0, steal - steal0) / _TICKS / machine_s
 
 
-def wait_for_quiet(threshold: float = 0.05, timeout_s: float = 120.0, probe_s: float = 1.0) -> float:
+def wait_for_quiet(threshold: float = 0.05, timeout_s: float = 120.0, probe_s: float = 1.0,
+                   cores: tuple[int, ...] | None = None) -> float:
     """Block until other processes use less than ``threshold`` of the machine over ``probe_s``.
 
-    Returns the last probe's fraction (above ``threshold`` when ``timeout_s`` ran out).
+    ``cores``: of these cores only (see :class:`ForeignLoad`). Returns the last probe's fraction
+    (above ``threshold`` when ``timeout_s`` ran out).
     """
     deadline = time.perf_counter() + timeout_s
     while True:
-        with ForeignLoad() as load:
+        with ForeignLoad(cores) as load:
             time.sleep(probe_s)
         if load.fraction < threshold or time.perf_counter() >= deadline:
             return load.fraction

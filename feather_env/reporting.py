@@ -38,13 +38,15 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def write_json(path: str | Path | None, payload: dict[str, Any]) -> None:
+def write_json(path: str | Path | None, payload: dict[str, Any], *, quiet: bool = False) -> None:
+    """Write ``payload`` as indented JSON (and say so, unless ``quiet``)."""
     if not path:
         return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, default=float) + "\n")
-    print(f"wrote {path}")
+    if not quiet:
+        print(f"wrote {path}")
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

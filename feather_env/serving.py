@@ -18,6 +18,9 @@ the decisions, and the backend moves the engine between them:
 - :meth:`ServingBackend.timelines`: every request's arrival, first scheduling, first token and
   finish on the episode's clock, and its prefix-cache hit.
 
+:meth:`VLLMBackend.serve` serves a whole episode the other way, as in production: the
+scheduler answers its own decisions inside the engine (what ``evaluate.py`` measures).
+
 Every request is checked to be served exactly once with its token count: a request that finishes
 twice, with the wrong number of tokens, or never, is an :class:`~feather_env.engine.EngineError`.
 
@@ -31,7 +34,7 @@ from __future__ import annotations
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,13 +127,14 @@ class ServingBackend(ABC):
         self.measured_steps: list[MeasuredStep] = []
 
     # -- what the environment calls ------------------------------------------------------------
-    def start(self, episode: Workload, config: SchedulerConfig) -> FeatherRuntime:
+    def start(self, episode: Workload, config: SchedulerConfig) -> FeatherRuntime | None:
         """Serve ``episode`` from now on: an empty engine, a cleared prefix cache, a new core.
 
-        Returns the runtime whose core the environment drives.
+        Returns the runtime whose core the environment drives (``None`` for a passthrough
+        configuration, ``fcfs``: vLLM's own scheduler, which only :meth:`serve` runs).
         """
         self._reset_engine(config)
-        assert self.runtime is not None
+        assert self.runtime is not None or config.passthrough
         self.clock = 0.0
         self._pending = sorted(episode, key=lambda r: r.arrival_time)  # stable: queue order on ties
         self._timelines = {r.request_id: RequestTimeline(r.request_id, r.prompt_len, r.output_len,
@@ -168,7 +172,7 @@ class ServingBackend(ABC):
             raise EngineError("the episode is over: every request has finished")
         adv = Advance()
         try:
-            if not self._engine_busy() and self.runtime is not None and not len(self.runtime.core):
+            if not self._engine_busy() and (self.runtime is None or not len(self.runtime.core)):
                 # nothing in the system: jump to the next arrival
                 if self._next >= len(self._pending):
                     raise EngineError(f"the engine is idle with {len(self._timelines) - self._finished} "
@@ -260,8 +264,12 @@ class ServingBackend(ABC):
             raise EngineError(f"the engine returned unknown request {request_id!r}")
         if t.finished_count:
             raise EngineError(f"request {request_id!r} produced output after it finished")
-        if new_tokens and math.isnan(t.first_token):
-            t.first_token = now
+        if new_tokens:
+            if math.isnan(t.first_token):
+                t.first_token = now
+            else:
+                t.itl.append(now - t.last_output)
+            t.last_output = now
         t.tokens += new_tokens
         if finished:
             t.finished_count += 1
@@ -328,6 +336,32 @@ class VLLMBackend(ServingBackend):
     def release(self, request_ids: Sequence[str]) -> None:
         if request_ids:
             self.scheduler.feather_release(list(request_ids))
+
+    def serve(self, episode: Workload, config: SchedulerConfig,
+              on_advance: Callable[[Advance], None] | None = None) -> list[RequestTimeline]:
+        """Serve the whole of ``episode`` as in production, and return :meth:`timelines`.
+
+        The scheduler answers its own decisions in every ``schedule()`` (its policy, ordering and
+        ``max_wait``, on this backend's clock), as ``feather-serve`` runs it; a passthrough
+        ``config`` (``fcfs``) is vLLM's own scheduler. Arrivals, steps, the exactly-once checks and
+        the timelines are :meth:`start`'s and :meth:`advance`'s. ``on_advance`` sees every
+        :class:`Advance` (it may raise to stop the episode; the next :meth:`start` cleans up).
+
+        Raises:
+            EngineError: as :meth:`advance`, or a request not served exactly once with its tokens.
+        """
+        scheduler = self.scheduler
+        scheduler.feather_external_rounds = False
+        try:
+            self.start(episode, config)
+            while not self.done:
+                adv = self.advance()
+                if on_advance is not None:
+                    on_advance(adv)
+            self.check_complete()
+        finally:
+            scheduler.feather_external_rounds = True
+        return self.timelines()
 
     def _reset_engine(self, config: SchedulerConfig) -> None:
         if self._closed:

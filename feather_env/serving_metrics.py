@@ -8,25 +8,37 @@ benchmarks), with ``vllm/benchmarks/serve.py``'s names and definitions:
   generated tokens, and prompt + generated tokens per second of ``duration``;
 - ``{mean,median,std,pNN}_ttft_ms``: arrival -> first token; ``..._tpot_ms``: (E2E latency - TTFT)
   / (output tokens - 1), requests with at least 2 tokens (the first token excluded);
-  ``..._e2el_ms``: arrival -> last token; percentiles ``percentiles`` (vLLM's default is 99);
+  ``..._itl_ms``: the gaps between a request's successive outputs after the first, pooled over
+  requests (vLLM's client measures one per streamed chunk: a chunk that carries several tokens is
+  one gap, so mean ITL can exceed TPOT); ``..._e2el_ms``: arrival -> last token; percentiles
+  ``percentiles`` (vLLM's default is 99);
 - ``request_goodput``: completed requests per second that met every SLO of ``goodput``
-  (``{"ttft": ms, "tpot": ms, "e2el": ms}``, vLLM's ``--goodput``; a request with one token has
-  TPOT 0 there, as in vLLM); ``None`` without SLOs.
+  (``{"ttft": ms, "tpot": ms, "e2el": ms}``, vLLM's ``--goodput``, parsed by :func:`parse_goodput`;
+  a request with one token has TPOT 0 there, as in vLLM); ``None`` without SLOs;
+- ``max_output_tokens_per_s``, ``max_concurrent_requests``: the busiest one-second bucket from the
+  first arrival, counting outputs (as vLLM does: chunks) and requests in flight.
 
-Also, beyond vLLM's keys: ``prefix_hit_rate`` (prompt tokens served from the prefix cache when a
-request was first scheduled / all prompt tokens), ``completed`` and ``submitted``.
+Where arrival is the moment the request reached the server (``vllm bench serve``: when its client
+sent it). Also, beyond vLLM's keys: ``prefix_hit_rate`` (prompt tokens served from the prefix
+cache when a request was first scheduled / all prompt tokens), and ``submitted``. ``completed``
+is stricter than vLLM's (a successful response): a request served exactly once with all of its
+tokens; the others are ``failed``.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-__all__ = ["RequestTimeline", "serving_metrics"]
+__all__ = ["GOODPUT_SLOS", "RequestTimeline", "parse_goodput", "serving_metrics"]
+
+#: The SLOs ``--goodput`` takes (vLLM's names), each in milliseconds.
+GOODPUT_SLOS = ("ttft", "tpot", "e2el")
 
 
 @dataclass
@@ -44,6 +56,10 @@ class RequestTimeline:
     prefix_hit_tokens: int = 0
     finished_count: int = 0
     source: str = ""
+    #: Seconds between successive outputs after the first (one per output that carried tokens).
+    itl: list[float] = field(default_factory=list)
+    #: When the latest output came (NaN before the first).
+    last_output: float = math.nan
 
     @property
     def completed(self) -> bool:
@@ -76,6 +92,60 @@ def _stats(name: str, seconds: Sequence[float], percentiles: Sequence[float]) ->
     return out
 
 
+def parse_goodput(spec: str | Sequence[str] | None) -> dict[str, float]:
+    """``"ttft:500 tpot:50"`` (or ``["ttft:500", "tpot:50"]``, vLLM's ``--goodput`` pairs) -> SLOs in ms.
+
+    Raises:
+        ValueError: a pair that is not ``NAME:MS``, an unknown name, a repeated name, or a negative
+            or non-finite value (vLLM accepts 0).
+    """
+    if spec is None:
+        return {}
+    pairs = spec.split() if isinstance(spec, str) else [p for item in spec for p in str(item).split()]
+    slos: dict[str, float] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition(":")
+        try:
+            ms = float(value) if sep else math.nan
+        except ValueError:
+            ms = math.nan
+        if not sep or math.isnan(ms):
+            raise ValueError(f"goodput SLO {pair!r} is not NAME:MILLISECONDS (e.g. ttft:500 tpot:50)")
+        if name not in GOODPUT_SLOS:
+            raise ValueError(f"unknown goodput SLO {name!r}; valid: {', '.join(GOODPUT_SLOS)} (milliseconds)")
+        if name in slos:
+            raise ValueError(f"goodput SLO {name!r} is given twice")
+        if not (ms >= 0 and math.isfinite(ms)):
+            raise ValueError(f"goodput SLO {pair!r}: the value must be a finite number of milliseconds >= 0")
+        slos[name] = ms
+    return slos
+
+
+def _busiest_second(done: Sequence[RequestTimeline]) -> tuple[float, int]:
+    """vLLM's ``max_output_tokens_per_s`` and ``max_concurrent_requests``: the largest count, over
+    one-second buckets from the first arrival, of outputs (the first token, then one per ITL gap)
+    and of requests in flight (every bucket from its arrival's to its finish's)."""
+    if not done:
+        return 0.0, 0
+    start = min(r.arrival for r in done)
+    buckets = int(np.ceil(max(r.finish for r in done) - start)) + 1
+    # every output's time: a cumulative sum restarted at each request's first token
+    sizes = np.array([1 + len(r.itl) for r in done])
+    values = np.fromiter(itertools.chain.from_iterable((r.first_token - start, *r.itl) for r in done),
+                         dtype=float, count=int(sizes.sum()))
+    total = np.cumsum(values)
+    ends = np.cumsum(sizes)
+    before = np.repeat(np.concatenate([[0.0], total[ends[:-1] - 1]]), sizes)
+    idx = (total - before).astype(int)
+    outputs = np.bincount(idx[(idx >= 0) & (idx < buckets)], minlength=buckets)
+    first = np.array([int(r.arrival - start) for r in done])
+    last = np.array([int(r.finish - start) for r in done])
+    flight = np.zeros(buckets + 1, dtype=int)
+    np.add.at(flight, first, 1)
+    np.add.at(flight, last + 1, -1)
+    return float(outputs.max()), int(np.cumsum(flight).max())
+
+
 def serving_metrics(
     timelines: Iterable[RequestTimeline],
     *,
@@ -93,11 +163,11 @@ def serving_metrics(
     reqs = list(timelines)
     done = [r for r in reqs if r.completed]
     if goodput:
-        unknown = sorted(set(goodput) - {"ttft", "tpot", "e2el"})
+        unknown = sorted(set(goodput) - set(GOODPUT_SLOS))
         if unknown:
             raise ValueError(f"unknown goodput SLO(s) {unknown}; valid: ttft, tpot, e2el (milliseconds)")
-        if any(not (v > 0 and math.isfinite(v)) for v in goodput.values()):
-            raise ValueError(f"goodput SLOs must be positive milliseconds, got {dict(goodput)}")
+        if any(not (v >= 0 and math.isfinite(v)) for v in goodput.values()):
+            raise ValueError(f"goodput SLOs must be finite milliseconds >= 0, got {dict(goodput)}")
     if duration is None:
         if done:
             duration = max(r.finish for r in done) - min(r.arrival for r in reqs)
@@ -129,7 +199,9 @@ def serving_metrics(
         out["goodput_slos_ms"] = dict(goodput)
     out.update(_stats("ttft", [r.ttft for r in done], percentiles))
     out.update(_stats("tpot", [r.tpot for r in done if r.tokens > 1], percentiles))
+    out.update(_stats("itl", [gap for r in done for gap in r.itl], percentiles))
     out.update(_stats("e2el", [r.e2el for r in done], percentiles))
+    out["max_output_tokens_per_s"], out["max_concurrent_requests"] = _busiest_second(done)
     prompt = sum(r.prompt_len for r in reqs)
     out["prefix_hit_rate"] = sum(r.prefix_hit_tokens for r in reqs) / prompt if prompt else 0.0
     return out

@@ -167,12 +167,14 @@ def render_evaluation(res: dict[str, Any]) -> str:
     """results/evaluation.json (benchmarks/evaluation.py): one table per cell, then the targets."""
     quick = " **quick smoke run, not the real figures**" if res.get("quick") else ""
     out = [f"`python -m benchmarks.evaluation` ({_machine(res)}; wall time {res.get('wall_s', 0):.0f} s; "
-           f"engine pinned to one core){quick}. Latencies in seconds from arrival; decode tok/s over "
-           f"decode-only engine steps; slowdown = latency / the request's time alone on the idle engine.", ""]
+           f"engine pinned to one core){quick}. `vllm bench serve`'s names: latencies in ms from arrival, "
+           f"output tok/s over the run; decode tok/s over decode-only engine steps; slowdown = latency / the "
+           f"request's time alone on the idle engine.", ""]
     policy = (res.get("policy") or {}).get("path")
     out += [f"Trained Feather policy: {policy or 'none'} ({(res.get('policy') or {}).get('note', '')}).", ""]
-    headers = ["scheduler", "done", "decode tok/s", "e2e tok/s", "latency mean", "P95", "P99", "TTFT mean",
-               "max wait", "max slowdown", "batch", "prefix hit", "sched overhead", "foreign CPU"]
+    headers = ["scheduler", "done", "decode tok/s", "output tok/s", "mean E2EL ms", "P95", "P99",
+               "mean TTFT ms", "max queue ms", "max slowdown", "batch", "prefix hit", "sched overhead",
+               "foreign CPU"]
     for cell, payload in res.get("cells", {}).items():
         w = payload["workload"]
         out += [f"**{cell}**: {w['requests']} requests, {w['groups']} prefix groups, prompts mean "
@@ -180,15 +182,16 @@ def render_evaluation(res: dict[str, Any]) -> str:
                 f"{w['output_tokens_mean']:.1f} / max {w['output_tokens_max']} tokens, arrivals "
                 f"{w['arrivals']}, KV cache {payload['engine']['kv_cache_gib']:g} GiB:", ""]
         rows = []
-        for name, m in payload["schedulers"].items():
+        for name, m in payload["runs"].items():
             rows.append([f"`{name}`", f"{m['completed']}/{m['submitted']}", _num(m["decode_tok_s"], "{:.1f}"),
-                         _num(m["e2e_tok_s"], "{:.1f}"), _num(m["latency_mean_s"]), _num(m["latency_p95_s"]),
-                         _num(m["latency_p99_s"]), _num(m["ttft_mean_s"]), _num(m["max_wait_s"]),
+                         _num(m["output_throughput"], "{:.1f}"), _num(m["mean_e2el_ms"], "{:,.0f}"),
+                         _num(m["p95_e2el_ms"], "{:,.0f}"), _num(m["p99_e2el_ms"], "{:,.0f}"),
+                         _num(m["mean_ttft_ms"], "{:,.0f}"), _num(m["max_queue_ms"], "{:,.0f}"),
                          _num(m["max_slowdown"], "{:.1f}"), _num(m["mean_running_batch"], "{:.1f}"),
                          _num(m["prefix_hit_rate"], "{:.0%}"), _num(m["scheduler_overhead_frac"], "{:.2%}"),
                          _num(m["foreign_cpu"], "{:.0%}")])
         out += [format_table(headers, rows), ""]
-        reps = {n: m["repeats"]["decode_tok_s"] for n, m in payload["schedulers"].items() if m.get("repeats")}
+        reps = {n: m["repeats"]["decode_tok_s"] for n, m in payload["runs"].items() if m.get("repeats")}
         if reps:
             out += [f"Each scheduler ran {len(next(iter(reps.values())))} times, alternating; the row is the "
                     "run with the median decode throughput (decode tok/s of every run: "
@@ -251,6 +254,31 @@ def render_scheduler_overhead(res: dict[str, Any]) -> str:
                                     "overhead fraction", "prediction fraction"], rows)])
 
 
+def render_endpoint_agreement(res: dict[str, Any]) -> str:
+    """results/endpoint_agreement.json (benchmarks/endpoint_agreement.py): in-process vs feather-serve."""
+    w = res["workload"]
+    rows, detail = [], []
+    for name, r in res["results"].items():
+        a, b = r["inprocess"], r["endpoint"]
+        rows.append([f"`{name}`", f"{a['median_output_throughput']:.1f}",
+                     f"{b['median_output_throughput']:.1f}", f"{r['ratio']:.3f}",
+                     "met" if r["met"] else "**NOT met**"])
+        detail.append(f"`{name}` in-process " + ", ".join(f"{v:.1f}" for v in a["output_throughput"])
+                      + "; endpoint " + ", ".join(f"{v:.1f}" for v in b["output_throughput"]))
+    done = all(r["all_completed"] for r in res["results"].values())
+    foreign = max(max(r["inprocess"]["foreign_cpu"]) for r in res["results"].values())
+    return "\n".join([
+        f"Scenario `{res['scenario']}` episode {res['seed']}, {w['requests']} requests of {w['groups']} "
+        f"L-Eval documents (prompts mean {w['prompt_tokens_mean']:.0f} tokens), each generating exactly "
+        f"{w['output_tokens_max']} tokens, burst; KV cache {res['engine']['kv_cache_gib']:g} GiB "
+        f"({_machine(res)}; `{res['command']}`):", "",
+        format_table(["scheduler", "in-process output tok/s", "feather-serve output tok/s (endpoint)",
+                      "endpoint / in-process", f"within {res['target']:.0%}"], rows), "",
+        f"Every run: {res['repeats']} per side (output tok/s: {'; '.join(detail)}); every request completed "
+        f"with its tokens: {done}; other processes used at most {foreign:.0%} of the engine's core during "
+        f"the in-process runs."])
+
+
 RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "scheduler_overhead": ("scheduler_overhead.json", render_scheduler_overhead),
     "agents": ("agents.json", render_agents),
@@ -261,6 +289,7 @@ RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "env_orderings": ("env_orderings.json", render_env_orderings),
     "rewards": ("rewards.json", render_rewards),
     "evaluation": ("evaluation.json", render_evaluation),
+    "endpoint_agreement": ("endpoint_agreement.json", render_endpoint_agreement),
 }
 
 
@@ -279,14 +308,17 @@ def render_env_manual() -> str:
     return f"{summary}\n\n{body}\n\n</details>"
 
 
-def update(readme: str, results: Path, renderers=RENDERERS) -> tuple[str, list[str]]:
+def update(readme: str, results: Path, renderers=RENDERERS, only: set[str] | None = None
+           ) -> tuple[str, list[str]]:
     done = []
     pattern = re.compile(r"(<!-- BEGIN env_manual -->\n).*?(<!-- END env_manual -->)", re.S)
-    if pattern.search(readme):
+    if pattern.search(readme) and (only is None or "env_manual" in only):
         body = render_env_manual()
         readme = pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), readme)
         done.append("env_manual")
     for name, (fname, render) in renderers.items():
+        if only is not None and name not in only:
+            continue
         path = results / fname
         pattern = re.compile(rf"(<!-- BEGIN {re.escape(name)} -->\n).*?(<!-- END {re.escape(name)} -->)",
                              re.S)
@@ -302,9 +334,17 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--results", default="results")
     p.add_argument("--readme", default="README.md")
+    p.add_argument("--only", default=None,
+                   help=f"comma-separated sections (default all: env_manual, {', '.join(RENDERERS)})")
     args = p.parse_args()
     readme = Path(args.readme)
-    text, done = update(readme.read_text(), Path(args.results))
+    only = None
+    if args.only:
+        only = {s.strip() for s in args.only.split(",") if s.strip()}
+        unknown = only - set(RENDERERS) - {"env_manual"}
+        if unknown:
+            raise SystemExit(f"unknown sections {sorted(unknown)}; known: {['env_manual', *RENDERERS]}")
+    text, done = update(readme.read_text(), Path(args.results), only=only)
     readme.write_text(text)
     print(f"updated README sections: {', '.join(done) or 'none'}")
     return 0

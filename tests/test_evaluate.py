@@ -1,10 +1,12 @@
-"""evaluate.py end to end on a tiny L-Eval workload and a small LongBench one, plus its error paths.
+"""evaluate.py: in-process, against feather-serve and vLLM's own server, then compare; its errors; its report.
 
-The L-Eval test starts four real engines (fcfs, feather-heuristic, and the two policies
-train.py exported: a Q-learning table alone and a PPO MLP with SVF admission, ~3-20 s each)
-on 12 L-Eval requests cut to 1024 prompt tokens with 4 output tokens. The LongBench test
-starts two (svf, oracle-svf) on 8 requests generating their task's maximum tokens,
-with a KV cache too small for all of them at once, SVF's setting. The other tests start none.
+The end-to-end fixture runs the command lines a user types, each in a subprocess: ``evaluate.py
+--quick`` in-process (one engine: fcfs, feather-heuristic, and the two policies train.py exported, a
+Q-learning table alone and a PPO MLP with SVF admission), ``feather-serve`` on loopback with
+``evaluate.py --endpoint URL --quick`` against it, the same against vLLM's own server (no Feather in
+it), and ``evaluate.py compare`` over the three folders. The servers are sized like the in-process
+engine (0.5 GiB KV). A second in-process run serves 8 LongBench requests with svf and oracle-svf on a
+KV cache too small for all of them at once, SVF's setting. The other tests start no engine.
 """
 
 from __future__ import annotations
@@ -12,90 +14,210 @@ from __future__ import annotations
 import csv
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import evaluate
-from feather_env.workloads import DataNotFoundError
+from feather_env.evaluation import endpoint, inprocess, report
+from feather_env.evaluation.server import LocalServer, free_port
+from feather_env.serving_metrics import RequestTimeline
+from feather_env.workloads import synthetic_workload
+
+REPO = Path(__file__).resolve().parent.parent
+QUICK_SCHEDULERS = ("fcfs", "feather-heuristic")
+#: Every key of vllm bench serve's result JSON that our results carry (percentile 99: vLLM's default).
+VLLM_KEYS = ["duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+             "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
+             "max_output_tokens_per_s", "max_concurrent_requests"] + [
+    f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el")
+    for stat in ("mean", "median", "std", "p99")]
+
+
+def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python evaluate.py ARGS`` as a user runs it (stdout and stderr together)."""
+    return subprocess.run([sys.executable, str(REPO / "evaluate.py"), *args], cwd=REPO, timeout=timeout,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _requests(folder: Path) -> dict[str, list[dict[str, str]]]:
+    rows: dict[str, list[dict[str, str]]] = {}
+    with (folder / "requests.csv").open() as fh:
+        for row in csv.DictReader(fh):
+            rows.setdefault(row["run"], []).append(row)
+    return rows
 
 
 @pytest.fixture(scope="module")
 def schedulers(exported_policies) -> tuple[str, ...]:
-    return ("fcfs", "feather-heuristic", f"feather:{exported_policies['table']}",
+    return (*QUICK_SCHEDULERS, f"feather:{exported_policies['table']}",
             f"feather:{exported_policies['mlp']}+svf")
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory, data_dir, schedulers):
-    out = tmp_path_factory.mktemp("eval")
-    rc = evaluate.main([
-        "--workload", "leval", "--data-dir", str(data_dir), "--schedulers", ",".join(schedulers),
-        "--num-groups", "3", "--max-per-group", "4", "--max-prompt-tokens", "1024",
-        "--max-output-tokens", "4", "--kv-cache-gib", "0.5", "--max-num-seqs", "16",
-        "--arrival", "poisson:20", "--seed", "3", "--out", str(out / "run"),
-        "--json", str(out / "copy.json"), "--no-progress",
-    ])
-    assert rc == 0
-    return out
+def e2e(tmp_path_factory, data_dir, schedulers):
+    root = tmp_path_factory.mktemp("evaluate")
+    out = {"inprocess": root / "inprocess", "feather": root / "feather", "vllm": root / "vllm",
+           "compare": root / "compare"}
+    proc = _cli("--quick", "--schedulers", ",".join(schedulers), "--out", str(out["inprocess"]))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    console = {"inprocess": proc.stdout}
+    _, engine, _ = evaluate.build_workload(evaluate._parse_args(["--quick"]))
+    with LocalServer("feather-heuristic", engine, log_path=root / "feather-serve.log") as server:
+        proc = _cli("--quick", "--endpoint", server.url, "--goodput", "ttft:60000", "e2el:60000",
+                    "--reset-prefix-cache", "--out", str(out["feather"]))
+        assert proc.returncode == 0, proc.stdout[-4000:] + server.log_tail()
+        console["feather"] = proc.stdout
+    with LocalServer(None, engine, log_path=root / "vllm-serve.log") as server:
+        assert "scheduler_runtime" not in " ".join(server.command)
+        proc = _cli("--quick", "--endpoint", server.url + "/v1", "--label", "vllm-own",
+                    "--max-concurrency", "4", "--out", str(out["vllm"]))
+        assert proc.returncode == 0, proc.stdout[-4000:] + server.log_tail()
+        console["vllm"] = proc.stdout
+    proc = _cli("compare", str(out["inprocess"]), str(out["feather"]), str(out["vllm"]),
+                "--out", str(out["compare"]))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    console["compare"] = proc.stdout
+    payloads = {k: json.loads((v / "results.json").read_text()) for k, v in out.items()}
+    return out, payloads, console
 
 
 @pytest.mark.engine
-def test_outputs_exist_and_every_request_completes(tiny_run, schedulers):
-    run = tiny_run / "run"
-    for name in ("results.json", "results.csv", "results.md", "requests.csv", "throughput.png",
-                 "latency_cdf.png", "batch_size.png"):
-        assert (run / name).is_file() and (run / name).stat().st_size > 0, name
-    payload = json.loads((run / "results.json").read_text())
-    assert json.loads((tiny_run / "copy.json").read_text())["schedulers"] == payload["schedulers"]
-    assert list(payload["schedulers"]) == list(schedulers)
-    n = payload["workload"]["requests"]
-    assert 3 < n <= 12 and payload["workload"]["groups"] == 3 and payload["machine"]["cores"]
-    for name, m in payload["schedulers"].items():
-        assert m["submitted"] == m["completed"] == n, name
-        assert n <= m["output_tokens"] <= 4 * n  # answers may be shorter than the cap
-        assert m["decode_tok_s"] > 0 and m["e2e_tok_s"] > 0 and m["e2e_req_s"] > 0
-        assert m["latency_p99_s"] >= m["latency_p95_s"] >= m["latency_p50_s"] > 0
-        assert m["latency_mean_s"] >= m["ttft_mean_s"] > 0
-        assert m["ttft_mean_s"] >= m["queue_mean_s"] >= 0
-        assert m["max_wait_s"] >= m["queue_mean_s"]
-        assert m["max_slowdown"] > 0 and m["mean_running_batch"] >= 1
-        assert 0 <= m["prefix_hit_rate"] <= 1 and 0 <= m["foreign_cpu"] <= 1
-        assert m["makespan_s"] >= m["latency_mean_s"]
-    assert payload["schedulers"]["fcfs"]["scheduler_overhead_frac"] is None
-    feather = payload["schedulers"]["feather-heuristic"]
-    assert 0 <= feather["scheduler_overhead_frac"] < 1
-    assert feather["scheduler_stats"]["finished"] == n
-    # three documents, four questions each: the prefix cache must be hit
-    assert feather["prefix_hit_rate"] > 0.3
+def test_every_request_of_every_run_completes_with_its_tokens(e2e, schedulers):
+    out, payloads, _ = e2e
+    n = payloads["inprocess"]["workload"]["requests"]
+    assert 6 <= n <= 12
+    labels = {"inprocess": list(schedulers), "vllm": ["vllm-own"]}
+    for kind in ("inprocess", "feather", "vllm"):
+        runs = payloads[kind]["runs"]
+        if kind in labels:
+            assert list(runs) == labels[kind]
+        assert payloads[kind]["workload"]["fingerprint"] == payloads["inprocess"]["workload"]["fingerprint"]
+        for label, rows in _requests(out[kind]).items():
+            assert runs[label]["submitted"] == runs[label]["completed"] == len(rows) == n, label
+            assert runs[label]["failed"] == 0 and "errors" not in runs[label]
+            for r in rows:
+                assert int(r["tokens"]) == int(r["output_len"]) == 8 and int(r["finished_count"]) == 1
+                t = [float(r[k]) for k in ("arrival", "first_token", "finish")]
+                assert all(math.isfinite(x) for x in t) and t[0] <= t[1] <= t[2], r
+
+
+@pytest.mark.engine
+def test_vllm_bench_serve_keys_are_present_and_agree_with_the_request_timelines(e2e):
+    out, payloads, _ = e2e
+    for kind in ("inprocess", "feather", "vllm"):
+        for label, rows in _requests(out[kind]).items():
+            m = payloads[kind]["runs"][label]
+            missing = [k for k in VLLM_KEYS if k not in m]
+            assert not missing, (label, missing)
+            tokens = sum(int(r["tokens"]) for r in rows)
+            prompt = sum(int(r["prompt_len"]) for r in rows)
+            e2el = [float(r["finish"]) - float(r["arrival"]) for r in rows]
+            ttft = [float(r["first_token"]) - float(r["arrival"]) for r in rows]
+            tpot = [(float(r["finish"]) - float(r["first_token"])) / (int(r["tokens"]) - 1) for r in rows]
+            # the same throughput, seconds vs milliseconds
+            assert m["total_output_tokens"] == tokens and m["total_input_tokens"] == prompt
+            assert m["output_throughput"] == pytest.approx(tokens / m["duration"])
+            assert m["request_throughput"] == pytest.approx(len(rows) / m["duration"])
+            assert m["total_token_throughput"] == pytest.approx((tokens + prompt) / m["duration"])
+            assert m["mean_e2el_ms"] == pytest.approx(1000 * np.mean(e2el))
+            assert m["mean_ttft_ms"] == pytest.approx(1000 * np.mean(ttft))
+            assert m["mean_tpot_ms"] == pytest.approx(1000 * np.mean(tpot))  # the first token excluded
+            assert m["duration"] >= max(e2el) > 0 and m["p99_e2el_ms"] >= m["median_e2el_ms"] > 0
+            gaps = [len(r["itl"].split()) for r in rows]
+            if kind == "inprocess":
+                assert gaps == [7] * len(rows)  # one output per engine step: 8 tokens, 7 gaps
+            else:
+                assert all(1 <= g <= 7 for g in gaps)  # a streamed chunk may carry several tokens
+    feather = next(iter(payloads["feather"]["runs"].values()))
+    assert feather["goodput_slos_ms"] == {"ttft": 60000.0, "e2el": 60000.0}
+    assert feather["request_goodput"] == pytest.approx(feather["request_throughput"])  # generous SLOs
+    assert payloads["vllm"]["runs"]["vllm-own"]["request_goodput"] is None  # as vLLM without --goodput
+
+
+@pytest.mark.engine
+def test_endpoint_runs_read_the_servers_metrics(e2e):
+    _, payloads, _ = e2e
+    n = payloads["inprocess"]["workload"]["requests"]
+    (label, feather), = payloads["feather"]["runs"].items()
+    vllm = payloads["vllm"]["runs"]["vllm-own"]
+    assert label.startswith("feather-heuristic@127.0.0.1:")  # named after the server's scheduler
+    assert feather["server_scheduler"] == "feather-heuristic" and vllm["server_scheduler"] is None
+    assert feather["prefix_cache_reset"] is True and vllm["prefix_cache_reset"] is False
+    for m in (feather, vllm):
+        s = m["server"]
+        assert s["request_success"] == n and s["generation_tokens"] == m["total_output_tokens"]
+        assert s["prompt_tokens"] == m["total_input_tokens"] and m["preemptions"] == 0
+        assert 0 < m["prefix_hit_rate"] < 1  # 3 documents x several questions
+    f = feather["server"]["feather"]
+    assert f["released_total"] == n and f["decisions_total"] == f["add_total"] + f["stop_total"]
+    # at most 4 in flight: the other requests waited for a slot at the client (vLLM's client_queue_time)
+    assert vllm["max_concurrency"] == 4 and 0 < vllm["mean_client_queue_ms"] < vllm["max_client_queue_ms"]
+    # the same scheduler on the same workload hits the prefix cache as often in-process and served
+    inproc = payloads["inprocess"]["runs"]["feather-heuristic"]
+    assert feather["prefix_hit_rate"] == pytest.approx(inproc["prefix_hit_rate"], abs=0.05)
+
+
+@pytest.mark.engine
+def test_in_process_runs_keep_the_schedulers_own_figures(e2e, schedulers):
+    out, payloads, _ = e2e
+    runs = payloads["inprocess"]["runs"]
+    fcfs, feather = runs["fcfs"], runs["feather-heuristic"]
+    n = fcfs["submitted"]
+    assert fcfs["scheduler_stats"] is None and fcfs["scheduler_overhead_frac"] is None  # vLLM's own
+    assert feather["scheduler_stats"]["finished"] == n and 0 <= feather["scheduler_overhead_frac"] < 1
     for name in schedulers[2:]:  # the exported policies decided in the engine
-        stats = payload["schedulers"][name]["scheduler_stats"]
+        stats = runs[name]["scheduler_stats"]
         assert stats["finished"] == n and stats["decisions"] == stats["adds"] + stats["stops"] > 0
         assert stats["faults"] == {}, name
-    # per-request rows: every request once per scheduler, timeline in order
-    with (run / "requests.csv").open() as fh:
-        rows = list(csv.DictReader(fh))
-    assert len(rows) == n * len(schedulers)
-    for r in rows:
-        t = [float(r[k]) for k in ("arrival", "first_scheduled", "first_token", "finish")]
-        assert all(math.isfinite(x) for x in t) and t[0] <= t[1] <= t[2] <= t[3], r
-        assert int(r["tokens"]) == int(r["output_len"])
-    with (run / "results.csv").open() as fh:
-        table = list(csv.DictReader(fh))
-    assert [r["scheduler"] for r in table] == list(schedulers)
-    assert "| fcfs |" in (run / "results.md").read_text()
+    for m in runs.values():
+        assert m["decode_tok_s"] > 0 and m["mean_running_batch"] >= 1 and m["preemptions"] == 0
+        assert m["max_slowdown"] > 0 and 0 <= m["foreign_cpu"] <= 1 and m["prefix_hit_rate"] > 0.3
+        assert 0 <= m["mean_queue_ms"] <= m["max_queue_ms"] <= m["mean_e2el_ms"] * 2
+    assert (out["inprocess"] / "steps.csv").is_file() and (out["inprocess"] / "batch_size.png").is_file()
+    log = (out["inprocess"] / "vllm.log").read_text()
+    assert "Initializing a V1 LLM engine" in log  # vLLM's lines went to the run folder ...
+    assert "Tokenizer not available" not in log  # ... and the warm-up traceback is gone
+
+
+@pytest.mark.engine
+def test_console_output_is_short_and_says_where_the_results_went(e2e):
+    out, _, console = e2e
+    for kind in ("inprocess", "feather", "vllm", "compare"):
+        lines = console[kind].splitlines()
+        assert len(lines) <= 40, (kind, console[kind])
+        assert f"results in {out[kind]}/" in console[kind]
+        assert not [x for x in lines if " INFO " in x or "WARNING" in x or "Traceback" in x], console[kind]
+    assert "vllm.log" in console["inprocess"]
+
+
+@pytest.mark.engine
+def test_compare_merges_in_process_and_endpoint_runs(e2e):
+    out, payloads, console = e2e
+    merged = payloads["compare"]
+    assert merged["same_workload"] is True
+    expected = [*payloads["inprocess"]["runs"], *payloads["feather"]["runs"], *payloads["vllm"]["runs"]]
+    assert list(merged["runs"]) == expected
+    for kind in ("inprocess", "feather", "vllm"):
+        for label, m in payloads[kind]["runs"].items():
+            assert merged["runs"][label] == m and merged["sources"][label] == str(out[kind])
+    for name in ("throughput.png", "latency_cdf.png", "batch_size.png", "results.md", "requests.csv"):
+        assert (out["compare"] / name).stat().st_size > 0, name
+    assert all(f"| {label} |" in console["compare"] for label in expected)
 
 
 @pytest.fixture(scope="module")
 def longbench_run(tmp_path_factory, data_dir):
     out = tmp_path_factory.mktemp("eval-longbench")
-    rc = evaluate.main([
-        "--workload", "longbench", "--data-dir", str(data_dir), "--schedulers", "svf,oracle-svf",
-        "--num-requests", "8", "--max-prompt-tokens", "2048", "--output", "max", "--max-output-tokens", "32",
-        "--kv-cache-gib", "0.03125", "--max-num-seqs", "16", "--arrival", "burst", "--seed", "1",
-        "--out", str(out), "--no-progress", "--no-plots", "--no-isolated",
-    ])
-    assert rc == 0
+    proc = _cli("--workload", "longbench", "--data-dir", str(data_dir), "--schedulers", "svf,oracle-svf",
+                "--num-requests", "8", "--max-prompt-tokens", "2048", "--output", "max",
+                "--max-output-tokens", "32", "--kv-cache-gib", "0.03125", "--max-num-seqs", "16",
+                "--arrival", "burst", "--seed", "1", "--out", str(out), "--no-progress", "--no-plots",
+                "--no-isolated")
+    assert proc.returncode == 0, proc.stdout[-4000:]
     return json.loads((out / "results.json").read_text())
 
 
@@ -103,32 +225,41 @@ def longbench_run(tmp_path_factory, data_dir):
 def test_svf_on_longbench_admits_by_volume_within_the_kv_cache(longbench_run):
     payload = longbench_run
     n = payload["workload"]["requests"]
-    assert n == 8 and list(payload["schedulers"]) == ["svf", "oracle-svf"]
-    for name, m in payload["schedulers"].items():
+    assert n == 8 and list(payload["runs"]) == ["svf", "oracle-svf"]
+    for name, m in payload["runs"].items():
         assert m["submitted"] == m["completed"] == n, name
-        assert m["latency_p95_s"] >= m["latency_p50_s"] > 0 and m["decode_tok_s"] > 0
-    for name in ("svf", "oracle-svf"):
-        stats = payload["schedulers"][name]["scheduler_stats"]
+        assert m["p95_e2el_ms"] >= m["p50_e2el_ms"] > 0 and m["decode_tok_s"] > 0
+        stats = m["scheduler_stats"]
         assert stats["finished"] == n and stats["faults"] == {}
         assert sum(stats["released"].values()) == n and stats["released"]["order"] > 0
         # 8 prompts of up to 2,048 tokens do not fit 8K KV tokens at once: the peak check refused some
         assert stats["capacity_stops"] > 0, stats
-    assert payload["schedulers"]["svf"]["scheduler_stats"]["predictions"] == n  # predicted lengths
-    assert payload["schedulers"]["oracle-svf"]["scheduler_stats"]["predictions"] == 0  # the true ones
+    assert payload["runs"]["svf"]["scheduler_stats"]["predictions"] == n  # predicted lengths
+    assert payload["runs"]["oracle-svf"]["scheduler_stats"]["predictions"] == 0  # the true ones
 
 
-def test_unknown_scheduler_is_a_clear_error_before_any_engine(tmp_path, capsys):
-    rc = evaluate.main(["--workload", "leval", "--schedulers", "fcfs,nosuch", "--out", str(tmp_path / "o")])
-    assert rc == 2
-    err = capsys.readouterr().err
-    assert "unknown scheduler 'nosuch'" in err and "feather-heuristic" in err
+# ------------------------------------------------------------------------------- no engine
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--quick", "--schedulers", "fcfs,nosuch"], "unknown scheduler 'nosuch'"),
+    (["--quick", "--schedulers", "fcfs,fcfs"], "listed twice"),
+    (["--quick", "--schedulers", "feather:/nonexistent/p.feather"], "does not exist"),
+    (["--scenario", "nosuch"], "unknown scenario 'nosuch'"),
+    (["--scenario", "sharegpt", "--workload", "leval"], "not both"),
+    ([], "no workload"),
+    (["--quick", "--goodput", "ttft:abc"], "NAME:MILLISECONDS"),
+    (["--quick", "--goodput", "itl:50"], "unknown goodput SLO 'itl'"),
+    (["--quick", "--percentiles", "50,100"], "between 0 and 100"),
+    (["--quick", "--max-concurrency", "4"], "for --endpoint runs"),
+    (["--quick", "--endpoint", "http://127.0.0.1:8000", "--max-concurrency", "0"], "max_concurrency"),
+    (["--quick", "--endpoint", "localhost:8000"], "is not http://HOST:PORT"),
+    (["--quick", "--endpoint", "http://127.0.0.1:8000", "--schedulers", "fcfs"], "not both"),
+])
+def test_bad_input_is_a_clear_error_before_anything_starts(argv, message, tmp_path, capsys):
+    assert evaluate.main([*argv, "--out", str(tmp_path / "o")]) == 2
+    assert message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
-
-
-def test_missing_policy_file_is_a_clear_error(tmp_path, capsys):
-    rc = evaluate.main(["--workload", "leval", "--schedulers", f"feather:{tmp_path}/none.feather",
-                        "--out", str(tmp_path / "o")])
-    assert rc == 2 and "does not exist" in capsys.readouterr().err
 
 
 @pytest.fixture
@@ -153,118 +284,134 @@ def test_bad_knobs_are_errors_before_the_first_engine(tmp_path, capsys, monkeypa
     def no_engine(*a, **kw):
         raise AssertionError("an engine was started")
 
-    monkeypatch.setattr(evaluate, "run_scheduler", no_engine)
-    argv = ["--workload", "leval", "--schedulers", "fcfs,feather-heuristic", "--out", str(tmp_path / "o")]
-    rc = evaluate.main(argv + [a.format(policy=policy_256) for a in args])
-    assert rc == 2
+    monkeypatch.setattr(evaluate, "evaluate_in_process", no_engine)
+    argv = ["--quick", "--schedulers", "fcfs,feather-heuristic", "--out", str(tmp_path / "o")]
+    assert evaluate.main(argv + [a.format(policy=policy_256) for a in args]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 
 def test_the_evaluation_trusts_its_own_hints_and_gives_feather_its_knobs():
-    assert evaluate.scheduler_overrides("fcfs", 64, 5.0) == {}
-    assert evaluate.scheduler_overrides("oracle-svf", 64, 5.0) == {"trust_client_hints": True}
-    assert evaluate.scheduler_overrides("feather-heuristic+svf", 64, 5.0) == {
+    assert inprocess.scheduler_overrides("fcfs", 64, 5.0) == {}
+    assert inprocess.scheduler_overrides("oracle-svf", 64, 5.0) == {"trust_client_hints": True}
+    assert inprocess.scheduler_overrides("feather-heuristic+svf", 64, 5.0) == {
         "trust_client_hints": True, "chunk_size": 64, "max_wait": 5.0}
+    assert inprocess.scheduler_config("fcfs", 64, 5.0).passthrough  # vLLM's own scheduler
 
 
-def test_missing_data_dir_says_where_to_get_the_data(tmp_path, capsys):
-    rc = evaluate.main(["--workload", "leval", "--data-dir", str(tmp_path / "nowhere"),
-                        "--schedulers", "fcfs", "--out", str(tmp_path / "o")])
+def test_an_unreachable_server_is_named_with_the_reason(tmp_path, capsys):
+    port = free_port()  # nothing listens there
+    rc = evaluate.main(["--quick", "--endpoint", f"http://127.0.0.1:{port}", "--out", str(tmp_path / "o")])
     assert rc == 2
     err = capsys.readouterr().err
+    assert f"cannot reach http://127.0.0.1:{port}" in err and "connection refused" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_missing_data_says_where_to_get_it(tmp_path, capsys):
+    assert evaluate.main(["--workload", "leval", "--data-dir", str(tmp_path / "nowhere"),
+                          "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
     assert "nowhere" in err and "OpenLMLab/LEval" in err
-    with pytest.raises(DataNotFoundError, match="LongBench"):
-        evaluate.build_eval_workload(evaluate.WorkloadConfig(kind="longbench", data_dir=str(tmp_path)))
 
 
-def test_incomplete_runs_are_errors_not_drops():
-    rec = {f"r{i}": evaluate.RequestRecord(f"r{i}", 10, 3, 0.0) for i in range(3)}
-    for r in rec.values():
-        r.finished_count, r.tokens = 1, 3
-    evaluate._check_complete("x", rec)
-    rec["r1"].finished_count = 0
-    with pytest.raises(evaluate.EvaluationError, match="1 of 3 requests never finished.*r1"):
-        evaluate._check_complete("x", rec)
-    rec["r1"].finished_count, rec["r2"].tokens = 1, 2
-    with pytest.raises(evaluate.EvaluationError, match="wrong number of tokens"):
-        evaluate._check_complete("x", rec)
+def test_quick_scenario_episodes_are_small_and_keep_the_scenarios_engine(data_dir):
+    args = evaluate._parse_args(["--scenario", "leval-kv-pressure", "--quick", "--seed", "2",
+                                 "--cpu-cores", "1"])
+    workload, engine, record = evaluate.build_workload(args)
+    assert 2 <= len(workload) <= 12 and workload.num_groups <= 3
+    assert max(r.prompt_len for r in workload) <= 2048 and {r.output_len for r in workload} == {8}
+    assert engine.kv_cache_gib == 0.25 and engine.cpu_cores == "1"  # the scenario's KV cache (smaller)
+    assert record["episode_seed"] == 2 and record["scheduler_knobs"] == {"chunk_size": 512, "max_wait": 60.0}
+    again, _, _ = evaluate.build_workload(evaluate._parse_args(["--scenario", "leval-kv-pressure", "--quick",
+                                                                "--seed", "2"]))
+    assert again.fingerprint() == workload.fingerprint()  # episode seed -> the same requests
+
+
+def test_endpoint_urls_are_normalized_or_rejected():
+    assert endpoint.normalize_url("http://127.0.0.1:8000/") == "http://127.0.0.1:8000"
+    assert endpoint.normalize_url("http://h:1/v1") == endpoint.normalize_url("http://h:1/v1/completions/")
+    assert endpoint.normalize_url("https://h/proxy/v1") == "https://h/proxy"
+    for bad in ("127.0.0.1:8000", "ftp://h", "http://", "http://h:99999", "http://h:1?x=1"):
+        with pytest.raises(evaluate.ConfigError):
+            endpoint.normalize_url(bad)
+
+
+def test_server_figures_from_prometheus_text():
+    before = endpoint.parse_prometheus("""# HELP vllm:prefix_cache_queries x
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 100.0
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 10.0
+vllm:num_preemptions_total{engine="0"} 1.0
+vllm:request_queue_time_seconds_sum{engine="0"} 2.0
+vllm:request_queue_time_seconds_count{engine="0"} 4.0
+feather_scheduler_decisions_total{scheduler="feather-heuristic+svf"} 3.0
+feather_scheduler_held_requests{scheduler="feather-heuristic+svf"} 0.0
+""")
+    after = [(n, lab, v * (3 if n.startswith("vllm:prefix_cache_queries") else 2)) for n, lab, v in before]
+    fig = endpoint._server_figures(before, after)
+    assert fig["prefix_hit_rate"] == pytest.approx(10 / 200)
+    assert fig["preemptions"] == 1 and fig["server_scheduler"] == "feather-heuristic+svf"
+    assert fig["server"]["mean_queue_ms"] == pytest.approx(1000 * 2.0 / 4.0)
+    assert fig["server"]["feather"] == {"decisions_total": 3.0}
+    assert endpoint._server_figures(None, after)["prefix_hit_rate"] is None  # a server without /metrics
+
+
+def _fake_run(label: str, kind: str, seed: int, failed: int = 0) -> report.Run:
+    rng = np.random.default_rng(seed)
+    timelines = []
+    for i in range(6):
+        t = RequestTimeline(f"r{i}", 100 + i, 4, float(i) / 10, first_scheduled=float(i) / 10 + 0.01,
+                            first_token=float(i) / 10 + 0.2, tokens=4, finished_count=1,
+                            itl=rng.uniform(0.01, 0.02, 3).tolist())
+        t.finish = t.first_token + sum(t.itl)
+        timelines.append(t)
+    errors = {}
+    for t in timelines[:failed]:
+        t.tokens, t.finished_count = 2, 0
+        errors[t.request_id] = "HTTP 500: boom"
+    steps = [report.StepSample(0.0, 0.2, 3, 3, False), report.StepSample(0.2, 0.01, 3, 3, True)]
+    in_process = kind == report.IN_PROCESS
+    return report.Run(label, kind, timelines, extra={"decode_tok_s": 300.0} if in_process else {},
+                      steps=steps if in_process else [], errors=errors)
+
+
+def test_results_folders_read_back_and_merge_with_failures_counted(tmp_path):
+    a = [_fake_run("fcfs", report.IN_PROCESS, 0), _fake_run("x", report.IN_PROCESS, 1)]
+    b = [_fake_run("x", report.ENDPOINT, 2, failed=2)]
+    for folder, runs in (("a", a), ("b", b)):
+        payload = report.results_payload(runs, workload={"fingerprint": "f1"}, goodput={"e2el": 250.0})
+        report.write_results(tmp_path / folder, payload, runs, title=folder)
+    payload, back = report.read_runs(tmp_path / "b")
+    assert payload["runs"]["x"]["failed"] == 2 and payload["runs"]["x"]["completed"] == 4
+    assert payload["runs"]["x"]["errors"] == {"r0": "HTTP 500: boom", "r1": "HTTP 500: boom"}
+    (run,) = back
+    assert sum((t.itl for t in run.timelines), []) == pytest.approx(sum((t.itl for t in b[0].timelines), []))
+    assert [t.completed for t in run.timelines] == [False, False, True, True, True, True]
+    merged, written = report.compare([tmp_path / "a", tmp_path / "b"], tmp_path / "c")
+    assert list(merged["runs"]) == ["fcfs", "x", "x (b)"] and merged["same_workload"] is True
+    assert merged["runs"]["x (b)"]["kind"] == report.ENDPOINT and merged["runs"]["x (b)"]["failed"] == 2
+    assert {p.name for p in written} >= {"results.json", "throughput.png", "latency_cdf.png",
+                                         "batch_size.png"}
+    tables = report.metrics_tables(merged["runs"])
+    assert "| x (b) | 4/6 |" in tables and "goodput req/s" in tables
+    with pytest.raises(FileNotFoundError, match="not a results folder"):
+        report.compare([tmp_path / "nowhere"], tmp_path / "d")
 
 
 def test_runs_under_foreign_load_are_rerun_and_the_quietest_kept(monkeypatch):
     loads = iter([0.5, 0.3, 0.6])
-    seen = []
 
-    def fake_run(name, workload, engine, **kw):
-        run = evaluate.RunRecord(name, {}, [], 0.0, 0.0, next(loads), 0, None)
-        seen.append(kw["isolated"])
-        return run, None
+    def fake_serve_one(backend, name, workload, config, progress):
+        return report.Run(name, report.IN_PROCESS, [], extra={"foreign_cpu": next(loads)})
 
-    monkeypatch.setattr(evaluate, "run_scheduler", fake_run)
-    monkeypatch.setattr(evaluate, "wait_for_quiet", lambda *a, **k: 0.0)
-    cfg = evaluate.EvalConfig(workload=evaluate.WorkloadConfig(), schedulers=("fcfs",), max_foreign=0.1,
-                              retries=2)
-    run, _, attempts = evaluate._run_quiet("fcfs", None, None, cfg, True, None, lambda s: None)
-    assert attempts == [0.5, 0.3, 0.6] and run.foreign_cpu == 0.3 and seen == [True] * 3
+    monkeypatch.setattr(inprocess, "serve_one", fake_serve_one)
+    monkeypatch.setattr(inprocess, "wait_for_quiet", lambda *a, **k: 0.0)
+    workload = synthetic_workload(1, 2, 16, 4, 2, seed=0)
+    cfg = inprocess.InProcessConfig(schedulers=("fcfs",), max_foreign=0.1, retries=2)
+    run = inprocess._run_quiet(None, "fcfs", workload, cfg, False, None, lambda s: None)
+    assert run.extra["foreign_cpu_attempts"] == [0.5, 0.3, 0.6] and run.extra["foreign_cpu"] == 0.3
     loads = iter([0.05])
-    run, _, attempts = evaluate._run_quiet("fcfs", None, None, cfg, False, None, lambda s: None)
-    assert attempts == [0.05]
-
-
-def test_summarize_on_a_hand_made_run():
-    reqs = {}
-    for i, (arr, sch, first, fin) in enumerate([(0.0, 0.0, 1.0, 2.0), (0.0, 1.0, 2.0, 4.0)]):
-        r = evaluate.RequestRecord(f"r{i}", 100, 5, arr, first_scheduled=sch, first_token=first, finish=fin,
-                                   tokens=5, prefix_hit_tokens=50 * i, finished_count=1)
-        reqs[r.request_id] = r
-    steps = [evaluate.StepRow(0.0, 1.0, 1, 100, 1, 1, False), evaluate.StepRow(1.0, 0.5, 2, 2, 0, 2, True),
-             evaluate.StepRow(1.5, 0.5, 2, 2, 0, 2, True)]
-    run = evaluate.RunRecord("fake", reqs, steps, 1.0, 4.0, 0.0, 0, {"decision_seconds": 0.2,
-                                                                       "arrival_seconds": 0.1})
-    iso = evaluate.IsolatedModel([1, 1000], [0.5, 0.5], [0.125, 0.125])
-    m = evaluate.summarize(run, iso)
-    assert m["decode_tok_s"] == pytest.approx(4 / 1.0)
-    assert m["latency_mean_s"] == pytest.approx(3.0) and m["ttft_mean_s"] == pytest.approx(1.5)
-    assert m["tpot_mean_s"] == pytest.approx((1 / 4 + 2 / 4) / 2)
-    assert m["queue_mean_s"] == pytest.approx(0.5) and m["max_wait_s"] == pytest.approx(1.0)
-    assert m["max_slowdown"] == pytest.approx(4.0 / 1.0)  # isolated: 0.5 + 4 * 0.125 = 1.0 s
-    assert m["prefix_hit_rate"] == pytest.approx(50 / 200)
-    assert m["e2e_req_s"] == pytest.approx(2 / 4.0) and m["makespan_s"] == pytest.approx(4.0)
-    assert m["scheduler_overhead_frac"] == pytest.approx(0.2 / 2.0)
-    assert m["mean_running_batch"] == pytest.approx(5 / 3)
-
-
-def test_script_help_runs_without_an_engine():
-    with pytest.raises(SystemExit) as exc:
-        evaluate.main(["--help"])
-    assert exc.value.code == 0
-    assert Path(evaluate.__file__).name == "evaluate.py"
-
-
-def test_repeats_alternate_schedulers_and_report_the_median_run(monkeypatch):
-    decode = {"fcfs": iter([300.0, 100.0, 200.0]), "sjf": iter([50.0, 70.0, 60.0])}
-    order = []
-
-    def fake_run_quiet(name, workload, engine, config, isolated, retry_until, log):
-        order.append(name)
-        return evaluate.RunRecord(name, {}, [], 0.0, 0.0, 0.0, 0, None), None, [0.0]
-
-    def fake_summarize(run, isolated=None):
-        d = next(decode[run.scheduler])
-        return {"decode_tok_s": d, "latency_mean_s": 1000 / d, "latency_p95_s": 2000 / d, "foreign_cpu": 0.0,
-                "completed": 1, "submitted": 1, "e2e_tok_s": 1.0, "mean_running_batch": 1.0,
-                "prefix_hit_rate": 0.0, "engine_start_s": 0.0, "replay_s": 0.0}
-
-    monkeypatch.setattr(evaluate, "_run_quiet", fake_run_quiet)
-    monkeypatch.setattr(evaluate, "summarize", fake_summarize)
-    wl = evaluate.WorkloadConfig(kind="synthetic", num_groups=2, per_group=2, prefix_len=64, suffix_len=8,
-                                 output_len=4)
-    cfg = evaluate.EvalConfig(workload=wl, schedulers=("fcfs", "sjf"), repeats=3)
-    out = evaluate.evaluate(cfg, None, log=lambda s: None)
-    assert order == ["fcfs", "sjf"] * 3
-    fcfs, sjf = out["schedulers"]["fcfs"], out["schedulers"]["sjf"]
-    assert fcfs["decode_tok_s"] == 200.0 and fcfs["latency_mean_s"] == pytest.approx(5.0)
-    assert fcfs["repeats"]["decode_tok_s"] == [300.0, 100.0, 200.0]
-    assert sjf["decode_tok_s"] == 60.0
+    run = inprocess._run_quiet(None, "fcfs", workload, cfg, False, None, lambda s: None)
+    assert run.extra["attempts"] == 1
     with pytest.raises(evaluate.ConfigError, match="repeats"):
-        evaluate.EvalConfig(workload=wl, schedulers=("fcfs",), repeats=0)
+        inprocess.InProcessConfig(schedulers=("fcfs",), repeats=0)
