@@ -2,11 +2,12 @@
 
     python train.py --agent {heuristic,ucb,qlearning,ppo} --config configs/<file>.yaml
                     [--scenario NAME] [--backend sim|vllm] [--timesteps N] [--seed S] [--out DIR]
-                    [--n-envs N] [--resume]
+                    [--n-envs N] [--resume] [--verbose]
 
 The config's sections (``scenario``, ``env``, ``agent``, ``train``), what a run writes and how
 seeds are used are described in :mod:`agents.training`, which does the work; this file parses the
 command line. ``--scenario`` replaces the config's scenario (``configs/scenarios/NAME.yaml``).
+vLLM's own log lines (a real engine's start) go to ``OUT/vllm.log`` unless ``--verbose``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def main(argv: Sequence[str] | None = None):  # -> agents.training.TrainResult
     p.add_argument("--out", default=None, help="output folder (default runs/<agent>-<config name>)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/latest.json")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--verbose", action="store_true", help="vLLM's log on the terminal, not in OUT/vllm.log")
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.config, args.agent, scenario=args.scenario, backend=args.backend,
@@ -44,8 +46,11 @@ def main(argv: Sequence[str] | None = None):  # -> agents.training.TrainResult
     except ConfigError as exc:
         p.exit(2, f"train.py: config error: {exc}\n")
     out = Path(args.out) if args.out else REPO_ROOT / "runs" / f"{args.agent}-{Path(args.config).stem}"
+    from feather_env.engine import send_vllm_logs_to
     from feather_env.workloads import DataNotFoundError
 
+    if not args.verbose:
+        send_vllm_logs_to(out / "vllm.log")
     try:
         return run(cfg, out, resume=args.resume)
     except (ConfigError, DataNotFoundError) as exc:  # the data error says where to get the data
