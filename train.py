@@ -1,7 +1,8 @@
 """Train a batching agent in the serving-loop environment, log it, checkpoint it, and export its policy.
 
     python train.py --agent {heuristic,ucb,qlearning,ppo} --config configs/<file>.yaml
-                    [--scenario NAME] [--backend sim|vllm] [--timesteps N] [--seed S] [--out DIR]
+                    [--scenario NAME] [--reward NAME] [--backend sim|vllm] [--timesteps N] [--seed S]
+                    [--out DIR]
                     [--n-envs N] [--resume] [--verbose]
 
 The config's sections (``scenario``, ``env``, ``agent``, ``train``), what a run writes and how
@@ -24,12 +25,14 @@ REPO_ROOT = Path(__file__).resolve().parent
 def main(argv: Sequence[str] | None = None):  # -> agents.training.TrainResult
     from agents.registry import TRAINABLE
     from agents.training import load_config, run
+    from feather_env.env import REWARDS
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--agent", required=True, choices=TRAINABLE)
     p.add_argument("--config", required=True, help="YAML with scenario/env/agent/train sections")
     p.add_argument("--scenario", default=None, help="overrides scenario.name (configs/scenarios/NAME.yaml)")
+    p.add_argument("--reward", choices=REWARDS, default=None, help="overrides env.reward")
     p.add_argument("--backend", choices=("sim", "vllm"), default=None, help="overrides train.backend")
     p.add_argument("--timesteps", type=int, default=None, help="overrides train.timesteps")
     p.add_argument("--seed", type=int, default=None, help="overrides train.seed")
@@ -40,8 +43,8 @@ def main(argv: Sequence[str] | None = None):  # -> agents.training.TrainResult
     p.add_argument("--verbose", action="store_true", help="vLLM's log on the terminal, not in OUT/vllm.log")
     args = p.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.agent, scenario=args.scenario, backend=args.backend,
-                          timesteps=args.timesteps, seed=args.seed, n_envs=args.n_envs,
+        cfg = load_config(args.config, args.agent, scenario=args.scenario, reward=args.reward,
+                          backend=args.backend, timesteps=args.timesteps, seed=args.seed, n_envs=args.n_envs,
                           progress_bar=False if args.no_progress else None)
     except ConfigError as exc:
         p.exit(2, f"train.py: config error: {exc}\n")

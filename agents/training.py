@@ -216,12 +216,15 @@ def parse_config(data: Mapping[str, Any], agent: str | None = None, *, scenario:
 
 
 def load_config(path: str | Path, agent: str | None = None, *, scenario: str | None = None,
-                **train_overrides: Any) -> RunConfig:
-    """Read and validate a YAML config; non-``None`` ``train_overrides`` replace ``train.*``."""
+                reward: str | None = None, **train_overrides: Any) -> RunConfig:
+    """Read and validate a YAML config; ``reward`` replaces ``env.reward``, non-``None``
+    ``train_overrides`` replace ``train.*``."""
     data = load_yaml(path)
     overrides = {k: v for k, v in train_overrides.items() if v is not None}
     if overrides:
         data = {**data, "train": {**(data.get("train") or {}), **overrides}}
+    if reward is not None:
+        data = {**data, "env": {**(data.get("env") or {}), "reward": reward}}
     return parse_config(data, agent, scenario=scenario, where=str(path))
 
 
