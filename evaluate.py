@@ -133,7 +133,7 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
                      "processes used more than this fraction of the machine (e.g. 0.1)")
     eng.add_argument("--retries", type=int, default=2, help="re-runs allowed per scheduler (--max-foreign)")
     eng.add_argument("--repeats", type=int, default=1, help="runs per scheduler, alternating; metrics of "
-                     "the run with the median decode tok/s")
+                     "the run with the median output tok/s")
 
     out = p.add_argument_group("report")
     out.add_argument("--goodput", nargs="+", default=None, metavar="SLO:MS",

@@ -1,191 +1,356 @@
-"""The README's evaluation: schedulers on the real vLLM engine, L-Eval, ShareGPT and LongBench.
+"""The README's evaluation: every scenario on the real vLLM engine, every scheduler, against a bound.
 
-Each cell is one in-process evaluation (:func:`feather_env.evaluation.evaluate_in_process`: the
-same requests and arrival times served by one in-process engine once per scheduler, each deciding
-as in production); per-cell outputs (JSON, CSV, markdown, plots; the metrics in ``vllm bench
-serve``'s vocabulary) go to ``results/eval/<cell>/`` and everything to ``--json``:
+    python -m benchmarks.evaluation [--scenarios a,b] [--repeats 3] [--no-sweep] [--quick]
+                                    [--json results/evaluation.json]
 
-1. ``leval-poisson`` and ``leval-burst``: L-Eval, all 15 task files mixed (8 documents drawn at
-   random with at most 12 questions each, queue order shuffled), Poisson (6 requests/s) and
-   burst arrivals: ``fcfs``, ``lpm``, ``dfs-weight``, ``feather-heuristic``, the trained policy
-   (``--policy``, optional) and, for (4), ``svf`` and ``feather-heuristic+svf`` in the same runs;
-2. ``sharegpt``: no shared prefixes (ShareGPT prompt/output lengths, burst): ``fcfs`` vs the
-   Feather names, each run 3 times alternating (median decode throughput: the target's margin
-   is 2%, the machine's run-to-run noise ~5%);
-3. ``longbench``: LongBench lengths (prompts cut at 8K tokens, every request generating its
-   task's max new tokens), burst: ``fcfs``, ``sjf``, ``svf``, ``svf-1bit``, with a KV cache that
-   holds 3-5 of these requests at once (SVF's setting: admission is bounded by KV capacity);
-4. Feather + SVF admission together vs each alone: read from the L-Eval cells.
+For each scenario of ``configs/scenarios/`` (:data:`SCENARIOS`), episode :data:`EPISODE_SEED`
+(the requests ``evaluate.py --scenario NAME`` serves) is served in-process
+(:func:`feather_env.evaluation.evaluate_in_process`: one engine sized by the scenario, pinned to
+core 1; every scheduler deciding as under ``feather-serve``) by:
 
-It prints each cell's tables and the targets of issue 6 with whether each was met; it does
-not tune anything to meet them. Sizes are chosen so the whole run fits in <= 15 minutes on the
-2-core machine (every choice is recorded in the JSON under ``settings``); the engine is
-pinned to one core (``cpu_cores="1"``, see :class:`feather_env.engine.EngineConfig`).
+- the baselines ``fcfs`` (vLLM's own scheduler), ``lpm``, ``dfs-weight`` and ``svf``
+  (LongBench adds ``sjf`` and ``svf-1bit``);
+- ``feather-heuristic`` (the authors' constants) and ``heuristic-tuned``
+  (``policies/heuristic-tuned/<scenario>.feather``; when the search kept the authors' constants it
+  *is* ``feather-heuristic`` and is not served twice);
+- ``shipped`` (``policies/<scenario>.feather``) and ``general`` (``policies/general.feather``);
+- the ``+svf`` combinations ``feather-heuristic+svf`` and ``shipped+svf``.
 
-    python -m benchmarks.evaluation --json results/evaluation.json [--policy PATH|auto] [--quick]
+Schedulers alternate, ``--repeats`` times (default 3); each row is the run with the median output
+throughput, every run's figures beside it. The figures are ``vllm bench serve``'s (output and
+request throughput, TTFT/TPOT/ITL/E2EL means and percentiles, goodput), plus the prefix hit rate,
+preemptions and the scheduler's own time as a fraction of the engine's step time. Time is the
+engine clock (:mod:`feather_env.evaluation.inprocess`).
 
-``--policy auto`` takes the learned L-Eval policy with the best real-engine decode throughput
-from ``results/agents.json`` (written by ``benchmarks/agents.py``), if there is one.
-``--quick``: a smoke run (a few short requests per cell). Run it under
+**Goodput SLOs** are stated per scenario from the workload itself, not from any scheduler: a
+request is good when its TTFT and its E2E latency are each within :data:`SLO_FACTOR` times the
+median of the same figure for the episode's requests served alone on the idle engine (the
+isolated probes).
+
+**The bound** (:func:`makespan_bound`): every distinct prompt prefix prefilled exactly once and
+every output token decoded at the best batch rate the engine reaches, with the engine's own
+measured rates: prefill time is the lone-request TTFT curve (probes at three prompt lengths,
+interpolated, through 0), charged ``p(L) - p(C)`` for a prompt of ``L`` tokens whose first ``C``
+(whole KV blocks) an earlier prompt of the episode holds; decode time is the output tokens over
+the engine's peak decode rate (:func:`peak_decode_rate`: as many short requests at once as
+``max_num_seqs`` and the KV cache allow). The makespan bound is this sum, or the last arrival if
+later; each scheduler is reported as the bound over its makespan (1.0 is the limit; a chunked
+prefill step also decodes the running requests, so a schedule that overlaps the two can pass the
+serial sum: a value above 1.0 says so).
+
+**The load sweep** (``leval-kv-pressure-poisson`` at :data:`SWEEP_RATES` requests/s, one run each)
+draws output throughput and P99 E2E latency against the request rate, one line per scheduler
+(``results/eval_sweep.png``).
+
+It prints each scenario's table and the targets of the issue with whether each was met; nothing
+is tuned to meet them. ``--quick``: a smaller episode of each scenario, one run per scheduler, two
+sweep rates (a smoke run whose figures are not the README's). Run it under
 ``flock /tmp/feather-engine.lock`` on the shared machine.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
+import math
+import statistics
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from feather_env.engine import use_in_process_engine  # noqa: E402  (before vLLM is imported)
 
 use_in_process_engine()
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the benchmark prints its own progress
 
-from feather_env.reporting import machine_info, write_json  # noqa: E402
+from feather_env.reporting import format_table, machine_info, write_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
-__all__ = ["Cell", "check_targets", "combined_summary", "feather_names", "main", "make_cells",
-           "resolve_policy"]
+__all__ = ["SCENARIOS", "check_targets", "main", "makespan_bound", "run_scenario", "scheduler_set"]
 
-#: The engine of every cell (the LongBench cell shrinks its KV cache).
-ENGINE = {"kv_cache_gib": 4.0, "max_num_seqs": 64, "max_num_batched_tokens": 8192, "cpu_cores": "1"}
-LEVAL = {"kind": "leval", "num_groups": 8, "max_per_group": 12, "max_prompt_tokens": 12288,
-         "max_output_tokens": 128, "seed": 0}
-LEVAL_POISSON_RATE = 6.0
-SHAREGPT = {"kind": "sharegpt", "num_requests": 40, "max_prompt_tokens": 4096, "max_output_tokens": 128,
-            "seed": 0, "arrival": "burst"}
-LONGBENCH = {"kind": "longbench", "num_requests": 40, "max_prompt_tokens": 8192, "output": "max", "seed": 0,
-             "arrival": "burst"}
-LONGBENCH_KV_GIB = 0.125
-#: The ShareGPT cell is short (~10 s a run) and its target a 2% margin: median of 3 alternating runs.
-SHAREGPT_REPEATS = 3
-QUICK = {"leval": {"num_groups": 3, "max_per_group": 4, "max_prompt_tokens": 2048, "max_output_tokens": 8},
-         "sharegpt": {"num_requests": 8, "max_prompt_tokens": 1024, "max_output_tokens": 8},
-         "longbench": {"num_requests": 8, "max_prompt_tokens": 1024, "max_output_tokens": 16}}
-FEATHER_BASE = ("feather-heuristic",)
-BUDGET_S = 15 * 60
-MAX_FOREIGN = 0.10
-RETRIES = 2
-
-SETTINGS_NOTES = {
-    "engine": "one fresh in-process engine per scheduler and cell, pinned to one core (cpu_cores='1': "
-              "on the shared 2-core machine a competing process slows an unpinned engine ~10x); "
-              "warm-up batch before each run; kv 4 GiB, max 64 running requests, 8192-token steps",
-    "leval": "8 documents drawn from all 15 task files, at most 12 questions each; prompts cut at 12288 "
-             "tokens (documents cut identically for all their questions, long enough for the prefix "
-             "effect, short enough for the time budget); outputs = reference answer length capped at "
-             "128 tokens (the L-Eval baselines cap at 512; 128 keeps the run in budget)",
-    "leval_poisson": f"Poisson at {LEVAL_POISSON_RATE:g} requests/s: above the ~3.7 requests/s the engine "
-                     "sustained on this workload in burst (measured here, all schedulers), so a queue forms "
-                     "and the scheduler has choices to make (at 3 requests/s, a first trial, the engine kept "
-                     "up: running batches of ~2.4 and nothing to choose)",
-    "sharegpt": "40 ShareGPT prompt/output lengths (no shared prefixes), prompts cut at 4096, outputs "
-                "capped at 128, burst",
-    "longbench": f"40 LongBench items (all 21 tasks), prompts cut at 8192 tokens, outputs = the task's max "
-                 f"new tokens (LongBench's dataset2maxlen, output='max': what LongBench's harness lets a "
-                 f"model generate, here without early stop; 32-512 tokens); KV cache {LONGBENCH_KV_GIB} GiB "
-                 f"(32K tokens, 3-5 of these requests at once: alpha = max peak / capacity ~ 0.27), so "
-                 f"KV capacity bounds admission, SVF's setting; burst. With reference-answer lengths "
-                 f"instead (mean 36 tokens) the run is prefill-bound and KV does not bind (session-2 "
-                 f"trial: svf 0.87x fcfs mean latency at 4096-token prompts and 0.0625 GiB)",
-    "foreign_load": "a run during which other processes used > 10% of the machine is re-run on a fresh "
-                    "engine after waiting for quiet, at most twice (while 75% of the time budget is left); "
-                    "the least loaded run is kept and its foreign_cpu reported",
-    "targets": "issue 6; measured, not tuned",
-}
+SCENARIOS = (
+    "leval-kv-pressure",
+    "leval-kv-pressure-poisson",
+    "leval-high-load",
+    "leval-summaries",
+    "sharegpt",
+    "longbench",
+)
+#: The scenarios whose KV cache binds (the issue's "KV-pressure scenarios").
+KV_PRESSURE = ("leval-kv-pressure", "leval-kv-pressure-poisson", "leval-high-load")
+EPISODE_SEED = 0
+REPEATS = 3
+SLO_FACTOR = 10.0
+SWEEP_SCENARIO = "leval-kv-pressure-poisson"
+SWEEP_RATES = (1.0, 2.0, 3.0, 6.0)
+SWEEP_SCHEDULERS = ("fcfs", "lpm", "dfs-weight", "feather-heuristic", "shipped")
+#: --quick: a smaller episode of each scenario.
+QUICK_EPISODE = {"grouped": {"groups": 3, "max_per_group": 3}, "ungrouped": {"requests": 8}}
+QUICK_SWEEP_RATES = (2.0, 6.0)
+#: Names shown in the tables for the policy files.
+ALIASES = ("heuristic-tuned", "shipped", "general", "shipped+svf")
 
 
-@dataclass(frozen=True)
-class Cell:
-    """One evaluation run: a workload, its engine and the schedulers compared on it."""
-
-    name: str
-    workload: dict[str, Any]
-    schedulers: tuple[str, ...]
-    engine: dict[str, Any]
-    repeats: int = 1
-
-
-def feather_names(policy: str | None) -> list[str]:
-    """The Feather names of a cell: the heuristic, and the trained policy if given."""
-    return [*FEATHER_BASE] + ([f"feather:{policy}"] if policy else [])
+def policy_paths(scenario: str, policies: Path) -> dict[str, Path]:
+    """The policy files of ``scenario``: alias -> path (only those that exist)."""
+    paths = {
+        "heuristic-tuned": policies / "heuristic-tuned" / f"{scenario}.feather",
+        "shipped": policies / f"{scenario}.feather",
+        "general": policies / "general.feather",
+    }
+    return {k: p for k, p in paths.items() if p.is_file()}
 
 
-def make_cells(policy: str | None, quick: bool) -> list[Cell]:
-    """The cells of the evaluation, in run order."""
-    leval_names = ("fcfs", "lpm", "dfs-weight", *feather_names(policy), "svf",
-                   *(f"{b}+svf" for b in FEATHER_BASE))
-    leval = dict(LEVAL, **(QUICK["leval"] if quick else {}))
-    sharegpt = dict(SHAREGPT, **(QUICK["sharegpt"] if quick else {}))
-    longbench = dict(LONGBENCH, **(QUICK["longbench"] if quick else {}))
-    return [
-        Cell("leval-poisson", dict(leval, arrival=f"poisson:{LEVAL_POISSON_RATE:g}"), leval_names, ENGINE),
-        Cell("leval-burst", dict(leval, arrival="burst"), leval_names, ENGINE),
-        Cell("sharegpt", sharegpt, ("fcfs", *feather_names(policy)), ENGINE,
-             repeats=1 if quick else SHAREGPT_REPEATS),
-        Cell("longbench", longbench, ("fcfs", "sjf", "svf", "svf-1bit"),
-             dict(ENGINE, kv_cache_gib=LONGBENCH_KV_GIB)),
-    ]
+def _same_as_authors(path: Path) -> bool:
+    """Whether a heuristic policy file holds the authors' constants (it then is feather-heuristic)."""
+    from scheduler_runtime.policy import HeuristicPolicy, HeuristicRule, load_policy
+
+    policy = load_policy(path)
+    return isinstance(policy, HeuristicPolicy) and policy.rule.params() == HeuristicRule().params()
 
 
-def resolve_policy(policy: str | None, results_dir: Path) -> tuple[str | None, str]:
-    """``(policy path or None, how it was chosen)``; ``auto`` reads ``results/agents.json``."""
-    if policy is None:
-        return None, "no --policy given"
-    if policy != "auto":
-        if not Path(policy).is_file():
-            raise SystemExit(f"--policy {policy}: no such file")
-        return policy, "given with --policy"
-    agents = results_dir / "agents.json"
-    if not agents.is_file():
-        return None, f"--policy auto: {agents} not found (run benchmarks/agents.py first)"
-    data = json.loads(agents.read_text())
-    best: tuple[float, str, str] | None = None
-    for agent, res in (data.get("results", {}).get("leval", {}) or {}).items():
-        run = data.get("training", {}).get(f"leval/{agent}") or {}
-        path = run.get("policy")
-        if path and Path(path).is_file() and isinstance(res, dict) and "decode_tok_s" in res:
-            if best is None or res["decode_tok_s"] > best[0]:
-                best = (float(res["decode_tok_s"]), agent, path)
-    if best is None:
-        return None, f"--policy auto: no learned L-Eval policy file listed in {agents}"
-    return best[2], (f"--policy auto: {best[1]} (best real-engine L-Eval decode {best[0]:.1f} tok/s "
-                     f"in {agents})")
+def scheduler_set(scenario: str, policies: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """``(alias -> scheduler name to serve, alias -> alias it is identical to)`` for ``scenario``."""
+    files = policy_paths(scenario, policies)
+    names = {n: n for n in ("fcfs", "lpm", "dfs-weight", "svf")}
+    if scenario == "longbench":
+        names.update({"sjf": "sjf", "svf-1bit": "svf-1bit"})
+    names["feather-heuristic"] = "feather-heuristic"
+    same: dict[str, str] = {}
+    for alias, path in files.items():
+        rel = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+        if alias == "heuristic-tuned" and _same_as_authors(path):
+            same[alias] = "feather-heuristic"
+            continue
+        names[alias] = f"feather:{rel}"
+    names["feather-heuristic+svf"] = "feather-heuristic+svf"
+    if "shipped" in files:
+        names["shipped+svf"] = f"{names['shipped']}+svf"
+    return names, same
 
 
-def run_cell(cell: Cell, out_root: Path, progress: bool, retry_until: float | None = None) -> dict[str, Any]:
-    from feather_env.engine import EngineConfig
-    from feather_env.evaluation import (
-        InProcessConfig,
-        evaluate_in_process,
-        fit_engine,
-        metrics_tables,
-        results_payload,
-        write_results,
-    )
-    from feather_env.workloads import WorkloadConfig, build_workload
+# ------------------------------------------------------------------------------------ the bound
+
+
+def prefix_work(workload: Any, block_size: int) -> list[tuple[int, int]]:
+    """``(prompt tokens, tokens an earlier prompt holds in whole KV blocks)`` per request, arrival order."""
+    from scheduler_runtime.cht import ChunkedHashTree
+
+    hasher = ChunkedHashTree(chunk_size=block_size)
+    seen: set[int] = set()
+    out = []
+    for r in sorted(workload, key=lambda r: (r.arrival_time, r.request_id)):
+        hashes = [int(h) for h in hasher.hash_prompt(r.prompt_token_ids)[: r.prompt_len // block_size]]
+        cached = 0
+        for h in hashes:
+            if h not in seen:
+                break
+            cached += block_size
+        cached = min(cached, r.prompt_len - 1)  # vLLM computes at least the last prompt token
+        seen.update(hashes)
+        out.append((r.prompt_len, cached))
+    return out
+
+
+def makespan_bound(
+    workload: Any, block_size: int, isolated: Mapping[str, Any], decode_rate: float
+) -> dict[str, Any]:
+    """The makespan with each distinct prefix prefilled once, decode at ``decode_rate`` (module docstring)."""
+    import numpy as np
+
+    lens = [0, *isolated["prompt_lens"]]
+    ttft = [0.0, *isolated["ttft_s"]]
+
+    def prefill(n: int) -> float:
+        return float(np.interp(n, lens, ttft, right=ttft[-1] * n / lens[-1]))
+
+    work = prefix_work(workload, block_size)
+    prefill_s = sum(prefill(length) - prefill(cached) for length, cached in work)
+    output_tokens = sum(r.output_len for r in workload)
+    decode_s = output_tokens / decode_rate if decode_rate > 0 else math.inf
+    last_arrival = max(r.arrival_time for r in workload)
+    makespan = max(prefill_s + decode_s, last_arrival)
+    prompt = sum(length for length, _ in work)
+    distinct = sum(length - cached for length, cached in work)
+    return {
+        "makespan_s": makespan,
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "last_arrival_s": last_arrival,
+        "output_throughput": output_tokens / makespan if makespan > 0 else None,
+        "decode_rate_tok_s": decode_rate,
+        "prompt_tokens": prompt,
+        "distinct_prompt_tokens": distinct,
+        "hit_rate_ceiling": 1.0 - distinct / prompt if prompt else None,
+    }
+
+
+#: The decode probe: this many tokens of prompt and of output per request.
+PROBE_PROMPT, PROBE_OUTPUT = 32, 64
+
+
+def peak_decode_rate(backend: Any, engine: Any, config: Any) -> float:
+    """The engine's best decode rate (tokens/s of decode-only steps): as many short requests at once
+    as ``max_num_seqs`` and the KV cache allow, served by vLLM's own scheduler (cold cache)."""
+    from feather_env.evaluation.inprocess import random_requests, serve_one
+
+    per_request = -(-(PROBE_PROMPT + PROBE_OUTPUT) // engine.block_size) * engine.block_size
+    batch = max(1, min(engine.max_num_seqs, engine.usable_kv_tokens // per_request))
+    probe = random_requests("decode-probe-", [PROBE_PROMPT] * batch, PROBE_OUTPUT, 777)
+    run = serve_one(backend, "fcfs", probe, replace(config, schedulers=("fcfs",)), False)
+    return float(run.extra["decode_tok_s"])
+
+
+def goodput_slos(isolated: Any, workload: Any) -> dict[str, float]:
+    """TTFT and E2EL SLOs (ms): :data:`SLO_FACTOR` x the median of the requests' isolated figures."""
+    import numpy as np
+
+    ttft = [float(np.interp(r.prompt_len, isolated.prompt_lens, isolated.ttft_s)) for r in workload]
+    e2el = [isolated.estimate(r.prompt_len, r.output_len) for r in workload]
+    return {
+        "ttft": round(1000 * SLO_FACTOR * statistics.median(ttft), 1),
+        "e2el": round(1000 * SLO_FACTOR * statistics.median(e2el), 1),
+    }
+
+
+# ------------------------------------------------------------------------------------ running
+
+
+def _quick_overrides(scenario: Any) -> dict[str, Any]:
+    grouped = scenario.episode.groups is not None
+    return {"episode": QUICK_EPISODE["grouped" if grouped else "ungrouped"]}
+
+
+def run_scenario(
+    name: str,
+    *,
+    policies: Path,
+    repeats: int,
+    quick: bool,
+    out_root: Path,
+    progress: bool = False,
+    overrides: Mapping[str, Any] | None = None,
+    only: Sequence[str] | None = None,
+    label: str | None = None,
+) -> dict[str, Any]:
+    """Serve scenario ``name``'s episode with every scheduler of :func:`scheduler_set`; its payload."""
+    from feather_env.evaluation import InProcessConfig, evaluate_in_process, results_payload, write_results
+    from feather_env.evaluation.inprocess import IsolatedModel
+    from feather_env.scenarios import load_scenario
 
     t0 = time.perf_counter()
-    wl_config = WorkloadConfig.from_mapping(cell.workload)
-    workload = build_workload(wl_config)
-    engine = fit_engine(EngineConfig(**cell.engine), workload)
-    config = InProcessConfig(schedulers=cell.schedulers, engine=engine, quiet_wait_s=3.0,
-                             max_foreign=MAX_FOREIGN, retries=RETRIES, repeats=cell.repeats)
-    print(f"\n== {cell.name}: {', '.join(cell.schedulers)}", flush=True)
-    runs, info = evaluate_in_process(workload, config, progress=progress, retry_until=retry_until)
-    payload = results_payload(runs, workload={**workload.describe(), "fingerprint": workload.fingerprint()},
-                              workload_config=asdict(wl_config), engine=engine.to_dict(),
-                              inprocess=config.to_dict(), **info, wall_s=time.perf_counter() - t0)
-    write_results(out_root / cell.name, payload, runs, title=f"{cell.name} ({payload['machine']['date']})")
-    print(metrics_tables(payload["runs"]), flush=True)
+    scenario = load_scenario(name)
+    sections: dict[str, dict[str, Any]] = _quick_overrides(scenario) if quick else {}
+    for section, values in (overrides or {}).items():
+        sections[section] = {**sections.get(section, {}), **values}
+    scenario = load_scenario(scenario, sections)
+    workload = scenario.episode_workload(EPISODE_SEED)
+    engine = scenario.engine_config()
+    names, same = scheduler_set(name, policies)
+    if only is not None:
+        names = {a: n for a, n in names.items() if a in only}
+        same = {a: b for a, b in same.items() if a in only or b in names}
+    config = InProcessConfig(
+        schedulers=tuple(names.values()),
+        engine=engine,
+        chunk_size=scenario.scheduler.chunk_size,
+        max_wait=scenario.scheduler.max_wait,
+        repeats=repeats,
+        quiet_wait_s=3.0,
+    )
+    title = label or name
+    print(
+        f"\n== {title}: {len(workload)} requests; {', '.join(names)}"
+        + (f" ({', '.join(f'{a} = {b}' for a, b in same.items())})" if same else ""),
+        flush=True,
+    )
+    from feather_env.serving import VLLMBackend
+
+    backend = VLLMBackend(engine)
+    try:
+        runs, info = evaluate_in_process(workload, config, progress=progress, backend=backend)
+        decode_rate = peak_decode_rate(backend, engine, config)
+    finally:
+        backend.close()
+    alias_of = {n: a for a, n in names.items()}
+    runs = [replace(r, label=alias_of[r.label]) for r in runs]
+    isolated = IsolatedModel(**info["isolated"])
+    slos = goodput_slos(isolated, workload)
+    bound = makespan_bound(workload, engine.block_size, info["isolated"], decode_rate)
+    payload = results_payload(
+        runs,
+        goodput=slos,
+        scenario=scenario.to_dict(),
+        episode_seed=EPISODE_SEED,
+        workload={**workload.describe(), "fingerprint": workload.fingerprint()},
+        engine=engine.to_dict(),
+        inprocess=config.to_dict(),
+        schedulers=names,
+        identical=same,
+        bound=bound,
+        **info,
+        wall_s=time.perf_counter() - t0,
+    )
+    for m in payload["runs"].values():
+        m["vs_bound"] = (bound["makespan_s"] / m["duration"]) if m.get("duration") else None
+    write_results(out_root / title, payload, runs, title=f"{title} ({payload['machine']['date']})")
+    payload.pop("definitions", None)
+    print(summary_table(payload), flush=True)
     return payload
+
+
+def figure(payload: Mapping[str, Any], alias: str, key: str) -> float | None:
+    """A scheduler's figure, following ``identical`` (heuristic-tuned = feather-heuristic)."""
+    alias = payload.get("identical", {}).get(alias, alias)
+    m = payload["runs"].get(alias)
+    return None if m is None else m.get(key)
+
+
+#: (header, key, format) of the per-scenario table.
+COLUMNS = (
+    ("done", None, "done"),
+    ("output tok/s", "output_throughput", "{:.1f}"),
+    ("req/s", "request_throughput", "{:.2f}"),
+    ("mean TTFT ms", "mean_ttft_ms", "{:,.0f}"),
+    ("mean TPOT ms", "mean_tpot_ms", "{:.1f}"),
+    ("mean E2EL ms", "mean_e2el_ms", "{:,.0f}"),
+    ("P50 E2EL", "median_e2el_ms", "{:,.0f}"),
+    ("P99 E2EL", "p99_e2el_ms", "{:,.0f}"),
+    ("goodput req/s", "request_goodput", "{:.2f}"),
+    ("prefix hit", "prefix_hit_rate", "{:.0%}"),
+    ("preempt", "preemptions", "{:d}"),
+    ("sched time / step time", "scheduler_overhead_frac", "{:.2%}"),
+    ("vs bound", "vs_bound", "{:.2f}"),
+)
+
+
+def _cell(m: Mapping[str, Any], key: str | None, fmt: str) -> str:
+    if fmt == "done":
+        return f"{m['completed']}/{m['submitted']}"
+    v = m.get(key) if key else None
+    if v is None:
+        return "-"
+    return fmt.format(int(v)) if fmt == "{:d}" else fmt.format(v)
+
+
+def summary_table(payload: Mapping[str, Any]) -> str:
+    """One row per scheduler (the identical ones say so), vLLM's figures, hit rate, overhead, bound."""
+    rows = []
+    for alias, m in payload["runs"].items():
+        rows.append([f"`{alias}`", *(_cell(m, k, f) for _, k, f in COLUMNS)])
+    for alias, other in payload.get("identical", {}).items():
+        rows.append(
+            [
+                f"`{alias}`",
+                f"= `{other}` (the search kept the authors' constants)",
+                *([""] * (len(COLUMNS) - 1)),
+            ]
+        )
+    return format_table(["scheduler", *(h for h, _, _ in COLUMNS)], rows)
+
+
+# ------------------------------------------------------------------------------------ targets
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -194,144 +359,297 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def _target(value: float | None, op: str, bound: float, detail: str) -> dict[str, Any]:
     met = value is not None and (value >= bound if op == ">=" else value <= bound)
-    return {"value": None if value is None else round(value, 4), "target": f"{op} {bound:g}",
-            "met": bool(met), "detail": detail}
+    return {
+        "value": None if value is None else round(value, 4),
+        "target": f"{op} {bound:g}",
+        "met": bool(met),
+        "detail": detail,
+    }
 
 
-def check_targets(cells: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Issue 6's targets from the cells' results (missing cells are skipped)."""
+FEATHER = (
+    "feather-heuristic",
+    "heuristic-tuned",
+    "shipped",
+    "general",
+    "feather-heuristic+svf",
+    "shipped+svf",
+)
+
+
+def _best(payload: Mapping[str, Any], names: Sequence[str], key: str = "output_throughput") -> str | None:
+    have = [n for n in names if figure(payload, n, key) is not None]
+    return max(have, key=lambda n: figure(payload, n, key)) if have else None
+
+
+def check_targets(scenarios: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The issue's targets from the scenarios' payloads (absent scenarios or runs are skipped)."""
     t: dict[str, dict[str, Any]] = {}
-    for cell in ("leval-poisson", "leval-burst"):
-        if cell not in cells:
+    out = "output_throughput"
+
+    def tput(p: Mapping[str, Any], n: str) -> float | None:
+        return figure(p, n, out)
+
+    def vs(
+        p: Mapping[str, Any], a: str, b: str, op: str, bound: float, key: str = out
+    ) -> dict[str, Any] | None:
+        x, y = figure(p, a, key), figure(p, b, key)
+        if x is None or y is None:
+            return None
+        return _target(_ratio(x, y), op, bound, f"{a} {x:,.1f} vs {b} {y:,.1f}")
+
+    def put(name: str, target: dict[str, Any] | None) -> None:
+        if target is not None:
+            t[name] = target
+
+    if "leval-kv-pressure" in scenarios:
+        p = scenarios["leval-kv-pressure"]
+        best = _best(p, FEATHER)
+        if best:
+            put(
+                f"leval-kv-pressure: best Feather ({best}) output tok/s vs fcfs",
+                vs(p, best, "fcfs", ">=", 2.0),
+            )
+            put(
+                f"leval-kv-pressure: best Feather ({best}) mean E2EL vs fcfs",
+                vs(p, best, "fcfs", "<=", 0.6, "mean_e2el_ms"),
+            )
+        put(
+            "leval-kv-pressure: shipped output tok/s vs the bound",
+            _target(
+                figure(p, "shipped", "vs_bound"),
+                ">=",
+                0.85,
+                f"bound {p['bound']['output_throughput']:.1f} tok/s "
+                f"(makespan {p['bound']['makespan_s']:.1f} s)",
+            ),
+        )
+    for sc in KV_PRESSURE:
+        if sc not in scenarios:
             continue
-        s = cells[cell]["runs"]
-        feather = {n: m["decode_tok_s"] for n, m in s.items() if n.startswith("feather")}
-        best = max(feather, key=lambda n: feather[n])
-        fcfs = s["fcfs"]["decode_tok_s"]
-        baseline = max(("lpm", "dfs-weight"), key=lambda n: s[n]["decode_tok_s"])
-        t[f"{cell}: best Feather decode tok/s vs fcfs"] = _target(
-            _ratio(feather[best], fcfs), ">=", 2.0, f"{best} {feather[best]:.1f} vs fcfs {fcfs:.1f} tok/s")
-        t[f"{cell}: best Feather decode tok/s vs better of lpm/dfs-weight"] = _target(
-            _ratio(feather[best], s[baseline]["decode_tok_s"]), ">=", 1.2,
-            f"{best} {feather[best]:.1f} vs {baseline} {s[baseline]['decode_tok_s']:.1f} tok/s")
-    all_done = [(c, n) for c, p in cells.items() for n, m in p["runs"].items()
-                if m["completed"] != m["submitted"]]
-    t["completed == submitted for every scheduler of every cell"] = {
-        "value": not all_done, "target": "True", "met": not all_done,
-        "detail": "all complete" if not all_done else f"incomplete: {all_done}"}
-    if "sharegpt" in cells:
-        s = cells["sharegpt"]["runs"]
-        feather = {n: m["decode_tok_s"] for n, m in s.items() if n.startswith("feather")}
-        best = max(feather, key=lambda n: feather[n])
-        t["sharegpt: best Feather decode tok/s vs fcfs"] = _target(
-            _ratio(feather[best], s["fcfs"]["decode_tok_s"]), ">=", 0.98,
-            f"{best} {feather[best]:.1f} vs fcfs {s['fcfs']['decode_tok_s']:.1f} tok/s")
-    if "longbench" in cells:
-        s = cells["longbench"]["runs"]
-        t["longbench: svf mean latency vs fcfs"] = _target(
-            _ratio(s["svf"]["mean_e2el_ms"], s["fcfs"]["mean_e2el_ms"]), "<=", 0.8,
-            f"svf {s['svf']['mean_e2el_ms']:.0f} ms vs fcfs {s['fcfs']['mean_e2el_ms']:.0f} ms")
-        t["longbench: svf P95 latency vs sjf P95"] = _target(
-            _ratio(s["svf"]["p95_e2el_ms"], s["sjf"]["p95_e2el_ms"]), "<=", 1.0,
-            f"svf {s['svf']['p95_e2el_ms']:.0f} ms vs sjf {s['sjf']['p95_e2el_ms']:.0f} ms")
-        r = _ratio(s["svf-1bit"]["mean_e2el_ms"], s["svf"]["mean_e2el_ms"])
-        t["longbench: svf-1bit mean latency within 10% of svf"] = _target(
-            None if r is None else abs(r - 1.0), "<=", 0.10,
-            f"svf-1bit {s['svf-1bit']['mean_e2el_ms']:.0f} ms vs svf {s['svf']['mean_e2el_ms']:.0f} ms "
-            f"(ratio {r:.3f}; value = |ratio - 1|)" if r is not None else "n/a")
+        p = scenarios[sc]
+        put(f"{sc}: shipped vs feather-heuristic", vs(p, "shipped", "feather-heuristic", ">=", 1.0))
+        base = _best(p, ("lpm", "dfs-weight"))
+        if base:
+            put(f"{sc}: shipped vs the better of lpm/dfs-weight ({base})", vs(p, "shipped", base, ">=", 1.0))
+    wins = []
+    for sc in KV_PRESSURE:
+        if sc in scenarios and _best(scenarios[sc], ("lpm", "dfs-weight")):
+            p = scenarios[sc]
+            base = _best(p, ("lpm", "dfs-weight"))
+            for key in (out, "request_goodput"):
+                r = _ratio(figure(p, "shipped", key), figure(p, base, key))
+                if r is not None:
+                    wins.append((r, f"{sc} {key}: shipped / {base} = {r:.3f}"))
+    if wins:
+        r, detail = max(wins)
+        t[
+            "some KV-pressure scenario: shipped >= 1.1x the better of lpm/dfs-weight (throughput or goodput)"
+        ] = _target(r, ">=", 1.1, "best: " + detail)
+    if "leval-high-load" in scenarios:
+        p = scenarios["leval-high-load"]
+        best = _best(p, FEATHER)
+        if best:
+            put(f"leval-high-load: best Feather ({best}) vs fcfs", vs(p, best, "fcfs", ">=", 2.0))
+            put(f"leval-high-load: best Feather ({best}) vs lpm", vs(p, best, "lpm", ">=", 1.5))
+            put(f"leval-high-load: best Feather ({best}) vs dfs-weight", vs(p, best, "dfs-weight", ">=", 1.0))
+        frac = figure(p, "feather-heuristic", "scheduler_overhead_frac")
+        dfs = figure(p, "dfs-weight", "scheduler_overhead_frac")
+        put(
+            "leval-high-load: Feather's scheduler time / engine step time",
+            _target(
+                frac,
+                "<=",
+                0.01,
+                f"feather-heuristic {frac:.3%}; dfs-weight {dfs:.3%}"
+                if frac is not None and dfs is not None
+                else "n/a",
+            ),
+        )
+    if "leval-summaries" in scenarios:
+        put(
+            "leval-summaries: shipped vs fcfs", vs(scenarios["leval-summaries"], "shipped", "fcfs", ">=", 1.0)
+        )
+    if "sharegpt" in scenarios:
+        p = scenarios["sharegpt"]
+        for n in ("shipped", "general", "heuristic-tuned"):
+            put(f"sharegpt: {n} vs fcfs", vs(p, n, "fcfs", ">=", 0.98))
+    if "longbench" in scenarios:
+        p = scenarios["longbench"]
+        put("longbench: svf mean E2EL vs fcfs", vs(p, "svf", "fcfs", "<=", 0.8, "mean_e2el_ms"))
+        put("longbench: svf P95 E2EL vs sjf P95", vs(p, "svf", "sjf", "<=", 1.0, "p95_e2el_ms"))
+        r = _ratio(figure(p, "svf-1bit", "mean_e2el_ms"), figure(p, "svf", "mean_e2el_ms"))
+        if r is not None:
+            t["longbench: svf-1bit mean E2EL within 10% of svf"] = _target(
+                abs(r - 1.0), "<=", 0.10, f"svf-1bit / svf = {r:.3f} (value = |ratio - 1|)"
+            )
+    for sc, p in scenarios.items():
+        put(
+            f"{sc}: shipped vs feather-heuristic (>= 0.98)", vs(p, "shipped", "feather-heuristic", ">=", 0.98)
+        )
+        put(f"{sc}: general vs shipped", vs(p, "general", "shipped", ">=", 0.95))
+    bad = [
+        f"{sc}/{n}"
+        for sc, p in scenarios.items()
+        for n, m in p["runs"].items()
+        if m["completed"] != m["submitted"]
+    ]
+    t["every cell: completed == submitted"] = {
+        "value": not bad,
+        "target": "True",
+        "met": not bad,
+        "detail": "all complete" if not bad else f"incomplete: {bad}",
+    }
     return t
 
 
-def combined_summary(cells: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """(4): Feather + SVF admission vs each alone, per L-Eval cell."""
-    keys = ("decode_tok_s", "output_throughput", "mean_e2el_ms", "p95_e2el_ms", "mean_ttft_ms",
-            "max_queue_ms")
-    out: dict[str, Any] = {}
-    for cell in ("leval-poisson", "leval-burst"):
-        if cell not in cells:
-            continue
-        s = cells[cell]["runs"]
-        out[cell] = {n: {k: s[n][k] for k in keys} for n in s if n == "svf" or n.startswith("feather")}
-    return out
+# ------------------------------------------------------------------------------------ the sweep
+
+
+def run_sweep(
+    *, policies: Path, rates: Sequence[float], quick: bool, out_root: Path, progress: bool = False
+) -> dict[str, Any]:
+    """:data:`SWEEP_SCENARIO` at each rate, :data:`SWEEP_SCHEDULERS`, one run each."""
+    points: dict[str, list[dict[str, Any]]] = {}
+    for rate in rates:
+        payload = run_scenario(
+            SWEEP_SCENARIO,
+            policies=policies,
+            repeats=1,
+            quick=quick,
+            out_root=out_root,
+            progress=progress,
+            overrides={"episode": {"arrival": f"poisson:{rate:g}"}},
+            only=SWEEP_SCHEDULERS,
+            label=f"sweep-{rate:g}",
+        )
+        for alias, m in payload["runs"].items():
+            points.setdefault(alias, []).append(
+                {
+                    "rate": rate,
+                    "output_throughput": m["output_throughput"],
+                    "p99_e2el_ms": m["p99_e2el_ms"],
+                    "mean_e2el_ms": m["mean_e2el_ms"],
+                    "completed": m["completed"],
+                    "submitted": m["submitted"],
+                }
+            )
+    return {"scenario": SWEEP_SCENARIO, "rates": list(rates), "points": points}
+
+
+def plot_sweep(sweep: Mapping[str, Any], path: Path) -> None:
+    """Output throughput and P99 E2E latency against the request rate, one line per scheduler."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for alias, pts in sweep["points"].items():
+        x = [p["rate"] for p in pts]
+        a.plot(x, [p["output_throughput"] for p in pts], marker="o", label=alias)
+        b.plot(x, [p["p99_e2el_ms"] / 1000 for p in pts], marker="o", label=alias)
+    a.set(xlabel="request rate (req/s)", ylabel="output tok/s", title=f"{sweep['scenario']}: throughput")
+    b.set(xlabel="request rate (req/s)", ylabel="P99 E2E latency (s)", title="P99 E2E latency")
+    a.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------ main
 
 
 def _print_targets(targets: Mapping[str, Mapping[str, Any]]) -> None:
-    print("\nTargets of issue 6:")
+    print("\nTargets:")
     for name, t in targets.items():
-        print(f"  [{'met' if t['met'] else 'NOT met'}] {name}: {t['value']} (target {t['target']}); "
-              f"{t['detail']}")
-
-
-def _print_combined(combined: Mapping[str, Any]) -> None:
-    print("\nFeather + SVF admission vs each alone (L-Eval):")
-    for cell, rows in combined.items():
-        for name, m in rows.items():
-            print(f"  {cell:14s} {name:28s} decode {m['decode_tok_s']:7.1f} tok/s  output "
-                  f"{m['output_throughput']:6.1f} tok/s  E2EL mean {m['mean_e2el_ms']:6.0f} ms  "
-                  f"P95 {m['p95_e2el_ms']:6.0f} ms")
+        print(
+            f"  [{'met' if t['met'] else 'NOT met'}] {name}: {t['value']} (target {t['target']}); "
+            f"{t['detail']}"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from feather_env.engine import send_vllm_logs_to
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default=str(REPO / "results" / "evaluation.json"))
-    p.add_argument("--out", default=None, help="per-cell outputs (default: results/eval beside --json)")
-    p.add_argument("--policy", default=None, help="a trained Feather policy file, or 'auto'")
-    p.add_argument("--cells", default=None, help="comma-separated subset of the cells")
-    p.add_argument("--quick", action="store_true", help="smoke run: a few short requests per cell")
+    p.add_argument("--out", default=None, help="per-scenario folders (default: results/eval beside --json)")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--policies", default=str(REPO / "policies"), help="the shipped policies' folder")
+    p.add_argument(
+        "--repeats", type=int, default=None, help=f"runs per scheduler (default {REPEATS}; quick 1)"
+    )
+    p.add_argument("--no-sweep", action="store_true", help="skip the load sweep")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the scenarios of an existing --json that this run does not serve",
+    )
+    p.add_argument("--quick", action="store_true", help="a smaller episode per scenario, one run each")
     p.add_argument("--progress", action="store_true", help="tqdm progress bars")
     args = p.parse_args(argv)
     json_path = Path(args.json)
     out_root = Path(args.out) if args.out else json_path.parent / "eval"
-    policy, policy_note = resolve_policy(args.policy, REPO / "results")
-    if policy is not None:  # keep the evaluated file with the results (training runs get overwritten)
-        out_root.mkdir(parents=True, exist_ok=True)
-        kept = out_root / "policy.feather"
-        if Path(policy).resolve() != kept.resolve():
-            shutil.copyfile(policy, kept)
-        policy_note += f"; copied from {policy}"
-        rel = os.path.relpath(kept)
-        policy = rel if not rel.startswith("..") else str(kept)
-    print(f"policy: {policy or 'none'} ({policy_note})", flush=True)
-    cells = make_cells(policy, args.quick)
-    if args.cells:
-        wanted = {c.strip() for c in args.cells.split(",")}
-        unknown = wanted - {c.name for c in cells}
-        if unknown:
-            raise SystemExit(f"unknown cells {sorted(unknown)}; known: {[c.name for c in cells]}")
-        cells = [c for c in cells if c.name in wanted]
+    policies = Path(args.policies).resolve()
+    repeats = args.repeats or (1 if args.quick else REPEATS)
+    wanted = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    unknown = sorted(set(wanted) - set(SCENARIOS))
+    if unknown:
+        raise SystemExit(f"unknown scenarios {unknown}; known: {list(SCENARIOS)}")
+    send_vllm_logs_to(out_root / "vllm.log")
     t0 = time.perf_counter()
-    retry_until = time.monotonic() + 0.75 * BUDGET_S
-    results: dict[str, Any] = {}
-    for cell in cells:
-        payload = run_cell(cell, out_root, args.progress, retry_until)
-        payload.pop("definitions", None)
-        results[cell.name] = payload
-    wall = time.perf_counter() - t0
-    targets = check_targets(results)
-    combined = combined_summary(results)
-    _print_combined(combined)
-    _print_targets(targets)
-    print(f"\nwall time: {wall:.0f} s (budget {BUDGET_S} s: {'within' if wall <= BUDGET_S else 'OVER'})")
-    from feather_env.evaluation.report import DEFINITIONS
+    previous: dict[str, Any] = {}
+    if args.merge and json_path.is_file():
+        import json
 
-    write_json(json_path, {
-        "benchmark": "evaluation",
-        "quick": args.quick,
-        "cells": results,
-        "targets": targets,
-        "combined": combined,
-        "policy": {"path": policy, "note": policy_note},
-        "settings": {"engine": ENGINE, "leval": LEVAL, "leval_poisson_rate": LEVAL_POISSON_RATE,
-                     "max_foreign": MAX_FOREIGN, "retries": RETRIES,
-                     "sharegpt": SHAREGPT, "longbench": dict(LONGBENCH, kv_cache_gib=LONGBENCH_KV_GIB),
-                     "quick_overrides": QUICK if args.quick else None, "notes": SETTINGS_NOTES,
-                     "cells": {c.name: {"schedulers": list(c.schedulers), "workload": c.workload,
-                                        "engine": c.engine} for c in cells}},
-        "definitions": DEFINITIONS,
-        "wall_s": wall,
-        "budget_s": BUDGET_S,
-        "machine": machine_info(),
-    })
+        previous = json.loads(json_path.read_text())
+    results: dict[str, Any] = dict(previous.get("scenarios", {})) if args.merge else {}
+    walls: dict[str, float] = dict(previous.get("wall_s_by_part", {})) if args.merge else {}
+    for name in wanted:
+        results[name] = run_scenario(
+            name,
+            policies=policies,
+            repeats=repeats,
+            quick=args.quick,
+            out_root=out_root,
+            progress=args.progress,
+        )
+        walls[name] = results[name]["wall_s"]
+    sweep = previous.get("sweep") if args.merge else None
+    if not args.no_sweep:
+        s0 = time.perf_counter()
+        sweep = run_sweep(
+            policies=policies,
+            rates=QUICK_SWEEP_RATES if args.quick else SWEEP_RATES,
+            quick=args.quick,
+            out_root=out_root,
+            progress=args.progress,
+        )
+        plot_sweep(sweep, json_path.parent / "eval_sweep.png")
+        walls["sweep"] = time.perf_counter() - s0
+    targets = check_targets(results)
+    _print_targets(targets)
+    wall = time.perf_counter() - t0
+    print(f"\nwall time: {wall:.0f} s")
+    write_json(
+        json_path,
+        {
+            "benchmark": "evaluation",
+            "quick": args.quick,
+            "repeats": repeats,
+            "scenarios": results,
+            "sweep": sweep,
+            "targets": targets,
+            "slo_factor": SLO_FACTOR,
+            "episode_seed": EPISODE_SEED,
+            "wall_s": wall,
+            "wall_s_by_part": walls,
+            "machine": machine_info(),
+            "command": "python -m benchmarks.evaluation" + (" --quick" if args.quick else ""),
+        },
+    )
     return 0
 
 

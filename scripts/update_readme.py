@@ -164,42 +164,45 @@ def _num(value: Any, fmt: str = "{:.2f}") -> str:
 
 
 def render_evaluation(res: dict[str, Any]) -> str:
-    """results/evaluation.json (benchmarks/evaluation.py): one table per cell, then the targets."""
-    quick = " **quick smoke run, not the real figures**" if res.get("quick") else ""
-    out = [f"`python -m benchmarks.evaluation` ({_machine(res)}; wall time {res.get('wall_s', 0):.0f} s; "
-           f"engine pinned to one core){quick}. `vllm bench serve`'s names: latencies in ms from arrival, "
-           f"output tok/s over the run; decode tok/s over decode-only engine steps; slowdown = latency / the "
-           f"request's time alone on the idle engine.", ""]
-    policy = (res.get("policy") or {}).get("path")
-    out += [f"Trained Feather policy: {policy or 'none'} ({(res.get('policy') or {}).get('note', '')}).", ""]
-    headers = ["scheduler", "done", "decode tok/s", "output tok/s", "mean E2EL ms", "P95", "P99",
-               "mean TTFT ms", "max queue ms", "max slowdown", "batch", "prefix hit", "sched overhead",
-               "foreign CPU"]
-    for cell, payload in res.get("cells", {}).items():
-        w = payload["workload"]
-        out += [f"**{cell}**: {w['requests']} requests, {w['groups']} prefix groups, prompts mean "
-                f"{w['prompt_tokens_mean']:.0f} / max {w['prompt_tokens_max']} tokens, outputs mean "
-                f"{w['output_tokens_mean']:.1f} / max {w['output_tokens_max']} tokens, arrivals "
-                f"{w['arrivals']}, KV cache {payload['engine']['kv_cache_gib']:g} GiB:", ""]
-        rows = []
-        for name, m in payload["runs"].items():
-            rows.append([f"`{name}`", f"{m['completed']}/{m['submitted']}", _num(m["decode_tok_s"], "{:.1f}"),
-                         _num(m["output_throughput"], "{:.1f}"), _num(m["mean_e2el_ms"], "{:,.0f}"),
-                         _num(m["p95_e2el_ms"], "{:,.0f}"), _num(m["p99_e2el_ms"], "{:,.0f}"),
-                         _num(m["mean_ttft_ms"], "{:,.0f}"), _num(m["max_queue_ms"], "{:,.0f}"),
-                         _num(m["max_slowdown"], "{:.1f}"), _num(m["mean_running_batch"], "{:.1f}"),
-                         _num(m["prefix_hit_rate"], "{:.0%}"), _num(m["scheduler_overhead_frac"], "{:.2%}"),
-                         _num(m["foreign_cpu"], "{:.0%}")])
-        out += [format_table(headers, rows), ""]
-        reps = {n: m["repeats"]["decode_tok_s"] for n, m in payload["runs"].items() if m.get("repeats")}
+    """results/evaluation.json (benchmarks/evaluation.py): one table per scenario, the sweep, the targets."""
+    from benchmarks.evaluation import summary_table
+
+    quick = (" **quick smoke run (smaller episodes, one run each), not the real figures**"
+             if res.get("quick") else "")
+    walls = ", ".join(f"{k} {v / 60:.0f} min" for k, v in (res.get("wall_s_by_part") or {}).items())
+    out = [f"`{res.get('command', 'python -m benchmarks.evaluation')}` ({_machine(res)}; wall time "
+           f"{walls}; engine pinned to one core){quick}. Each scheduler ran {res.get('repeats', 1)} time(s), "
+           "schedulers alternating; each row is the run with the median output throughput. Latencies in ms "
+           "from arrival on the engine clock, in `vllm bench serve`'s names; goodput: requests within "
+           f"both SLOs ({res.get('slo_factor', 10):g}x the median isolated TTFT and E2EL of the episode's "
+           "requests); sched time / step time: the Feather scheduler's decisions over the engine's step "
+           "time; vs bound: the makespan bound over the run's makespan.", ""]
+    for name, p in (res.get("scenarios") or {}).items():
+        w, b, slo = p["workload"], p["bound"], p.get("goodput_slos_ms") or {}
+        out += [f"**{name}** ({p['scenario'].get('description', '')}): {w['requests']} requests, "
+                f"{w['groups']} prefix groups, arrivals {w['arrivals']}, KV cache "
+                f"{p['engine']['kv_cache_gib']:g} GiB. Goodput SLOs: TTFT <= {slo.get('ttft', 0):,.0f} ms, "
+                f"E2EL <= {slo.get('e2el', 0):,.0f} ms. Bound: makespan {b['makespan_s']:.1f} s "
+                f"({b['prefill_s']:.1f} s prefilling {b['distinct_prompt_tokens']:,} distinct of "
+                f"{b['prompt_tokens']:,} prompt tokens, hit-rate ceiling {b['hit_rate_ceiling']:.0%}; "
+                f"{b['decode_s']:.1f} s decoding at the engine's peak {b['decode_rate_tok_s']:.0f} tok/s), "
+                f"{b['output_throughput']:.1f} output tok/s.", "", summary_table(p), ""]
+        reps = {n: m["repeats"]["output_throughput"] for n, m in p["runs"].items() if m.get("repeats")}
         if reps:
-            out += [f"Each scheduler ran {len(next(iter(reps.values())))} times, alternating; the row is the "
-                    "run with the median decode throughput (decode tok/s of every run: "
-                    + "; ".join(f"`{n}` " + ", ".join(f"{v:.0f}" for v in vals) for n, vals in reps.items())
-                    + ").", ""]
+            out += ["Output tok/s of every run: " + "; ".join(
+                f"`{n}` " + ", ".join(f"{v:.1f}" for v in vals) for n, vals in reps.items()) + ".", ""]
+    sweep = res.get("sweep")
+    if sweep:
+        rates = sweep["rates"]
+        rows = [[f"`{n}`", *(f"{q['output_throughput']:.1f} / {q['p99_e2el_ms'] / 1000:.1f} s" for q in pts)]
+                for n, pts in sweep["points"].items()]
+        out += [f"Load sweep, `{sweep['scenario']}` (one run per point; output tok/s / P99 E2E latency), "
+                "`results/eval_sweep.png`:", "",
+                format_table(["scheduler", *(f"{r:g} req/s" for r in rates)], rows), "",
+                "![load sweep](results/eval_sweep.png)", ""]
     targets = res.get("targets") or {}
     if targets:
-        out += ["Targets (issue 6):", ""]
+        out += ["Targets:", ""]
         out += [f"- {'met' if t['met'] else '**NOT met**'}: {name}: {t['value']} (target {t['target']}; "
                 f"{t['detail']})" for name, t in targets.items()]
     return "\n".join(out).rstrip()

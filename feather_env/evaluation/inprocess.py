@@ -47,7 +47,7 @@ from scheduler_runtime.config import ConfigError
 from scheduler_runtime.schedulers import SchedulerConfig
 
 __all__ = ["InProcessConfig", "IsolatedModel", "evaluate_in_process", "fit_engine", "measure_isolated",
-           "scheduler_config", "scheduler_overrides", "serve_one", "validate_schedulers"]
+           "random_requests", "scheduler_config", "scheduler_overrides", "serve_one", "validate_schedulers"]
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class InProcessConfig:
         max_foreign, retries: re-run a run during which other processes used more than this
             fraction of the machine, at most ``retries`` times, and keep the least loaded run.
         repeats: serve every scheduler this many times, schedulers alternating; its metrics are those
-            of the run with the median decode throughput, ``repeats`` lists every run's figures.
+            of the run with the median end-to-end output throughput, ``repeats`` lists every run's figures.
         label: prefix of the run labels (``LABEL/scheduler``); ``None``: the scheduler names.
     """
 
@@ -177,7 +177,8 @@ class IsolatedModel:
         return asdict(self)
 
 
-def _random_requests(tag: str, prompt_lens: Sequence[int], output_len: int, seed: int) -> Workload:
+def random_requests(tag: str, prompt_lens: Sequence[int], output_len: int, seed: int) -> Workload:
+    """Requests of random token ids (no shared prefix): the warm-up batch and the probes."""
     rng = np.random.default_rng(seed)
     return Workload(tag, tuple(Request(f"{tag}{i}", rng.integers(3, 8192, p), -1, output_len)
                                for i, p in enumerate(prompt_lens)))
@@ -193,7 +194,7 @@ def measure_isolated(backend: Any, max_prompt_len: int, output_tokens: int = 9) 
     ttft: list[float] = []
     tpot: list[float] = []
     for j, p in enumerate(lens):
-        (t,) = backend.serve(_random_requests(f"probe{j}-", [p], output_tokens, 424242 + j), _passthrough())
+        (t,) = backend.serve(random_requests(f"probe{j}-", [p], output_tokens, 424242 + j), _passthrough())
         ttft.append(t.ttft)
         tpot.append(t.tpot)
     return IsolatedModel(lens, ttft, tpot, output_tokens)
@@ -235,7 +236,7 @@ def evaluate_in_process(
     try:
         if config.warmup:  # the first steps after start-up are much slower than the steady state
             prompt = min(512, config.engine.max_model_len - 9)
-            backend.serve(_random_requests("warmup-", [prompt] * 8, 8, 12345), _passthrough())
+            backend.serve(random_requests("warmup-", [prompt] * 8, 8, 12345), _passthrough())
         isolated = None
         if config.isolated_probes:
             isolated = measure_isolated(backend, max(r.prompt_len for r in workload))
@@ -251,13 +252,15 @@ def evaluate_in_process(
                 done[name].append(run)
         runs = []
         for name in names:
-            ranked = sorted(done[name], key=lambda r: r.extra["decode_tok_s"])
-            run = ranked[(len(ranked) - 1) // 2]  # every figure from one run: the median's
+            every = done[name]
+            metrics = [serving_metrics(r.timelines) for r in every]
+            order = sorted(range(len(every)), key=lambda i: metrics[i]["output_throughput"])
+            run = every[order[(len(order) - 1) // 2]]  # every figure from one run: the median's
             if config.repeats > 1:
-                every = done[name]
                 run.extra["repeats"] = {
+                    "output_throughput": [m["output_throughput"] for m in metrics],
+                    "mean_e2el_ms": [m["mean_e2el_ms"] for m in metrics],
                     "decode_tok_s": [r.extra["decode_tok_s"] for r in every],
-                    "output_throughput": [serving_metrics(r.timelines)["output_throughput"] for r in every],
                     "foreign_cpu": [r.extra["foreign_cpu"] for r in every]}
             runs.append(run)
         return runs, info
