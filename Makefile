@@ -46,10 +46,12 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.env_speed --json results/env_speed.json
 	$(BIN)/python -m benchmarks.env_orderings --json results/env_orderings.json --sim-episodes 20 --real-episodes 3
 	$(BIN)/python -m benchmarks.rewards --json results/rewards.json
+	$(BIN)/python -m benchmarks.agents --json results/agents.json --plot results/agents_learning.png
 	$(BIN)/python -m benchmarks.cht_overhead --json results/cht_overhead.json --budget-s 2 \
 		--structures cht radix-lpm radix-lpm-nocheck radix-dfs-weight
 	$(BIN)/python -m benchmarks.scheduler_overhead --json results/scheduler_overhead.json
 	$(BIN)/python -m benchmarks.endpoint_agreement --json results/endpoint_agreement.json
+	$(BIN)/python -m benchmarks.evaluation --json results/evaluation.json
 	$(BIN)/python scripts/update_readme.py
 
 # A smaller version of every table (a few minutes): smoke-checks the benchmarks themselves.
@@ -58,6 +60,9 @@ bench-quick: $(STAMP)
 	$(BIN)/python -m benchmarks.env_speed --json results/quick/env_speed.json --episodes 3 --repeats 2
 	$(BIN)/python -m benchmarks.env_orderings --json results/quick/env_orderings.json --sim-episodes 4 --real-episodes 1
 	$(BIN)/python -m benchmarks.rewards --json results/quick/rewards.json --timesteps 3000 --eval-episodes 3
+	$(BIN)/python -m benchmarks.agents --json results/quick/agents.json --scenarios leval-kv-pressure,sharegpt \
+		--timesteps 2000 --eval-episodes 2
+	$(BIN)/python -m benchmarks.evaluation --quick --json results/quick/evaluation.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

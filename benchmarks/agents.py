@@ -4,7 +4,8 @@
                                 [--scenarios leval-kv-pressure,...] [--timesteps N] [--eval-episodes K]
 
 Per scenario: UCB, Q-learning and PPO are trained on the simulator with their run configs
-(``configs/runs/<agent>.yaml``, ``train.py``'s library code), evaluated every ``timesteps / 5``
+(``configs/runs/<agent>.yaml``, ``train.py``'s library code; reward ``--reward``, default
+``makespan`` as for the shipped policies), evaluated every ``timesteps / 5``
 steps on held-out episodes (the learning curves), and their exported policies serve the held-out
 episodes at the end; the references serve the same episodes: always-add and the heuristic over
 the CHT's candidates, and the fcfs, lpm and dfs-weight orderings. Reported: end-to-end output
@@ -25,6 +26,7 @@ from agents.base import evaluate
 from agents.training import load_config, make_env, reference_policy, run
 from feather_env.engine import REPO_ROOT
 from feather_env.reporting import format_table, machine_info, write_json
+from feather_env.scenarios import EVALUATED_SCENARIOS
 from scheduler_runtime.policy import load_policy
 
 LEARNED = ("ucb", "qlearning", "ppo")
@@ -34,14 +36,15 @@ KEYS = ("output_throughput", "mean_e2el_s", "prefix_hit_rate", "mean_return")
 
 
 def run_scenario(scenario: str, timesteps: int, eval_episodes: int, tmp: Path,
-                 agents: Sequence[str] = LEARNED) -> dict[str, Any]:
+                 agents: Sequence[str] = LEARNED, reward: str = "makespan") -> dict[str, Any]:
     """Train every agent on ``scenario`` and evaluate it and the references on the same episodes."""
     seeds = [EVAL_SEED + i for i in range(eval_episodes)]
     out: dict[str, Any] = {"agents": {}, "references": {}, "curves": {}}
     for agent in agents:
         cfg = load_config(REPO_ROOT / "configs" / "runs" / f"{agent}.yaml", agent, scenario=scenario,
-                          timesteps=timesteps, eval_every=max(1, timesteps // 5), eval_episodes=eval_episodes,
-                          eval_seed=EVAL_SEED, checkpoint_every=0, progress_bar=False, compare_with=[])
+                          reward=reward, timesteps=timesteps, eval_every=max(1, timesteps // 5),
+                          eval_episodes=eval_episodes, eval_seed=EVAL_SEED, checkpoint_every=0,
+                          progress_bar=False, compare_with=[])
         res = run(cfg, tmp / f"{scenario}-{agent}", verbose=False)
         ev = evaluate(load_policy(res.policy_path), make_env(cfg), seeds)  # the exported policy
         out["agents"][agent] = {k: ev[k] for k in KEYS} | {"train_wall_s": res.wall_s,
@@ -89,7 +92,8 @@ def plot(results: dict[str, Any], path: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--scenarios", default="leval-kv-pressure,sharegpt")
+    p.add_argument("--scenarios", default=",".join(EVALUATED_SCENARIOS))
+    p.add_argument("--reward", default="makespan", help="the agents' reward (the shipped policies' too)")
     p.add_argument("--agents", default=",".join(LEARNED))
     p.add_argument("--timesteps", type=int, default=20_000)
     p.add_argument("--eval-episodes", type=int, default=8)
@@ -101,7 +105,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for scenario in scenarios:
-            results[scenario] = run_scenario(scenario, args.timesteps, args.eval_episodes, Path(tmp), agents)
+            results[scenario] = run_scenario(scenario, args.timesteps, args.eval_episodes, Path(tmp), agents,
+                                             args.reward)
     for scenario, res in results.items():
         rows = [[name, r["output_throughput"], f"{r['vs_fcfs']:.2f}x", r["mean_e2el_s"],
                  f"{r['prefix_hit_rate']:.0%}"]
@@ -109,7 +114,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"\n{scenario}:")
         print(format_table(["agent", "e2e tok/s", "vs fcfs", "mean E2E s", "prefix hit"], rows))
     out = {"benchmark": "agents", "machine": machine_info(), "timesteps": args.timesteps,
-           "eval_episodes": args.eval_episodes, "eval_seed": EVAL_SEED, "results": results}
+           "reward": args.reward, "eval_episodes": args.eval_episodes, "eval_seed": EVAL_SEED,
+           "results": results}
     write_json(args.json, out)
     if args.plot:
         plot(results, args.plot)

@@ -3,7 +3,7 @@
     python -m benchmarks.evaluation [--scenarios a,b] [--repeats 3] [--no-sweep] [--quick]
                                     [--json results/evaluation.json]
 
-For each scenario of ``configs/scenarios/`` (:data:`SCENARIOS`), episode :data:`EPISODE_SEED`
+For each evaluated scenario (:data:`~feather_env.scenarios.EVALUATED_SCENARIOS`), episode :data:`EPISODE_SEED`
 (the requests ``evaluate.py --scenario NAME`` serves) is served in-process
 (:func:`feather_env.evaluation.evaluate_in_process`: one engine sized by the scenario, pinned to
 core 1; every scheduler deciding as under ``feather-serve``) by:
@@ -64,19 +64,12 @@ from feather_env.engine import use_in_process_engine  # noqa: E402  (before vLLM
 use_in_process_engine()
 
 from feather_env.reporting import format_table, machine_info, write_json  # noqa: E402
+from feather_env.scenarios import EVALUATED_SCENARIOS as SCENARIOS  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
 __all__ = ["SCENARIOS", "check_targets", "main", "makespan_bound", "run_scenario", "scheduler_set"]
 
-SCENARIOS = (
-    "leval-kv-pressure",
-    "leval-kv-pressure-poisson",
-    "leval-high-load",
-    "leval-summaries",
-    "sharegpt",
-    "longbench",
-)
 #: The scenarios whose KV cache binds (the issue's "KV-pressure scenarios").
 KV_PRESSURE = ("leval-kv-pressure", "leval-kv-pressure-poisson", "leval-high-load")
 EPISODE_SEED = 0

@@ -45,6 +45,7 @@ from feather_env.workloads.arrivals import parse_arrival
 from scheduler_runtime.config import ConfigError, from_mapping, load_yaml
 
 __all__ = [
+    "EVALUATED_SCENARIOS",
     "SCENARIO_DIR",
     "EpisodeConfig",
     "Scenario",
@@ -54,6 +55,10 @@ __all__ = [
 ]
 
 SCENARIO_DIR = REPO_ROOT / "configs" / "scenarios"
+#: The scenarios a policy is shipped for and the evaluation serves (``leval-ample-kv`` is the
+#: environment's contrast case: ample KV, where admission order barely matters).
+EVALUATED_SCENARIOS = ("leval-kv-pressure", "leval-kv-pressure-poisson", "leval-high-load", "leval-summaries",
+                       "sharegpt", "longbench")
 _SECTIONS = ("description", "workload", "episode", "engine", "scheduler")
 #: Workload keys that belong to the episode (the pool must not sample by itself).
 _EPISODE_KEYS = ("num_requests", "num_groups", "max_per_group", "arrival")

@@ -28,9 +28,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from feather_env.reporting import format_table, machine_info  # noqa: E402
+from feather_env.scenarios import EVALUATED_SCENARIOS as SCENARIOS  # noqa: E402
 
-SCENARIOS = ("leval-kv-pressure", "leval-kv-pressure-poisson", "leval-high-load", "leval-summaries",
-             "sharegpt", "longbench")
 AGENTS = ("ucb", "qlearning", "ppo")
 REFERENCES = ("always-add", "fcfs", "feather-heuristic", "heuristic-tuned", "general")
 

@@ -209,43 +209,22 @@ def render_evaluation(res: dict[str, Any]) -> str:
 
 
 def render_agents(res: dict[str, Any]) -> str:
-    """results/agents.json (benchmarks/agents.py): agents trained on the sim, evaluated on the engine."""
-    workloads = list(res["results"])
-    agents = list(res["results"][workloads[0]])
-    headers = ["agent"] + [h for w in workloads for h in (f"{w} decode tok/s", f"{w} vs always-add")]
-    rows = []
-    for a in agents:
-        row: list[Any] = [a]
-        for w in workloads:
-            m = res["results"][w].get(a)
-            base = res["results"][w]["always-add"]["decode_tok_s"]
-            row += ([m["decode_tok_s"], f"{m['decode_tok_s'] / base:.2f}x"] if m else ["-", "-"])
-        rows.append(row)
-    eps = ", ".join(f"{w}: {res['results'][w]['always-add']['episodes']}" for w in workloads)
+    """results/agents.json (benchmarks/agents.py): every agent and reference, per scenario (simulator)."""
     out = [f"`python -m benchmarks.agents --json results/agents.json --plot results/agents_learning.png` "
-           f"({_machine(res)}; held-out episodes on the real engine, {eps}):", "",
-           format_table(headers, rows), ""]
-    if res.get("engine_batches"):
-        out += ["Each distinct batch was measured once on the engine and shared by the agents that formed "
-                "it (" + "; ".join(f"{w}: {b['measured']} measured, {b['shared']} shared"
-                                   for w, b in res["engine_batches"].items()) + ").", ""]
-    rc = res.get("reward_comparison")
-    if rc:
-        out += ["PPO on the simulator, by reward (held-out episodes):", "",
-                format_table(["reward", "decode tok/s", "episode seconds", "mean batch"],
-                             [[k, v["decode_tok_s"], v["episode_seconds"], v["mean_batch_size"]]
-                              for k, v in rc.items()]), ""]
-    out.append("Targets (issue 4):")
-    out.append("")
-    for name, t in res.get("targets", {}).items():
-        if isinstance(t, dict) and "met" in t:
-            out.append(f"- {'met' if t['met'] else '**NOT met**'}: {name}: {t['agent']} "
-                       f"{t['value']:.2f} (target {t['target']})")
-    if "every_learned_vs_heuristic_leval_met" in res.get("targets", {}):
-        t = res["targets"]
-        ratios = ", ".join(f"{k} {v:.2f}" for k, v in t["every_learned_vs_heuristic_leval"].items())
-        out.append(f"- {'met' if t['every_learned_vs_heuristic_leval_met'] else '**NOT met**'}: "
-                   f"every learned agent >= heuristic on L-Eval: {ratios}")
+           f"({_machine(res)}; {res['timesteps']:,} training steps per agent, reward `{res.get('reward')}`, "
+           f"{res['eval_episodes']} held-out episodes on the simulator; end-to-end output tok/s and its "
+           "ratio to fcfs):", ""]
+    scenarios = list(res["results"])
+    first = res["results"][scenarios[0]]
+    names = [*first["agents"], *first["references"]]
+    rows = []
+    for name in names:
+        row: list[Any] = [name]
+        for sc in scenarios:
+            r = res["results"][sc]["agents"].get(name) or res["results"][sc]["references"].get(name)
+            row.append(f"{r['output_throughput']:.1f} ({r['vs_fcfs']:.2f}x)" if r else "-")
+        rows.append(row)
+    out += [format_table(["agent", *scenarios], rows), "", "![learning curves](results/agents_learning.png)"]
     return "\n".join(out)
 
 
