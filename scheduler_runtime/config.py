@@ -98,29 +98,23 @@ def load_mapping(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if path.suffix != ".json":
         return load_yaml(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    text = _read_utf8(path)
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: malformed JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping at top level, got {type(data).__name__}")
-    return data
+    return _load_file(path, "JSON", json.loads, json.JSONDecodeError)
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping; a missing, malformed or non-UTF-8 file is a :class:`ConfigError` naming it."""
-    path = Path(path)
+    return _load_file(Path(path), "YAML", yaml.safe_load, yaml.YAMLError)
+
+
+def _load_file(path: Path, kind: str, parse: Any, error: type[Exception]) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     text = _read_utf8(path)
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: malformed YAML: {exc}") from exc
-    if data is None:
+        data = parse(text)
+    except error as exc:
+        raise ConfigError(f"{path}: malformed {kind}: {exc}") from exc
+    if data is None and kind == "YAML":  # an empty YAML file is an empty mapping
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at top level, got {type(data).__name__}")
