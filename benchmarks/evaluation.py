@@ -36,7 +36,9 @@ the engine's peak decode rate (:func:`peak_decode_rate`: as many short requests 
 ``max_num_seqs`` and the KV cache allow). The makespan bound is this sum, or the last arrival if
 later; each scheduler is reported as the bound over its makespan (1.0 is the limit; a chunked
 prefill step also decodes the running requests, so a schedule that overlaps the two can pass the
-serial sum: a value above 1.0 says so).
+serial sum: a value above 1.0 says so). The engine's peak decode rate is reached on short prompts
+only, so the tables also give the *episode bound* (:func:`add_episode_bound`): the same prefill
+term, decode at the best rate any run of the episode reached in its decode-only steps.
 
 **The load sweep** (``leval-kv-pressure-poisson`` at :data:`SWEEP_RATES` requests/s, one run each)
 draws output throughput and P99 E2E latency against the request rate, one line per scheduler
@@ -195,6 +197,27 @@ def peak_decode_rate(backend: Any, engine: Any, config: Any) -> float:
     return float(run.extra["decode_tok_s"])
 
 
+def add_episode_bound(payload: dict[str, Any]) -> None:
+    """The bound again, decoding at the best rate any run of this episode reached (its decode-only
+    steps): ``payload["bound"]["episode_decode"]`` and each run's ``vs_bound_episode``.
+
+    The engine's peak rate (:func:`peak_decode_rate`) is measured on short prompts; a long-context
+    episode cannot decode at it, since every step reads its requests' whole KV cache. This bound
+    keeps the prefill term and charges decode at the rate the episode's own contexts allowed."""
+    bound = payload["bound"]
+    rates = [r for m in payload["runs"].values()
+             for r in ((m.get("repeats") or {}).get("decode_tok_s") or [m.get("decode_tok_s")]) if r]
+    if not rates:
+        return
+    rate = max(rates)
+    tokens = bound["decode_s"] * bound["decode_rate_tok_s"]
+    makespan = max(bound["prefill_s"] + tokens / rate, bound["last_arrival_s"])
+    bound["episode_decode"] = {"decode_rate_tok_s": rate, "decode_s": tokens / rate, "makespan_s": makespan,
+                               "output_throughput": tokens / makespan if makespan > 0 else None}
+    for m in payload["runs"].values():
+        m["vs_bound_episode"] = (makespan / m["duration"]) if m.get("duration") else None
+
+
 def goodput_slos(isolated: Any, workload: Any) -> dict[str, float]:
     """TTFT and E2EL SLOs (ms): :data:`SLO_FACTOR` x the median of the requests' isolated figures."""
     import numpy as np
@@ -287,6 +310,7 @@ def run_scenario(
     )
     for m in payload["runs"].values():
         m["vs_bound"] = (bound["makespan_s"] / m["duration"]) if m.get("duration") else None
+    add_episode_bound(payload)
     write_results(out_root / title, payload, runs, title=f"{title} ({payload['machine']['date']})")
     payload.pop("definitions", None)
     print(summary_table(payload), flush=True)
@@ -315,6 +339,7 @@ COLUMNS = (
     ("preempt", "preemptions", "{:d}"),
     ("sched time / step time", "scheduler_overhead_frac", "{:.2%}"),
     ("vs bound", "vs_bound", "{:.2f}"),
+    ("vs episode bound", "vs_bound_episode", "{:.2f}"),
 )
 
 
@@ -375,6 +400,16 @@ def _best(payload: Mapping[str, Any], names: Sequence[str], key: str = "output_t
     return max(have, key=lambda n: figure(payload, n, key)) if have else None
 
 
+def _episode_detail(p: Mapping[str, Any]) -> str:
+    ep = p["bound"].get("episode_decode")
+    if not ep:
+        return ""
+    share = figure(p, "shipped", "vs_bound_episode")
+    return (f"; at the episode's best decode rate ({ep['decode_rate_tok_s']:.0f} tok/s) the bound is "
+            f"{ep['output_throughput']:.1f} tok/s and shipped reaches "
+            + ("-" if share is None else f"{share:.2f}") + " of it")
+
+
 def check_targets(scenarios: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """The issue's targets from the scenarios' payloads (absent scenarios or runs are skipped)."""
     t: dict[str, dict[str, Any]] = {}
@@ -414,7 +449,7 @@ def check_targets(scenarios: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[
                 ">=",
                 0.85,
                 f"bound {p['bound']['output_throughput']:.1f} tok/s "
-                f"(makespan {p['bound']['makespan_s']:.1f} s)",
+                f"(makespan {p['bound']['makespan_s']:.1f} s)" + _episode_detail(p),
             ),
         )
     for sc in KV_PRESSURE:
@@ -622,6 +657,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         plot_sweep(sweep, json_path.parent / "eval_sweep.png")
         walls["sweep"] = time.perf_counter() - s0
+    for payload in results.values():
+        add_episode_bound(payload)  # also for payloads merged from an earlier run
     targets = check_targets(results)
     _print_targets(targets)
     wall = time.perf_counter() - t0
