@@ -163,6 +163,14 @@ def _num(value: Any, fmt: str = "{:.2f}") -> str:
     return "n/a" if value is None else fmt.format(value)
 
 
+def _episode_bound(b: dict[str, Any]) -> str:
+    ep = b.get("episode_decode")
+    if not ep:
+        return ""
+    return (f"; episode bound (decode at the best rate a run reached, {ep['decode_rate_tok_s']:.0f} tok/s): "
+            f"makespan {ep['makespan_s']:.1f} s, {ep['output_throughput']:.1f} output tok/s")
+
+
 def render_evaluation(res: dict[str, Any]) -> str:
     """results/evaluation.json (benchmarks/evaluation.py): one table per scenario, the sweep, the targets."""
     from benchmarks.evaluation import summary_table
@@ -171,12 +179,12 @@ def render_evaluation(res: dict[str, Any]) -> str:
              if res.get("quick") else "")
     walls = ", ".join(f"{k} {v / 60:.0f} min" for k, v in (res.get("wall_s_by_part") or {}).items())
     out = [f"`{res.get('command', 'python -m benchmarks.evaluation')}` ({_machine(res)}; wall time "
-           f"{walls}; engine pinned to one core){quick}. Each scheduler ran {res.get('repeats', 1)} time(s), "
-           "schedulers alternating; each row is the run with the median output throughput. Latencies in ms "
+           f"{walls}; engine pinned to one core){quick}. Schedulers alternate (repeats: per scenario); "
+           "each row is the run with the median output throughput. Latencies in ms "
            "from arrival on the engine clock, in `vllm bench serve`'s names; goodput: requests within "
            f"both SLOs ({res.get('slo_factor', 10):g}x the median isolated TTFT and E2EL of the episode's "
            "requests); sched time / step time: the Feather scheduler's decisions over the engine's step "
-           "time; vs bound: the makespan bound over the run's makespan.", ""]
+           "time; vs bound, vs episode bound: each bound's makespan over the run's.", ""]
     for name, p in (res.get("scenarios") or {}).items():
         w, b, slo = p["workload"], p["bound"], p.get("goodput_slos_ms") or {}
         out += [f"**{name}** ({p['scenario'].get('description', '')}): {w['requests']} requests, "
@@ -186,7 +194,9 @@ def render_evaluation(res: dict[str, Any]) -> str:
                 f"({b['prefill_s']:.1f} s prefilling {b['distinct_prompt_tokens']:,} distinct of "
                 f"{b['prompt_tokens']:,} prompt tokens, hit-rate ceiling {b['hit_rate_ceiling']:.0%}; "
                 f"{b['decode_s']:.1f} s decoding at the engine's peak {b['decode_rate_tok_s']:.0f} tok/s), "
-                f"{b['output_throughput']:.1f} output tok/s.", "", summary_table(p), ""]
+                f"{b['output_throughput']:.1f} output tok/s{_episode_bound(b)}. Each scheduler ran "
+                f"{(p.get('inprocess') or {}).get('repeats', res.get('repeats', 1))} time(s).",
+                "", summary_table(p), ""]
         reps = {n: m["repeats"]["output_throughput"] for n, m in p["runs"].items() if m.get("repeats")}
         if reps:
             out += ["Output tok/s of every run: " + "; ".join(
