@@ -47,6 +47,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.env_orderings --json results/env_orderings.json --sim-episodes 20 --real-episodes 3
 	$(BIN)/python -m benchmarks.rewards --json results/rewards.json
 	$(BIN)/python -m benchmarks.agents --json results/agents.json --plot results/agents_learning.png
+	$(BIN)/python -m benchmarks.admission_rules --json results/admission_rules.json
 	$(BIN)/python -m benchmarks.cht_overhead --json results/cht_overhead.json --budget-s 2 \
 		--structures cht radix-lpm radix-lpm-nocheck radix-dfs-weight
 	$(BIN)/python -m benchmarks.scheduler_overhead --json results/scheduler_overhead.json
