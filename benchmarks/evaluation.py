@@ -174,6 +174,7 @@ def makespan_bound(
         "decode_s": decode_s,
         "last_arrival_s": last_arrival,
         "output_throughput": output_tokens / makespan if makespan > 0 else None,
+        "output_tokens": output_tokens,
         "decode_rate_tok_s": decode_rate,
         "prompt_tokens": prompt,
         "distinct_prompt_tokens": distinct,
@@ -210,7 +211,7 @@ def add_episode_bound(payload: dict[str, Any]) -> None:
     if not rates:
         return
     rate = max(rates)
-    tokens = bound["decode_s"] * bound["decode_rate_tok_s"]
+    tokens = bound["output_tokens"]
     makespan = max(bound["prefill_s"] + tokens / rate, bound["last_arrival_s"])
     bound["episode_decode"] = {"decode_rate_tok_s": rate, "decode_s": tokens / rate, "makespan_s": makespan,
                                "output_throughput": tokens / makespan if makespan > 0 else None}
@@ -657,8 +658,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         plot_sweep(sweep, json_path.parent / "eval_sweep.png")
         walls["sweep"] = time.perf_counter() - s0
-    for payload in results.values():
-        add_episode_bound(payload)  # also for payloads merged from an earlier run
     targets = check_targets(results)
     _print_targets(targets)
     wall = time.perf_counter() - t0

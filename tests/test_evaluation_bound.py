@@ -34,6 +34,7 @@ def test_bound_is_prefill_of_the_distinct_tokens_plus_decode_at_the_rate() -> No
     bound = makespan_bound(reqs, BLOCK, isolated, decode_rate=20.0)
     assert bound["prefill_s"] == pytest.approx((4 * BLOCK + 1 + 1) / (10 * BLOCK))
     assert bound["decode_s"] == pytest.approx(40 / 20.0)
+    assert bound["output_tokens"] == 40
     assert bound["makespan_s"] == pytest.approx(bound["prefill_s"] + bound["decode_s"])
     assert bound["hit_rate_ceiling"] == pytest.approx(1 - (4 * BLOCK + 2) / (2 * (4 * BLOCK + 1)))
     late = makespan_bound([*reqs, _request("c", [5], 1, arrival=100.0)], BLOCK, isolated, 20.0)
@@ -41,7 +42,8 @@ def test_bound_is_prefill_of_the_distinct_tokens_plus_decode_at_the_rate() -> No
 
 
 def test_episode_bound_decodes_at_the_best_rate_any_run_reached() -> None:
-    bound = {"prefill_s": 2.0, "decode_s": 1.0, "decode_rate_tok_s": 400.0, "last_arrival_s": 0.0}
+    bound = {"prefill_s": 2.0, "decode_s": 1.0, "decode_rate_tok_s": 400.0, "output_tokens": 400,
+             "last_arrival_s": 0.0}
     payload = {"bound": bound, "runs": {
         "a": {"duration": 10.0, "repeats": {"decode_tok_s": [80.0, 100.0]}},
         "b": {"duration": 8.0, "decode_tok_s": 50.0},
