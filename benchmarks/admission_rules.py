@@ -25,6 +25,7 @@ from agents.base import evaluate
 from feather_env.env import FeatherEnv, scheduler_policy
 from feather_env.reporting import format_table, machine_info, write_json
 from scheduler_runtime.decision import ADD, EXTENDED_OBS_NAMES, STOP
+from scheduler_runtime.policy import ObservationSpec
 
 #: The agents benchmark's held-out episodes.
 EVAL_SEED = 2_000_000
@@ -38,8 +39,7 @@ class KVGatedRule:
     """STOP when the engine's KV usage exceeds ``kv`` and the candidate misses more than
     ``missing`` prompt chunks in the prefix cache; otherwise ADD."""
 
-    class obs_spec:  # noqa: N801  (the attribute agents.base.evaluate reads)
-        names = EXTENDED_OBS_NAMES
+    obs_spec = ObservationSpec(names=EXTENDED_OBS_NAMES)  # the extended observation
 
     def __init__(self, kv: float, missing: int) -> None:
         self.kv, self.missing = kv, missing
