@@ -55,11 +55,12 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.evaluation --json results/evaluation.json
 	$(BIN)/python scripts/update_readme.py
 
-# A smaller version of every table (a few minutes): smoke-checks the benchmarks themselves.
+# A smaller version of every table (under 10 minutes here): smoke-checks the benchmarks themselves.
 bench-quick: $(STAMP)
-	$(BIN)/python -m feather_env.calibrate --validate configs/profiles/cpu-tiny-llama.json --json results/quick/sim_validation.json --episodes 4
+	$(BIN)/python -m feather_env.calibrate --validate configs/profiles/cpu-tiny-llama.json --json results/quick/sim_validation.json --episodes 2
 	$(BIN)/python -m benchmarks.env_speed --json results/quick/env_speed.json --episodes 3 --repeats 2
-	$(BIN)/python -m benchmarks.env_orderings --json results/quick/env_orderings.json --sim-episodes 4 --real-episodes 1
+	$(BIN)/python -m benchmarks.env_orderings --json results/quick/env_orderings.json --sim-episodes 4 --real-episodes 1 \
+		--groups 10
 	$(BIN)/python -m benchmarks.rewards --json results/quick/rewards.json --timesteps 3000 --eval-episodes 3
 	$(BIN)/python -m benchmarks.agents --json results/quick/agents.json --scenarios leval-kv-pressure,sharegpt \
 		--timesteps 2000 --eval-episodes 2

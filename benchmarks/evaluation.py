@@ -45,14 +45,16 @@ draws output throughput and P99 E2E latency against the request rate, one line p
 (``results/eval_sweep.png``).
 
 It prints each scenario's table and the targets of the issue with whether each was met; nothing
-is tuned to meet them. ``--quick``: a smaller episode of each scenario, one run per scheduler, two
-sweep rates (a smoke run whose figures are not the README's). Run it under
+is tuned to meet them. ``--quick``: a smaller episode of each scenario (:data:`QUICK_EPISODE`, answers
+capped at :data:`QUICK_MAX_OUTPUT` tokens), one run per scheduler without waiting for a quiet
+machine, two sweep rates (a smoke run whose figures are not the README's). Run it under
 ``flock /tmp/feather-engine.lock`` on the shared machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import time
@@ -81,7 +83,9 @@ SWEEP_SCENARIO = "leval-kv-pressure-poisson"
 SWEEP_RATES = (1.0, 2.0, 3.0, 6.0)
 SWEEP_SCHEDULERS = ("fcfs", "lpm", "dfs-weight", "feather-heuristic", "shipped")
 #: --quick: a smaller episode of each scenario.
-QUICK_EPISODE = {"grouped": {"groups": 3, "max_per_group": 3}, "ungrouped": {"requests": 8}}
+QUICK_EPISODE = {"grouped": {"groups": 2, "max_per_group": 3}, "ungrouped": {"requests": 6}}
+#: --quick: answers capped at this many tokens (a scenario's own lower cap is kept).
+QUICK_MAX_OUTPUT = 64
 QUICK_SWEEP_RATES = (2.0, 6.0)
 #: Names shown in the tables for the policy files.
 ALIASES = ("heuristic-tuned", "shipped", "general", "shipped+svf")
@@ -236,7 +240,10 @@ def goodput_slos(isolated: Any, workload: Any) -> dict[str, float]:
 
 def _quick_overrides(scenario: Any) -> dict[str, Any]:
     grouped = scenario.episode.groups is not None
-    return {"episode": QUICK_EPISODE["grouped" if grouped else "ungrouped"]}
+    cap = scenario.workload.max_output_tokens
+    cap = QUICK_MAX_OUTPUT if cap is None else min(cap, QUICK_MAX_OUTPUT)
+    return {"episode": QUICK_EPISODE["grouped" if grouped else "ungrouped"],
+            "workload": {"max_output_tokens": cap}}
 
 
 def run_scenario(
@@ -250,8 +257,13 @@ def run_scenario(
     overrides: Mapping[str, Any] | None = None,
     only: Sequence[str] | None = None,
     label: str | None = None,
+    engines: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Serve scenario ``name``'s episode with every scheduler of :func:`scheduler_set`; its payload."""
+    """Serve scenario ``name``'s episode with every scheduler of :func:`scheduler_set`; its payload.
+
+    ``engines``: engines to reuse, by their configuration (the caller closes them); a new one is
+    added there. Without it, the scenario starts its own engine and closes it.
+    """
     from feather_env.evaluation import InProcessConfig, evaluate_in_process, results_payload, write_results
     from feather_env.evaluation.inprocess import IsolatedModel
     from feather_env.scenarios import load_scenario
@@ -274,7 +286,7 @@ def run_scenario(
         chunk_size=scenario.scheduler.chunk_size,
         max_wait=scenario.scheduler.max_wait,
         repeats=repeats,
-        quiet_wait_s=3.0,
+        quiet_wait_s=0.0 if quick else 3.0,  # a smoke run does not wait for a quiet machine
     )
     title = label or name
     print(
@@ -284,12 +296,18 @@ def run_scenario(
     )
     from feather_env.serving import VLLMBackend
 
-    backend = VLLMBackend(engine)
+    key = json.dumps(engine.to_dict(), sort_keys=True)
+    backend = engines.get(key) if engines is not None else None
+    if backend is None:
+        backend = VLLMBackend(engine)
+        if engines is not None:
+            engines[key] = backend
     try:
         runs, info = evaluate_in_process(workload, config, progress=progress, backend=backend)
         decode_rate = peak_decode_rate(backend, engine, config)
     finally:
-        backend.close()
+        if engines is None:
+            backend.close()
     alias_of = {n: a for a, n in names.items()}
     runs = [replace(r, label=alias_of[r.label]) for r in runs]
     isolated = IsolatedModel(**info["isolated"])
@@ -538,10 +556,11 @@ def check_targets(scenarios: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[
 def run_sweep(
     *, policies: Path, rates: Sequence[float], quick: bool, out_root: Path, progress: bool = False
 ) -> dict[str, Any]:
-    """:data:`SWEEP_SCENARIO` at each rate, :data:`SWEEP_SCHEDULERS`, one run each."""
+    """:data:`SWEEP_SCENARIO` at each rate, :data:`SWEEP_SCHEDULERS`, one run each, on one engine."""
     points: dict[str, list[dict[str, Any]]] = {}
-    for rate in rates:
-        payload = run_scenario(
+    engines: dict[str, Any] = {}
+    try:
+        payloads = [(rate, run_scenario(
             SWEEP_SCENARIO,
             policies=policies,
             repeats=1,
@@ -551,7 +570,12 @@ def run_sweep(
             overrides={"episode": {"arrival": f"poisson:{rate:g}"}},
             only=SWEEP_SCHEDULERS,
             label=f"sweep-{rate:g}",
-        )
+            engines=engines,
+        )) for rate in rates]
+    finally:
+        for backend in engines.values():
+            backend.close()
+    for rate, payload in payloads:
         for alias, m in payload["runs"].items():
             points.setdefault(alias, []).append(
                 {
@@ -631,8 +655,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     previous: dict[str, Any] = {}
     if args.merge and json_path.is_file():
-        import json
-
         previous = json.loads(json_path.read_text())
     results: dict[str, Any] = dict(previous.get("scenarios", {})) if args.merge else {}
     walls: dict[str, float] = dict(previous.get("wall_s_by_part", {})) if args.merge else {}
