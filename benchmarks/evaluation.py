@@ -78,6 +78,9 @@ __all__ = ["SCENARIOS", "check_targets", "main", "makespan_bound", "run_scenario
 KV_PRESSURE = ("leval-kv-pressure", "leval-kv-pressure-poisson", "leval-high-load")
 EPISODE_SEED = 0
 REPEATS = 3
+#: Scenarios served more often: sharegpt's runs take 9 s, and their run-to-run spread (+-6% on
+#: 2026-12-01) is wider than the 2% margin its target (every shipped policy >= 0.98x fcfs) asks.
+REPEATS_BY_SCENARIO = {"sharegpt": 7}
 SLO_FACTOR = 10.0
 SWEEP_SCENARIO = "leval-kv-pressure-poisson"
 SWEEP_RATES = (1.0, 2.0, 3.0, 6.0)
@@ -632,7 +635,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--policies", default=str(REPO / "policies"), help="the shipped policies' folder")
     p.add_argument(
-        "--repeats", type=int, default=None, help=f"runs per scheduler (default {REPEATS}; quick 1)"
+        "--repeats", type=int, default=None,
+        help=f"runs per scheduler (default {REPEATS}, {REPEATS_BY_SCENARIO}; quick 1)",
     )
     p.add_argument("--no-sweep", action="store_true", help="skip the load sweep")
     p.add_argument(
@@ -646,7 +650,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     json_path = Path(args.json)
     out_root = Path(args.out) if args.out else json_path.parent / "eval"
     policies = Path(args.policies).resolve()
-    repeats = args.repeats or (1 if args.quick else REPEATS)
+    repeats = args.repeats or (1 if args.quick else REPEATS)  # REPEATS_BY_SCENARIO below
     wanted = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = sorted(set(wanted) - set(SCENARIOS))
     if unknown:
@@ -662,7 +666,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results[name] = run_scenario(
             name,
             policies=policies,
-            repeats=repeats,
+            repeats=args.repeats or (1 if args.quick else REPEATS_BY_SCENARIO.get(name, REPEATS)),
             quick=args.quick,
             out_root=out_root,
             progress=args.progress,

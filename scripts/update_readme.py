@@ -27,6 +27,10 @@ def _machine(res: dict[str, Any]) -> str:
     if isinstance(m, str):
         return m
     date = m.get("date") or res.get("date", "?")
+    parts = sorted({(p.get("machine") or {}).get("date", "") for p in (res.get("scenarios") or {}).values()
+                    if isinstance(p, dict)} - {""})
+    if len(parts) > 1:  # a merged evaluation: its scenarios' dates, then the merge's
+        date = f"{parts[0]} to {max(parts[-1], date)}"
     return f"measured {date} on {m.get('cpu', '?')}, {m.get('cores') or m.get('cpus', '?')} cores"
 
 
