@@ -1,14 +1,16 @@
 """Train a batching agent in the serving-loop environment, log it, checkpoint it, and export its policy.
 
     python train.py --agent {heuristic,ucb,qlearning,ppo} --config configs/<file>.yaml
-                    [--scenario NAME] [--reward NAME] [--backend sim|vllm] [--timesteps N] [--seed S]
-                    [--out DIR]
+                    [--scenario NAME] [--reward NAME] [--backend sim|vllm] [--eval-backend sim|vllm]
+                    [--timesteps N] [--seed S] [--out DIR]
                     [--n-envs N] [--resume] [--verbose]
 
 The config's sections (``scenario``, ``env``, ``agent``, ``train``), what a run writes and how
 seeds are used are described in :mod:`agents.training`, which does the work; this file parses the
 command line. ``--scenario`` replaces the config's scenario (``configs/scenarios/NAME.yaml``).
 vLLM's own log lines (a real engine's start) go to ``OUT/vllm.log`` unless ``--verbose``.
+Fine-tuning a simulator run on the real engine: the same command with ``--resume --backend vllm
+--eval-backend sim --timesteps MORE``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ def main(argv: Sequence[str] | None = None):  # -> agents.training.TrainResult
     p.add_argument("--scenario", default=None, help="overrides scenario.name (configs/scenarios/NAME.yaml)")
     p.add_argument("--reward", choices=REWARDS, default=None, help="overrides env.reward")
     p.add_argument("--backend", choices=("sim", "vllm"), default=None, help="overrides train.backend")
+    p.add_argument("--eval-backend", choices=("sim", "vllm"), default=None,
+                   help="overrides train.eval_backend (where the held-out evaluations run)")
     p.add_argument("--timesteps", type=int, default=None, help="overrides train.timesteps")
     p.add_argument("--seed", type=int, default=None, help="overrides train.seed")
     p.add_argument("--n-envs", type=int, default=None, help="overrides train.n_envs")
@@ -44,7 +48,8 @@ def main(argv: Sequence[str] | None = None):  # -> agents.training.TrainResult
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.config, args.agent, scenario=args.scenario, reward=args.reward,
-                          backend=args.backend, timesteps=args.timesteps, seed=args.seed, n_envs=args.n_envs,
+                          backend=args.backend, eval_backend=args.eval_backend, timesteps=args.timesteps,
+                          seed=args.seed, n_envs=args.n_envs,
                           progress_bar=False if args.no_progress else None)
     except ConfigError as exc:
         p.exit(2, f"train.py: config error: {exc}\n")

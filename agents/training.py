@@ -30,6 +30,13 @@ evaluation episode ``i`` is episode seed ``train.eval_seed + i`` of the scenario
 training episode draws its seed from 2^31 values). The reference agents of ``train.compare_with``
 serve the same evaluation episodes.
 
+Resuming (``--resume``) continues ``OUT``'s latest checkpoint with the saved config; only
+bookkeeping (``timesteps``, ``eval_every``, ``checkpoint_every``, the progress bar) and the
+backends may change. Fine-tuning on the real engine is such a resume: a run trained on the
+simulator continued with ``--backend vllm`` (and ``--eval-backend sim`` to keep its held-out
+evaluations cheap); ``summary.json`` and the exported policy's ``meta`` record ``resumed_from``
+(the backend and timesteps it started from).
+
 ``train.n_envs > 1``: PPO steps N environments in separate processes (SB3's ``SubprocVecEnv``);
 the tabular agents run N independent workers for ``train.sync_every`` steps each, then merge
 their tables (see ``merge`` in each agent).
@@ -387,18 +394,24 @@ class TrainResult:
     wall_s: float
 
 
-def _check_resume_config(out: Path, cfg: RunConfig) -> None:
+def _check_resume_config(out: Path, cfg: RunConfig) -> dict[str, Any]:
+    """Refuse a resume whose config differs from the run's in anything but bookkeeping and the
+    backends; returns the saved config's ``train`` section (flattened)."""
     saved_path = out / "config.yaml"
     if not saved_path.is_file():
         raise ConfigError(f"--resume: {saved_path} not found (nothing to resume in {out})")
     saved = _flatten(yaml.safe_load(saved_path.read_text()) or {})
     now = _flatten(cfg.to_dict())
-    # The run may be extended, and its bookkeeping changed; nothing that shapes learning.
-    free = {"train.timesteps", "train.progress_bar", "train.eval_every", "train.checkpoint_every"}
+    # The run may be extended, and its bookkeeping changed; nothing that shapes learning but where
+    # its episodes are served: a simulator run resumed with ``backend: vllm`` is fine-tuned on
+    # the real engine (module docstring).
+    free = {"train.timesteps", "train.progress_bar", "train.eval_every", "train.checkpoint_every",
+            "train.backend", "train.eval_backend"}
     diff = sorted(k for k in set(saved) | set(now) if k not in free and saved.get(k) != now.get(k))
     if diff:
         details = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in diff[:8])
         raise ConfigError(f"--resume: the config differs from the run's saved config in {out}: {details}")
+    return {k: v for k, v in saved.items() if k.startswith("train.")}
 
 
 def _resume_checkpoint(ckpt_dir: Path) -> Path:
@@ -453,9 +466,11 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
     if backend is not None and cfg.train.n_envs > 1:
         raise ConfigError("a shared backend object needs n_envs == 1 (each worker builds its own)")
     checkpoint_to_resume = None
+    resumed_from: dict[str, Any] | None = None
     if resume:
-        _check_resume_config(out, cfg)
+        saved_train = _check_resume_config(out, cfg)
         checkpoint_to_resume = _resume_checkpoint(out / "checkpoints")
+        resumed_from = {"backend": saved_train.get("train.backend", "sim")}
     out.mkdir(parents=True, exist_ok=True)
     text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     (out / "config.yaml").write_text(text)
@@ -494,8 +509,13 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
         agent = cls.load(checkpoint_to_resume, env=train_env if ppo else None)
         if ppo:
             agent.bind(train_env)
+        assert resumed_from is not None
+        resumed_from["timesteps"] = int(agent.num_timesteps)
         if verbose:
-            print(f"resuming from {checkpoint_to_resume} at {agent.num_timesteps} timesteps", flush=True)
+            where = ("" if resumed_from["backend"] == cfg.train.backend else
+                     f", trained on {resumed_from['backend']}, continued on {cfg.train.backend}")
+            print(f"resuming from {checkpoint_to_resume} at {agent.num_timesteps} timesteps{where}",
+                  flush=True)
     else:
         agent = make_agent(cfg.agent_name, cfg.agent, seed=cfg.train.seed)
     if not ppo:
@@ -544,13 +564,15 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
         finally:
             real_env.close()
     policy_path = agent.export(out / "policy.feather", meta={
-        "config": cfg.to_dict(), "final_eval": {k: v for k, v in final.items() if k != "episodes"}})
+        "config": cfg.to_dict(), "final_eval": {k: v for k, v in final.items() if k != "episodes"},
+        "resumed_from": resumed_from})
     wall = time.perf_counter() - t0
     summary = {"agent": cfg.agent_name, "scenario": cfg.scenario_name,
                "num_timesteps": int(agent.num_timesteps), "wall_s": wall, "checkpoint": str(checkpoint),
                "policy": str(policy_path),
                "final_eval": {k: v for k, v in final.items() if k != "episodes"}, "eval_history": history,
-               "comparison": comparison, "eval_backend": eval_kind, "confirmed_on_real_engine": confirmed}
+               "comparison": comparison, "eval_backend": eval_kind, "confirmed_on_real_engine": confirmed,
+               "backend": cfg.train.backend, "resumed_from": resumed_from}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
     if backend is None:
         train_probe.close()

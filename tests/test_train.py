@@ -166,6 +166,30 @@ def test_short_run_on_the_session_engine(env_backend, tmp_path):
     assert load_policy(res.policy_path).agent == "ucb"
 
 
+@pytest.mark.engine
+def test_a_simulator_run_fine_tuned_on_the_session_engine(env_backend, tmp_path):
+    """Fine-tuning: a run trained on the simulator, resumed with ``backend: vllm``, continues from
+    its checkpoint on real-engine episodes (its table keeps counting), evaluates where it is told,
+    and its summary and exported policy record where it came from."""
+    base = {**small_config("ucb", timesteps=40, eval_every=0, eval_episodes=1, checkpoint_every=0),
+            "scenario": {"name": "leval-kv-pressure", "episode": {"groups": 3, "max_per_group": 2}}}
+    first = run(parse_config(base), tmp_path / "ft", verbose=False)
+    on_sim = load_policy(first.policy_path)
+    tuned = parse_config({**base, "train": {**base["train"], "timesteps": first.num_timesteps + 15,
+                                            "backend": "vllm", "eval_backend": "sim"}})
+    res = run(tuned, tmp_path / "ft", resume=True, backend=env_backend, verbose=False)
+    assert res.num_timesteps >= first.num_timesteps + 15
+    summary = json.loads((tmp_path / "ft" / "summary.json").read_text())
+    assert summary["backend"] == "vllm" and summary["eval_backend"] == "sim"
+    assert summary["resumed_from"] == {"backend": "sim", "timesteps": first.num_timesteps}
+    policy = load_policy(res.policy_path)
+    assert policy.meta["resumed_from"] == summary["resumed_from"]
+    assert sum(policy.visits) > sum(on_sim.visits)  # credited with the engine's episodes too
+    other = parse_config({**base, "train": {**base["train"], "seed": 3, "backend": "vllm"}})
+    with pytest.raises(ConfigError, match="train.seed: 0 -> 3"):  # learning's own knobs stay fixed
+        run(other, tmp_path / "ft", resume=True, backend=env_backend, verbose=False)
+
+
 @pytest.fixture
 def resumable(tmp_path):
     """A run folder --resume accepts: the saved config, and a real checkpoint beside latest.json."""
