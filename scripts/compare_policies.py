@@ -1,0 +1,106 @@
+"""Do two policy files decide differently? Their decisions side by side on held-out episodes.
+
+    python scripts/compare_policies.py A.feather B.feather --scenario NAME [--episodes 8]
+                                       [--json PATH]
+
+Serves held-out episodes of the scenario on the simulator answering every decision with A, and
+asks B at each of them too: prints how many decisions B would have answered otherwise, then A's
+and B's own end-to-end output throughput on the same episodes. What it is for: a policy retrained
+or fine-tuned on the real engine (``train.py --resume --backend vllm``) that changes no decision
+changes nothing a server would see, and needs no new evaluation on the engine.
+
+Both files are read with :func:`scheduler_runtime.policy.load_policy_spec` (a path, or a
+``py:MODULE:ATTRIBUTE`` plug-in); a policy whose observation is the paper's three entries gets the
+first three of the extended observation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from agents.base import evaluate  # noqa: E402
+from feather_env.env import FeatherEnv  # noqa: E402
+from feather_env.reporting import format_table, write_json  # noqa: E402
+from scheduler_runtime.decision import BASE_OBS_NAMES, EXTENDED_OBS_NAMES  # noqa: E402
+from scheduler_runtime.policy import ObservationSpec, load_policy_spec  # noqa: E402
+
+#: Held-out episodes (the agents benchmark's seeds).
+EVAL_SEED = 2_000_000
+
+
+def _wants_extended(policy: Any) -> bool:
+    return len(getattr(getattr(policy, "obs_spec", None), "names", BASE_OBS_NAMES)) == len(EXTENDED_OBS_NAMES)
+
+
+def _ask(policy: Any, obs: Sequence[float], mask: Sequence[bool]) -> int:
+    return int(policy.act(obs if _wants_extended(policy) else obs[: len(BASE_OBS_NAMES)], mask))
+
+
+class SideBySide:
+    """Answers with ``a``, asks ``b`` too, and counts the decisions where they differ."""
+
+    obs_spec = ObservationSpec(names=EXTENDED_OBS_NAMES)
+
+    def __init__(self, a: Any, b: Any) -> None:
+        self.a, self.b = a, b
+        self.decisions = 0
+        self.differ = 0
+
+    def reset(self) -> None:
+        """Resets both policies (the counts run over every episode)."""
+        for p in (self.a, self.b):
+            if hasattr(p, "reset"):
+                p.reset()
+
+    def act(self, obs: Sequence[float], mask: Sequence[bool]) -> int:
+        """A's answer; B's is compared with it."""
+        action = _ask(self.a, obs, mask)
+        self.decisions += 1
+        self.differ += int(_ask(self.b, obs, mask) != action)
+        return action
+
+
+def compare(a_spec: str, b_spec: str, scenario: str, episodes: int) -> dict[str, Any]:
+    """Decisions where B differs from A along A's episodes, and both policies' own figures."""
+    a, b = load_policy_spec(a_spec), load_policy_spec(b_spec)
+    seeds = [EVAL_SEED + i for i in range(episodes)]
+    env = FeatherEnv(scenario, "sim", extended_obs=True)
+    both = SideBySide(a, b)
+    ra = evaluate(both, env, seeds)
+    rb = ra if both.differ == 0 else evaluate(b, env, seeds)  # identical decisions: identical episodes
+    keys = ("output_throughput", "mean_e2el_s", "prefix_hit_rate")
+    return {"scenario": scenario, "seeds": seeds, "a": a_spec, "b": b_spec,
+            "decisions": both.decisions, "differ": both.differ,
+            "differ_fraction": both.differ / both.decisions if both.decisions else 0.0,
+            "a_figures": {k: ra[k] for k in keys}, "b_figures": {k: rb[k] for k in keys}}
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("a", help="policy file (answers)")
+    p.add_argument("b", help="policy file (asked)")
+    p.add_argument("--scenario", required=True)
+    p.add_argument("--episodes", type=int, default=8)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    res = compare(args.a, args.b, args.scenario, args.episodes)
+    print(f"{res['differ']} of {res['decisions']} decisions differ ({res['differ_fraction']:.1%}) on "
+          f"{args.episodes} held-out episodes of {args.scenario} (simulator)")
+    rows = [[name, f["output_throughput"], f["mean_e2el_s"], f"{f['prefix_hit_rate']:.0%}"]
+            for name, f in ((args.a, res["a_figures"]), (args.b, res["b_figures"]))]
+    print(format_table(["policy", "e2e output tok/s", "mean E2E latency s", "prefix hit"], rows))
+    if args.json:
+        write_json(args.json, res)
+    return res
+
+
+if __name__ == "__main__":
+    main()
