@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.rewards --json results/rewards.json
 	$(BIN)/python -m benchmarks.agents --json results/agents.json --plot results/agents_learning.png
 	$(BIN)/python -m benchmarks.admission_rules --json results/admission_rules.json
+	$(BIN)/python -m benchmarks.policy_agreement --json results/policy_agreement.json
 	$(BIN)/python -m benchmarks.cht_overhead --json results/cht_overhead.json --budget-s 2 \
 		--structures cht radix-lpm radix-lpm-nocheck radix-dfs-weight
 	$(BIN)/python -m benchmarks.scheduler_overhead --json results/scheduler_overhead.json
@@ -64,6 +65,7 @@ bench-quick: $(STAMP)
 	$(BIN)/python -m benchmarks.rewards --json results/quick/rewards.json --timesteps 3000 --eval-episodes 3
 	$(BIN)/python -m benchmarks.agents --json results/quick/agents.json --scenarios leval-kv-pressure,sharegpt \
 		--timesteps 2000 --eval-episodes 2
+	$(BIN)/python -m benchmarks.policy_agreement --json results/quick/policy_agreement.json --episodes 2
 	$(BIN)/python -m benchmarks.evaluation --quick --json results/quick/evaluation.json
 
 lint: $(STAMP)

@@ -157,7 +157,7 @@ def write_readme(out: Path, records: dict[str, Any]) -> None:
               "Configs: `configs/runs/ucb.yaml`, `configs/runs/qlearning.yaml`, `configs/runs/ppo.yaml`; "
               "scenarios: `configs/scenarios/`. `build.json` has every figure.", "",
               "Fine-tuning on the real engine (`train.py ... --resume --backend vllm --eval-backend sim`, "
-              "then `python scripts/compare_policies.py SHIPPED FINE-TUNED --scenario NAME`) was tried on "
+              "then `python -m agents.agreement SHIPPED FINE-TUNED --scenario NAME`) was tried on "
               "`leval-kv-pressure-poisson.feather` (UCB) and `leval-kv-pressure.feather` (PPO), 1,000 "
               "real-engine decisions each (2026-12-01): neither changed a decision on 8 held-out episodes, "
               "so the files here are the simulator's (docs/design.md, \"Policies in the serving loop\")."]

@@ -275,6 +275,22 @@ def render_endpoint_agreement(res: dict[str, Any]) -> str:
         f"the in-process runs."])
 
 
+def render_policy_agreement(res: dict[str, Any]) -> str:
+    """results/policy_agreement.json (benchmarks/policy_agreement.py): decisions that differ."""
+    rows = []
+    for scenario, by_pair in res["scenarios"].items():
+        for pair, r in by_pair.items():
+            h, e = r["held_out"], r["evaluation_episode"]
+            rows.append([f"`{scenario}`", pair, f"{h['differ']} of {h['decisions']}",
+                         f"{e['differ']} of {e['decisions']}"])
+    return "\n".join([
+        f"`python -m benchmarks.policy_agreement --json results/policy_agreement.json` ({_machine(res)}; "
+        f"the simulator, {res['episodes']} held-out episodes and the evaluation's episode "
+        f"{res['evaluation_episode']}; decisions where the second policy answers otherwise than the first):",
+        "", format_table(["scenario", "policies", "differ, held-out episodes", "differ, evaluated episode"],
+                         rows)])
+
+
 RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "scheduler_overhead": ("scheduler_overhead.json", render_scheduler_overhead),
     "agents": ("agents.json", render_agents),
@@ -286,6 +302,7 @@ RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "rewards": ("rewards.json", render_rewards),
     "evaluation": ("evaluation.json", render_evaluation),
     "endpoint_agreement": ("endpoint_agreement.json", render_endpoint_agreement),
+    "policy_agreement": ("policy_agreement.json", render_policy_agreement),
 }
 
 

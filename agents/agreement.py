@@ -1,7 +1,6 @@
-"""Do two policy files decide differently? Their decisions side by side on held-out episodes.
+"""Do two policies decide differently? Their decisions side by side on held-out episodes.
 
-    python scripts/compare_policies.py A.feather B.feather --scenario NAME [--episodes 8]
-                                       [--json PATH]
+    python -m agents.agreement A.feather B.feather --scenario NAME [--episodes 8] [--json PATH]
 
 Serves held-out episodes of the scenario on the simulator answering every decision with A, and
 asks B at each of them too: prints how many decisions B would have answered otherwise, then A's
@@ -10,27 +9,23 @@ or fine-tuned on the real engine (``train.py --resume --backend vllm``) that cha
 changes nothing a server would see, and needs no new evaluation on the engine.
 
 Both files are read with :func:`scheduler_runtime.policy.load_policy_spec` (a path, or a
-``py:MODULE:ATTRIBUTE`` plug-in); a policy whose observation is the paper's three entries gets the
-first three of the extended observation.
+``py:MODULE:ATTRIBUTE`` plug-in); :func:`compare` also takes loaded policies (the authors'
+:class:`~scheduler_runtime.policy.HeuristicRule`, say). A policy whose observation is the paper's
+three entries gets the first three of the extended observation. ``benchmarks/policy_agreement.py``
+runs it for every shipped file against the heuristic.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from agents.base import evaluate  # noqa: E402
-from feather_env.env import FeatherEnv  # noqa: E402
-from feather_env.reporting import format_table, write_json  # noqa: E402
-from scheduler_runtime.decision import BASE_OBS_NAMES, EXTENDED_OBS_NAMES  # noqa: E402
-from scheduler_runtime.policy import ObservationSpec, load_policy_spec  # noqa: E402
+from agents.base import evaluate
+from feather_env.env import FeatherEnv
+from feather_env.reporting import format_table, write_json
+from scheduler_runtime.decision import BASE_OBS_NAMES, EXTENDED_OBS_NAMES
+from scheduler_runtime.policy import ObservationSpec, load_policy_spec
 
 #: Held-out episodes (the agents benchmark's seeds).
 EVAL_SEED = 2_000_000
@@ -68,16 +63,22 @@ class SideBySide:
         return action
 
 
-def compare(a_spec: str, b_spec: str, scenario: str, episodes: int) -> dict[str, Any]:
-    """Decisions where B differs from A along A's episodes, and both policies' own figures."""
-    a, b = load_policy_spec(a_spec), load_policy_spec(b_spec)
-    seeds = [EVAL_SEED + i for i in range(episodes)]
+def compare(a_spec: Any, b_spec: Any, scenario: str, episodes: int = 8,
+            seeds: Sequence[int] | None = None) -> dict[str, Any]:
+    """Decisions where B differs from A along A's episodes, and both policies' own figures.
+
+    ``a_spec``/``b_spec``: policy specs (paths, plug-ins) or policy objects; ``seeds``: episode
+    seeds (default: ``episodes`` held-out ones from :data:`EVAL_SEED`).
+    """
+    a = load_policy_spec(a_spec) if isinstance(a_spec, str) else a_spec
+    b = load_policy_spec(b_spec) if isinstance(b_spec, str) else b_spec
+    seeds = list(seeds) if seeds is not None else [EVAL_SEED + i for i in range(episodes)]
     env = FeatherEnv(scenario, "sim", extended_obs=True)
     both = SideBySide(a, b)
     ra = evaluate(both, env, seeds)
     rb = ra if both.differ == 0 else evaluate(b, env, seeds)  # identical decisions: identical episodes
     keys = ("output_throughput", "mean_e2el_s", "prefix_hit_rate")
-    return {"scenario": scenario, "seeds": seeds, "a": a_spec, "b": b_spec,
+    return {"scenario": scenario, "seeds": seeds, "a": str(a_spec), "b": str(b_spec),
             "decisions": both.decisions, "differ": both.differ,
             "differ_fraction": both.differ / both.decisions if both.decisions else 0.0,
             "a_figures": {k: ra[k] for k in keys}, "b_figures": {k: rb[k] for k in keys}}
@@ -93,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     res = compare(args.a, args.b, args.scenario, args.episodes)
     print(f"{res['differ']} of {res['decisions']} decisions differ ({res['differ_fraction']:.1%}) on "
-          f"{args.episodes} held-out episodes of {args.scenario} (simulator)")
+          f"{len(res['seeds'])} held-out episodes of {args.scenario} (simulator)")
     rows = [[name, f["output_throughput"], f["mean_e2el_s"], f"{f['prefix_hit_rate']:.0%}"]
             for name, f in ((args.a, res["a_figures"]), (args.b, res["b_figures"]))]
     print(format_table(["policy", "e2e output tok/s", "mean E2E latency s", "prefix hit"], rows))

@@ -1,0 +1,53 @@
+"""agents.agreement: decisions of two policy files side by side on the simulator."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from agents import agreement
+from scheduler_runtime.decision import ADD, BASE_OBS_NAMES, STOP
+from scheduler_runtime.policy import ConstantPolicy, HeuristicRule, ObservationSpec, write_policy
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _constant(tmp_path: Path, action: int) -> str:
+    path = tmp_path / f"constant-{action}.feather"
+    spec = ObservationSpec(names=BASE_OBS_NAMES, low=(0, -64, 0), high=(64, 64, 64), scale=(64, 64, 64),
+                           chunk_size=256)
+    write_policy(path, ConstantPolicy(spec, action=action))
+    return str(path)
+
+
+def test_a_policy_agrees_with_itself():
+    shipped = str(REPO / "policies" / "leval-kv-pressure-poisson.feather")
+    res = agreement.compare(shipped, shipped, "leval-kv-pressure-poisson", episodes=2)
+    assert res["decisions"] > 0 and res["differ"] == 0
+    assert res["a_figures"] == res["b_figures"]
+
+
+def test_policies_that_differ_are_counted_and_served_on_their_own(tmp_path, capsys):
+    add, stop = _constant(tmp_path, ADD), _constant(tmp_path, STOP)
+    res = agreement.main([add, stop, "--scenario", "leval-kv-pressure", "--episodes", "2",
+                                 "--json", str(tmp_path / "cmp.json")])
+    assert 0 < res["differ"] <= res["decisions"]
+    # always-STOP defers every request it may: served on its own, it is slower than always-add
+    assert res["b_figures"]["output_throughput"] < res["a_figures"]["output_throughput"]
+    assert "decisions differ" in capsys.readouterr().out and (tmp_path / "cmp.json").is_file()
+
+
+def test_a_loaded_rule_is_compared_too():
+    """The authors' rule as an object, against the file that holds the same constants."""
+    tuned = str(REPO / "policies" / "heuristic-tuned" / "leval-summaries.feather")
+    res = agreement.compare(HeuristicRule(), tuned, "leval-summaries", episodes=1)
+    assert res["decisions"] > 0 and res["differ"] == 0
+
+
+def test_the_benchmark_compares_every_pair_on_both_sets_of_episodes():
+    from benchmarks.policy_agreement import PAIRS, run
+
+    res = run("leval-summaries", 1, REPO / "policies")
+    assert set(res) == {f"{a} / {b}" for a, b in PAIRS}
+    for r in res.values():
+        for where in ("held_out", "evaluation_episode"):
+            assert 0 <= r[where]["differ"] <= r[where]["decisions"] and r[where]["decisions"] > 0
