@@ -1,6 +1,7 @@
 """Do two policies decide differently? Their decisions side by side on held-out episodes.
 
-    python -m agents.agreement A.feather B.feather --scenario NAME [--episodes 8] [--json PATH]
+    python -m agents.agreement A.feather B.feather --scenario NAME [--episodes 8 | --seeds 0,1]
+                               [--backend sim|vllm] [--json PATH]
 
 Serves held-out episodes of the scenario on the simulator answering every decision with A, and
 asks B at each of them too: prints how many decisions B would have answered otherwise, then A's
@@ -63,22 +64,27 @@ class SideBySide:
         return action
 
 
-def compare(a_spec: Any, b_spec: Any, scenario: str, episodes: int = 8,
-            seeds: Sequence[int] | None = None) -> dict[str, Any]:
+def compare(a_spec: Any, b_spec: Any, scenario: Any, episodes: int = 8,
+            seeds: Sequence[int] | None = None, backend: Any = "sim") -> dict[str, Any]:
     """Decisions where B differs from A along A's episodes, and both policies' own figures.
 
     ``a_spec``/``b_spec``: policy specs (paths, plug-ins) or policy objects; ``seeds``: episode
-    seeds (default: ``episodes`` held-out ones from :data:`EVAL_SEED`).
+    seeds (default: ``episodes`` held-out ones from :data:`EVAL_SEED`); ``scenario``: a name or a
+    :class:`~feather_env.scenarios.Scenario`; ``backend``: where the
+    episodes are served (``"sim"``, ``"vllm"``, or a backend object), as ``FeatherEnv`` takes it.
     """
     a = load_policy_spec(a_spec) if isinstance(a_spec, str) else a_spec
     b = load_policy_spec(b_spec) if isinstance(b_spec, str) else b_spec
     seeds = list(seeds) if seeds is not None else [EVAL_SEED + i for i in range(episodes)]
-    env = FeatherEnv(scenario, "sim", extended_obs=True)
+    env = FeatherEnv(scenario, backend, extended_obs=True)
     both = SideBySide(a, b)
     ra = evaluate(both, env, seeds)
     rb = ra if both.differ == 0 else evaluate(b, env, seeds)  # identical decisions: identical episodes
     keys = ("output_throughput", "mean_e2el_s", "prefix_hit_rate")
-    return {"scenario": scenario, "seeds": seeds, "a": str(a_spec), "b": str(b_spec),
+    if isinstance(backend, str) and backend != "sim":
+        env.close()
+    return {"scenario": getattr(scenario, "name", scenario), "backend": str(backend), "seeds": seeds,
+            "a": str(a_spec), "b": str(b_spec),
             "decisions": both.decisions, "differ": both.differ,
             "differ_fraction": both.differ / both.decisions if both.decisions else 0.0,
             "a_figures": {k: ra[k] for k in keys}, "b_figures": {k: rb[k] for k in keys}}
@@ -90,11 +96,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("b", help="policy file (asked)")
     p.add_argument("--scenario", required=True)
     p.add_argument("--episodes", type=int, default=8)
+    p.add_argument("--seeds", default=None, help="comma-separated episode seeds instead of --episodes")
+    p.add_argument("--backend", choices=("sim", "vllm"), default="sim",
+                   help="serve the episodes on the simulator (default) or the real engine")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    res = compare(args.a, args.b, args.scenario, args.episodes)
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else None
+    if args.backend == "vllm":
+        from feather_env.engine import use_in_process_engine
+
+        use_in_process_engine()
+    res = compare(args.a, args.b, args.scenario, args.episodes, seeds=seeds, backend=args.backend)
     print(f"{res['differ']} of {res['decisions']} decisions differ ({res['differ_fraction']:.1%}) on "
-          f"{len(res['seeds'])} held-out episodes of {args.scenario} (simulator)")
+          f"{len(res['seeds'])} episode(s) of {args.scenario} ({args.backend})")
     rows = [[name, f["output_throughput"], f["mean_e2el_s"], f"{f['prefix_hit_rate']:.0%}"]
             for name, f in ((args.a, res["a_figures"]), (args.b, res["b_figures"]))]
     print(format_table(["policy", "e2e output tok/s", "mean E2E latency s", "prefix hit"], rows))

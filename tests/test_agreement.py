@@ -1,8 +1,10 @@
-"""agents.agreement: decisions of two policy files side by side on the simulator."""
+"""agents.agreement: decisions of two policy files side by side, on the simulator and the engine."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import pytest
 
 from agents import agreement
 from scheduler_runtime.decision import ADD, BASE_OBS_NAMES, STOP
@@ -51,3 +53,15 @@ def test_the_benchmark_compares_every_pair_on_both_sets_of_episodes():
     for r in res.values():
         for where in ("held_out", "evaluation_episode"):
             assert 0 <= r[where]["differ"] <= r[where]["decisions"] and r[where]["decisions"] > 0
+
+
+@pytest.mark.engine
+def test_on_the_real_engine(env_backend, tmp_path):
+    """The same comparison with the episodes served by the session's engine."""
+    from feather_env.scenarios import load_scenario
+
+    small = load_scenario("leval-kv-pressure", {"episode": {"groups": 3, "max_per_group": 2}})
+    add, stop = _constant(tmp_path, ADD), _constant(tmp_path, STOP)
+    res = agreement.compare(add, stop, small, seeds=[0], backend=env_backend)
+    assert 0 < res["differ"] <= res["decisions"]
+    assert res["a_figures"]["output_throughput"] > 0 and res["b_figures"]["output_throughput"] > 0
