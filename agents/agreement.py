@@ -3,9 +3,10 @@
     python -m agents.agreement A.feather B.feather --scenario NAME [--episodes 8 | --seeds 0,1]
                                [--backend sim|vllm] [--json PATH]
 
-Serves held-out episodes of the scenario on the simulator answering every decision with A, and
-asks B at each of them too: prints how many decisions B would have answered otherwise, then A's
-and B's own end-to-end output throughput on the same episodes. What it is for: a policy retrained
+Serves held-out episodes of the scenario (on the simulator, or on the real engine with
+``--backend vllm``) answering every decision with A, and asks B at each of them too: prints how
+many decisions B would have answered otherwise, then A's and B's own end-to-end output
+throughput on the same episodes. What it is for: a policy retrained
 or fine-tuned on the real engine (``train.py --resume --backend vllm``) that changes no decision
 changes nothing a server would see, and needs no new evaluation on the engine.
 
@@ -25,11 +26,19 @@ from typing import Any
 from agents.base import evaluate
 from feather_env.env import FeatherEnv
 from feather_env.reporting import format_table, write_json
+from scheduler_runtime.config import ConfigError
 from scheduler_runtime.decision import BASE_OBS_NAMES, EXTENDED_OBS_NAMES
-from scheduler_runtime.policy import ObservationSpec, load_policy_spec
+from scheduler_runtime.policy import ObservationSpec, PolicyFormatError, load_policy_spec
 
 #: Held-out episodes (the agents benchmark's seeds).
 EVAL_SEED = 2_000_000
+
+
+def _seed_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _wants_extended(policy: Any) -> bool:
@@ -78,11 +87,13 @@ def compare(a_spec: Any, b_spec: Any, scenario: Any, episodes: int = 8,
     seeds = list(seeds) if seeds is not None else [EVAL_SEED + i for i in range(episodes)]
     env = FeatherEnv(scenario, backend, extended_obs=True)
     both = SideBySide(a, b)
-    ra = evaluate(both, env, seeds)
-    rb = ra if both.differ == 0 else evaluate(b, env, seeds)  # identical decisions: identical episodes
+    try:
+        ra = evaluate(both, env, seeds)
+        rb = ra if both.differ == 0 else evaluate(b, env, seeds)  # identical decisions: identical episodes
+    finally:
+        if isinstance(backend, str):  # a backend object is the caller's to close
+            env.close()
     keys = ("output_throughput", "mean_e2el_s", "prefix_hit_rate")
-    if isinstance(backend, str) and backend != "sim":
-        env.close()
     return {"scenario": getattr(scenario, "name", scenario), "backend": str(backend), "seeds": seeds,
             "a": str(a_spec), "b": str(b_spec),
             "decisions": both.decisions, "differ": both.differ,
@@ -96,17 +107,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("b", help="policy file (asked)")
     p.add_argument("--scenario", required=True)
     p.add_argument("--episodes", type=int, default=8)
-    p.add_argument("--seeds", default=None, help="comma-separated episode seeds instead of --episodes")
+    p.add_argument("--seeds", type=_seed_list, default=None,
+                   help="comma-separated episode seeds instead of --episodes")
     p.add_argument("--backend", choices=("sim", "vllm"), default="sim",
                    help="serve the episodes on the simulator (default) or the real engine")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else None
     if args.backend == "vllm":
         from feather_env.engine import use_in_process_engine
 
         use_in_process_engine()
-    res = compare(args.a, args.b, args.scenario, args.episodes, seeds=seeds, backend=args.backend)
+    try:
+        res = compare(args.a, args.b, args.scenario, args.episodes, seeds=args.seeds, backend=args.backend)
+    except (PolicyFormatError, ConfigError) as exc:
+        p.exit(2, f"agents.agreement: {exc}\n")
     print(f"{res['differ']} of {res['decisions']} decisions differ ({res['differ_fraction']:.1%}) on "
           f"{len(res['seeds'])} episode(s) of {args.scenario} ({args.backend})")
     rows = [[name, f["output_throughput"], f["mean_e2el_s"], f"{f['prefix_hit_rate']:.0%}"]

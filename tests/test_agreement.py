@@ -65,3 +65,15 @@ def test_on_the_real_engine(env_backend, tmp_path):
     res = agreement.compare(add, stop, small, seeds=[0], backend=env_backend)
     assert 0 < res["differ"] <= res["decisions"]
     assert res["a_figures"]["output_throughput"] > 0 and res["b_figures"]["output_throughput"] > 0
+
+
+def test_bad_input_is_a_usage_error(capsys):
+    shipped = str(REPO / "policies" / "sharegpt.feather")
+    for argv, message in (
+        (["nope.feather", shipped, "--scenario", "sharegpt"], "no such file"),
+        ([shipped, shipped, "--scenario", "nope"], "unknown scenario 'nope'"),
+        ([shipped, shipped, "--scenario", "sharegpt", "--seeds", "x"], "comma-separated integers"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            agreement.main(argv)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
