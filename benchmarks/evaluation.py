@@ -78,7 +78,7 @@ __all__ = ["SCENARIOS", "check_targets", "main", "makespan_bound", "run_scenario
 KV_PRESSURE = ("leval-kv-pressure", "leval-kv-pressure-poisson", "leval-high-load")
 EPISODE_SEED = 0
 REPEATS = 3
-#: Scenarios served more often: sharegpt's runs take 9 s, and their run-to-run spread (+-6% on
+#: Scenarios served more often: sharegpt's runs take 9 s, and their run-to-run spread (+-6-12% on
 #: 2026-12-01) is wider than the 2% margin its target (every shipped policy >= 0.98x fcfs) asks.
 REPEATS_BY_SCENARIO = {"sharegpt": 7}
 SLO_FACTOR = 10.0
