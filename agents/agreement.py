@@ -27,7 +27,7 @@ from agents.base import evaluate
 from feather_env.env import FeatherEnv
 from feather_env.reporting import format_table, write_json
 from scheduler_runtime.config import ConfigError
-from scheduler_runtime.decision import BASE_OBS_NAMES, EXTENDED_OBS_NAMES
+from scheduler_runtime.decision import BASE_OBS_NAMES, EXTENDED_OBS_NAMES, wants_extended_obs
 from scheduler_runtime.policy import ObservationSpec, PolicyFormatError, load_policy_spec
 
 #: Held-out episodes (the agents benchmark's seeds).
@@ -41,12 +41,8 @@ def _seed_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def _wants_extended(policy: Any) -> bool:
-    return len(getattr(getattr(policy, "obs_spec", None), "names", BASE_OBS_NAMES)) == len(EXTENDED_OBS_NAMES)
-
-
 def _ask(policy: Any, obs: Sequence[float], mask: Sequence[bool]) -> int:
-    return int(policy.act(obs if _wants_extended(policy) else obs[: len(BASE_OBS_NAMES)], mask))
+    return int(policy.act(obs if wants_extended_obs(policy) else obs[: len(BASE_OBS_NAMES)], mask))
 
 
 class SideBySide:

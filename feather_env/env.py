@@ -27,6 +27,7 @@ from scheduler_runtime.decision import (
     STOP,
     AlwaysAdd,
     BatchingPolicy,
+    wants_extended_obs,
 )
 from scheduler_runtime.policy import HeuristicRule
 
@@ -484,8 +485,7 @@ def play_episode(env: FeatherEnv, policy: BatchingPolicy | None = None, *, seed:
     reset = getattr(policy, "reset", None)
     if reset is not None:
         reset()
-    spec = getattr(policy, "obs_spec", None)
-    extended = len(getattr(spec, "names", ())) == len(EXTENDED_OBS_NAMES)
+    extended = wants_extended_obs(policy)
     options = {"episode_seed": episode_seed} if episode_seed is not None else None
     env.reset(seed=seed, options=options)
     total = 0.0

@@ -61,12 +61,12 @@ import numpy as np
 from scheduler_runtime.cht import ChunkedHashTree
 from scheduler_runtime.decision import (
     ADD,
-    EXTENDED_OBS_NAMES,
     STOP,
     AlwaysAdd,
     BatchingPolicy,
     EngineView,
     NoEngine,
+    wants_extended_obs,
 )
 from scheduler_runtime.policy import HeuristicRule
 from scheduler_runtime.prefix_index import (
@@ -354,8 +354,7 @@ class BatchingCore:
         if policy is None:
             policy = HeuristicRule() if cfg.ordering == "feather" else AlwaysAdd()
         self.policy: BatchingPolicy = policy
-        spec = getattr(policy, "obs_spec", None)
-        self.policy_extended_obs = len(getattr(spec, "names", ())) == len(EXTENDED_OBS_NAMES)
+        self.policy_extended_obs = wants_extended_obs(policy)
         self._policy_observes = getattr(policy, "observes", True)
         reset = getattr(policy, "reset", None)
         if reset is not None:

@@ -40,6 +40,7 @@ __all__ = [
     "BatchingPolicy",
     "EngineView",
     "NoEngine",
+    "wants_extended_obs",
 ]
 
 STOP, ADD = 0, 1
@@ -47,6 +48,12 @@ ACTION_NAMES = ("STOP", "ADD")
 BASE_OBS_NAMES = ("batch_size", "delta", "w")
 EXTENDED_OBS_NAMES = BASE_OBS_NAMES + ("waiting", "kv_usage", "missing_chunks", "prompt_chunks",
                                        "cached_chunks")
+
+
+def wants_extended_obs(policy: object) -> bool:
+    """Whether ``policy`` asks for the extended observation: its ``obs_spec`` names all of
+    :data:`EXTENDED_OBS_NAMES` (a policy without one gets the paper's three entries)."""
+    return len(getattr(getattr(policy, "obs_spec", None), "names", ())) == len(EXTENDED_OBS_NAMES)
 
 
 @runtime_checkable
