@@ -23,15 +23,13 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
+from agents.base import HELD_OUT_SEED as EVAL_SEED
 from agents.base import evaluate
 from feather_env.env import FeatherEnv
 from feather_env.reporting import format_table, write_json
 from scheduler_runtime.config import ConfigError
 from scheduler_runtime.decision import BASE_OBS_NAMES, EXTENDED_OBS_NAMES, wants_extended_obs
 from scheduler_runtime.policy import ObservationSpec, PolicyFormatError, load_policy_spec
-
-#: Held-out episodes (the agents benchmark's seeds).
-EVAL_SEED = 2_000_000
 
 
 def _seed_list(text: str) -> list[int]:
@@ -74,8 +72,8 @@ def compare(a_spec: Any, b_spec: Any, scenario: Any, episodes: int = 8,
     """Decisions where B differs from A along A's episodes, and both policies' own figures.
 
     ``a_spec``/``b_spec``: policy specs (paths, plug-ins) or policy objects; ``seeds``: episode
-    seeds (default: ``episodes`` held-out ones from :data:`EVAL_SEED`); ``scenario``: a name or a
-    :class:`~feather_env.scenarios.Scenario`; ``backend``: where the
+    seeds (default: ``episodes`` held-out ones from :data:`agents.base.HELD_OUT_SEED`);
+    ``scenario``: a name or a :class:`~feather_env.scenarios.Scenario`; ``backend``: where the
     episodes are served (``"sim"``, ``"vllm"``, or a backend object), as ``FeatherEnv`` takes it.
     """
     a = load_policy_spec(a_spec) if isinstance(a_spec, str) else a_spec

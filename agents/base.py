@@ -45,11 +45,15 @@ __all__ = [
     "Agent",
     "AgentEnv",
     "EpisodicAgent",
+    "HELD_OUT_SEED",
     "NotExportableError",
     "evaluate",
     "observation_spec",
 ]
 
+#: First episode seed of the benchmarks' held-out episodes (``benchmarks/agents.py``,
+#: ``benchmarks/admission_rules.py``, :mod:`agents.agreement`): episodes ``HELD_OUT_SEED + i``.
+HELD_OUT_SEED = 2_000_000
 
 
 @dataclass(frozen=True)

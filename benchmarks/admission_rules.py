@@ -21,14 +21,13 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from agents.base import HELD_OUT_SEED as EVAL_SEED
 from agents.base import evaluate
 from feather_env.env import FeatherEnv, scheduler_policy
 from feather_env.reporting import format_table, machine_info, write_json
 from scheduler_runtime.decision import ADD, EXTENDED_OBS_NAMES, STOP
 from scheduler_runtime.policy import ObservationSpec
 
-#: The agents benchmark's held-out episodes.
-EVAL_SEED = 2_000_000
 SCENARIOS = ("leval-kv-pressure", "leval-kv-pressure-poisson", "leval-high-load")
 BASELINES = ("fcfs", "lpm", "dfs-weight", "feather-heuristic")
 KV_LEVELS = (0.5, 0.7, 0.8, 0.9, 0.95, 2.0)

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from agents.base import HELD_OUT_SEED as EVAL_SEED
 from agents.base import evaluate
 from agents.training import load_config, make_env, reference_policy, run
 from feather_env.engine import REPO_ROOT
@@ -31,7 +32,6 @@ from scheduler_runtime.policy import load_policy
 
 LEARNED = ("ucb", "qlearning", "ppo")
 REFERENCES = ("always-add", "heuristic", "fcfs", "lpm", "dfs-weight")
-EVAL_SEED = 2_000_000
 KEYS = ("output_throughput", "mean_e2el_s", "prefix_hit_rate", "mean_return")
 
 

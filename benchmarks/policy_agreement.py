@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from agents.agreement import EVAL_SEED, compare
+from agents.agreement import compare
+from agents.base import HELD_OUT_SEED as EVAL_SEED
 from benchmarks.evaluation import EPISODE_SEED as EVALUATION_EPISODE
 from feather_env.reporting import format_table, machine_info, write_json
 from feather_env.scenarios import EVALUATED_SCENARIOS
