@@ -650,7 +650,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     json_path = Path(args.json)
     out_root = Path(args.out) if args.out else json_path.parent / "eval"
     policies = Path(args.policies).resolve()
-    repeats = args.repeats or (1 if args.quick else REPEATS)  # REPEATS_BY_SCENARIO below
+    repeats = args.repeats or (1 if args.quick else REPEATS)
+    # a scenario's own count applies unless --repeats or --quick chose one
+    fixed = bool(args.repeats or args.quick)
     wanted = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = sorted(set(wanted) - set(SCENARIOS))
     if unknown:
@@ -666,7 +668,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results[name] = run_scenario(
             name,
             policies=policies,
-            repeats=args.repeats or (1 if args.quick else REPEATS_BY_SCENARIO.get(name, REPEATS)),
+            repeats=repeats if fixed else REPEATS_BY_SCENARIO.get(name, repeats),
             quick=args.quick,
             out_root=out_root,
             progress=args.progress,
