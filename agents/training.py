@@ -394,9 +394,9 @@ class TrainResult:
     wall_s: float
 
 
-def _check_resume_config(out: Path, cfg: RunConfig) -> dict[str, Any]:
+def _check_resume_config(out: Path, cfg: RunConfig) -> str:
     """Refuse a resume whose config differs from the run's in anything but bookkeeping and the
-    backends; returns the saved config's ``train`` section (flattened)."""
+    backends; returns the backend the run was trained on so far."""
     saved_path = out / "config.yaml"
     if not saved_path.is_file():
         raise ConfigError(f"--resume: {saved_path} not found (nothing to resume in {out})")
@@ -411,7 +411,7 @@ def _check_resume_config(out: Path, cfg: RunConfig) -> dict[str, Any]:
     if diff:
         details = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in diff[:8])
         raise ConfigError(f"--resume: the config differs from the run's saved config in {out}: {details}")
-    return {k: v for k, v in saved.items() if k.startswith("train.")}
+    return str(saved.get("train.backend", "sim"))
 
 
 def _resume_checkpoint(ckpt_dir: Path) -> Path:
@@ -466,11 +466,11 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
     if backend is not None and cfg.train.n_envs > 1:
         raise ConfigError("a shared backend object needs n_envs == 1 (each worker builds its own)")
     checkpoint_to_resume = None
+    trained_on = None
     resumed_from: dict[str, Any] | None = None
     if resume:
-        saved_train = _check_resume_config(out, cfg)
+        trained_on = _check_resume_config(out, cfg)
         checkpoint_to_resume = _resume_checkpoint(out / "checkpoints")
-        resumed_from = {"backend": saved_train.get("train.backend", "sim")}
     out.mkdir(parents=True, exist_ok=True)
     text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     (out / "config.yaml").write_text(text)
@@ -509,11 +509,10 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
         agent = cls.load(checkpoint_to_resume, env=train_env if ppo else None)
         if ppo:
             agent.bind(train_env)
-        assert resumed_from is not None
-        resumed_from["timesteps"] = int(agent.num_timesteps)
+        resumed_from = {"backend": trained_on, "timesteps": int(agent.num_timesteps)}
         if verbose:
-            where = ("" if resumed_from["backend"] == cfg.train.backend else
-                     f", trained on {resumed_from['backend']}, continued on {cfg.train.backend}")
+            where = ("" if trained_on == cfg.train.backend else
+                     f", trained on {trained_on}, continued on {cfg.train.backend}")
             print(f"resuming from {checkpoint_to_resume} at {agent.num_timesteps} timesteps{where}",
                   flush=True)
     else:
