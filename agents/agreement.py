@@ -28,7 +28,7 @@ from agents.base import evaluate
 from feather_env.env import FeatherEnv
 from feather_env.reporting import format_table, write_json
 from scheduler_runtime.config import ConfigError
-from scheduler_runtime.decision import BASE_OBS_NAMES, EXTENDED_OBS_NAMES, wants_extended_obs
+from scheduler_runtime.decision import BASE_OBS_NAMES, EXTENDED_OBS_NAMES, GROUP_OBS_NAMES, observation_kind
 from scheduler_runtime.policy import ObservationSpec, PolicyFormatError, load_policy_spec
 
 
@@ -40,15 +40,27 @@ def _seed_list(text: str) -> list[int]:
 
 
 def _ask(policy: Any, obs: Sequence[float], mask: Sequence[bool]) -> int:
-    return int(policy.act(obs if wants_extended_obs(policy) else obs[: len(BASE_OBS_NAMES)], mask))
+    return int(policy.act(obs if observation_kind(policy) != "base" else obs[: len(BASE_OBS_NAMES)], mask))
 
 
 class SideBySide:
-    """Answers with ``a``, asks ``b`` too, and counts the decisions where they differ."""
+    """Answers with ``a``, asks ``b`` too, and counts the decisions where they differ.
 
-    obs_spec = ObservationSpec(names=EXTENDED_OBS_NAMES)
+    Both answer the group decision when both read the group observation, else the request
+    decision (on the extended observation, whose first entries are the paper's).
+
+    Raises:
+        ValueError: one policy answers the group decision and the other the request decision.
+    """
 
     def __init__(self, a: Any, b: Any) -> None:
+        kinds = {observation_kind(a) == "group", observation_kind(b) == "group"}
+        if len(kinds) > 1:
+            raise ValueError("one policy answers the group decision and the other the request decision: "
+                             "their decisions are not the same questions")
+        self.decision = "group" if kinds == {True} else "request"
+        names = GROUP_OBS_NAMES if self.decision == "group" else EXTENDED_OBS_NAMES
+        self.obs_spec = ObservationSpec(names=names)
         self.a, self.b = a, b
         self.decisions = 0
         self.differ = 0
@@ -79,8 +91,9 @@ def compare(a_spec: Any, b_spec: Any, scenario: Any, episodes: int = 8,
     a = load_policy_spec(a_spec) if isinstance(a_spec, str) else a_spec
     b = load_policy_spec(b_spec) if isinstance(b_spec, str) else b_spec
     seeds = list(seeds) if seeds is not None else [EVAL_SEED + i for i in range(episodes)]
-    env = FeatherEnv(scenario, backend, extended_obs=True)
     both = SideBySide(a, b)
+    group = both.decision == "group"
+    env = FeatherEnv(scenario, backend, extended_obs=not group, decision=both.decision)
     try:
         ra = evaluate(both, env, seeds)
         rb = ra if both.differ == 0 else evaluate(b, env, seeds)  # identical decisions: identical episodes
@@ -113,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         use_in_process_engine()
     try:
         res = compare(args.a, args.b, args.scenario, args.episodes, seeds=args.seeds, backend=args.backend)
-    except (PolicyFormatError, ConfigError) as exc:
+    except (PolicyFormatError, ConfigError, ValueError) as exc:
         p.exit(2, f"agents.agreement: {exc}\n")
     print(f"{res['differ']} of {res['decisions']} decisions differ ({res['differ_fraction']:.1%}) on "
           f"{len(res['seeds'])} episode(s) of {args.scenario} ({args.backend})")

@@ -22,18 +22,21 @@ from scheduler_runtime.batching import BatchingCore
 from scheduler_runtime.config import ConfigError
 from scheduler_runtime.decision import (
     ADD,
-    BASE_OBS_NAMES,
-    EXTENDED_OBS_NAMES,
     STOP,
     AlwaysAdd,
     BatchingPolicy,
-    wants_extended_obs,
+    observation_kind,
+    observation_names,
 )
-from scheduler_runtime.policy import HeuristicRule
+from scheduler_runtime.policy import GroupCapRule, HeuristicRule, load_policy_spec
 
 __all__ = ["ADD", "REWARDS", "STOP", "FeatherEnv", "InvalidActionError", "ScenarioMix", "play_episode",
            "scheduler_policy"]
 
+#: The scheduler whose decisions the agent answers in the group decision, unless one is named.
+DEFAULT_GROUP_SCHEDULER = "group-cap-3"
+#: How many episodes in a row ``reset()`` may skip for needing no decision before it gives up.
+MAX_EMPTY_EPISODES = 100
 #: The rewards the environment offers (see the manual); the default is the first.
 REWARDS = ("latency", "makespan", "decode_throughput")
 #: Reward units: makespan in seconds, latency in seconds per request (so the return is minus the
@@ -159,10 +162,11 @@ class FeatherEnv(gym.Env):
         backend: str | ServingBackend = "sim",
         *,
         scenario_overrides: Mapping[str, Mapping[str, Any]] | None = None,
-        scheduler: str = "feather-heuristic",
+        scheduler: str | None = None,
         reward: str = "latency",
         reward_scale: float = 1.0,
         extended_obs: bool = False,
+        decision: str | None = None,
         delta_clip: int = 64,
         max_episode_seconds: float | None = None,
         profile: str | None = None,
@@ -176,11 +180,22 @@ class FeatherEnv(gym.Env):
             raise ConfigError(f"delta_clip must be an integer >= 1, got {delta_clip!r}")
         if max_episode_seconds is not None and not max_episode_seconds > 0:
             raise ConfigError(f"max_episode_seconds must be > 0 or None, got {max_episode_seconds!r}")
+        if decision not in (None, "request", "group"):
+            raise ConfigError(f"decision must be 'request' or 'group', got {decision!r}")
+        if scheduler is None:
+            scheduler = DEFAULT_GROUP_SCHEDULER if decision == "group" else "feather-heuristic"
         self.scenario = load_scenario(scenario, scenario_overrides)
         sched = self.scenario.scheduler
         self.scheduler_name = scheduler
+        overrides = {} if decision is None else {"decision": decision}
         self.scheduler_config = env_scheduler_config(scheduler, chunk_size=sched.chunk_size,
-                                                     max_wait=sched.max_wait)
+                                                     max_wait=sched.max_wait, **overrides)
+        self.decision = decision = self.scheduler_config.decision
+        if decision == "group" and self.scheduler_config.ordering != "feather":
+            raise ConfigError(f"the group decision needs a Feather scheduler, not {scheduler!r}")
+        if decision == "group" and extended_obs:
+            raise ConfigError("the group decision has its own observation: extended_obs is for the "
+                              "request decision")
         self.chunk_size = sched.chunk_size
         self.reward_kind = reward
         self.reward_scale = float(reward_scale)
@@ -195,9 +210,17 @@ class FeatherEnv(gym.Env):
             self.spec = EnvSpec("feather/Batching-v0", entry_point="feather_env.env:FeatherEnv",
                                 nondeterministic=True)
         n_max = obs_max_requests if obs_max_requests is not None else self.scenario.max_episode_requests
-        names = EXTENDED_OBS_NAMES if self.extended_obs else BASE_OBS_NAMES
-        high = np.array([self.engine_config.max_num_seqs, delta_clip, n_max, n_max, 1.0,
-                         delta_clip, delta_clip, delta_clip], dtype=np.float32)[: len(names)]
+        self.obs_kind = "group" if decision == "group" else "extended" if self.extended_obs else "base"
+        names = observation_names(self.obs_kind)
+        if self.obs_kind == "group":
+            # the oldest wait's bound: max_wait releases a request by then (2 minutes without it)
+            wait_max = sched.max_wait if sched.max_wait else 120.0
+            seqs = self.engine_config.max_num_seqs
+            high = np.array([seqs, delta_clip, n_max, seqs, 1.0, n_max, n_max, 1.0, wait_max],
+                            dtype=np.float32)
+        else:
+            high = np.array([self.engine_config.max_num_seqs, delta_clip, n_max, n_max, 1.0,
+                             delta_clip, delta_clip, delta_clip], dtype=np.float32)[: len(names)]
         low = np.zeros(len(names), dtype=np.float32)
         low[1] = -delta_clip
         self.observation_space = spaces.Box(low=low, high=high, dtype=np.float32)
@@ -211,6 +234,8 @@ class FeatherEnv(gym.Env):
         self._terminated = True
         self._failed: str | None = None
         self._episode_requests = 0
+        #: Episodes ``reset()`` drew and skipped because they needed no decision (Episode End).
+        self.skipped_episodes = 0
         self._decode_tokens = 0
         self._decode_seconds = 0.0
         self._engine_steps = 0
@@ -231,9 +256,28 @@ class FeatherEnv(gym.Env):
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         super().reset(seed=seed)
-        episode_seed = int(self.np_random.integers(2**31 - 1))
-        if options and "episode_seed" in options:
-            episode_seed = int(options["episode_seed"])
+        given = options.get("episode_seed") if options else None
+        for _ in range(MAX_EMPTY_EPISODES):
+            episode_seed = int(self.np_random.integers(2**31 - 1)) if given is None else int(given)
+            self._start_episode(episode_seed)
+            if not self._terminated or given is not None:
+                break
+            # served to the end without a decision to ask (every request went straight in):
+            # nothing to learn from it, so draw another (counted)
+            self.skipped_episodes += 1
+        else:
+            raise ConfigError(
+                f"scenario {self.scenario.name!r}: {MAX_EMPTY_EPISODES} episodes in a row were served "
+                f"without a single {self.decision} decision (every request was released as it arrived: "
+                f"too little traffic for the batch, or, for the group decision, no shared prefixes); "
+                f"raise the arrival rate or the episode's size, or lower engine.max_num_seqs")
+        info = {"episode_requests": self._episode_requests, "episode_seed": self.episode_seed,
+                "clock": self.backend.clock, "skipped_episodes": self.skipped_episodes}
+        if self._terminated:
+            info["no_decision"] = True  # the given episode needed none: it is already over
+        return self._observe(), info
+
+    def _start_episode(self, episode_seed: int) -> None:
         episode = self.scenario.episode_workload(episode_seed)
         self.episode_seed = episode_seed
         self._requests = {r.request_id: r for r in episode}
@@ -245,9 +289,11 @@ class FeatherEnv(gym.Env):
         self._failed = None
         self._decode_tokens, self._decode_seconds, self._engine_steps = 0, 0.0, 0
         self._run_to_decision()
-        info = {"episode_requests": self._episode_requests, "episode_seed": episode_seed,
-                "clock": self.backend.clock}
-        return self._observe(), info
+
+    @property
+    def terminated(self) -> bool:
+        """The episode is over (every request served); ``reset()`` starts the next."""
+        return self._terminated
 
     def step(self, action: int):
         if self.core is None:
@@ -344,7 +390,7 @@ class FeatherEnv(gym.Env):
         core = self.core
         if core is None or core.pending is None:
             return np.zeros(self.observation_space.shape, dtype=np.float32)
-        obs = core.observe(self.extended_obs)
+        obs = core.observe(self.obs_kind)
         return np.clip(obs, self.observation_space.low, self.observation_space.high)
 
     # -- episode results -------------------------------------------------------------------------
@@ -467,9 +513,9 @@ def scheduler_policy(env: FeatherEnv) -> BatchingPolicy:
     if config.ordering != "feather":
         return AlwaysAdd()
     if config.policy:
-        from scheduler_runtime.policy import load_policy
-
-        return load_policy(config.policy)
+        return load_policy_spec(config.policy)
+    if config.group_cap is not None:
+        return GroupCapRule(cap=config.group_cap or None)
     return HeuristicRule()
 
 
@@ -485,17 +531,18 @@ def play_episode(env: FeatherEnv, policy: BatchingPolicy | None = None, *, seed:
     reset = getattr(policy, "reset", None)
     if reset is not None:
         reset()
-    extended = wants_extended_obs(policy)
+    kind = observation_kind(policy)
     options = {"episode_seed": episode_seed} if episode_seed is not None else None
     env.reset(seed=seed, options=options)
     total = 0.0
-    while True:
+    while not env.terminated:
         core = env.core
         assert core is not None and core.pending is not None
-        action = int(policy.act(core.observe(extended), core.pending.mask))
+        action = int(policy.act(core.observe(kind), core.pending.mask))
         _, reward, terminated, truncated, info = env.step(action)
         total += reward
         if terminated or truncated:
-            out = dict(info.get("episode") or env.episode_metrics())
-            out["return"] = total
-            return out
+            break
+    out = dict(env.episode_metrics())
+    out["return"] = total
+    return out

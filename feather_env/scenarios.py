@@ -180,6 +180,10 @@ class Scenario:
         if sampled:
             raise ConfigError(f"{where}: workload.{sampled[0]} belongs in the 'episode' section "
                               f"(groups, max_per_group, requests, arrival)")
+        episode = data.get("episode")
+        if isinstance(episode, Mapping) and source is not None:
+            episode = {**episode, "arrival": _anchor_trace(episode.get("arrival"), Path(source).parent)}
+            data = {**data, "episode": episode}
         description = data.get("description", "")
         if not isinstance(description, str):
             raise ConfigError(f"{where}: description must be a string")
@@ -193,6 +197,15 @@ class Scenario:
             description=description,
             source=source,
         )
+
+
+def _anchor_trace(arrival: Any, base_dir: Path) -> Any:
+    """A ``trace:FILE[:RATE]`` arrival with FILE resolved beside the scenario file (else in the
+    data root's traces/): the path a scenario names is relative to the scenario."""
+    if not isinstance(arrival, str) or not arrival.strip().lower().startswith("trace:"):
+        return arrival
+    process = parse_arrival(arrival, base_dir)
+    return process.spec
 
 
 def available_scenarios() -> list[str]:

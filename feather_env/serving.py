@@ -35,7 +35,7 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from feather_env.engine import (
@@ -51,7 +51,8 @@ from feather_env.engine import (
 from feather_env.serving_metrics import RequestTimeline
 from feather_env.step_model import StepRequest
 from feather_env.workloads import Request, Workload
-from scheduler_runtime.decision import EngineView
+from scheduler_runtime.decision import EngineView, observation_kind
+from scheduler_runtime.policy import load_policy_spec
 from scheduler_runtime.schedulers import (
     EXTRA_OUTPUT_LEN,
     EXTRA_SOURCE,
@@ -73,9 +74,10 @@ def env_scheduler_config(name: str, **overrides: Any) -> SchedulerConfig:
     workload, so its hints are trusted).
     """
     config = SchedulerConfig.for_name(name, **{"trust_client_hints": True, **overrides})
+    if (config.policy and "decision" not in overrides
+            and observation_kind(load_policy_spec(config.policy)) == "group"):
+        config = replace(config, decision="group")  # as the runtime serves it
     if config.passthrough:
-        from dataclasses import replace
-
         config = replace(config, ordering="fcfs", admission="none", svf_seed=False, max_wait=None)
     return config
 

@@ -46,11 +46,20 @@ class _SimView:
     def kv_usage(self) -> float:
         return self.backend.engine.kv_usage
 
-    def cached_prefix_tokens(self, request_id: str) -> int:
-        request = self.backend._held.get(request_id)
+    def cached_prefix_tokens(self, request_id: str, limit: int | None = None) -> int:
+        backend = self.backend
+        request = backend._held.get(request_id)
         if request is None:
             return 0
-        return self.backend.engine.cached_prefix_tokens(request.prompt_token_ids)
+        engine = backend.engine
+        cached = backend._block_hashes.get(request_id)
+        if cached is None or cached[0] is not request:
+            cached = (request, engine.block_hashes(request.prompt_token_ids))
+            backend._block_hashes[request_id] = cached
+        return engine.cached_prefix_tokens(request.prompt_token_ids, limit, cached[1])
+
+    def num_queued(self) -> int:
+        return self.backend.engine.num_waiting
 
 
 class SimBackend(ServingBackend):
@@ -79,6 +88,7 @@ class SimBackend(ServingBackend):
         self._held: dict[str, Request] = {}
         self._hit: dict[str, int] = {}
         self._hashes: dict[tuple[str, int], tuple[Request, np.ndarray]] = {}
+        self._block_hashes: dict[str, tuple[Request, list[int]]] = {}
         self._view = _SimView(self)
         w = self.model.coef
         self._decode_growth = w[3] + w[4]  # seconds per decoding request per further decode step
@@ -159,7 +169,8 @@ class SimBackend(ServingBackend):
         return float(self.model.predict_features(feats))
 
     def _step(self, adv: Advance) -> bool:
-        """One engine step; True when a request finished (the core has news)."""
+        """One engine step; True when a request finished (the core has news), or, for the group
+        decision (which reads the engine's queue), when the engine admitted a queued request."""
         res = self.engine.step()
         n = len(res.request_ids)
         if n == 0:
@@ -185,7 +196,7 @@ class SimBackend(ServingBackend):
             self._record_tokens(rid, t.output_len - t.tokens, True, now, adv)
             runtime.freed(rid, aborted=False)
             self._hit.pop(rid, None)
-        return bool(res.finished)
+        return bool(res.finished) or (bool(res.admitted) and runtime.core.config.decision == "group")
 
     def _fast_forward(self, k: int, deadline: float, adv: Advance) -> None:
         """Up to ``k`` identical decode steps, stopping at the first that reaches ``deadline``."""

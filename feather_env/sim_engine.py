@@ -911,16 +911,29 @@ class SimEngine:
     def num_free_blocks(self) -> int:
         return self._num_free
 
-    def cached_prefix_tokens(self, prompt_token_ids: np.ndarray | Sequence[int]) -> int:
-        """Tokens a prefix-cache lookup of this prompt would hit now (no side effects)."""
+    def block_hashes(self, prompt_token_ids: np.ndarray | Sequence[int]) -> list[int]:
+        """The chained hashes of the prompt's full blocks, as :meth:`add_request` computes them
+        (a caller that looks the same prompt up again keeps them: :meth:`cached_prefix_tokens`)."""
+        return self._hash_prompt(np.asarray(prompt_token_ids)) if self._caching else []
+
+    def cached_prefix_tokens(self, prompt_token_ids: np.ndarray | Sequence[int],
+                             limit: int | None = None, block_hashes: Sequence[int] | None = None) -> int:
+        """Tokens a prefix-cache lookup of this prompt would hit now (no side effects): at most
+        ``prompt - 1`` tokens (vLLM's cap) and at most ``limit``; ``block_hashes`` are the
+        prompt's :meth:`block_hashes`, when the caller keeps them."""
         if not self._caching:
             return 0
-        prompt = np.asarray(prompt_token_ids)
-        if len(prompt) == 0:
+        n = len(prompt_token_ids)
+        if n == 0:
             return 0
+        blocks = (n - 1) // self._bs
+        if limit is not None:
+            blocks = min(blocks, max(0, int(limit)) // self._bs)
+        if block_hashes is None:
+            block_hashes = self._hash_prompt(np.asarray(prompt_token_ids)[: blocks * self._bs])
         hits = 0
         m = self._map
-        for key in self._hash_prompt(prompt)[: (len(prompt) - 1) // self._bs]:
+        for key in block_hashes[:blocks]:
             if key not in m:
                 break
             hits += 1

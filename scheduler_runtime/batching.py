@@ -66,8 +66,9 @@ from scheduler_runtime.decision import (
     BatchingPolicy,
     EngineView,
     NoEngine,
-    wants_extended_obs,
+    observation_kind,
 )
+from scheduler_runtime.groups import PrefixGroups
 from scheduler_runtime.policy import HeuristicRule
 from scheduler_runtime.prefix_index import (
     DEFAULT_CHUNK_SIZE,
@@ -81,6 +82,7 @@ from scheduler_runtime.svf import KeyQueue, KVBudget, volume
 
 __all__ = [
     "ADMISSIONS",
+    "DECISIONS",
     "ORDERINGS",
     "BatchingCore",
     "CoreConfig",
@@ -92,6 +94,9 @@ __all__ = [
 
 #: How the next candidate is chosen: Feather (CHT + policy) or a baseline's order.
 ORDERINGS = ("feather", "fcfs", "sjf", "svf", "lpm", "dfs-weight")
+#: What the policy decides: ADD/STOP on every candidate (the paper's decision), or only on a
+#: candidate that would open a prefix group that is not in flight (``scheduler_runtime.groups``).
+DECISIONS = ("request", "group")
 #: What a released request is charged against the KV capacity: nothing, its unshared prompt
 #: tokens (the engine's own admission test, made at release time), or SVF's peak (unshared
 #: prompt + output estimate).
@@ -112,6 +117,8 @@ class CoreConfig:
             says; ``None`` disables it.
         lpm_fcfs_fallback: ``lpm`` serves FCFS when more requests than this wait (SGLang:
             128); ``None`` always matches.
+        decision: one of :data:`DECISIONS` (``group`` needs the ``feather`` ordering).
+        group_chunks: a request's prefix group is its first ``group_chunks`` CHT chunks.
     """
 
     ordering: str = "feather"
@@ -120,8 +127,17 @@ class CoreConfig:
     chunk_size: int = DEFAULT_CHUNK_SIZE
     max_wait: float | None = 60.0
     lpm_fcfs_fallback: int | None = 128
+    decision: str = "request"
+    group_chunks: int = 1
 
     def __post_init__(self) -> None:
+        if self.decision not in DECISIONS:
+            raise ValueError(f"decision must be one of {DECISIONS}, got {self.decision!r}")
+        if self.decision == "group" and self.ordering != "feather":
+            raise ValueError(f"the group decision needs the feather ordering, not {self.ordering!r}")
+        chunks = self.group_chunks
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"group_chunks must be an int >= 1, got {self.group_chunks!r}")
         if self.ordering not in ORDERINGS:
             raise ValueError(f"ordering must be one of {ORDERINGS}, got {self.ordering!r}")
         if self.admission not in ADMISSIONS:
@@ -139,8 +155,9 @@ class CoreStats:
     """Counters of the core (exported by the vLLM scheduler to ``/metrics``).
 
     ``decisions`` counts answered decisions (``adds`` + ``stops``); releases are counted in
-    ``released`` by reason: ``seed``, ``max_wait``, or an ADD (``policy`` for Feather's ordering,
-    ``order`` for a baseline's, so ``/metrics`` tells the two apart).
+    ``released`` by reason: ``seed``, ``max_wait``, an ADD (``policy`` for Feather's ordering,
+    ``order`` for a baseline's, so ``/metrics`` tells the two apart), or ``group``: with the group
+    decision, a request released without one (its group is in flight, or it shares nothing).
     ``decision_seconds`` is the wall time spent in :meth:`BatchingCore.plan`.
     """
 
@@ -151,7 +168,7 @@ class CoreStats:
     skipped_decisions: int = 0
     capacity_stops: int = 0
     released: dict[str, int] = field(
-        default_factory=lambda: {"policy": 0, "seed": 0, "max_wait": 0, "order": 0})
+        default_factory=lambda: {"policy": 0, "seed": 0, "max_wait": 0, "order": 0, "group": 0})
     arrived: int = 0
     finished: int = 0
     aborted: int = 0
@@ -230,6 +247,36 @@ class FeatherOrdering(Ordering):
             return None
         self.core._candidate_cache = cand  # the decision's observation reuses it
         return cand.request_id
+
+
+class GroupOrdering(FeatherOrdering):
+    """The group decision's order: requests of groups in flight first (the CHT's best when it is
+    one), then the waiting group whose prefix the engine's cache holds most (cached-first), then
+    the CHT's best."""
+
+    name = "feather"
+
+    def next_candidate(self) -> str | None:
+        core = self.core
+        cand = core.cht.best_candidate()
+        if cand is None:
+            return None
+        groups = core.groups
+        if groups.in_flight(cand.request_id):
+            core._candidate_cache = cand
+            return cand.request_id
+        joining = groups.first_waiting_in_flight()
+        if joining is not None:
+            return joining
+        engine, limit = core._engine, core.group_tokens
+        best, best_hit = cand.request_id, 0
+        for _, rid in groups.waiting_groups_out_of_flight():
+            hit = engine.cached_prefix_tokens(rid, limit)
+            if hit > best_hit:
+                best, best_hit = rid, hit
+        if best == cand.request_id:
+            core._candidate_cache = cand
+        return best
 
 
 class FCFSOrdering(Ordering):
@@ -318,7 +365,7 @@ def make_ordering(core: BatchingCore) -> Ordering:
     """The :class:`Ordering` of ``core.config.ordering``."""
     name = core.config.ordering
     if name == "feather":
-        return FeatherOrdering(core)
+        return GroupOrdering(core) if core.config.decision == "group" else FeatherOrdering(core)
     if name == "fcfs":
         return FCFSOrdering(core)
     if name in ("sjf", "svf"):
@@ -354,13 +401,21 @@ class BatchingCore:
         if policy is None:
             policy = HeuristicRule() if cfg.ordering == "feather" else AlwaysAdd()
         self.policy: BatchingPolicy = policy
-        self.policy_extended_obs = wants_extended_obs(policy)
+        self.policy_obs_kind = observation_kind(policy)
+        reads_group = self.policy_obs_kind == "group"
+        if reads_group != (cfg.decision == "group") and getattr(policy, "obs_spec", None):
+            raise ValueError(f"the policy reads the {self.policy_obs_kind!r} observation but the core "
+                             f"asks the {cfg.decision!r} decision")
         self._policy_observes = getattr(policy, "observes", True)
         reset = getattr(policy, "reset", None)
         if reset is not None:
             reset()
         self.chunk_size = cfg.chunk_size
         self.cht = ChunkedHashTree(cfg.chunk_size)
+        self.groups = PrefixGroups()
+        #: How deep the cached-first order looks into a waiting group's prefix (tokens).
+        self.group_tokens = cfg.group_chunks * cfg.chunk_size
+        self._group_decision = cfg.decision == "group"
         self.budget = KVBudget(kv_capacity_tokens if cfg.admission != "none" else None)
         self._volume_q: KeyQueue | None = KeyQueue() if cfg.svf_seed else None
         self._waiting: dict[str, _Entry] = {}
@@ -377,6 +432,7 @@ class BatchingCore:
         self._pending: Decision | None = None
         self._candidate_cache: Candidate | None = None
         self._engine: EngineView = NoEngine()
+        self._now = 0.0
         self.stats = CoreStats()
 
     # ------------------------------------------------------------------ request lifecycle
@@ -413,6 +469,7 @@ class BatchingCore:
         else:
             self.cht.insert_hashed(request_id, prompt_hashes)
         entry = _Entry(request_id, int(tokens.size), max(float(output_len), 1.0), float(arrival))
+        self.groups.arrive(request_id, self.cht.prefix_hash(request_id, self.config.group_chunks))
         self.ordering.arrive(entry, tokens)
         if self._volume_q is not None:
             self._volume_q.push(request_id, volume(entry.prompt_len, entry.output_len))
@@ -444,6 +501,7 @@ class BatchingCore:
             if self._waiting.pop(request_id, None) is None:
                 raise UnknownRequestError(f"request {request_id!r} is neither waiting nor active")
             self.cht.remove(request_id)
+            self.groups.remove(request_id)
             self.ordering.remove(request_id)
             if self._volume_q is not None:
                 self._volume_q.discard(request_id)
@@ -455,6 +513,7 @@ class BatchingCore:
         if self._round_open and request_id in self._released:
             self._released.remove(request_id)  # gone before the round handed it to the engine
         self.cht.finish(request_id)
+        self.groups.finish(request_id)
         self.ordering.finish(request_id)
         self.budget.release(request_id)
         self._changed()
@@ -491,6 +550,7 @@ class BatchingCore:
         if self._round_open:
             raise RuntimeError("a round is already open: end() it first")
         self._round_open = True
+        self._now = float(now)
         self._free = max(0, int(free_slots))
         self._released = []
         self._engine = engine if engine is not None else NoEngine()
@@ -523,11 +583,11 @@ class BatchingCore:
     def round_open(self) -> bool:
         return self._round_open
 
-    def observe(self, extended: bool = False) -> np.ndarray:
+    def observe(self, kind: str = "base") -> np.ndarray:
         """The observation of the pending decision, raw and unclipped (``float32``).
 
-        The names are :data:`~scheduler_runtime.decision.BASE_OBS_NAMES` (or, with ``extended``,
-        :data:`~scheduler_runtime.decision.EXTENDED_OBS_NAMES`). A loaded policy clips to its
+        ``kind`` is one of :data:`~scheduler_runtime.decision.OBSERVATION_KINDS` (the names are
+        there, and in :mod:`scheduler_runtime.decision`'s tables). A loaded policy clips to its
         training bounds; the environment clips to its observation space.
 
         Raises:
@@ -541,21 +601,40 @@ class BatchingCore:
             cand = self.cht.candidate(pending.request_id)
             self._candidate_cache = cand
         delta = cand.depth_before - cand.depth_after
-        if not extended:
+        if kind == "base":
             return np.array([len(self._active), delta, cand.w], dtype=np.float32)
         rid = pending.request_id
         entry = self._waiting[rid]
         engine = self._engine
+        if kind == "extended":
+            return np.array(
+                [
+                    len(self._active),
+                    delta,
+                    cand.w,
+                    len(self._waiting),
+                    engine.kv_usage(),
+                    self.cht.missing_count(rid),
+                    num_chunks(entry.prompt_len, self.chunk_size),
+                    engine.cached_prefix_tokens(rid) // self.chunk_size,
+                ],
+                dtype=np.float32,
+            )
+        if kind != "group":
+            raise ValueError(f"observation kind must be 'base', 'extended' or 'group', got {kind!r}")
+        groups = self.groups
+        oldest = self._oldest_waiting()
         return np.array(
             [
                 len(self._active),
                 delta,
                 cand.w,
-                len(self._waiting),
+                groups.num_in_flight,
+                engine.cached_prefix_tokens(rid) / entry.prompt_len,
+                groups.waiting_in_flight() + engine.num_queued(),
+                groups.num_waiting_groups,
                 engine.kv_usage(),
-                self.cht.missing_count(rid),
-                num_chunks(entry.prompt_len, self.chunk_size),
-                engine.cached_prefix_tokens(rid) // self.chunk_size,
+                max(0.0, self._now - oldest.arrival) if oldest is not None else 0.0,
             ],
             dtype=np.float32,
         )
@@ -611,10 +690,10 @@ class BatchingCore:
         start = time.perf_counter()
         try:
             self.begin(now, free_slots, engine)
-            policy, extended = self.policy, self.policy_extended_obs
+            policy, kind = self.policy, self.policy_obs_kind
             observes = self._policy_observes
             while (pending := self._pending) is not None:
-                obs = self.observe(extended) if observes else None
+                obs = self.observe(kind) if observes else None
                 action = int(policy.act(obs, pending.mask))  # type: ignore[arg-type]
                 if action == ADD:
                     self.add()
@@ -653,16 +732,26 @@ class BatchingCore:
             self._release(seed, "seed")
             if self._free <= 0 or not self._waiting:
                 return
-        rid = self.ordering.next_candidate()
-        if rid is None:
+        while True:
+            rid = self.ordering.next_candidate()
+            if rid is None:
+                return
+            if not self.budget.fits(self._footprint(rid)):
+                self.stats.capacity_stops += 1
+                return
+            if self._group_decision and (self.groups.in_flight(rid) or self.groups.shares_nothing(rid)):
+                # the group decision is only about opening a group: this request joins freely
+                self._release(rid, "group")
+                if self._free <= 0 or not self._waiting:
+                    return
+                continue
+            # a STOP with nothing changed since is not asked again; the group decision reads the
+            # engine's queue and cache, which change at every step, so it is always asked
+            if self._stop_version == self._version and not self._group_decision:
+                self.stats.skipped_decisions += 1
+                return
+            self._pending = Decision(rid, np.array([bool(self._active), True]))
             return
-        if not self.budget.fits(self._footprint(rid)):
-            self.stats.capacity_stops += 1
-            return
-        if self._stop_version == self._version:
-            self.stats.skipped_decisions += 1
-            return
-        self._pending = Decision(rid, np.array([bool(self._active), True]))
 
     # ------------------------------------------------------------------ internals
 
@@ -679,6 +768,7 @@ class BatchingCore:
         footprint = self._footprint(request_id)  # before activation: against the batch without it
         entry = self._waiting.pop(request_id)
         self.cht.activate(request_id)
+        self.groups.release(request_id)
         self.ordering.release(request_id)
         if self._volume_q is not None:
             self._volume_q.discard(request_id)
@@ -750,6 +840,7 @@ class BatchingCore:
         assert set(self.cht.waiting_ids()) == waiting, "CHT waiting set"
         assert set(self.cht.active_ids()) == active, "CHT active set"
         self.cht.check_consistency()
+        self.groups.check_consistency(waiting, active)
         radix = getattr(self.ordering, "radix", None)
         if radix is not None:
             assert set(radix.waiting_ids()) == waiting, "radix waiting set"

@@ -392,6 +392,14 @@ class ChunkedHashTree:
             raise UnknownRequestError(self._state_message(request_id, "waiting or active"))
         return req.hashes.copy()
 
+    def prefix_hash(self, request_id: str, chunks: int) -> int:
+        """The request's cumulative hash of its first ``chunks`` chunks (of its whole prompt when
+        it is shorter): equal for two requests exactly when those chunks are equal."""
+        req = self._waiting.get(request_id) or self._active.get(request_id)
+        if req is None:
+            raise UnknownRequestError(self._state_message(request_id, "waiting or active"))
+        return int(req.hashes[min(chunks, len(req.hashes)) - 1])
+
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._waiting or request_id in self._active
 

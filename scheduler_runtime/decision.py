@@ -22,6 +22,25 @@ index  name                meaning
 The paper's state is the first three (:data:`BASE_OBS_NAMES`); a policy asks for all of them
 (:data:`EXTENDED_OBS_NAMES`) through its observation spec. Chunks are the CHT's
 (``chunk_size`` tokens).
+
+The group decision (``BatchingCore`` with ``decision="group"``: the policy is asked only about a
+candidate that would open a prefix group not in flight, :mod:`scheduler_runtime.groups`) observes
+the paper's three entries and then :data:`GROUP_OBS_NAMES`' others:
+
+=====  =====================  ==================================================================
+index  name                   meaning
+=====  =====================  ==================================================================
+3      ``groups_in_flight``   prefix groups with a request in the batch (released, not finished)
+4      ``cached_fraction``    the candidate's prompt fraction that the engine's prefix cache holds
+5      ``waiting_in_flight``  requests of groups in flight that wait: held by the scheduler or
+                              queued in the engine (released, not yet running)
+6      ``waiting_groups``     prefix groups with a held request (the candidate's included)
+7      ``kv_usage``           fraction of the engine's KV cache blocks in use
+8      ``oldest_wait``        seconds the longest-held request has waited
+=====  =====================  ==================================================================
+
+A policy asks for the group decision by naming :data:`GROUP_OBS_NAMES` in its observation spec
+(:func:`observation_kind`).
 """
 
 from __future__ import annotations
@@ -35,12 +54,15 @@ __all__ = [
     "ADD",
     "BASE_OBS_NAMES",
     "EXTENDED_OBS_NAMES",
+    "GROUP_OBS_NAMES",
+    "OBSERVATION_KINDS",
     "STOP",
     "AlwaysAdd",
     "BatchingPolicy",
     "EngineView",
     "NoEngine",
-    "wants_extended_obs",
+    "observation_kind",
+    "observation_names",
 ]
 
 STOP, ADD = 0, 1
@@ -49,11 +71,29 @@ BASE_OBS_NAMES = ("batch_size", "delta", "w")
 EXTENDED_OBS_NAMES = BASE_OBS_NAMES + ("waiting", "kv_usage", "missing_chunks", "prompt_chunks",
                                        "cached_chunks")
 
+GROUP_OBS_NAMES = BASE_OBS_NAMES + ("groups_in_flight", "cached_fraction", "waiting_in_flight",
+                                    "waiting_groups", "kv_usage", "oldest_wait")
+#: The observation a policy reads, by the names of its spec.
+OBSERVATION_KINDS = {"base": BASE_OBS_NAMES, "extended": EXTENDED_OBS_NAMES, "group": GROUP_OBS_NAMES}
 
-def wants_extended_obs(policy: object) -> bool:
-    """Whether ``policy`` asks for the extended observation: its ``obs_spec`` names all of
-    :data:`EXTENDED_OBS_NAMES` (a policy without one gets the paper's three entries)."""
-    return len(getattr(getattr(policy, "obs_spec", None), "names", ())) == len(EXTENDED_OBS_NAMES)
+
+def observation_names(kind: str) -> tuple[str, ...]:
+    """The names of observation ``kind`` (:data:`OBSERVATION_KINDS`)."""
+    try:
+        return OBSERVATION_KINDS[kind]
+    except KeyError:
+        raise ValueError(f"observation kind must be one of {list(OBSERVATION_KINDS)}, got {kind!r}") from None
+
+
+def observation_kind(policy: object) -> str:
+    """Which observation ``policy`` reads: ``"group"`` when its ``obs_spec`` names
+    :data:`GROUP_OBS_NAMES` (it answers the group decision), ``"extended"`` for
+    :data:`EXTENDED_OBS_NAMES`, else ``"base"`` (a policy without a spec gets the paper's three)."""
+    names = tuple(getattr(getattr(policy, "obs_spec", None), "names", ()))
+    for kind in ("group", "extended"):
+        if names == OBSERVATION_KINDS[kind]:
+            return kind
+    return "base"
 
 
 @runtime_checkable
@@ -90,8 +130,13 @@ class EngineView(Protocol):
         """Fraction of the KV cache's blocks in use, 0..1."""
         ...
 
-    def cached_prefix_tokens(self, request_id: str) -> int:
-        """Prompt tokens of a held request that the prefix cache would serve if admitted now."""
+    def cached_prefix_tokens(self, request_id: str, limit: int | None = None) -> int:
+        """Prompt tokens of a held request that the prefix cache would serve if admitted now
+        (looking at most ``limit`` tokens deep, when given: the cheaper check of a group's prefix)."""
+        ...
+
+    def num_queued(self) -> int:
+        """Requests released to the engine that wait in its queue (not running yet)."""
         ...
 
 
@@ -101,5 +146,8 @@ class NoEngine:
     def kv_usage(self) -> float:
         return 0.0
 
-    def cached_prefix_tokens(self, request_id: str) -> int:
+    def cached_prefix_tokens(self, request_id: str, limit: int | None = None) -> int:
+        return 0
+
+    def num_queued(self) -> int:
         return 0

@@ -66,11 +66,19 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
-from scheduler_runtime.decision import ACTION_NAMES, ADD, BASE_OBS_NAMES, EXTENDED_OBS_NAMES, STOP
+from scheduler_runtime.decision import (
+    ACTION_NAMES,
+    ADD,
+    BASE_OBS_NAMES,
+    EXTENDED_OBS_NAMES,
+    GROUP_OBS_NAMES,
+    OBSERVATION_KINDS,
+    STOP,
+)
 
 __all__ = [
     "ACTION_NAMES",
@@ -83,6 +91,8 @@ __all__ = [
     "STOP",
     "ActionSpec",
     "ConstantPolicy",
+    "GROUP_OBS_NAMES",
+    "GroupCapRule",
     "HeuristicPolicy",
     "HeuristicRule",
     "MLPPolicy",
@@ -145,7 +155,8 @@ class ObservationSpec:
         """The spec of a ``FeatherEnv`` (or any wrapper of one)."""
         env = getattr(env, "unwrapped", env)
         n = env.observation_space.shape[0]
-        names = EXTENDED_OBS_NAMES if n == len(EXTENDED_OBS_NAMES) else BASE_OBS_NAMES[:n]
+        names = getattr(env, "obs_names", None) or (
+            EXTENDED_OBS_NAMES if n == len(EXTENDED_OBS_NAMES) else BASE_OBS_NAMES[:n])
         return cls(
             names=tuple(names),
             low=tuple(float(x) for x in env.observation_space.low),
@@ -168,10 +179,9 @@ class ObservationSpec:
         names = data.get("names")
         if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
             raise PolicyFormatError(path, "'observation.names' must be a non-empty list of strings")
-        if tuple(names) not in (BASE_OBS_NAMES, EXTENDED_OBS_NAMES):
-            raise PolicyFormatError(path, f"observation names {names} are neither the environment's "
-                                          f"{list(BASE_OBS_NAMES)} nor its extended "
-                                          f"{list(EXTENDED_OBS_NAMES)}")
+        if tuple(names) not in OBSERVATION_KINDS.values():
+            known = "; ".join(f"{kind} {list(v)}" for kind, v in OBSERVATION_KINDS.items())
+            raise PolicyFormatError(path, f"observation names {names} are none of the environment's: {known}")
         n = len(names)
         vectors = {}
         for key in ("low", "high", "scale"):
@@ -287,6 +297,49 @@ class HeuristicRule:
             self.floor = min(self.floor + 1, self.floor_cap)
             return ADD
         return ADD if b < self.floor else STOP
+
+
+@dataclass
+class GroupCapRule:
+    """``group-cap-K``: the hand-made rule of the group decision (cached-first order + hold + cap).
+
+    Asked only when the candidate would open a prefix group that is not in flight (the batching
+    core's group decision, whose order puts a cached group first). STOP (hold the new group) when
+    ``cap`` groups are in flight already, or, with ``hold``, when the candidate's prefix is not
+    cached (less than ``cached_min`` of its prompt) while requests of the groups in flight still
+    wait; otherwise ADD. ``cap=None`` never caps (cached-first + hold alone).
+    """
+
+    cap: int | None = 3
+    hold: bool = True
+    cached_min: float = 0.5
+    obs_spec: ClassVar[ObservationSpec]
+
+    def __post_init__(self) -> None:
+        if self.cap is not None and not _is_count(self.cap, 1):
+            raise ValueError(f"cap must be an integer >= 1 or None, got {self.cap!r}")
+        if not (_is_number(self.cached_min) and 0 <= self.cached_min <= 1):
+            raise ValueError(f"cached_min must be in [0, 1], got {self.cached_min!r}")
+
+    def params(self) -> dict[str, Any]:
+        return {"cap": self.cap, "hold": self.hold, "cached_min": self.cached_min}
+
+    def act(self, obs: Sequence[float], mask: Sequence[bool]) -> int:
+        if not mask[ADD]:
+            return STOP
+        if not mask[STOP]:
+            return ADD
+        if self.cap is not None and obs[_GROUPS_IN_FLIGHT] >= self.cap:
+            return STOP
+        if self.hold and obs[_CACHED_FRACTION] < self.cached_min and obs[_WAITING_IN_FLIGHT] > 0:
+            return STOP
+        return ADD
+
+
+_GROUPS_IN_FLIGHT = GROUP_OBS_NAMES.index("groups_in_flight")
+_CACHED_FRACTION = GROUP_OBS_NAMES.index("cached_fraction")
+_WAITING_IN_FLIGHT = GROUP_OBS_NAMES.index("waiting_in_flight")
+GroupCapRule.obs_spec = ObservationSpec(names=GROUP_OBS_NAMES)  # it answers the group decision
 
 
 @dataclass(frozen=True)

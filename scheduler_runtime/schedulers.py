@@ -12,7 +12,12 @@ class's dotted path and the configuration it reads), so every caller (the tests,
 ``lpm`` / ``dfs-weight``    SGLang's longest prefix match (FCFS above 128 waiting) /
                             DFS-weight, per scheduling round over a radix tree
 ``feather-heuristic``       Feather: CHT + the authors' static ADD/STOP rule
-``feather:PATH``            Feather with an exported policy (``scheduler_runtime.policy``)
+``feather:PATH``            Feather with an exported policy (``scheduler_runtime.policy``); a
+                            policy of the group observation answers the group decision
+``group-cap-K``             Feather's group decision (``scheduler_runtime.groups``) answered by
+                            the hand-made rule: cached group first, hold a new group while
+                            requests of the groups in flight wait, at most K groups in flight
+                            (K = 1..64); ``group-hold``: the same without a cap
 ``...+svf``                 a Feather name with SVF admission: smallest-volume seed of an
                             empty batch and SVF's peak check (``+svf-1bit``,
                             ``+oracle-svf``: with those lengths)
@@ -57,8 +62,8 @@ import numpy as np
 
 from scheduler_runtime.batching import BatchingCore, CoreConfig
 from scheduler_runtime.config import ConfigError, checked_fields, load_mapping
-from scheduler_runtime.decision import BatchingPolicy, EngineView
-from scheduler_runtime.policy import HeuristicRule, load_policy_spec
+from scheduler_runtime.decision import BatchingPolicy, EngineView, observation_kind
+from scheduler_runtime.policy import GroupCapRule, HeuristicRule, load_policy_spec
 from scheduler_runtime.predictor import OutputLengthPredictor, load_predictor
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 
@@ -139,6 +144,12 @@ class SchedulerConfig:
         max_faults: the vLLM scheduler switches Feather off (it then runs as vLLM's fcfs until
             the engine restarts) at this many faults in Feather's own code; before that, each
             fault restarts Feather with a fresh runtime. Default 1: the first fault switches it off.
+        decision: Feather's decision, ``request`` (ADD/STOP per candidate, the paper's) or
+            ``group`` (only on opening a prefix group); a policy of the group observation
+            answers the group decision whatever this says.
+        group_chunks: the group decision's groups are the requests' first ``group_chunks`` chunks.
+        group_cap: the group decision's rule (``group-cap-K``) when no policy is named: at most
+            this many groups in flight; ``0``: no cap (``group-hold``).
     """
 
     name: str = DEFAULT_NAME
@@ -155,6 +166,9 @@ class SchedulerConfig:
     lpm_fcfs_fallback: int | None = 128
     trust_client_hints: bool = False
     max_faults: int = 1
+    decision: str = "request"
+    group_chunks: int = 1
+    group_cap: int | None = None
 
     def __post_init__(self) -> None:
         # types first (a value built in code skips from_mapping), then ranges
@@ -171,6 +185,10 @@ class SchedulerConfig:
                 raise ConfigError(f"scheduler.{name} must be >= {low}, got {value}")
         if self.max_faults < 1:
             raise ConfigError(f"scheduler.max_faults must be >= 1, got {self.max_faults}")
+        if self.group_chunks < 1:
+            raise ConfigError(f"scheduler.group_chunks must be >= 1, got {self.group_chunks}")
+        if self.group_cap is not None and self.group_cap < 0:
+            raise ConfigError(f"scheduler.group_cap must be >= 0 (0: no cap) or null, got {self.group_cap}")
         if self.ordering is not None:
             try:
                 self.core_config(DEFAULT_CHUNK_SIZE)
@@ -198,11 +216,13 @@ class SchedulerConfig:
         return self.ordering in ("sjf", "svf") or self.admission == "peak" or (
             self.ordering == "feather" and self.svf_seed)
 
-    def core_config(self, chunk_size: int) -> CoreConfig:
+    def core_config(self, chunk_size: int, decision: str | None = None) -> CoreConfig:
+        """The batching core's configuration (``decision`` overrides this one's: the policy's)."""
         assert self.ordering is not None
         return CoreConfig(ordering=self.ordering, admission=self.admission, svf_seed=self.svf_seed,
                           chunk_size=chunk_size, max_wait=self.max_wait,
-                          lpm_fcfs_fallback=self.lpm_fcfs_fallback)
+                          lpm_fcfs_fallback=self.lpm_fcfs_fallback, decision=decision or self.decision,
+                          group_chunks=self.group_chunks)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -222,6 +242,11 @@ def _defaults_for(name: str) -> SchedulerConfig:
         if name.endswith(suffix):
             base, lengths = name[: -len(suffix)], source
             break
+    group = _group_rule(base)
+    if group is not None:
+        return SchedulerConfig(name=name, ordering="feather", decision="group", group_cap=group,
+                               admission="peak" if lengths else "prompt", svf_seed=lengths is not None,
+                               lengths=lengths or "predicted")
     if base == "feather-heuristic":
         policy = None
     elif base.startswith("feather:") and len(base) > len("feather:"):
@@ -229,12 +254,29 @@ def _defaults_for(name: str) -> SchedulerConfig:
     else:
         raise ConfigError(
             f"unknown scheduler {name!r}; known: {list(BASELINE_NAMES)}, 'feather-heuristic', "
-            f"'feather:<checkpoint>', each Feather name optionally + one of {list(_SVF_SUFFIXES)}")
+            f"'group-cap-K' (K = 1..{MAX_GROUP_CAP}), 'group-hold', 'feather:<checkpoint>', each Feather "
+            f"name optionally + one of {list(_SVF_SUFFIXES)}")
     if lengths is None:  # Feather alone: the engine's admission test, made at release time
         return SchedulerConfig(name=name, ordering="feather", policy=policy, admission="prompt",
                                svf_seed=False)
     return SchedulerConfig(name=name, ordering="feather", policy=policy, lengths=lengths,
                            admission="peak", svf_seed=True)
+
+
+#: The largest K of a ``group-cap-K`` name.
+MAX_GROUP_CAP = 64
+
+
+def _group_rule(base: str) -> int | None:
+    """The cap of a ``group-cap-K`` / ``group-hold`` base name (0: no cap), None for other names."""
+    if base == "group-hold":
+        return 0
+    if base.startswith("group-cap-"):
+        k = base[len("group-cap-"):]
+        if k.isdigit() and 1 <= int(k) <= MAX_GROUP_CAP and k == str(int(k)):
+            return int(k)
+        raise ConfigError(f"scheduler {base!r}: K of group-cap-K must be an integer 1..{MAX_GROUP_CAP}")
+    return None
 
 
 def load_scheduler_config(
@@ -379,7 +421,14 @@ class FeatherRuntime:
         self.config = config
         self.max_model_len = max_model_len
         if policy is None and config.ordering == "feather":
-            policy = load_policy_spec(config.policy) if config.policy else HeuristicRule()
+            if config.policy:
+                policy = load_policy_spec(config.policy)
+            elif config.group_cap is not None:
+                policy = GroupCapRule(cap=config.group_cap or None)
+            else:
+                policy = HeuristicRule()
+        # a policy that reads the group observation answers the group decision
+        decision = "group" if policy is not None and observation_kind(policy) == "group" else config.decision
         policy_chunk = _policy_chunk_size(policy) if policy is not None else None
         if config.chunk_size is not None and policy_chunk is not None and config.chunk_size != policy_chunk:
             raise ConfigError(f"scheduler.chunk_size={config.chunk_size} but the policy {config.policy} "
@@ -389,7 +438,11 @@ class FeatherRuntime:
         if config.uses_lengths and config.lengths != "oracle":
             self.predictor = predictor if predictor is not None else load_predictor(config.predictor)
         capacity = config.kv_capacity_tokens or kv_capacity_tokens
-        self.core = BatchingCore(config.core_config(self.chunk_size), policy, capacity)
+        try:
+            core_config = config.core_config(self.chunk_size, decision)
+            self.core = BatchingCore(core_config, policy, capacity)
+        except ValueError as exc:  # a policy of one decision named with the other's config
+            raise ConfigError(f"scheduler {config.name!r}: {exc}") from exc
         self.stats = RuntimeStats()
 
     def output_length(

@@ -93,12 +93,23 @@ class _EngineView:
     def kv_usage(self) -> float:
         return float(self.scheduler.kv_cache_manager.usage)
 
-    def cached_prefix_tokens(self, request_id: str) -> int:
+    def cached_prefix_tokens(self, request_id: str, limit: int | None = None) -> int:
         request = self.scheduler._feather_held.get(request_id)
         if request is None:
             return 0
-        # vLLM's own admission lookup (no side effects): full blocks, at most prompt - 1 tokens
-        return int(self.scheduler.kv_cache_manager.get_computed_blocks(request)[1])
+        manager = self.scheduler.kv_cache_manager
+        if limit is None:
+            # vLLM's own admission lookup (no side effects): full blocks, at most prompt - 1 tokens
+            return int(manager.get_computed_blocks(request)[1])
+        if not manager.prefix_cache_lookup_enabled(request):
+            return 0
+        # the same lookup, stopped after ``limit`` tokens (a group's prefix)
+        length = min(int(limit), request.num_tokens - 1)
+        return int(manager.coordinator.find_longest_cache_hit(request.block_hashes, length)[1])
+
+    def num_queued(self) -> int:
+        scheduler = self.scheduler
+        return len(scheduler.waiting) + len(scheduler.kv_holding_waiting)
 
 
 class _FeatherMixin:

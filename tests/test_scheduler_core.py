@@ -248,13 +248,13 @@ def test_preemption_keeps_the_request_in_the_batch():
 # ---------------------------------------------------------------------------- the step API
 
 
-def stepped(core: BatchingCore, policy, extended: bool = False):
+def stepped(core: BatchingCore, policy, kind: str = "base"):
     """A planner that answers each pending decision from outside, as the environment does."""
 
     def plan(now: float, slots: int, engine=None) -> list[str]:
         core.begin(now, slots, engine)
         while (pending := core.pending) is not None:
-            core.decide(policy.act(core.observe(extended), pending.mask))
+            core.decide(policy.act(core.observe(kind), pending.mask))
         return core.end()
 
     return plan
@@ -304,7 +304,7 @@ def test_pending_decision_observation_mask_and_answers():
     pending = core.pending
     assert pending.mask.tolist() == [True, True] and core.is_waiting(pending.request_id)
     # the candidate is the seed's sibling: same document, so the batch keeps 4 chunks of 5
-    obs = core.observe(extended=True)
+    obs = core.observe("extended")
     assert obs.dtype == np.float32 and obs.shape == (8,)
     assert obs[:4].tolist() == [1, 1, 1, 5] and obs[4] == np.float32(0.25)  # w: one more sibling
     assert obs[5] == 1 and obs[6] == 5  # misses its own last chunk; 69 tokens = 5 chunks
@@ -562,7 +562,7 @@ class CoreMachine(RuleBasedStateMachine):
     @rule(action=st.sampled_from([ADD, STOP]))
     def decide(self, action):
         pending = self.core.pending
-        obs = self.core.observe(extended=True)
+        obs = self.core.observe("extended")
         assert obs.shape == (8,) and obs[0] == self.core.num_active
         assert pending.mask.tolist() == [True, True]
         self.core.decide(action)
