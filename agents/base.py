@@ -36,8 +36,8 @@ from typing import Any, ClassVar
 import gymnasium as gym
 import numpy as np
 
-from scheduler_runtime.decision import ADD, BASE_OBS_NAMES, EXTENDED_OBS_NAMES, STOP
-from scheduler_runtime.policy import ObservationSpec, Policy, TableBins, write_policy
+from scheduler_runtime.decision import ADD, GROUP_OBS_NAMES, STOP
+from scheduler_runtime.policy import GroupBins, ObservationSpec, Policy, TableBins, write_policy
 
 __all__ = [
     "ADD",
@@ -58,18 +58,33 @@ HELD_OUT_SEED = 2_000_000
 
 @dataclass(frozen=True)
 class TableBinsConfig:
-    """The state bins shared by the tabular agents (UCB, Q-learning): docs/design.md's
-    ``(min(B//batch_div, batch_max), clip(delta, -delta_clip, delta_clip), min(w//w_div, w_max))``."""
+    """The state bins shared by the tabular agents (UCB, Q-learning): for the request decision,
+    docs/design.md's ``(min(B//batch_div, batch_max), clip(delta, -delta_clip, delta_clip),
+    min(w//w_div, w_max))``; for the group decision, :class:`~scheduler_runtime.policy.GroupBins`
+    with the ``group_*`` knobs."""
 
     batch_div: int = TableBins.batch_div  # the runtime's defaults, one source for both
     batch_max: int = TableBins.batch_max
     delta_clip: int = TableBins.delta_clip
     w_div: int = TableBins.w_div
     w_max: int = TableBins.w_max
+    group_in_flight_max: int = GroupBins.in_flight_max
+    group_waiting_groups_div: int = GroupBins.waiting_groups_div
+    group_waiting_groups_max: int = GroupBins.waiting_groups_max
+    group_kv_levels: int = GroupBins.kv_levels
 
     @property
     def bins(self) -> TableBins:
         return TableBins(self.batch_div, self.batch_max, self.delta_clip, self.w_div, self.w_max)
+
+    def bins_for(self, spec: ObservationSpec | None) -> TableBins | GroupBins:
+        """The bins of the decision ``spec`` observes (the paper's when it is not the group one)."""
+        if spec is not None and spec.names == GROUP_OBS_NAMES:
+            return GroupBins(in_flight_max=self.group_in_flight_max,
+                             waiting_groups_div=self.group_waiting_groups_div,
+                             waiting_groups_max=self.group_waiting_groups_max,
+                             kv_levels=self.group_kv_levels)
+        return self.bins
 
 class NotExportableError(NotImplementedError):
     """The agent needs information the runtime does not have (e.g. the oracle's group ids)."""
@@ -91,6 +106,7 @@ class AgentEnv(gym.Wrapper):
         # Small attributes a vectorized env can fetch from its workers (the env itself, with
         # its engine, cannot be pickled): what an exported policy's observation spec needs.
         self.raw_observation_space = base.observation_space
+        self.obs_names = tuple(base.obs_names)
         self.chunk_size = int(base.chunk_size)
         if scale_obs:
             space = base.observation_space
@@ -134,8 +150,7 @@ def observation_spec(env: Any) -> ObservationSpec:
         space = env.get_attr("raw_observation_space", [0])[0]
         scale = env.get_attr("obs_scale", [0])[0]
         chunk = env.get_attr("chunk_size", [0])[0]
-        n = space.shape[0]
-        names = EXTENDED_OBS_NAMES if n == len(EXTENDED_OBS_NAMES) else BASE_OBS_NAMES[:n]
+        names = env.get_attr("obs_names", [0])[0]
         return ObservationSpec(tuple(names), tuple(float(x) for x in space.low),
                                tuple(float(x) for x in space.high), tuple(float(x) for x in scale),
                                int(chunk))
@@ -165,6 +180,10 @@ class Agent(ABC):
     def bind(self, env: Any) -> None:
         """Remember the environment's observation spec (needed to export)."""
         self.obs_spec = observation_spec(env)
+        self.observation_changed()
+
+    def observation_changed(self) -> None:  # noqa: B027 - optional hook
+        """:attr:`obs_spec` was set (the tabular agents pick their bins from it)."""
 
     def learn(self, env: gym.Env, total_timesteps: int, callback: Any = None,
               reset_num_timesteps: bool = True) -> Agent:
@@ -331,6 +350,7 @@ class EpisodicAgent(Agent):
             d = meta["obs_spec"]
             agent.obs_spec = ObservationSpec(tuple(d["names"]), tuple(d["low"]), tuple(d["high"]),
                                              tuple(d["scale"]), d["chunk_size"])
+            agent.observation_changed()
         if env is not None:
             agent.bind(env)
         agent.load_state_dict(arrays)

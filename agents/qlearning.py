@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from agents.base import ADD, STOP, EpisodicAgent, TableBinsConfig
-from scheduler_runtime.policy import Policy, TablePolicy, table_decision
+from scheduler_runtime.policy import GroupBins, Policy, TableBins, TablePolicy, table_decision
 
 
 @dataclass(frozen=True)
@@ -79,13 +79,24 @@ class QLearningAgent(EpisodicAgent):
 
     def __init__(self, config: QLearningConfig | None = None, *, seed: int = 0) -> None:
         super().__init__(config or QLearningConfig(), seed=seed)
-        self.bins = self.config.bins
-        n = self.bins.num_states
-        self.q = np.zeros((n, 2), dtype=np.float64)
-        self.visits = np.zeros((n, 2), dtype=np.int64)
+        self._use_bins(self.config.bins)
         #: Steps the epsilon schedule spans; set from the training length by ``learn``.
         self.exploration_timesteps = self.config.exploration_timesteps
         self._td: list[float] = []
+
+    def _use_bins(self, bins: TableBins | GroupBins) -> None:
+        self.bins = bins
+        n = bins.num_states
+        self.q = np.zeros((n, 2), dtype=np.float64)
+        self.visits = np.zeros((n, 2), dtype=np.int64)
+
+    def observation_changed(self) -> None:
+        bins = self.config.bins_for(self.obs_spec)
+        if bins != self.bins:
+            if self.visits.any():
+                raise ValueError(f"agent {self.name!r} learned on other bins ({self.bins}) than this "
+                                 f"observation's ({bins})")
+            self._use_bins(bins)
 
     @property
     def epsilon(self) -> float:

@@ -62,9 +62,21 @@ __all__ = ["REFERENCES", "EnvSection", "RunConfig", "TrainResult", "TrainSection
 SECTIONS = ("scenario", "env", "agent", "train")
 #: What ``train.compare_with`` accepts: a policy answering the trained agent's own decisions
 #: (``always-add``, ``heuristic``, ``oracle``, ``random``), or a baseline's ordering answered by
-#: always-add (``fcfs``, ``lpm``, ``dfs-weight``, ``svf``, ``sjf``).
+#: always-add (``fcfs``, ``lpm``, ``dfs-weight``, ``svf``, ``sjf``); any other Feather scheduler
+#: name (``feather-heuristic``, ``group-cap-K``, ``group-hold``) serves with its own decision and
+#: its own rule.
 REFERENCES = ("always-add", "heuristic", "oracle", "random", "fcfs", "lpm", "dfs-weight", "svf", "sjf")
 _ORDERING_REFERENCES = ("fcfs", "lpm", "dfs-weight", "svf", "sjf")
+
+
+def _scheduler_reference(name: str) -> bool:
+    """Whether ``name`` is a Feather scheduler that serves as a reference with its own rule."""
+    from scheduler_runtime.schedulers import SchedulerConfig
+
+    try:
+        return SchedulerConfig.for_name(name).ordering == "feather"
+    except ConfigError:
+        return False
 
 
 # -- configuration ------------------------------------------------------------------------------
@@ -72,10 +84,11 @@ _ORDERING_REFERENCES = ("fcfs", "lpm", "dfs-weight", "svf", "sjf")
 class EnvSection:
     """``FeatherEnv`` arguments (see its manual); ``profile`` is the simulator's profile JSON."""
 
-    scheduler: str = "feather-heuristic"
+    scheduler: str | None = None
     reward: str = "latency"
     reward_scale: float = 1.0
     extended_obs: bool = False
+    decision: str | None = None
     delta_clip: int = 64
     max_episode_seconds: float | None = None
     profile: str | None = None
@@ -130,7 +143,7 @@ class TrainSection:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if isinstance(self.compare_with, str):
             object.__setattr__(self, "compare_with", (self.compare_with,))
-        bad = [name for name in self.compare_with if name not in REFERENCES]
+        bad = [n for n in self.compare_with if n not in REFERENCES and not _scheduler_reference(n)]
         if bad:
             raise ConfigError(f"train.compare_with: {bad} are not reference agents; choose from "
                               f"{list(REFERENCES)}")
@@ -243,8 +256,8 @@ def make_env(cfg: RunConfig, backend: Any = None, *, scheduler: str | None = Non
 
     e = asdict(cfg.env)
     profile = e.pop("profile")
-    if scheduler is not None:
-        e["scheduler"] = scheduler
+    if scheduler is not None:  # a reference: its own decision
+        e["scheduler"], e["decision"], e["extended_obs"] = scheduler, None, False
     backend = backend if backend is not None else cfg.train.backend
     name = cfg.scenario["name"]
     if isinstance(name, list | tuple):  # a mix: one environment per scenario, one drawn per episode
@@ -270,6 +283,10 @@ def reference_policy(name: str, env: Any, seed: int = 0) -> Any:
 
     if name in _ORDERING_REFERENCES or name == "always-add":
         return make_agent("always-add", seed=seed, env=env)
+    if name not in REFERENCES:  # a Feather scheduler: its own rule
+        from feather_env.env import scheduler_policy
+
+        return scheduler_policy(env.unwrapped)
     return make_agent(name, seed=seed, env=env)
 
 
@@ -605,7 +622,8 @@ def _compare(cfg: RunConfig, env: Any, seeds: Sequence[int]) -> dict[str, dict[s
     # a single environment's engine is shared; a scenario mix builds its own per scenario
     backend = env.backend if hasattr(env, "backend") else cfg.train.backend
     for name in cfg.train.compare_with:
-        ref_env = make_env(cfg, backend=backend, scheduler=name) if name in _ORDERING_REFERENCES else env
+        own = name in _ORDERING_REFERENCES or name not in REFERENCES
+        ref_env = make_env(cfg, backend=backend, scheduler=name) if own else env
         out[name] = _strip(evaluate(reference_policy(name, ref_env, seed=cfg.train.seed), ref_env, seeds))
     return out
 

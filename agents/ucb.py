@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from agents.base import ADD, STOP, EpisodicAgent, TableBinsConfig
-from scheduler_runtime.policy import Policy, TablePolicy, table_decision
+from scheduler_runtime.policy import GroupBins, Policy, TableBins, TablePolicy, table_decision
 
 CREDITS = ("episode", "return_to_go")
 
@@ -70,24 +70,39 @@ class UCBAgent(EpisodicAgent):
 
     def __init__(self, config: UCBConfig | None = None, *, seed: int = 0) -> None:
         super().__init__(config or UCBConfig(), seed=seed)
-        self.bins = self.config.bins
-        n = self.bins.num_states
-        self.counts = np.zeros((n, 2), dtype=np.int64)
-        self.means = np.zeros((n, 2), dtype=np.float64)
+        self._use_bins(self.config.bins)
         self._pending: list[tuple[int, int, float]] = []  # (state, arm, return before it)
         self._return = 0.0
         self._abs_err: list[float] = []
+
+    def _use_bins(self, bins: TableBins | GroupBins) -> None:
+        self.bins = bins
+        # the paper's rule (delta == 0 costs nothing: ADD) is the request decision's; in the group
+        # decision delta is 0 whenever the batch shares no prefix, which says nothing of the cost
+        self.add_if_delta_zero = not isinstance(bins, GroupBins)
+        n = bins.num_states
+        self.counts = np.zeros((n, 2), dtype=np.int64)
+        self.means = np.zeros((n, 2), dtype=np.float64)
+
+    def observation_changed(self) -> None:
+        bins = self.config.bins_for(self.obs_spec)
+        if bins != self.bins:
+            if self.counts.any():
+                raise ValueError(f"agent {self.name!r} learned on other bins ({self.bins}) than this "
+                                 f"observation's ({bins})")
+            self._use_bins(bins)
 
     # -- decisions -----------------------------------------------------------------------------
     def _forced(self, obs: np.ndarray, mask: np.ndarray) -> int | None:
         if not mask[ADD]:
             return STOP
-        if not mask[STOP] or obs[0] <= 0 or int(obs[1]) == 0:
+        if not mask[STOP] or obs[0] <= 0 or (self.add_if_delta_zero and int(obs[1]) == 0):
             return ADD
         return None
 
     def act(self, obs: np.ndarray, mask: np.ndarray) -> int:
-        return table_decision(self.bins, self.means.ravel(), self.counts.ravel(), True, obs, mask)
+        return table_decision(self.bins, self.means.ravel(), self.counts.ravel(), self.add_if_delta_zero,
+                              obs, mask)
 
     def explore(self, obs: np.ndarray, mask: np.ndarray) -> int:
         forced = self._forced(obs, mask)
@@ -135,7 +150,7 @@ class UCBAgent(EpisodicAgent):
     # -- export, checkpoints, merging ----------------------------------------------------------
     def to_policy(self) -> Policy:
         return TablePolicy(self._require_spec(), self.bins, self.means.ravel().tolist(),
-                           self.counts.ravel().tolist(), True, agent=self.name,
+                           self.counts.ravel().tolist(), self.add_if_delta_zero, agent=self.name,
                            meta={"credit": self.config.credit, "c": self.config.c})
 
     def state_dict(self) -> dict[str, np.ndarray]:

@@ -27,18 +27,11 @@ request is good when its TTFT and its E2E latency are each within :data:`SLO_FAC
 median of the same figure for the episode's requests served alone on the idle engine (the
 isolated probes).
 
-**The bound** (:func:`makespan_bound`): every distinct prompt prefix prefilled exactly once and
-every output token decoded at the best batch rate the engine reaches, with the engine's own
-measured rates: prefill time is the lone-request TTFT curve (probes at three prompt lengths,
-interpolated, through 0), charged ``p(L) - p(C)`` for a prompt of ``L`` tokens whose first ``C``
-(whole KV blocks) an earlier prompt of the episode holds; decode time is the output tokens over
-the engine's peak decode rate (:func:`peak_decode_rate`: as many short requests at once as
-``max_num_seqs`` and the KV cache allow). The makespan bound is this sum, or the last arrival if
-later; each scheduler is reported as the bound over its makespan (1.0 is the limit; a chunked
-prefill step also decodes the running requests, so a schedule that overlaps the two can pass the
-serial sum: a value above 1.0 says so). The engine's peak decode rate is reached on short prompts
-only, so the tables also give the *episode bound* (:func:`add_episode_bound`): the same prefill
-term, decode at the best rate any run of the episode reached in its decode-only steps.
+**The bounds** (:mod:`feather_env.evaluation.bound`): the makespan bound (every distinct prompt
+prefix prefilled once, decode at the engine's peak rate, :func:`peak_decode_rate`: as many short
+requests at once as ``max_num_seqs`` and the KV cache allow), the episode bound (decode at the
+best rate any run of the episode reached) and the arrival-aware bound (no request served before
+it arrives). Each scheduler is reported as a bound over its makespan (1.0 is the limit).
 
 **The load sweep** (``leval-kv-pressure-poisson`` at :data:`SWEEP_RATES` requests/s, one run each)
 draws output throughput and P99 E2E latency against the request rate, one line per scheduler
@@ -55,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -67,6 +59,7 @@ from feather_env.engine import use_in_process_engine  # noqa: E402  (before vLLM
 
 use_in_process_engine()
 
+from feather_env.evaluation.bound import add_arrival_bound, add_episode_bound, makespan_bound  # noqa: E402
 from feather_env.reporting import format_table, machine_info, write_json  # noqa: E402
 from feather_env.scenarios import EVALUATED_SCENARIOS as SCENARIOS  # noqa: E402
 
@@ -135,60 +128,6 @@ def scheduler_set(scenario: str, policies: Path) -> tuple[dict[str, str], dict[s
 # ------------------------------------------------------------------------------------ the bound
 
 
-def prefix_work(workload: Any, block_size: int) -> list[tuple[int, int]]:
-    """``(prompt tokens, tokens an earlier prompt holds in whole KV blocks)`` per request, arrival order."""
-    from scheduler_runtime.cht import ChunkedHashTree
-
-    hasher = ChunkedHashTree(chunk_size=block_size)
-    seen: set[int] = set()
-    out = []
-    for r in sorted(workload, key=lambda r: (r.arrival_time, r.request_id)):
-        hashes = [int(h) for h in hasher.hash_prompt(r.prompt_token_ids)[: r.prompt_len // block_size]]
-        cached = 0
-        for h in hashes:
-            if h not in seen:
-                break
-            cached += block_size
-        cached = min(cached, r.prompt_len - 1)  # vLLM computes at least the last prompt token
-        seen.update(hashes)
-        out.append((r.prompt_len, cached))
-    return out
-
-
-def makespan_bound(
-    workload: Any, block_size: int, isolated: Mapping[str, Any], decode_rate: float
-) -> dict[str, Any]:
-    """The makespan with each distinct prefix prefilled once, decode at ``decode_rate`` (module docstring)."""
-    import numpy as np
-
-    lens = [0, *isolated["prompt_lens"]]
-    ttft = [0.0, *isolated["ttft_s"]]
-
-    def prefill(n: int) -> float:
-        return float(np.interp(n, lens, ttft, right=ttft[-1] * n / lens[-1]))
-
-    work = prefix_work(workload, block_size)
-    prefill_s = sum(prefill(length) - prefill(cached) for length, cached in work)
-    output_tokens = sum(r.output_len for r in workload)
-    decode_s = output_tokens / decode_rate if decode_rate > 0 else math.inf
-    last_arrival = max(r.arrival_time for r in workload)
-    makespan = max(prefill_s + decode_s, last_arrival)
-    prompt = sum(length for length, _ in work)
-    distinct = sum(length - cached for length, cached in work)
-    return {
-        "makespan_s": makespan,
-        "prefill_s": prefill_s,
-        "decode_s": decode_s,
-        "last_arrival_s": last_arrival,
-        "output_throughput": output_tokens / makespan if makespan > 0 else None,
-        "output_tokens": output_tokens,
-        "decode_rate_tok_s": decode_rate,
-        "prompt_tokens": prompt,
-        "distinct_prompt_tokens": distinct,
-        "hit_rate_ceiling": 1.0 - distinct / prompt if prompt else None,
-    }
-
-
 #: The decode probe: this many tokens of prompt and of output per request.
 PROBE_PROMPT, PROBE_OUTPUT = 32, 64
 
@@ -203,27 +142,6 @@ def peak_decode_rate(backend: Any, engine: Any, config: Any) -> float:
     probe = random_requests("decode-probe-", [PROBE_PROMPT] * batch, PROBE_OUTPUT, 777)
     run = serve_one(backend, "fcfs", probe, replace(config, schedulers=("fcfs",)), False)
     return float(run.extra["decode_tok_s"])
-
-
-def add_episode_bound(payload: dict[str, Any]) -> None:
-    """The bound again, decoding at the best rate any run of this episode reached (its decode-only
-    steps): ``payload["bound"]["episode_decode"]`` and each run's ``vs_bound_episode``.
-
-    The engine's peak rate (:func:`peak_decode_rate`) is measured on short prompts; a long-context
-    episode cannot decode at it, since every step reads its requests' whole KV cache. This bound
-    keeps the prefill term and charges decode at the rate the episode's own contexts allowed."""
-    bound = payload["bound"]
-    rates = [r for m in payload["runs"].values()
-             for r in ((m.get("repeats") or {}).get("decode_tok_s") or [m.get("decode_tok_s")]) if r]
-    if not rates:
-        return
-    rate = max(rates)
-    tokens = bound["output_tokens"]
-    makespan = max(bound["prefill_s"] + tokens / rate, bound["last_arrival_s"])
-    bound["episode_decode"] = {"decode_rate_tok_s": rate, "decode_s": tokens / rate, "makespan_s": makespan,
-                               "output_throughput": tokens / makespan if makespan > 0 else None}
-    for m in payload["runs"].values():
-        m["vs_bound_episode"] = (makespan / m["duration"]) if m.get("duration") else None
 
 
 def goodput_slos(isolated: Any, workload: Any) -> dict[str, float]:
@@ -333,6 +251,7 @@ def run_scenario(
     for m in payload["runs"].values():
         m["vs_bound"] = (bound["makespan_s"] / m["duration"]) if m.get("duration") else None
     add_episode_bound(payload)
+    add_arrival_bound(payload)
     write_results(out_root / title, payload, runs, title=f"{title} ({payload['machine']['date']})")
     payload.pop("definitions", None)
     print(summary_table(payload), flush=True)
@@ -362,6 +281,7 @@ COLUMNS = (
     ("sched time / step time", "scheduler_overhead_frac", "{:.2%}"),
     ("vs bound", "vs_bound", "{:.2f}"),
     ("vs episode bound", "vs_bound_episode", "{:.2f}"),
+    ("vs arrival bound", "vs_bound_arrival", "{:.2f}"),
 )
 
 

@@ -1,6 +1,8 @@
 """Feather toolkit: an RL environment for prefix-aware LLM batch scheduling on a real vLLM engine.
 
-- :mod:`feather_env.env`: :class:`FeatherEnv`, registered as ``feather/Batching-v0``;
+- :mod:`feather_env.env`: :class:`FeatherEnv`, registered as ``feather/Batching-v0`` (the paper's
+  per-request ADD/STOP) and ``feather/GroupAdmission-v0`` (the same serving loop, the decision
+  to open a prefix group);
 - :mod:`feather_env.backends`: :class:`VLLMBackend` (the real engine) and :class:`BatchResult`;
 - :mod:`feather_env.sim`: :class:`SimBackend`, a cost model fitted to the engine
   (:mod:`feather_env.calibrate` fits and validates it);
@@ -14,3 +16,6 @@ import gymnasium as _gym
 
 if "feather/Batching-v0" not in _gym.registry:
     _gym.register(id="feather/Batching-v0", entry_point="feather_env.env:FeatherEnv")
+if "feather/GroupAdmission-v0" not in _gym.registry:
+    _gym.register(id="feather/GroupAdmission-v0", entry_point="feather_env.env:FeatherEnv",
+                  kwargs={"decision": "group"})

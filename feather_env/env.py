@@ -35,6 +35,8 @@ __all__ = ["ADD", "REWARDS", "STOP", "FeatherEnv", "InvalidActionError", "Scenar
 
 #: The scheduler whose decisions the agent answers in the group decision, unless one is named.
 DEFAULT_GROUP_SCHEDULER = "group-cap-3"
+#: The scale of the group observation's counts (groups in flight, their waiting requests, waiting groups).
+GROUP_COUNT_SCALE = 16.0
 #: How many episodes in a row ``reset()`` may skip for needing no decision before it gives up.
 MAX_EMPTY_EPISODES = 100
 #: The rewards the environment offers (see the manual); the default is the first.
@@ -68,6 +70,20 @@ class FeatherEnv(gym.Env):
     locality of the shared KV and, under KV pressure, evict a document that waiting requests need,
     which must then be prefilled again.
 
+    **Two decisions, two environment ids.** ``feather/Batching-v0`` (``decision="request"``, the
+    default) is the paper's environment: ADD/STOP on every candidate, the three-entry state below.
+    ``feather/GroupAdmission-v0`` (``decision="group"``) asks only when the candidate would open a
+    *prefix group* (the requests sharing its first ``group_chunks`` chunks: an L-Eval document)
+    that is not in flight (no request of it released and unfinished); requests of groups in flight
+    join without a decision, and so do requests that share nothing on a workload that does not
+    share (ShareGPT: :mod:`scheduler_runtime.groups`), so the group decision never throttles them.
+    Its candidates come cached-first: a waiting group whose prefix the engine's cache holds before
+    the CHT's best. ADD opens the group; STOP holds it (and every other new group) until the next
+    engine step, while the groups in flight keep flowing. This is the lever that sets throughput
+    under KV pressure with arrivals over time: how many documents are in flight, which comes next,
+    and whether a new one waits. The ids are separate because the observation and its meaning
+    differ; they serve the same episodes on the same engine.
+
     ## Action Space
     ``Discrete(2)``: 0 = STOP, 1 = ADD. ``action_masks()`` gives the valid actions (for
     MaskablePPO). A pending decision always has both valid: a candidate that does not fit the KV
@@ -89,6 +105,17 @@ class FeatherEnv(gym.Env):
     chunks no running request holds), 6 ``prompt_chunks`` (its prompt), 7 ``cached_chunks`` (its
     prompt in the engine's prefix cache now); 5-7 are in 0..delta_clip. Chunks are
     ``chunk_size`` tokens (the scenario's). After the last step the observation is all zeros.
+
+    With ``decision="group"`` (``feather/GroupAdmission-v0``), the first three and then six more:
+
+    | index | name | meaning | min | max |
+    |---|---|---|---|---|
+    | 3 | groups_in_flight | prefix groups with a request released and unfinished | 0 | max_num_seqs |
+    | 4 | cached_fraction | the candidate's prompt share the engine's prefix cache holds now | 0 | 1 |
+    | 5 | waiting_in_flight | requests of groups in flight that wait (held or queued) | 0 | episode requests |
+    | 6 | waiting_groups | prefix groups with a held request (candidate's included) | 0 | episode requests |
+    | 7 | kv_usage | the engine's KV blocks in use | 0 | 1 |
+    | 8 | oldest_wait | seconds the longest-held request has waited | 0 | max_wait (120 without) |
 
     ## Rewards
     From the engine's clock, for the time the engine ran between this decision and the next
@@ -125,7 +152,13 @@ class FeatherEnv(gym.Env):
 
     ## Episode End
     Terminates when every request of the episode has been served, each exactly once with its
-    tokens (checked; a violation raises :class:`~feather_env.engine.EngineError`). Truncates when
+    tokens (checked; a violation raises :class:`~feather_env.engine.EngineError`). An episode
+    that needs no decision at all (too little traffic to fill the batch; the group decision on a
+    workload without shared prefixes) is served to its end inside ``reset()``, which then draws
+    the next episode (counted in :attr:`skipped_episodes` and ``info["skipped_episodes"]``; after
+    :data:`MAX_EMPTY_EPISODES` such episodes in a row it raises ``ConfigError``). ``reset()`` with
+    ``options={"episode_seed": S}`` serves episode ``S`` whatever it needs: one without a decision
+    comes back already over (``info["no_decision"]``, :attr:`terminated`). Truncates when
     the clock passes ``max_episode_seconds`` (default: never), and when another environment on the
     same backend object started an episode meanwhile (an evaluation sharing the one real engine;
     ``info["interrupted"]``). If the engine fails mid-episode,
@@ -149,6 +182,9 @@ class FeatherEnv(gym.Env):
     - ``scheduler``: whose decisions the agent answers: ``"feather-heuristic"`` (default: the CHT's
       candidates), a baseline's ordering (``"fcfs"``, ``"lpm"``, ``"dfs-weight"``, ``"svf"``,
       ``"sjf"``), or a ``+svf`` Feather name; the baselines' own answer is always ADD.
+    - ``decision``: ``"request"`` (the paper's, default) or ``"group"`` (see Description); ``None``:
+      the scheduler's own (``group-cap-K`` names ask the group decision). With ``"group"`` the
+      default ``scheduler`` is ``group-cap-3`` (its rule is :func:`scheduler_policy`'s answer).
     - ``reward`` (:data:`REWARDS`), ``reward_scale``; ``extended_obs``; ``delta_clip`` (chunks);
       ``max_episode_seconds``; ``obs_max_requests``: the bound of ``w`` and ``waiting`` (default: the
       scenario's largest episode; :class:`ScenarioMix` sets one bound for all its scenarios).
@@ -225,8 +261,11 @@ class FeatherEnv(gym.Env):
         low[1] = -delta_clip
         self.observation_space = spaces.Box(low=low, high=high, dtype=np.float32)
         self.action_space = spaces.Discrete(2)
-        #: Divide observations by this to get values in [-1, 1] (what PPO sees).
+        #: Divide observations by this to get values of order 1 (what PPO sees): the bounds, except
+        #: the group counts, whose bounds are far above the handful a decision turns on.
         self.obs_scale = high.copy()
+        if self.obs_kind == "group":
+            self.obs_scale[[3, 5, 6]] = np.minimum(high[[3, 5, 6]], GROUP_COUNT_SCALE)
         self.obs_names = names
         self.core: BatchingCore | None = None
         self._runtime: Any = None

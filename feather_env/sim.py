@@ -61,6 +61,17 @@ class _SimView:
     def num_queued(self) -> int:
         return self.backend.engine.num_waiting
 
+    def retain_prefixes(self, request_ids: Sequence[str]) -> int:
+        backend = self.backend
+        prefixes = []
+        for rid in request_ids:
+            request = backend._held.get(rid)
+            if request is None:
+                continue
+            self.cached_prefix_tokens(rid, 0)  # keeps the prompt's block hashes
+            prefixes.append(backend._block_hashes[rid][1])
+        return backend.engine.retain(prefixes)
+
 
 class SimBackend(ServingBackend):
     """The serving loop on :class:`~feather_env.sim_engine.SimEngine` (see the module docstring).

@@ -465,6 +465,36 @@ class SimEngine:
         r.blocks = []  # a new list: StepResult snapshots keep the old one
         r.num_cached = 0
 
+    def retain(self, prefixes: Sequence[Sequence[int]]) -> int:
+        """Move the free cached blocks of each prefix (block hashes, as :meth:`block_hashes`
+        gives) to the LRU end of the free queue, so they are evicted last: each prefix's first
+        block last (vLLM frees a request's blocks tail first, so a prefix's head outlives its
+        tail), and the later prefixes of ``prefixes`` after the earlier ones. What the
+        ``retain_held_prefixes`` switch of the scheduler does to vLLM's ``free_block_queue``;
+        returns the blocks moved."""
+        if not self._caching:
+            return 0
+        m, ref, nxt, prv = self._map, self._ref, self._nxt, self._prv
+        moved = 0
+        for hashes in prefixes:
+            blocks = []
+            for key in hashes:
+                v = m.get(key)
+                if v is None:
+                    break
+                blocks.append(v if v.__class__ is int else v[0])  # type: ignore[index]
+            for b in reversed(blocks):
+                if ref[b]:
+                    continue  # held by a request: not in the free queue
+                p, n = prv[b], nxt[b]
+                nxt[p], prv[n] = n, p
+                t = prv[self._tail]
+                nxt[t], prv[b], nxt[b], prv[self._tail] = b, t, self._tail, b
+                moved += 1
+        if moved:
+            self._version += 1
+        return moved
+
     def _cache_blocks(self, r: _Req, num_tokens: int) -> None:
         nfull = num_tokens // self._bs
         j = r.num_cached

@@ -119,6 +119,9 @@ class CoreConfig:
             128); ``None`` always matches.
         decision: one of :data:`DECISIONS` (``group`` needs the ``feather`` ordering).
         group_chunks: a request's prefix group is its first ``group_chunks`` CHT chunks.
+        retain_held_prefixes: at the end of every round, ask the engine to evict the cached
+            prefixes of the held groups last (:meth:`~scheduler_runtime.decision.EngineView.retain_prefixes`;
+            the largest group's last of all).
     """
 
     ordering: str = "feather"
@@ -129,6 +132,7 @@ class CoreConfig:
     lpm_fcfs_fallback: int | None = 128
     decision: str = "request"
     group_chunks: int = 1
+    retain_held_prefixes: bool = False
 
     def __post_init__(self) -> None:
         if self.decision not in DECISIONS:
@@ -175,6 +179,7 @@ class CoreStats:
     preempted: int = 0
     decision_seconds: float = 0.0
     max_plan_seconds: float = 0.0
+    retained_blocks: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -680,7 +685,16 @@ class BatchingCore:
         self._round_open = False
         self._pending = None
         released, self._released = self._released, []
+        if self.config.retain_held_prefixes and self._waiting:
+            self._retain_held_prefixes()
         return released
+
+    def _retain_held_prefixes(self) -> None:
+        """One held request per group not in flight, the largest group last (evicted last)."""
+        waiting = self.groups
+        reps = sorted(waiting.waiting_groups_out_of_flight(), key=lambda kv: waiting.waiting_size(kv[0]))
+        if reps:
+            self.stats.retained_blocks += self._engine.retain_prefixes([rid for _, rid in reps])
 
     def plan(self, now: float, free_slots: int, engine: EngineView | None = None) -> list[str]:
         """One round answered by :attr:`policy`: the ids to release now, in release order.

@@ -45,6 +45,7 @@ A policy asks for the group decision by naming :data:`GROUP_OBS_NAMES` in its ob
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -139,6 +140,11 @@ class EngineView(Protocol):
         """Requests released to the engine that wait in its queue (not running yet)."""
         ...
 
+    def retain_prefixes(self, request_ids: Sequence[str]) -> int:
+        """Move the free cached blocks of these held requests' prompts to the end of the engine's
+        eviction order (the later ids' after the earlier ones'); the blocks moved."""
+        ...
+
 
 class NoEngine:
     """The view of a core that runs without an engine (tests, benchmarks): nothing cached, empty."""
@@ -150,4 +156,7 @@ class NoEngine:
         return 0
 
     def num_queued(self) -> int:
+        return 0
+
+    def retain_prefixes(self, request_ids: Sequence[str]) -> int:
         return 0

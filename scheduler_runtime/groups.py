@@ -141,6 +141,11 @@ class PrefixGroups:
         """Groups with a waiting request."""
         return len(self._waiting)
 
+    def waiting_size(self, key: int) -> int:
+        """Waiting requests of group ``key``."""
+        members = self._waiting.get(key)
+        return len(members) if members else 0
+
     def first_waiting_in_flight(self) -> str | None:
         """The oldest waiting request of some group in flight (None when there is none)."""
         for key in self._flight_waiting:

@@ -10,7 +10,7 @@ File layout (``FORMAT_VERSION`` 1)::
     {
       "format": "feather-policy",        # what the file is
       "version": 1,                      # bumped on any incompatible change
-      "kind": "heuristic" | "table" | "mlp" | "constant",
+      "kind": "heuristic" | "group-cap" | "table" | "mlp" | "constant",
       "agent": "ucb",                    # which agent wrote it (informative)
       "observation": {"names": [...], "low": [...], "high": [...], "scale": [...],
                       "chunk_size": 256},
@@ -31,6 +31,8 @@ Kinds and their ``params``:
 
 - ``constant``: ``{"action": "ADD"|"STOP"}`` (``always-add``).
 - ``heuristic``: the static rule of docs/design.md with its constants (see :class:`HeuristicRule`).
+- ``group-cap``: the group decision's hand-made rule with its constants (see :class:`GroupCapRule`);
+  its observation is the group one.
 - ``table``: a value per (state bin, action) and its visit count, with the bins
   ``(min(B // batch_div, batch_max), clip(delta, -delta_clip, delta_clip), min(w // w_div, w_max))``
   (see :func:`table_decision`); used by the UCB bandit and Q-learning.
@@ -92,6 +94,8 @@ __all__ = [
     "ActionSpec",
     "ConstantPolicy",
     "GROUP_OBS_NAMES",
+    "GroupBins",
+    "GroupCapPolicy",
     "GroupCapRule",
     "HeuristicPolicy",
     "HeuristicRule",
@@ -105,13 +109,14 @@ __all__ = [
     "load_policy",
     "load_policy_spec",
     "policy_from_document",
+    "bins_from_dict",
     "table_decision",
     "write_policy",
 ]
 
 FORMAT = "feather-policy"
 FORMAT_VERSION = 1
-KINDS = ("constant", "heuristic", "table", "mlp")
+KINDS = ("constant", "heuristic", "group-cap", "table", "mlp")
 
 
 def _is_number(x: Any) -> bool:
@@ -339,6 +344,8 @@ class GroupCapRule:
 _GROUPS_IN_FLIGHT = GROUP_OBS_NAMES.index("groups_in_flight")
 _CACHED_FRACTION = GROUP_OBS_NAMES.index("cached_fraction")
 _WAITING_IN_FLIGHT = GROUP_OBS_NAMES.index("waiting_in_flight")
+_WAITING_GROUPS = GROUP_OBS_NAMES.index("waiting_groups")
+_KV_USAGE = GROUP_OBS_NAMES.index("kv_usage")
 GroupCapRule.obs_spec = ObservationSpec(names=GROUP_OBS_NAMES)  # it answers the group decision
 
 
@@ -379,7 +386,62 @@ class TableBins:
                 "w_div": self.w_div, "w_max": self.w_max}
 
 
-def table_decision(bins: TableBins, values: Sequence[float], visits: Sequence[int],
+@dataclass(frozen=True)
+class GroupBins:
+    """The tabular agents' state bins of the group decision: ``(min(groups_in_flight, in_flight_max),
+    min(waiting_in_flight, waiting_in_flight_max), cached_fraction >= 0.5, min(waiting_groups //
+    waiting_groups_div, waiting_groups_max), min(int(kv_usage * kv_levels), kv_levels - 1))``: the
+    cap (groups in flight), the hold (work of the groups in flight that waits, and whether the
+    candidate is cached), the load (groups waiting) and the KV pressure."""
+
+    in_flight_max: int = 8
+    waiting_in_flight_max: int = 2
+    waiting_groups_div: int = 4
+    waiting_groups_max: int = 4
+    kv_levels: int = 4
+    kind: ClassVar[str] = "group"
+
+    def __post_init__(self) -> None:
+        for name, low in (("in_flight_max", 0), ("waiting_in_flight_max", 0), ("waiting_groups_div", 1),
+                          ("waiting_groups_max", 0), ("kv_levels", 1)):
+            if not _is_count(getattr(self, name), low):
+                raise ValueError(f"bins.{name} must be an integer >= {low}, got {getattr(self, name)!r}")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.in_flight_max + 1, self.waiting_in_flight_max + 1, 2, self.waiting_groups_max + 1,
+                self.kv_levels)
+
+    @property
+    def num_states(self) -> int:
+        return int(np.prod(self.shape))
+
+    def index(self, obs: Sequence[float]) -> int:
+        """Flat state index of a raw group observation."""
+        g = min(max(int(obs[_GROUPS_IN_FLIGHT]), 0), self.in_flight_max)
+        wf = min(max(int(obs[_WAITING_IN_FLIGHT]), 0), self.waiting_in_flight_max)
+        c = int(obs[_CACHED_FRACTION] >= 0.5)
+        wg = min(max(int(obs[_WAITING_GROUPS]), 0) // self.waiting_groups_div, self.waiting_groups_max)
+        kv = min(max(int(obs[_KV_USAGE] * self.kv_levels), 0), self.kv_levels - 1)
+        return int(np.ravel_multi_index((g, wf, c, wg, kv), self.shape))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "in_flight_max": self.in_flight_max,
+                "waiting_in_flight_max": self.waiting_in_flight_max,
+                "waiting_groups_div": self.waiting_groups_div, "waiting_groups_max": self.waiting_groups_max,
+                "kv_levels": self.kv_levels}
+
+
+def bins_from_dict(data: Mapping[str, Any]) -> TableBins | GroupBins:
+    """The bins a table policy file names: :class:`GroupBins` for ``"kind": "group"``, else the
+    paper's :class:`TableBins`."""
+    data = dict(data)
+    if data.pop("kind", None) == "group":
+        return GroupBins(**data)
+    return TableBins(**data)
+
+
+def table_decision(bins: TableBins | GroupBins, values: Sequence[float], visits: Sequence[int],
                    add_if_delta_zero: bool, obs: Sequence[float], mask: Sequence[bool]) -> int:
     """Greedy action of a tabular policy (``values``/``visits`` flat, ``2 * state + action``).
 
@@ -474,12 +536,28 @@ class HeuristicPolicy(Policy):
         return self.rule.params()
 
 
+class GroupCapPolicy(Policy):
+    """:class:`GroupCapRule` with the exported constants (the group observation)."""
+
+    kind = "group-cap"
+
+    def __init__(self, obs_spec: ObservationSpec, rule: GroupCapRule, **kw: Any) -> None:
+        super().__init__(obs_spec, **kw)
+        self.rule = rule
+
+    def act(self, obs: Sequence[float], mask: Sequence[bool]) -> int:
+        return self.rule.act(self._clip(obs), mask)
+
+    def params(self) -> dict[str, Any]:
+        return self.rule.params()
+
+
 class TablePolicy(Policy):
     """Greedy action over a (state bin, action) table, see :func:`table_decision`."""
 
     kind = "table"
 
-    def __init__(self, obs_spec: ObservationSpec, bins: TableBins, values: Sequence[float],
+    def __init__(self, obs_spec: ObservationSpec, bins: TableBins | GroupBins, values: Sequence[float],
                  visits: Sequence[int], add_if_delta_zero: bool, **kw: Any) -> None:
         super().__init__(obs_spec, **kw)
         self.bins = bins
@@ -712,6 +790,10 @@ def policy_from_document(doc: Any, *, path: str | os.PathLike[str] | None = None
             return ConstantPolicy(spec, ACTION_NAMES.index(action), **common)
         if kind == "heuristic":
             return HeuristicPolicy(spec, HeuristicRule(**params), **common)
+        if kind == "group-cap":
+            if spec.names != GROUP_OBS_NAMES:
+                raise ValueError("a group-cap rule reads the group observation")
+            return GroupCapPolicy(spec, GroupCapRule(**params), **common)
         if kind == "table":
             return _table_from_params(spec, params, common)
         if kind == "mlp":
@@ -724,7 +806,9 @@ def policy_from_document(doc: Any, *, path: str | os.PathLike[str] | None = None
 
 
 def _table_from_params(spec: ObservationSpec, params: dict[str, Any], common: dict[str, Any]) -> TablePolicy:
-    bins = TableBins(**params["bins"])
+    bins = bins_from_dict(params["bins"])
+    if isinstance(bins, GroupBins) != (spec.names == GROUP_OBS_NAMES):
+        raise ValueError("group bins go with the group observation, the paper's bins with the others")
     n = 2 * bins.num_states
     values, visits = params["values"], params["visits"]
     if not isinstance(values, list) or len(values) != n:

@@ -150,6 +150,9 @@ class SchedulerConfig:
         group_chunks: the group decision's groups are the requests' first ``group_chunks`` chunks.
         group_cap: the group decision's rule (``group-cap-K``) when no policy is named: at most
             this many groups in flight; ``0``: no cap (``group-hold``).
+        retain_held_prefixes: LRU-tail retention: after every round the free cached blocks of the
+            held groups' prefixes move to the end of vLLM's eviction order (``free_block_queue``),
+            so the prefix cache evicts what no held request needs first. Off by default.
     """
 
     name: str = DEFAULT_NAME
@@ -169,6 +172,7 @@ class SchedulerConfig:
     decision: str = "request"
     group_chunks: int = 1
     group_cap: int | None = None
+    retain_held_prefixes: bool = False
 
     def __post_init__(self) -> None:
         # types first (a value built in code skips from_mapping), then ranges
@@ -222,7 +226,7 @@ class SchedulerConfig:
         return CoreConfig(ordering=self.ordering, admission=self.admission, svf_seed=self.svf_seed,
                           chunk_size=chunk_size, max_wait=self.max_wait,
                           lpm_fcfs_fallback=self.lpm_fcfs_fallback, decision=decision or self.decision,
-                          group_chunks=self.group_chunks)
+                          group_chunks=self.group_chunks, retain_held_prefixes=self.retain_held_prefixes)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -45,7 +45,7 @@ lets the agent answer its decisions, and hands the released ids to :meth:`~_Feat
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from vllm.logger import init_logger
@@ -110,6 +110,29 @@ class _EngineView:
     def num_queued(self) -> int:
         scheduler = self.scheduler
         return len(scheduler.waiting) + len(scheduler.kv_holding_waiting)
+
+    def retain_prefixes(self, request_ids: Sequence[str]) -> int:
+        # vLLM's block pool: a free block (ref_cnt 0) moved from its place in the free queue to
+        # the end, which is evicted last (BlockPool.touch's remove, then free_blocks' append)
+        pool = self.scheduler.kv_cache_manager.block_pool
+        queue, held = pool.free_block_queue, self.scheduler._feather_held
+        moved = 0
+        for rid in request_ids:
+            request = held.get(rid)
+            if request is None:
+                continue
+            blocks = []
+            for block_hash in request.block_hashes:
+                cached = pool.get_cached_block(block_hash, [0])
+                if cached is None:
+                    break
+                blocks.append(cached[0])
+            for block in reversed(blocks):
+                if block.ref_cnt == 0 and not block.is_null:
+                    queue.remove(block)
+                    queue.append(block)
+                    moved += 1
+        return moved
 
 
 class _FeatherMixin:

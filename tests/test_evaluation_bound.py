@@ -1,11 +1,18 @@
-"""benchmarks/evaluation.py's makespan bound: each distinct prefix prefilled once, decode at a rate."""
+"""The evaluation's bounds: each distinct prefix prefilled once, decode at a rate, and no request
+served before it arrives."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from benchmarks.evaluation import add_episode_bound, makespan_bound, prefix_work
+from feather_env.evaluation.bound import (
+    add_arrival_bound,
+    add_episode_bound,
+    arrival_bound,
+    makespan_bound,
+    prefix_work,
+)
 from feather_env.workloads.request import Request
 
 BLOCK = 16
@@ -30,7 +37,8 @@ def test_a_prompt_is_charged_only_past_the_whole_blocks_an_earlier_prompt_holds(
 def test_bound_is_prefill_of_the_distinct_tokens_plus_decode_at_the_rate() -> None:
     doc = list(range(100, 100 + 4 * BLOCK))
     reqs = [_request("a", doc + [1], 10), _request("b", doc + [2], 30)]
-    isolated = {"prompt_lens": [10 * BLOCK], "ttft_s": [1.0]}  # linear: 1 s per 160 tokens
+    # linear: 1 s per 160 tokens
+    isolated = {"prompt_lens": [10 * BLOCK], "ttft_s": [1.0], "tpot_s": [0.01]}
     bound = makespan_bound(reqs, BLOCK, isolated, decode_rate=20.0)
     assert bound["prefill_s"] == pytest.approx((4 * BLOCK + 1 + 1) / (10 * BLOCK))
     assert bound["decode_s"] == pytest.approx(40 / 20.0)
@@ -54,3 +62,29 @@ def test_episode_bound_decodes_at_the_best_rate_any_run_reached() -> None:
     assert ep["makespan_s"] == pytest.approx(2.0 + 400.0 / 100.0)
     assert payload["runs"]["a"]["vs_bound_episode"] == pytest.approx(0.6)
     assert payload["runs"]["b"]["vs_bound_episode"] == pytest.approx(0.75)
+
+
+def test_arrival_bound_charges_the_work_that_arrives_after_each_request() -> None:
+    # two requests at t = 0 and a late one at t = 10: the late one's own service binds
+    per = {"arrival_s": [0.0, 0.0, 10.0], "prefill_s": [1.0, 1.0, 0.5], "output_tokens": [100, 100, 50],
+           "alone_decode_s": [4.0, 4.0, 3.0]}
+    b = arrival_bound(per, decode_rate=100.0)
+    # from t = 0: 2.5 s prefill + 250 tokens / 100 = 5.0; from t = 10: max(0.5 + 0.5, 0.5 + 3.0) = 3.5
+    assert b["makespan_s"] == pytest.approx(13.5) and b["binding_request"] == 2 and b["binding"] == "alone"
+    # a burst: the serial sum from t = 0 (the episode bound's makespan)
+    burst = dict(per, arrival_s=[0.0, 0.0, 0.0])
+    assert arrival_bound(burst, 100.0)["makespan_s"] == pytest.approx(2.5 + 2.5)
+    # in a payload: each run's share
+    payload = {"bound": {"per_request": per}, "runs": {"a": {"duration": 27.0, "decode_tok_s": 100.0}}}
+    add_arrival_bound(payload)
+    assert payload["runs"]["a"]["vs_bound_arrival"] == pytest.approx(0.5)
+
+
+def test_makespan_bound_keeps_each_request_for_the_arrival_bound() -> None:
+    doc = list(range(100, 100 + 4 * BLOCK))
+    reqs = [_request("b", doc + [2], 30, arrival=1.0), _request("a", doc + [1], 10)]
+    isolated = {"prompt_lens": [10 * BLOCK], "ttft_s": [1.0], "tpot_s": [0.01]}
+    per = makespan_bound(reqs, BLOCK, isolated, decode_rate=20.0)["per_request"]
+    assert per["arrival_s"] == [0.0, 1.0] and per["output_tokens"] == [10, 30]
+    assert per["alone_decode_s"] == pytest.approx([0.09, 0.29])
+    assert per["prefill_s"][1] < per["prefill_s"][0]  # the second holds the document's blocks

@@ -526,10 +526,12 @@ class CoreMachine(RuleBasedStateMachine):
         self.now = 0.0
 
     @initialize(ordering=st.sampled_from(ORDERINGS), admission=st.sampled_from(["none", "prompt", "peak"]),
-                svf_seed=st.booleans(), max_wait=st.sampled_from([None, 0.0, 3.0]))
-    def start(self, ordering, admission, svf_seed, max_wait):
+                svf_seed=st.booleans(), max_wait=st.sampled_from([None, 0.0, 3.0]), group=st.booleans())
+    def start(self, ordering, admission, svf_seed, max_wait, group):
+        decision = "group" if group and ordering == "feather" else "request"
         self.core = BatchingCore(CoreConfig(ordering=ordering, admission=admission, svf_seed=svf_seed,
-                                            chunk_size=8, max_wait=max_wait), kv_capacity_tokens=200)
+                                            chunk_size=8, max_wait=max_wait, decision=decision),
+                                 kv_capacity_tokens=200)
 
     @rule(group=st.integers(0, 3), suffix=st.integers(1, 20), out=st.integers(1, 50))
     def arrive(self, group, suffix, out):
@@ -565,6 +567,13 @@ class CoreMachine(RuleBasedStateMachine):
         obs = self.core.observe("extended")
         assert obs.shape == (8,) and obs[0] == self.core.num_active
         assert pending.mask.tolist() == [True, True]
+        if self.core.config.decision == "group":
+            # the group decision is asked only about opening a group that shares
+            groups = self.core.groups
+            assert not groups.in_flight(pending.request_id)
+            assert not groups.shares_nothing(pending.request_id)
+            g = self.core.observe("group")
+            assert g.shape == (9,) and g[3] == groups.num_in_flight and g[6] == groups.num_waiting_groups
         self.core.decide(action)
         if action == ADD:
             assert self.core.is_active(pending.request_id)

@@ -1,0 +1,165 @@
+"""Lower bounds on an episode's makespan, from the engine's own measured rates: what no scheduler can beat.
+
+Three bounds, each reported as the bound over a run's makespan (1.0 is the limit):
+
+- :func:`makespan_bound`: every distinct prompt prefix prefilled exactly once and every output
+  token decoded at the engine's peak batch rate; prefill time is the lone-request TTFT curve
+  (probes at a few prompt lengths, interpolated through 0), charged ``p(L) - p(C)`` for a prompt
+  of ``L`` tokens whose first ``C`` (whole KV blocks) an earlier prompt of the episode holds. The
+  makespan is this sum, or the last arrival if later.
+- the *episode bound* (:func:`add_episode_bound`): the same prefill term, decode at the best rate
+  any run of the episode reached in its decode-only steps (the peak is reached on short prompts
+  only: a long-context episode decodes at a fraction of it).
+- the *arrival-aware bound* (:func:`add_arrival_bound`): no request is served before it arrives,
+  so for every request ``k`` (in arrival order) the work of the requests arriving from ``a_k`` on
+  (their distinct prefill and their output tokens at the episode's decode rate) is done after
+  ``a_k``, and request ``k`` itself needs at least its own service alone (its unshared prefill,
+  then one decode step per further token at its lone-request rate). The makespan is at least the
+  largest ``a_k`` plus either. Under arrivals spread over time this is the bound that counts: the
+  others charge the whole episode's work from t = 0.
+
+A chunked-prefill step also decodes the running requests, so a schedule that overlaps the two can
+pass a serial sum; a value above 1.0 says so.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+__all__ = ["add_arrival_bound", "add_episode_bound", "makespan_bound", "prefix_work"]
+
+
+def prefix_work(workload: Any, block_size: int) -> list[tuple[int, int]]:
+    """``(prompt tokens, tokens an earlier prompt holds in whole KV blocks)`` per request, arrival order."""
+    from scheduler_runtime.cht import ChunkedHashTree
+
+    hasher = ChunkedHashTree(chunk_size=block_size)
+    seen: set[int] = set()
+    out = []
+    for r in _arrival_order(workload):
+        hashes = [int(h) for h in hasher.hash_prompt(r.prompt_token_ids)[: r.prompt_len // block_size]]
+        cached = 0
+        for h in hashes:
+            if h not in seen:
+                break
+            cached += block_size
+        cached = min(cached, r.prompt_len - 1)  # vLLM computes at least the last prompt token
+        seen.update(hashes)
+        out.append((r.prompt_len, cached))
+    return out
+
+
+def _arrival_order(workload: Any) -> list[Any]:
+    return sorted(workload, key=lambda r: (r.arrival_time, r.request_id))
+
+
+def _prefill_curve(isolated: Mapping[str, Any]) -> Any:
+    lens = [0, *isolated["prompt_lens"]]
+    ttft = [0.0, *isolated["ttft_s"]]
+
+    def prefill(n: int) -> float:
+        return float(np.interp(n, lens, ttft, right=ttft[-1] * n / lens[-1]))
+
+    return prefill
+
+
+def makespan_bound(
+    workload: Any, block_size: int, isolated: Mapping[str, Any], decode_rate: float
+) -> dict[str, Any]:
+    """The makespan with each distinct prefix prefilled once, decode at ``decode_rate`` (module docstring).
+
+    ``isolated``: the lone-request probes (``prompt_lens``, ``ttft_s``, ``tpot_s``). The result
+    keeps, per request in arrival order, what :func:`add_arrival_bound` needs.
+    """
+    prefill = _prefill_curve(isolated)
+    ordered = _arrival_order(workload)
+    work = prefix_work(workload, block_size)
+    prefill_each = [prefill(length) - prefill(cached) for length, cached in work]
+    prefill_s = sum(prefill_each)
+    output_tokens = sum(r.output_len for r in workload)
+    decode_s = output_tokens / decode_rate if decode_rate > 0 else math.inf
+    last_arrival = max(r.arrival_time for r in workload)
+    makespan = max(prefill_s + decode_s, last_arrival)
+    prompt = sum(length for length, _ in work)
+    distinct = sum(length - cached for length, cached in work)
+    tpot = [float(np.interp(r.prompt_len, isolated["prompt_lens"], isolated["tpot_s"])) for r in ordered]
+    return {
+        "makespan_s": makespan,
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "last_arrival_s": last_arrival,
+        "output_throughput": output_tokens / makespan if makespan > 0 else None,
+        "output_tokens": output_tokens,
+        "decode_rate_tok_s": decode_rate,
+        "prompt_tokens": prompt,
+        "distinct_prompt_tokens": distinct,
+        "hit_rate_ceiling": 1.0 - distinct / prompt if prompt else None,
+        "per_request": {
+            "arrival_s": [float(r.arrival_time) for r in ordered],
+            "prefill_s": prefill_each,
+            "output_tokens": [int(r.output_len) for r in ordered],
+            "alone_decode_s": [max(0, r.output_len - 1) * t for r, t in zip(ordered, tpot, strict=True)],
+        },
+    }
+
+
+def _decode_rate_of_runs(payload: Mapping[str, Any]) -> float | None:
+    """The best decode-only rate any run of the episode reached (tokens/s)."""
+    rates = [r for m in payload["runs"].values()
+             for r in ((m.get("repeats") or {}).get("decode_tok_s") or [m.get("decode_tok_s")]) if r]
+    return max(rates) if rates else None
+
+
+def add_episode_bound(payload: dict[str, Any]) -> None:
+    """The bound again, decoding at the best rate any run of this episode reached (its decode-only
+    steps): ``payload["bound"]["episode_decode"]`` and each run's ``vs_bound_episode``."""
+    bound = payload["bound"]
+    rate = _decode_rate_of_runs(payload)
+    if rate is None:
+        return
+    tokens = bound["output_tokens"]
+    makespan = max(bound["prefill_s"] + tokens / rate, bound["last_arrival_s"])
+    bound["episode_decode"] = {"decode_rate_tok_s": rate, "decode_s": tokens / rate, "makespan_s": makespan,
+                               "output_throughput": tokens / makespan if makespan > 0 else None}
+    for m in payload["runs"].values():
+        m["vs_bound_episode"] = (makespan / m["duration"]) if m.get("duration") else None
+
+
+def arrival_bound(per_request: Mapping[str, Any], decode_rate: float) -> dict[str, Any]:
+    """``max_k a_k + max(remaining work from k on, request k alone)`` (module docstring)."""
+    arrivals = per_request["arrival_s"]
+    prefill = per_request["prefill_s"]
+    tokens = per_request["output_tokens"]
+    alone = per_request["alone_decode_s"]
+    best, at, binding = 0.0, 0, "remaining"
+    rest_prefill, rest_tokens = 0.0, 0
+    for k in range(len(arrivals) - 1, -1, -1):
+        rest_prefill += prefill[k]
+        rest_tokens += tokens[k]
+        remaining = rest_prefill + rest_tokens / decode_rate
+        own = prefill[k] + alone[k]
+        value = arrivals[k] + max(remaining, own)
+        if value > best:
+            best, at, binding = value, k, "remaining" if remaining >= own else "alone"
+    total = sum(tokens)
+    return {"makespan_s": best, "decode_rate_tok_s": decode_rate, "binding_request": at,
+            "binding_arrival_s": arrivals[at] if arrivals else 0.0, "binding": binding,
+            "output_throughput": total / best if best > 0 else None}
+
+
+def add_arrival_bound(payload: dict[str, Any]) -> None:
+    """The arrival-aware bound at the episode's decode rate: ``payload["bound"]["arrival"]`` and
+    each run's ``vs_bound_arrival``."""
+    bound = payload["bound"]
+    rate = _decode_rate_of_runs(payload)
+    per_request = bound.get("per_request")
+    if rate is None or not per_request:
+        return
+    bound["arrival"] = arrival_bound(per_request, rate)
+    makespan = bound["arrival"]["makespan_s"]
+    for m in payload["runs"].values():
+        m["vs_bound_arrival"] = (makespan / m["duration"]) if m.get("duration") else None
