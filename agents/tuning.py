@@ -1,6 +1,6 @@
 """``heuristic-tuned``: the group decision's hand-made rule with its cap searched per scenario.
 
-    python -m agents.tuning --scenario leval-kv-pressure-poisson --out policies/heuristic-tuned/leval-kv-pressure-poisson.feather
+    python -m agents.tuning --scenario NAME --out policies/heuristic-tuned/NAME.feather
 
 The baseline a learned policy must beat is the best hand-made rule fitted to the workload too:
 ``group-cap-K`` (:class:`~scheduler_runtime.policy.GroupCapRule`: cached group first, hold a new

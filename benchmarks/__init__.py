@@ -1,1 +1,29 @@
-"""Benchmarks that produce the numbers and figures in the README (run as modules)."""
+"""Benchmarks: each module measures one thing and writes it as JSON (``python -m benchmarks.NAME --json
+results/NAME.json``), and renders that JSON as markdown with its ``render(payload) -> str``: the table
+it prints, and the one ``scripts/update_docs.py`` puts in ``docs/results.md`` and the README."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["measured", "num"]
+
+
+def measured(payload: Mapping[str, Any]) -> str:
+    """``measured DATE on CPU, N cores`` from a benchmark JSON's ``machine``; a JSON merged from runs of
+    several dates (the evaluation, one scenario at a time) gives its first date to its last."""
+    m = payload.get("machine") or {}
+    if isinstance(m, str):
+        return m
+    date = m.get("date") or payload.get("date", "?")
+    scenarios = [p for p in (payload.get("scenarios") or {}).values() if isinstance(p, Mapping)]
+    parts = sorted({(p.get("machine") or {}).get("date", "") for p in scenarios} - {""})
+    if len(parts) > 1:
+        date = f"{parts[0]} to {max(parts[-1], date)}"
+    return f"measured {date} on {m.get('cpu', '?')}, {m.get('cores') or m.get('cpus', '?')} cores"
+
+
+def num(value: float | None, fmt: str = "{:.2f}") -> str:
+    """``value`` formatted, or ``n/a`` when it was not measured."""
+    return "n/a" if value is None else fmt.format(value)

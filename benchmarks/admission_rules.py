@@ -23,6 +23,7 @@ from typing import Any
 
 from agents.base import HELD_OUT_SEED as EVAL_SEED
 from agents.base import evaluate
+from benchmarks import measured
 from feather_env.env import FeatherEnv, scheduler_policy
 from feather_env.reporting import format_table, machine_info, write_json
 from scheduler_runtime.decision import ADD, EXTENDED_OBS_NAMES, STOP
@@ -77,6 +78,28 @@ def run(scenario: str, episodes: int) -> dict[str, Any]:
             "heuristic_vs_best_radix": rows["feather-heuristic"]["vs_best_radix"]}
 
 
+def render(res: dict[str, Any], top: int = 6) -> str:
+    """The benchmark's figures in markdown: per scenario, the baselines and the ``top`` rules by output
+    throughput."""
+    out = [f"`{res.get('command', 'python -m benchmarks.admission_rules')}` ({measured(res)}; the simulator, "
+           f"{res['episodes']} held-out episodes per scenario; rule `kv>k,miss>m`: STOP when the KV cache is "
+           "more than k full and the candidate misses more than m cached chunks; `kv>2` never stops):"]
+    for scenario, r in res["scenarios"].items():
+        rules = sorted((n for n in r["rows"] if n.startswith("kv>")),
+                       key=lambda n: -r["rows"][n]["output_throughput"])
+        shown = sorted([n for n in r["rows"] if not n.startswith("kv>")] + rules[:top],
+                       key=lambda n: -r["rows"][n]["output_throughput"])
+        rows = [[f"`{n}`", f"{x['output_throughput']:.1f}", f"{x['vs_fcfs']:.2f}x",
+                 f"{x['vs_best_radix']:.3f}x", f"{x['mean_e2el_s']:.2f}", f"{x['prefix_hit_rate']:.0%}"]
+                for n, x in ((n, r["rows"][n]) for n in shown)]
+        out += ["", f"**{scenario}** (the baselines and the best {min(top, len(rules))} of {len(rules)} "
+                f"rules; best rule `{r['best_rule']}`: {r['best_rule_vs_best_radix']:.3f}x the better of "
+                f"lpm/dfs-weight, feather-heuristic {r['heuristic_vs_best_radix']:.3f}x):", "",
+                format_table(["rule", "output tok/s", "vs fcfs", "vs better of lpm/dfs-weight", "mean E2E s",
+                              "prefix hit"], rows)]
+    return "\n".join(out)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
@@ -85,16 +108,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     out: dict[str, Any] = {}
     for scenario in [s for s in args.scenarios.split(",") if s]:
-        res = out[scenario] = run(scenario, args.episodes)
-        ranked = sorted(res["rows"].items(), key=lambda kv: -kv[1]["output_throughput"])
-        table = [[n, f"{r['output_throughput']:.1f}", f"{r['vs_fcfs']:.2f}x", f"{r['vs_best_radix']:.3f}x",
-                  f"{r['mean_e2el_s']:.2f}", f"{r['prefix_hit_rate']:.2f}"] for n, r in ranked[:12]]
-        print(f"\n{scenario} ({args.episodes} held-out episodes, simulator; top 12 of {len(ranked)})")
-        headers = ["rule", "output tok/s", "vs fcfs", "vs best lpm/dfs", "mean E2EL s", "hit"]
-        print(format_table(headers, table))
-    write_json(args.json, {"benchmark": "admission_rules", "episodes": args.episodes, "scenarios": out,
-                           "machine": machine_info(),
-                           "command": "python -m benchmarks.admission_rules --json " + args.json})
+        out[scenario] = run(scenario, args.episodes)
+    payload = {"benchmark": "admission_rules", "episodes": args.episodes, "scenarios": out,
+               "machine": machine_info(),
+               "command": "python -m benchmarks.admission_rules --json " + args.json}
+    print(render(payload))
+    write_json(args.json, payload)
     return 0
 
 

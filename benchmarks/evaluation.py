@@ -37,11 +37,12 @@ it arrives). Each scheduler is reported as a bound over its makespan (1.0 is the
 draws output throughput and P99 E2E latency against the request rate, one line per scheduler
 (``results/eval_sweep.png``).
 
-It prints each scenario's table and the targets of the issue with whether each was met; nothing
-is tuned to meet them. ``--quick``: a smaller episode of each scenario (:data:`QUICK_EPISODE`, answers
-capped at :data:`QUICK_MAX_OUTPUT` tokens), one run per scheduler without waiting for a quiet
-machine, two sweep rates (a smoke run whose figures are not the README's). Run it under
-``flock /tmp/feather-engine.lock`` on the shared machine.
+It prints each scenario's table (:func:`summary_table`) and the ratios a user compares
+(:func:`comparisons_table`); :func:`render` is the markdown of ``docs/results.md`` and
+:func:`render_headline` the README's table. ``--quick``: a smaller episode of each scenario
+(:data:`QUICK_EPISODE`, answers capped at :data:`QUICK_MAX_OUTPUT` tokens), one run per scheduler
+without waiting for a quiet machine, two sweep rates (a smoke run whose figures are not the docs').
+Run it under ``flock /tmp/feather-engine.lock`` on the shared machine.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks import measured
 from feather_env.engine import use_in_process_engine  # noqa: E402  (before vLLM is imported)
 
 use_in_process_engine()
@@ -65,10 +67,8 @@ from feather_env.scenarios import EVALUATED_SCENARIOS as SCENARIOS  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
-__all__ = ["SCENARIOS", "check_targets", "main", "makespan_bound", "run_scenario", "scheduler_set"]
+__all__ = ["SCENARIOS", "comparisons", "main", "run_scenario", "scheduler_set"]
 
-#: The scenarios whose KV cache binds (the issue's "KV-pressure scenarios").
-KV_PRESSURE = ("leval-kv-pressure", "leval-kv-pressure-poisson", "leval-high-load")
 EPISODE_SEED = 0
 REPEATS = 3
 #: Scenarios served more often: sharegpt's runs take 9 s, and their run-to-run spread (+-6-12% on
@@ -85,6 +85,9 @@ QUICK_MAX_OUTPUT = 64
 QUICK_SWEEP_RATES = (2.0, 6.0)
 #: Names shown in the tables for the policy files.
 ALIASES = ("heuristic-tuned", "shipped", "general", "shipped+svf")
+#: Constant caps served beside the shipped policy where the best constant is the question: the
+#: trace-arrival scenario, whose load changes over time.
+CAPS_BY_SCENARIO = {"leval-trace": (2, 3, 4, 6)}
 
 
 def policy_paths(scenario: str, policies: Path) -> dict[str, Path]:
@@ -97,32 +100,51 @@ def policy_paths(scenario: str, policies: Path) -> dict[str, Path]:
     return {k: p for k, p in paths.items() if p.is_file()}
 
 
-def _same_as_authors(path: Path) -> bool:
-    """Whether a heuristic policy file holds the authors' constants (it then is feather-heuristic)."""
-    from scheduler_runtime.policy import HeuristicPolicy, HeuristicRule, load_policy
+def decision_free(scenario: str, policies: Path) -> bool:
+    """Whether the policies' build found that ``scenario`` never asks the group decision (every
+    group policy then serves it alike: every request joins at once)."""
+    build = policies / "build.json"
+    if not build.is_file():
+        return False
+    rec = json.loads(build.read_text()).get("scenarios", {}).get(scenario, {})
+    return bool(rec.get("decision_free"))
 
-    policy = load_policy(path)
-    return isinstance(policy, HeuristicPolicy) and policy.rule.params() == HeuristicRule().params()
 
-
-def scheduler_set(scenario: str, policies: Path) -> tuple[dict[str, str], dict[str, str]]:
-    """``(alias -> scheduler name to serve, alias -> alias it is identical to)`` for ``scenario``."""
+def scheduler_set(scenario: str, policies: Path) -> tuple[dict[str, str], dict[str, tuple[str, str]]]:
+    """``(alias -> scheduler name to serve, alias -> (alias it is identical to, why))`` for ``scenario``."""
     files = policy_paths(scenario, policies)
     names = {n: n for n in ("fcfs", "lpm", "dfs-weight", "svf")}
     if scenario == "longbench":
         names.update({"sjf": "sjf", "svf-1bit": "svf-1bit"})
     names["feather-heuristic"] = "feather-heuristic"
-    same: dict[str, str] = {}
+    same: dict[str, tuple[str, str]] = {}
+    free = decision_free(scenario, policies)
     for alias, path in files.items():
         rel = path.relative_to(REPO) if path.is_relative_to(REPO) else path
-        if alias == "heuristic-tuned" and _same_as_authors(path):
-            same[alias] = "feather-heuristic"
+        if free and alias != "general" and "general" in files:
+            same[alias] = ("general", "the scenario never asks the group decision: every group policy "
+                                      "serves it alike")
             continue
         names[alias] = f"feather:{rel}"
-    names["feather-heuristic+svf"] = "feather-heuristic+svf"
-    if "shipped" in files:
+    tuned_cap = _cap_of(files.get("heuristic-tuned"))
+    for k in CAPS_BY_SCENARIO.get(scenario, ()):
+        if k == tuned_cap:
+            same[f"group-cap-{k}"] = ("heuristic-tuned", f"heuristic-tuned is group-cap-{k}")
+        else:
+            names[f"group-cap-{k}"] = f"group-cap-{k}"
+    if "shipped" in names:
         names["shipped+svf"] = f"{names['shipped']}+svf"
     return names, same
+
+
+def _cap_of(path: Path | None) -> int | None:
+    """The cap of a ``group-cap`` policy file (None for another kind or no cap)."""
+    if path is None:
+        return None
+    from scheduler_runtime.policy import GroupCapPolicy, load_policy
+
+    policy = load_policy(path)
+    return policy.rule.cap if isinstance(policy, GroupCapPolicy) else None
 
 
 # ------------------------------------------------------------------------------------ the bound
@@ -200,7 +222,7 @@ def run_scenario(
     names, same = scheduler_set(name, policies)
     if only is not None:
         names = {a: n for a, n in names.items() if a in only}
-        same = {a: b for a, b in same.items() if a in only or b in names}
+        same = {a: b for a, b in same.items() if a in only or b[0] in names}
     config = InProcessConfig(
         schedulers=tuple(names.values()),
         engine=engine,
@@ -212,7 +234,7 @@ def run_scenario(
     title = label or name
     print(
         f"\n== {title}: {len(workload)} requests; {', '.join(names)}"
-        + (f" ({', '.join(f'{a} = {b}' for a, b in same.items())})" if same else ""),
+        + (f" ({', '.join(f'{a} = {b}' for a, (b, _) in same.items())})" if same else ""),
         flush=True,
     )
     from feather_env.serving import VLLMBackend
@@ -260,7 +282,7 @@ def run_scenario(
 
 def figure(payload: Mapping[str, Any], alias: str, key: str) -> float | None:
     """A scheduler's figure, following ``identical`` (heuristic-tuned = feather-heuristic)."""
-    alias = payload.get("identical", {}).get(alias, alias)
+    alias = payload.get("identical", {}).get(alias, (alias,))[0]
     m = payload["runs"].get(alias)
     return None if m is None else m.get(key)
 
@@ -299,42 +321,16 @@ def summary_table(payload: Mapping[str, Any]) -> str:
     rows = []
     for alias, m in payload["runs"].items():
         rows.append([f"`{alias}`", *(_cell(m, k, f) for _, k, f in COLUMNS)])
-    for alias, other in payload.get("identical", {}).items():
-        rows.append(
-            [
-                f"`{alias}`",
-                f"= `{other}` (the search kept the authors' constants)",
-                *([""] * (len(COLUMNS) - 1)),
-            ]
-        )
+    for alias, (other, why) in payload.get("identical", {}).items():
+        rows.append([f"`{alias}`", f"= `{other}` ({why})", *([""] * (len(COLUMNS) - 1))])
     return format_table(["scheduler", *(h for h, _, _ in COLUMNS)], rows)
 
 
-# ------------------------------------------------------------------------------------ targets
+# ------------------------------------------------------------------------------------ comparisons
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
-
-
-def _target(value: float | None, op: str, bound: float, detail: str) -> dict[str, Any]:
-    met = value is not None and (value >= bound if op == ">=" else value <= bound)
-    return {
-        "value": None if value is None else round(value, 4),
-        "target": f"{op} {bound:g}",
-        "met": bool(met),
-        "detail": detail,
-    }
-
-
-FEATHER = (
-    "feather-heuristic",
-    "heuristic-tuned",
-    "shipped",
-    "general",
-    "feather-heuristic+svf",
-    "shipped+svf",
-)
 
 
 def _best(payload: Mapping[str, Any], names: Sequence[str], key: str = "output_throughput") -> str | None:
@@ -342,135 +338,168 @@ def _best(payload: Mapping[str, Any], names: Sequence[str], key: str = "output_t
     return max(have, key=lambda n: figure(payload, n, key)) if have else None
 
 
-def _episode_detail(p: Mapping[str, Any]) -> str:
-    ep = p["bound"].get("episode_decode")
-    if not ep:
-        return ""
-    share = figure(p, "shipped", "vs_bound_episode")
-    return (f"; at the episode's best decode rate ({ep['decode_rate_tok_s']:.0f} tok/s) the bound is "
-            f"{ep['output_throughput']:.1f} tok/s and shipped reaches "
-            + ("-" if share is None else f"{share:.2f}") + " of it")
-
-
-def check_targets(scenarios: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The issue's targets from the scenarios' payloads (absent scenarios or runs are skipped)."""
-    t: dict[str, dict[str, Any]] = {}
-    out = "output_throughput"
-
-    def tput(p: Mapping[str, Any], n: str) -> float | None:
-        return figure(p, n, out)
-
-    def vs(
-        p: Mapping[str, Any], a: str, b: str, op: str, bound: float, key: str = out
-    ) -> dict[str, Any] | None:
-        x, y = figure(p, a, key), figure(p, b, key)
-        if x is None or y is None:
-            return None
-        return _target(_ratio(x, y), op, bound, f"{a} {x:,.1f} vs {b} {y:,.1f}")
-
-    def put(name: str, target: dict[str, Any] | None) -> None:
-        if target is not None:
-            t[name] = target
-
-    if "leval-kv-pressure" in scenarios:
-        p = scenarios["leval-kv-pressure"]
-        best = _best(p, FEATHER)
-        if best:
-            put(
-                f"leval-kv-pressure: best Feather ({best}) output tok/s vs fcfs",
-                vs(p, best, "fcfs", ">=", 2.0),
-            )
-            put(
-                f"leval-kv-pressure: best Feather ({best}) mean E2EL vs fcfs",
-                vs(p, best, "fcfs", "<=", 0.6, "mean_e2el_ms"),
-            )
-        put(
-            "leval-kv-pressure: shipped output tok/s vs the bound",
-            _target(
-                figure(p, "shipped", "vs_bound"),
-                ">=",
-                0.85,
-                f"bound {p['bound']['output_throughput']:.1f} tok/s "
-                f"(makespan {p['bound']['makespan_s']:.1f} s)" + _episode_detail(p),
-            ),
-        )
-    for sc in KV_PRESSURE:
-        if sc not in scenarios:
-            continue
-        p = scenarios[sc]
-        put(f"{sc}: shipped vs feather-heuristic", vs(p, "shipped", "feather-heuristic", ">=", 1.0))
-        base = _best(p, ("lpm", "dfs-weight"))
-        if base:
-            put(f"{sc}: shipped vs the better of lpm/dfs-weight ({base})", vs(p, "shipped", base, ">=", 1.0))
-    wins = []
-    for sc in KV_PRESSURE:
-        if sc in scenarios and _best(scenarios[sc], ("lpm", "dfs-weight")):
-            p = scenarios[sc]
-            base = _best(p, ("lpm", "dfs-weight"))
-            for key in (out, "request_goodput"):
-                r = _ratio(figure(p, "shipped", key), figure(p, base, key))
-                if r is not None:
-                    wins.append((r, f"{sc} {key}: shipped / {base} = {r:.3f}"))
-    if wins:
-        r, detail = max(wins)
-        t[
-            "some KV-pressure scenario: shipped >= 1.1x the better of lpm/dfs-weight (throughput or goodput)"
-        ] = _target(r, ">=", 1.1, "best: " + detail)
-    if "leval-high-load" in scenarios:
-        p = scenarios["leval-high-load"]
-        best = _best(p, FEATHER)
-        if best:
-            put(f"leval-high-load: best Feather ({best}) vs fcfs", vs(p, best, "fcfs", ">=", 2.0))
-            put(f"leval-high-load: best Feather ({best}) vs lpm", vs(p, best, "lpm", ">=", 1.5))
-            put(f"leval-high-load: best Feather ({best}) vs dfs-weight", vs(p, best, "dfs-weight", ">=", 1.0))
-        frac = figure(p, "feather-heuristic", "scheduler_overhead_frac")
-        dfs = figure(p, "dfs-weight", "scheduler_overhead_frac")
-        put(
-            "leval-high-load: Feather's scheduler time / engine step time",
-            _target(
-                frac,
-                "<=",
-                0.01,
-                f"feather-heuristic {frac:.3%}; dfs-weight {dfs:.3%}"
-                if frac is not None and dfs is not None
-                else "n/a",
-            ),
-        )
-    if "leval-summaries" in scenarios:
-        put(
-            "leval-summaries: shipped vs fcfs", vs(scenarios["leval-summaries"], "shipped", "fcfs", ">=", 1.0)
-        )
-    if "sharegpt" in scenarios:
-        p = scenarios["sharegpt"]
-        for n in ("shipped", "general", "heuristic-tuned"):
-            put(f"sharegpt: {n} vs fcfs", vs(p, n, "fcfs", ">=", 0.98))
-    if "longbench" in scenarios:
-        p = scenarios["longbench"]
-        put("longbench: svf mean E2EL vs fcfs", vs(p, "svf", "fcfs", "<=", 0.8, "mean_e2el_ms"))
-        put("longbench: svf P95 E2EL vs sjf P95", vs(p, "svf", "sjf", "<=", 1.0, "p95_e2el_ms"))
-        r = _ratio(figure(p, "svf-1bit", "mean_e2el_ms"), figure(p, "svf", "mean_e2el_ms"))
-        if r is not None:
-            t["longbench: svf-1bit mean E2EL within 10% of svf"] = _target(
-                abs(r - 1.0), "<=", 0.10, f"svf-1bit / svf = {r:.3f} (value = |ratio - 1|)"
-            )
+def comparisons(scenarios: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per scenario, the ratios a user compares (output tok/s unless named): the shipped policy
+    against the authors' heuristic, the better of lpm/dfs-weight, the best constant cap
+    (``heuristic-tuned``, and the best ``group-cap-K`` served), ``general`` against ``shipped``,
+    mean E2E latency against the heuristic's, shipped's share of the arrival-aware bound, the
+    scheduler's time per engine step (shipped's, dfs-weight's) and whether every request of every
+    run completed."""
+    out: dict[str, dict[str, Any]] = {}
+    tput = "output_throughput"
     for sc, p in scenarios.items():
-        put(
-            f"{sc}: shipped vs feather-heuristic (>= 0.98)", vs(p, "shipped", "feather-heuristic", ">=", 0.98)
-        )
-        put(f"{sc}: general vs shipped", vs(p, "general", "shipped", ">=", 0.95))
-    bad = [
-        f"{sc}/{n}"
-        for sc, p in scenarios.items()
-        for n, m in p["runs"].items()
-        if m["completed"] != m["submitted"]
-    ]
-    t["every cell: completed == submitted"] = {
-        "value": not bad,
-        "target": "True",
-        "met": not bad,
-        "detail": "all complete" if not bad else f"incomplete: {bad}",
-    }
-    return t
+        radix = _best(p, ("lpm", "dfs-weight"))
+        caps = [a for a in (*p["runs"], *p.get("identical", {})) if a.startswith("group-cap-")]
+        best_cap = _best(p, ["heuristic-tuned", *caps])
+        shipped = figure(p, "shipped", tput)
+        out[sc] = {
+            "shipped / feather-heuristic": _ratio(shipped, figure(p, "feather-heuristic", tput)),
+            "shipped / best of lpm, dfs-weight": _ratio(shipped, figure(p, radix, tput))
+            if radix else None,
+            "better radix": radix,
+            "shipped / heuristic-tuned": _ratio(shipped, figure(p, "heuristic-tuned", tput)),
+            "best constant cap": best_cap,
+            "shipped / best constant cap": _ratio(shipped, figure(p, best_cap, tput))
+            if best_cap else None,
+            "general / shipped": _ratio(figure(p, "general", tput), figure(p, "shipped", tput)),
+            "mean E2EL shipped / feather-heuristic": _ratio(figure(p, "shipped", "mean_e2el_ms"),
+                                                            figure(p, "feather-heuristic", "mean_e2el_ms")),
+            "shipped vs arrival bound": figure(p, "shipped", "vs_bound_arrival"),
+            "shipped sched time / step": figure(p, "shipped", "scheduler_overhead_frac"),
+            "dfs-weight sched time / step": figure(p, "dfs-weight", "scheduler_overhead_frac"),
+            "every request completed": all(m["completed"] == m["submitted"] for m in p["runs"].values()),
+        }
+    return out
+
+
+def comparisons_table(comp: Mapping[str, Mapping[str, Any]]) -> str:
+    """:func:`comparisons` as one markdown table, a row per scenario."""
+    keys = [k for k in next(iter(comp.values()), {}) if k not in ("better radix", "best constant cap")]
+
+    def cell(row: Mapping[str, Any], key: str) -> str:
+        v = row.get(key)
+        if v is None:
+            return "-"
+        if isinstance(v, bool):
+            return "yes" if v else "NO"
+        if "sched time" in key:
+            return f"{v:.2%}"
+        if key == "shipped / best of lpm, dfs-weight":
+            return f"{v:.3f} ({row['better radix']})"
+        if key == "shipped / best constant cap":
+            return f"{v:.3f} ({row['best constant cap']})"
+        return f"{v:.3f}"
+
+    rows = [[sc, *(cell(row, k) for k in keys)] for sc, row in comp.items()]
+    return format_table(["scenario", *keys], rows)
+
+
+# ------------------------------------------------------------------------------------ rendering
+
+#: The README's headline columns: (header, the aliases whose best run fills the cell).
+HEADLINE = (("fcfs", ("fcfs",)), ("lpm / dfs-weight", ("lpm", "dfs-weight")),
+            ("feather-heuristic", ("feather-heuristic",)), ("heuristic-tuned", ("heuristic-tuned",)),
+            ("shipped", ("shipped",)), ("general", ("general",)))
+
+
+def _scenario_payload(p: Mapping[str, Any]) -> dict[str, Any]:
+    """``p`` with ``identical`` as alias -> (alias it is, why): a JSON written before the reason was
+    recorded holds the alias alone (the search had kept the authors' constants)."""
+    same = {a: (b, "the search kept the authors' constants") if isinstance(b, str) else tuple(b)
+            for a, b in (p.get("identical") or {}).items()}
+    return {**p, "identical": same}
+
+
+def _repeats(res: Mapping[str, Any]) -> str:
+    """The runs per scheduler, ``3`` or ``3-7`` when scenarios differ."""
+    n = sorted({(p.get("inprocess") or {}).get("repeats", res.get("repeats", 1))
+                for p in (res.get("scenarios") or {}).values()})
+    return "-".join(str(x) for x in (n[0], n[-1]) if x is not None) if len(n) > 1 else str(n[0] if n else 1)
+
+
+def _bounds(b: Mapping[str, Any]) -> str:
+    """The bounds of one scenario's episode, in words."""
+    text = (f"Bound: makespan {b['makespan_s']:.1f} s ({b['prefill_s']:.1f} s prefilling "
+            f"{b['distinct_prompt_tokens']:,} distinct of {b['prompt_tokens']:,} prompt tokens, hit-rate "
+            f"ceiling {b['hit_rate_ceiling']:.0%}; {b['decode_s']:.1f} s decoding at the engine's peak "
+            f"{b['decode_rate_tok_s']:.0f} tok/s), {b['output_throughput']:.1f} output tok/s")
+    ep = b.get("episode_decode")
+    if ep:
+        text += (f"; episode bound (decode at the best rate a run reached, {ep['decode_rate_tok_s']:.0f} "
+                 f"tok/s): makespan {ep['makespan_s']:.1f} s, {ep['output_throughput']:.1f} output tok/s")
+    arrival = b.get("arrival")
+    if arrival and arrival.get("output_throughput"):
+        text += (f"; arrival-aware bound (no request served before it arrives): makespan "
+                 f"{arrival['makespan_s']:.1f} s, {arrival['output_throughput']:.1f} output tok/s")
+    return text
+
+
+def render(res: Mapping[str, Any]) -> str:
+    """The evaluation in markdown: per scenario its episode, bounds and :func:`summary_table`; the load
+    sweep; the :func:`comparisons` table when the JSON has one."""
+    quick = (" **A quick smoke run (smaller episodes, one run each), not the real figures.**"
+             if res.get("quick") else "")
+    walls = ", ".join(f"{k} {v / 60:.0f} min" for k, v in (res.get("wall_s_by_part") or {}).items())
+    out = [f"`{res.get('command', 'python -m benchmarks.evaluation')}` ({measured(res)}; wall time "
+           f"{walls}; engine pinned to one core).{quick} Schedulers alternate ({_repeats(res)} runs each); "
+           "each row is the run with the median output throughput. Latencies in ms from arrival on the "
+           "engine clock, in `vllm bench serve`'s names; goodput: requests within both SLOs "
+           f"({res.get('slo_factor', SLO_FACTOR):g}x the median isolated TTFT and E2EL of the episode's "
+           "requests); sched time / step time: the Feather scheduler's decisions over the engine's step "
+           "time; vs bound, vs episode bound, vs arrival bound: each bound's makespan over the run's.", ""]
+    for name, raw in (res.get("scenarios") or {}).items():
+        p = _scenario_payload(raw)
+        w, slo = p["workload"], p.get("goodput_slos_ms") or {}
+        out += [f"**{name}** ({p['scenario'].get('description', '')}): {w['requests']} requests, "
+                f"{w['groups']} prefix groups, arrivals {w['arrivals']}, KV cache "
+                f"{p['engine']['kv_cache_gib']:g} GiB. Goodput SLOs: TTFT <= {slo.get('ttft', 0):,.0f} ms, "
+                f"E2EL <= {slo.get('e2el', 0):,.0f} ms. {_bounds(p['bound'])}. Each scheduler ran "
+                f"{(p.get('inprocess') or {}).get('repeats', res.get('repeats', 1))} time(s).",
+                "", summary_table(p), ""]
+        reps = {n: m["repeats"]["output_throughput"] for n, m in p["runs"].items() if m.get("repeats")}
+        if reps:
+            out += ["Output tok/s of every run: " + "; ".join(
+                f"`{n}` " + ", ".join(f"{v:.1f}" for v in vals) for n, vals in reps.items()) + ".", ""]
+    sweep = res.get("sweep")
+    if sweep:
+        rows = [[f"`{n}`", *(f"{q['output_throughput']:.1f} / {q['p99_e2el_ms'] / 1000:.1f} s" for q in pts)]
+                for n, pts in sweep["points"].items()]
+        out += [f"Load sweep, `{sweep['scenario']}` (one run per point; output tok/s / P99 E2E latency):", "",
+                format_table(["scheduler", *(f"{r:g} req/s" for r in sweep["rates"])], rows), ""]
+    if res.get("comparisons"):
+        out += ["Ratios per scenario (output tok/s unless named):", "", comparisons_table(res["comparisons"])]
+    return "\n".join(out).rstrip()
+
+
+def render_headline(res: Mapping[str, Any]) -> str:
+    """The README's headline: output tok/s per scenario of :data:`HEADLINE`'s schedulers, the best of
+    each row in bold."""
+    rows, same = [], {}
+    for name, raw in (res.get("scenarios") or {}).items():
+        p = _scenario_payload(raw)
+        cells: list[tuple[float | None, str]] = []
+        for _, aliases in HEADLINE:
+            best = _best(p, aliases)
+            value = figure(p, best, "output_throughput") if best else None
+            cells.append((value, f" ({best})" if best and len(aliases) > 1 else ""))
+            for alias in aliases:
+                if alias in p["identical"]:
+                    same.setdefault((alias, p["identical"][alias][0]), []).append(name)
+        top = max((v for v, _ in cells if v is not None), default=None)
+        rows.append([name, *("-" if v is None else (f"**{v:,.1f}**" if v == top else f"{v:,.1f}") + note
+                             for v, note in cells)])
+    quick = " A quick smoke run, not the real figures." if res.get("quick") else ""
+    seed = res.get("episode_seed", 0)
+    out = [f"Output tokens/s on the real vLLM engine, episode {seed} of each scenario, the run with the "
+           f"median throughput of {_repeats(res)} runs per scheduler ({measured(res)}); lpm / dfs-weight: "
+           f"the better of the two; bold: the row's best.{quick}", "",
+           format_table(["scenario", *(h for h, _ in HEADLINE)], rows)]
+    scenarios = list(res.get("scenarios") or {})
+    notes = [f"`{alias}` is `{other}` on " + ("every scenario" if names == scenarios else ", ".join(names))
+             + " (the same policy, served once)" for (alias, other), names in same.items()]
+    if notes:
+        out += ["", "; ".join(notes) + "."]
+    return "\n".join(out)
 
 
 # ------------------------------------------------------------------------------------ the sweep
@@ -537,15 +566,6 @@ def plot_sweep(sweep: Mapping[str, Any], path: Path) -> None:
 # ------------------------------------------------------------------------------------ main
 
 
-def _print_targets(targets: Mapping[str, Mapping[str, Any]]) -> None:
-    print("\nTargets:")
-    for name, t in targets.items():
-        print(
-            f"  [{'met' if t['met'] else 'NOT met'}] {name}: {t['value']} (target {t['target']}); "
-            f"{t['detail']}"
-        )
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     from feather_env.engine import send_vllm_logs_to
 
@@ -606,8 +626,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         plot_sweep(sweep, json_path.parent / "eval_sweep.png")
         walls["sweep"] = time.perf_counter() - s0
-    targets = check_targets(results)
-    _print_targets(targets)
+    comp = comparisons(results)
+    print("\n" + comparisons_table(comp))
     wall = time.perf_counter() - t0
     print(f"\nwall time: {wall:.0f} s")
     write_json(
@@ -618,7 +638,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "repeats": repeats,
             "scenarios": results,
             "sweep": sweep,
-            "targets": targets,
+            "comparisons": comp,
             "slo_factor": SLO_FACTOR,
             "episode_seed": EPISODE_SEED,
             "wall_s": wall,

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from agents.base import HELD_OUT_SEED
+from benchmarks import measured
 from feather_env.env import FeatherEnv, play_episode
 from feather_env.reporting import format_table, machine_info, write_json
 from scheduler_runtime.decision import AlwaysAdd
@@ -89,8 +90,10 @@ def compare(scenario: str, names: Sequence[str], seeds: Sequence[int],
 
 def hindsight(scenario: str, seeds: Sequence[int], caps: Sequence[int] = CAPS) -> dict[str, Any]:
     """Every constant K on every episode; the best constant K and the best K per episode."""
-    per_k = {k: [e["output_throughput"] for e in _episodes(FeatherEnv(scenario, "sim", scheduler=f"group-cap-{k}"),
-                                                          seeds)] for k in caps}
+    per_k = {}
+    for k in caps:
+        env = FeatherEnv(scenario, "sim", scheduler=f"group-cap-{k}")
+        per_k[k] = [e["output_throughput"] for e in _episodes(env, seeds)]
     mean = {k: statistics.mean(v) for k, v in per_k.items()}
     best_k = max(caps, key=lambda k: mean[k])
     per_episode = [max(caps, key=lambda k, i=i: per_k[k][i]) for i in range(len(seeds))]
@@ -129,7 +132,8 @@ def _table(rows: dict[str, dict[str, Any]], episodes: int) -> str:
 def render(payload: dict[str, Any]) -> str:
     """The benchmark's tables in markdown."""
     n = payload["episodes"]
-    parts = [f"**{payload['study']['scenario']}** ({n} held-out episodes, simulator)\n",
+    parts = [f"`{payload.get('command', 'python -m benchmarks.group_admission')}` ({measured(payload)}):\n",
+             f"**{payload['study']['scenario']}** ({n} held-out episodes, simulator)\n",
              _table(payload["study"]["rows"], n)]
     for scenario, rows in payload["others"].items():
         parts += [f"\n**{scenario}**\n", _table(rows, n)]
@@ -138,8 +142,9 @@ def render(payload: dict[str, Any]) -> str:
     means = [f"{statistics.mean(t['per_k'][k]):.1f}" for k in ks]
     parts += [f"\n**{t['scenario']}**: constant K over {len(t['seeds'])} held-out episodes (output tok/s)\n",
               format_table(["K", *ks], [["output tok/s", *means]]),
-              f"\nBest constant K = {t['best_constant_k']} ({t['best_constant_mean']:.1f} tok/s); the best K per "
-              f"episode in hindsight {t['hindsight_k']} reaches {t['hindsight_mean']:.1f} tok/s, "
+              f"\nBest constant K = {t['best_constant_k']} ({t['best_constant_mean']:.1f} tok/s); "
+              f"the best K per episode in hindsight {t['hindsight_k']} reaches "
+              f"{t['hindsight_mean']:.1f} tok/s, "
               f"{t['hindsight_vs_best_constant']:.3f}x the best constant."]
     return "\n".join(parts)
 

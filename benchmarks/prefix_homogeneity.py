@@ -23,9 +23,11 @@ import argparse
 import statistics
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
+from benchmarks import measured
 from benchmarks.isolated import BatchResult, IsolatedBatchRunner
 from feather_env.engine import EngineConfig
 from feather_env.reporting import format_table, machine_info, write_json
@@ -179,31 +181,46 @@ def _median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def print_report(res: dict) -> None:
+def render(res: dict[str, Any]) -> str:
+    """The benchmark's figures in markdown: the headline ratio, its repeats, and the sweep."""
     s = res["shape"]
-    print()
-    print(f"Prefix homogeneity, {s['groups']} groups x {s['per_group']} requests, "
-          f"{s['prefix_len']}-token prefixes, {s['suffix_len']}-token suffixes, "
-          f"{s['output_len']} output tokens ({res['machine']['date']}, {res['machine']['cpu']}, "
-          f"{res['machine']['cores']} cores)")
-    print(format_table(
-        ["schedule", "decode tok/s"],
-        [[f"{s['groups']} homogeneous batches of {s['per_group']}", res["homogeneous_tok_s"]],
-         [f"1 heterogeneous batch of {s['groups'] * s['per_group']} ({res['order']})",
-          res["heterogeneous_tok_s"]],
-         *[[f"same batch, {o} order", res.get(f"heterogeneous_{o.replace('-', '_')}_tok_s") or "-"]
-           for o in ORDERS if o != res["order"]],
-         ["ratio (median of repeats)", res["ratio"]],
-         *[[f"ratio, {o} order", res.get(f"ratio_{o.replace('-', '_')}") or "-"]
-           for o in ORDERS if o not in (res["order"], "sorted")]]))
-    if res["sweep"]:
+    out = [f"{s['groups']} groups x {s['per_group']} requests, {s['prefix_len']}-token prefixes, "
+           f"{s['suffix_len']}-token suffixes, {s['output_len']} output tokens ({measured(res)}):", ""]
+    n = s["groups"] * s["per_group"]
+    order = res.get("order", "random")
+    rows = [[f"{s['groups']} homogeneous batches of {s['per_group']}", res["homogeneous_tok_s"]],
+            [f"1 heterogeneous batch of {n}, {order} order", res["heterogeneous_tok_s"]]]
+    if res.get("heterogeneous_random_tok_s"):
+        rows.append(["the same batch in a random arrival order", res["heterogeneous_random_tok_s"]])
+    rows += [["the same batch sorted by prefix group", res.get("heterogeneous_sorted_tok_s") or "-"],
+             [f"**homogeneous / heterogeneous ({order})**", f"**{res['ratio']:.2f}x**"]]
+    if res.get("ratio_random"):
+        rows.append(["homogeneous / heterogeneous (random arrival order)", f"{res['ratio_random']:.2f}x"])
+    out.append(format_table(["schedule", "decode tok/s"], rows))
+    runs = res.get("runs") or {}
+    n_rep, n_extra = len(runs.get("ratio", [])), len(runs.get("heterogeneous_sorted", []))
+    if n_rep > 1:
+        extra = ("in every repeat" if n_extra >= n_rep else "in the first repeat" if n_extra == 1
+                 else f"in the first {n_extra} repeats")
+        out += ["", f"The ratio is the median of {n_rep} repeats: "
+                + ", ".join(f"{r:.2f}" for r in runs["ratio"]) + f" (heterogeneous, {order} "
+                + ", ".join(f"{v:,.0f}" for v in runs["heterogeneous"]) + " tok/s; homogeneous "
+                + ", ".join(f"{v:,.0f}" for v in runs["homogeneous"])
+                + f" tok/s). The other orders run {extra}."]
+    if res.get("sweep"):
         groups = sorted({r["groups"] for r in res["sweep"]})
         batches = sorted({r["batch_size"] for r in res["sweep"]})
         cell = {(r["batch_size"], r["groups"]): r["decode_tok_s"] for r in res["sweep"]}
-        print()
-        print("Sweep: decode tok/s by batch size (rows) and prefix groups in the batch (columns)")
-        print(format_table(["batch"] + [f"{g} groups" for g in groups],
-                           [[b] + [cell.get((b, g), "-") for g in groups] for b in batches]))
+        out += ["", "Sweep, decode tok/s (rows: batch size; columns: prefix groups in the batch, "
+                f"{order} order):", ""]
+        out.append(format_table(["batch"] + [f"{g} groups" for g in groups],
+                                [[b] + [cell.get((b, g), "-") for g in groups] for b in batches]))
+        lo, hi = groups[0], groups[-1]
+        equal = [f"{cell[(b, lo)] / cell[(b, hi)]:.2f}x at batch {b}" for b in batches
+                 if (b, lo) in cell and (b, hi) in cell and cell[(b, hi)]]
+        if lo != hi and equal:
+            out += ["", f"At equal batch size, {lo} group vs {hi} groups: " + ", ".join(equal) + "."]
+    return "\n".join(out)
 
 
 def plot(res: dict, path: str) -> None:
@@ -263,7 +280,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         args.groups, args.per_group, args.prefix_len, args.output_len = 4, 16, 4000, 32
         args.sweep_batch, args.sweep_groups = [16], [1, 4]
     res = run(args)
-    print_report(res)
+    print()
+    print(render(res))
     write_json(args.json, res)
     if args.plot and res["sweep"]:
         plot(res, args.plot)

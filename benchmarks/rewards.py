@@ -22,6 +22,7 @@ from typing import Any
 from agents.base import evaluate
 from agents.registry import make_agent
 from agents.training import load_config, make_env, run
+from benchmarks import measured
 from feather_env.engine import REPO_ROOT
 from feather_env.env import REWARDS
 from feather_env.reporting import format_table, machine_info, write_json
@@ -29,6 +30,19 @@ from scheduler_runtime.policy import load_policy
 
 AGENTS = ("ucb", "qlearning", "ppo")
 EVAL_SEED = 3_000_000
+
+
+def render(res: dict[str, Any]) -> str:
+    """The benchmark's figures in markdown: each agent's throughput under each reward."""
+    rewards = list(res["totals"])
+    rows = [[agent, *(by[r]["output_throughput"] for r in rewards)] for agent, by in res["results"].items()]
+    rows.append(["always-add (reference)", *([res["always_add"]["output_throughput"]] * len(rewards))])
+    return "\n".join([
+        f"Agents trained {res['timesteps']:,} steps on the simulator with each reward, then serving "
+        f"{len(res['eval_seeds'])} held-out `{res['scenario']}` episodes with the exported policy; e2e "
+        f"output tokens/s ({measured(res)}; `python -m benchmarks.rewards --json results/rewards.json`):", "",
+        format_table(["agent", *rewards], rows), "",
+        f"Best by summed throughput: `{res['best']}`; the environment's default is `{res['default']}`."])
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -62,14 +76,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         always = evaluate(make_agent("always-add", env=env), env, seeds)
     totals = {reward: sum(results[a][reward]["output_throughput"] for a in agents) for reward in REWARDS}
     best = max(totals, key=totals.get)
-    rows = [[agent, *(results[agent][r]["output_throughput"] for r in REWARDS)] for agent in agents]
-    rows.append(["always-add (reference)", *([always["output_throughput"]] * len(REWARDS))])
-    print(format_table(["agent", *(f"{r} tok/s" for r in REWARDS)], rows))
-    print(f"best reward by summed throughput: {best}")
     out = {"benchmark": "rewards", "scenario": args.scenario, "timesteps": args.timesteps,
            "eval_seeds": seeds, "machine": machine_info(), "results": results,
            "always_add": {k: always[k] for k in ("output_throughput", "mean_e2el_s")},
            "totals": totals, "best": best, "default": REWARDS[0]}
+    print(render(out))
     write_json(args.json, out)
     return out
 

@@ -3,6 +3,7 @@
 Usage::
 
     python -m benchmarks.scheduler_overhead --json results/scheduler_overhead.json [--quick]
+                                           [--scheduler NAME] [--set KEY=VALUE ...]
 
 For each queue length W (100, 1,000, 10,000), one in-process vLLM engine with
 ``FeatherScheduler`` (``feather-heuristic+svf`` unless ``--scheduler``) receives W requests at
@@ -27,19 +28,21 @@ Per queue length:
   ``prediction_fraction`` puts that on the same footing as a steady state: the requests the
   scheduler released in the window times the prediction cost, over the window's step time.
 
-Targets (issue 5): ``overhead_fraction <= 0.01`` at 1,000 waiting; prediction <= 0.1% of
-step time. Runs vary with the load of a shared machine: compare within one run.
+What a scheduler should stay under: ``overhead_fraction <= 0.01`` at 1,000 waiting, prediction
+<= 0.1% of step time. Runs vary with the load of a shared machine: compare within one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from typing import Any
 
 import numpy as np
 
+from benchmarks import measured
 from feather_env.reporting import format_table, machine_info, write_json
 
 GROUP = 16
@@ -65,7 +68,7 @@ def measure(llm: Any, waiting: int, args: argparse.Namespace) -> dict[str, Any]:
     engine = llm.llm_engine
     sched = engine_core_of(llm).scheduler
     # its own requests: their source hint is trusted, as in evaluate.py
-    sched.feather_configure({"name": args.scheduler, "trust_client_hints": True})
+    sched.feather_configure({"name": args.scheduler, "trust_client_hints": True, **args.overrides})
     runtime = sched.feather
     rng = np.random.default_rng(waiting)
     prompts = make_prompts(waiting, args.prompt, seed=waiting)
@@ -112,6 +115,7 @@ def measure(llm: Any, waiting: int, args: argparse.Namespace) -> dict[str, Any]:
         "prediction_us": 1e6 * predictions,
         "prediction_fraction": released * predictions / window,
         "engine_add_request_us": 1e6 * add_s / waiting,
+        "retained_blocks": after["retained_blocks"] - before["retained_blocks"],
     }
     # leave the engine empty for the next queue length
     engine.abort_request(ids)
@@ -119,6 +123,21 @@ def measure(llm: Any, waiting: int, args: argparse.Namespace) -> dict[str, Any]:
         engine.step()
     assert len(runtime.core) == 0 and runtime.core.cht.num_keys == 0
     return row
+
+
+def render(res: dict[str, Any]) -> str:
+    """The benchmark's figures in markdown: one row per queue length."""
+    retained = any("retained_blocks" in r for r in res["results"])
+    rows = [[r["waiting"], r["step_ms"], r["decision_us_per_call"], f"{r['overhead_fraction']:.4f}",
+             r.get("decisions", "-"), r.get("arrival_us", "-"), r.get("prediction_us", "-"),
+             f"{r['prediction_fraction']:.5f}", *([r.get("retained_blocks", "-")] if retained else [])]
+            for r in res["results"]]
+    settings = "".join(f", `{k}: {json.dumps(v)}`" for k, v in (res.get("overrides") or {}).items())
+    return "\n".join([f"Scheduler `{res.get('scheduler')}`{settings} ({measured(res)}):", "",
+                      format_table(["waiting", "engine step (ms)", "scheduler us / schedule()",
+                                    "overhead fraction", "decisions", "arrival us / request",
+                                    "prediction us / request", "prediction fraction",
+                                    *(["retained blocks"] if retained else [])], rows)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,7 +150,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="100 and 1000 waiting, 15 steps")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a scheduler configuration field (YAML value), e.g. retain_held_prefixes=true")
     args = parser.parse_args(argv)
+    import yaml
+
+    args.overrides = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--set takes KEY=VALUE, got {item!r}")
+        args.overrides[key] = yaml.safe_load(value)
     if args.quick:
         args.waiting, args.steps, args.warmup = [100, 1000], 15, 5
 
@@ -150,22 +179,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         engine_core_of(llm).shutdown()
 
-    headers = ["waiting", "step ms", "scheduler us/call", "overhead fraction", "decisions",
-               "arrival us/req", "prediction us/req", "prediction fraction"]
-    table = format_table(headers, [
-        [r["waiting"], r["step_ms"], r["decision_us_per_call"], f"{r['overhead_fraction']:.4f}",
-         r["decisions"], r["arrival_us"], r["prediction_us"], f"{r['prediction_fraction']:.5f}"]
-        for r in rows])
-    print(table)
-    write_json(args.json, {
+    payload = {
         "benchmark": "scheduler_overhead",
         "scheduler": args.scheduler,
+        "overrides": args.overrides,
         "engine": engine_config.to_dict(),
         "prompt_tokens": args.prompt,
         "machine": machine_info(),
         "results": rows,
-        "table": table,
-    })
+    }
+    print(render(payload))
+    write_json(args.json, payload)
     return 0
 
 

@@ -23,14 +23,14 @@ from scheduler_runtime.config import ConfigError
 from scheduler_runtime.decision import (
     ADD,
     STOP,
-    AlwaysAdd,
     BatchingPolicy,
     observation_kind,
     observation_names,
 )
-from scheduler_runtime.policy import GroupCapRule, HeuristicRule, load_policy_spec
+from scheduler_runtime.policy import default_policy
 
-__all__ = ["ADD", "REWARDS", "STOP", "FeatherEnv", "InvalidActionError", "ScenarioMix", "play_episode",
+__all__ = ["ADD", "REWARDS", "STOP", "FeatherEnv", "InvalidActionError", "NoDecisionError", "ScenarioMix",
+           "play_episode",
            "scheduler_policy"]
 
 #: The scheduler whose decisions the agent answers in the group decision, unless one is named.
@@ -44,6 +44,10 @@ REWARDS = ("latency", "makespan", "decode_throughput")
 #: Reward units: makespan in seconds, latency in seconds per request (so the return is minus the
 #: mean end-to-end latency), decode throughput in kilotokens/s.
 _UNITS = {"makespan": "s", "latency": "s per request", "decode_throughput": "ktok/s"}
+
+
+class NoDecisionError(ConfigError):
+    """Episode after episode of the scenario needed no decision (see the manual's Episode End)."""
 
 
 class InvalidActionError(ValueError):
@@ -305,7 +309,7 @@ class FeatherEnv(gym.Env):
             # nothing to learn from it, so draw another (counted)
             self.skipped_episodes += 1
         else:
-            raise ConfigError(
+            raise NoDecisionError(
                 f"scenario {self.scenario.name!r}: {MAX_EMPTY_EPISODES} episodes in a row were served "
                 f"without a single {self.decision} decision (every request was released as it arrived: "
                 f"too little traffic for the batch, or, for the group decision, no shared prefixes); "
@@ -508,6 +512,8 @@ class ScenarioMix(gym.Env):
                 raise ConfigError(f"scenario {n!r} observes differently from {names[0]!r} (batch size "
                                   f"bound or chunk size): they cannot share one policy")
         self.names = names
+        #: Scenarios whose episodes never needed a decision (skipped once found).
+        self.decision_free: list[str] = []
         self.current = first
         self.observation_space = first.observation_space
         self.action_space = first.action_space
@@ -523,12 +529,25 @@ class ScenarioMix(gym.Env):
             # a given episode is the same episode for every agent, whatever was drawn before
             name = self.names[int(options["episode_seed"]) % len(self.names)]
         elif name is None:
-            name = self.names[int(self.np_random.integers(len(self.names)))]
+            left = [n for n in self.names if n not in self.decision_free] or self.names
+            name = left[int(self.np_random.integers(len(left)))]
         if name not in self.envs:
             raise ConfigError(f"scenario {name!r} is not in this mix {self.names}")
-        self.current = self.envs[name]
-        obs, info = self.current.reset(seed=int(self.np_random.integers(2**31 - 1)), options=options or None)
-        return obs, {**info, "scenario": name}
+        while True:
+            self.current = self.envs[name]
+            try:
+                obs, info = self.current.reset(seed=int(self.np_random.integers(2**31 - 1)),
+                                               options=options or None)
+            except NoDecisionError:
+                # this scenario never needs the decision (the group decision on ShareGPT): the
+                # mix draws from the others from now on, and says so in every info
+                self.decision_free.append(name)
+                left = [n for n in self.names if n not in self.decision_free]
+                if not left:
+                    raise
+                name = left[int(self.np_random.integers(len(left)))]
+                continue
+            return obs, {**info, "scenario": name, "decision_free": list(self.decision_free)}
 
     def step(self, action: int):
         return self.current.step(action)
@@ -540,22 +559,28 @@ class ScenarioMix(gym.Env):
     def core(self) -> BatchingCore | None:
         return self.current.core
 
+    @property
+    def terminated(self) -> bool:
+        return self.current.terminated
+
+    @property
+    def scheduler_config(self) -> Any:
+        """The scheduler configuration (every scenario of the mix serves the same scheduler)."""
+        return self.current.scheduler_config
+
+    def episode_metrics(self) -> dict[str, Any]:
+        return self.current.episode_metrics()
+
     def close(self) -> None:
         for env in self.envs.values():
             env.close()
 
 
 def scheduler_policy(env: FeatherEnv) -> BatchingPolicy:
-    """The policy the environment's scheduler answers with when it serves: Feather's heuristic
-    (or its ``feather:PATH`` policy), always-add for a baseline's ordering (a fresh object)."""
+    """The policy the environment's scheduler answers with when it serves (a fresh object):
+    :func:`~scheduler_runtime.policy.default_policy` of its configuration."""
     config = env.scheduler_config
-    if config.ordering != "feather":
-        return AlwaysAdd()
-    if config.policy:
-        return load_policy_spec(config.policy)
-    if config.group_cap is not None:
-        return GroupCapRule(cap=config.group_cap or None)
-    return HeuristicRule()
+    return default_policy(config.ordering, config.policy, config.group_cap)
 
 
 def play_episode(env: FeatherEnv, policy: BatchingPolicy | None = None, *, seed: int | None = None,

@@ -62,14 +62,13 @@ from scheduler_runtime.cht import ChunkedHashTree
 from scheduler_runtime.decision import (
     ADD,
     STOP,
-    AlwaysAdd,
     BatchingPolicy,
     EngineView,
     NoEngine,
     observation_kind,
 )
 from scheduler_runtime.groups import PrefixGroups
-from scheduler_runtime.policy import HeuristicRule
+from scheduler_runtime.policy import default_policy
 from scheduler_runtime.prefix_index import (
     DEFAULT_CHUNK_SIZE,
     Candidate,
@@ -84,6 +83,7 @@ __all__ = [
     "ADMISSIONS",
     "DECISIONS",
     "ORDERINGS",
+    "RELEASE_REASONS",
     "BatchingCore",
     "CoreConfig",
     "CoreStats",
@@ -97,6 +97,8 @@ ORDERINGS = ("feather", "fcfs", "sjf", "svf", "lpm", "dfs-weight")
 #: What the policy decides: ADD/STOP on every candidate (the paper's decision), or only on a
 #: candidate that would open a prefix group that is not in flight (``scheduler_runtime.groups``).
 DECISIONS = ("request", "group")
+#: Why a request was released (:class:`CoreStats`).
+RELEASE_REASONS = ("policy", "seed", "max_wait", "order", "group")
 #: What a released request is charged against the KV capacity: nothing, its unshared prompt
 #: tokens (the engine's own admission test, made at release time), or SVF's peak (unshared
 #: prompt + output estimate).
@@ -172,7 +174,7 @@ class CoreStats:
     skipped_decisions: int = 0
     capacity_stops: int = 0
     released: dict[str, int] = field(
-        default_factory=lambda: {"policy": 0, "seed": 0, "max_wait": 0, "order": 0, "group": 0})
+        default_factory=lambda: dict.fromkeys(RELEASE_REASONS, 0))
     arrived: int = 0
     finished: int = 0
     aborted: int = 0
@@ -404,7 +406,7 @@ class BatchingCore:
         self.config = config or CoreConfig()
         cfg = self.config
         if policy is None:
-            policy = HeuristicRule() if cfg.ordering == "feather" else AlwaysAdd()
+            policy = default_policy(cfg.ordering)
         self.policy: BatchingPolicy = policy
         self.policy_obs_kind = observation_kind(policy)
         reads_group = self.policy_obs_kind == "group"

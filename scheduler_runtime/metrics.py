@@ -16,12 +16,15 @@ Exported (label ``scheduler``: the scheduler name):
 ``feather_scheduler_add_total``            ... that were ADD
 ``feather_scheduler_stop_total``           ... that were STOP
 ``feather_scheduler_released_total``       requests released to the engine, label ``reason``
-                                           (``policy``, ``seed``, ``max_wait``, ``order``)
+                                           (``policy``, ``seed``, ``max_wait``, ``order``,
+                                           ``group``)
 ``feather_scheduler_capacity_stops_total`` releases refused by the KV admission check
 ``feather_scheduler_preempted_total``      preemptions of released requests by the engine
 ``feather_scheduler_decision_seconds_total``  time spent deciding (the core's ``plan``)
 ``feather_scheduler_schedule_calls_total`` ``schedule()`` calls
 ``feather_scheduler_prediction_seconds_total``  time spent predicting output lengths
+``feather_scheduler_retained_blocks_total``  cached blocks of held groups moved to the end of
+                                           vLLM's eviction order (``retain_held_prefixes``)
 ``feather_scheduler_invalid_hints_total``  trusted client hints clamped or replaced (see
                                            ``scheduler_runtime.schedulers``)
 ``feather_scheduler_faults_total``         exceptions in Feather's own code, label ``stage``
@@ -37,6 +40,8 @@ from __future__ import annotations
 
 import os
 from typing import Any
+
+from scheduler_runtime.batching import RELEASE_REASONS
 
 __all__ = ["FAULT_STAGES", "METRIC_NAMES", "SchedulerMetrics"]
 
@@ -54,6 +59,7 @@ _COUNTERS = {
     "schedule_calls": ("plan_calls", "schedule() calls that ran the decision loop"),
     "prediction_seconds": ("prediction_seconds", "Seconds spent predicting output lengths"),
     "invalid_hints": ("invalid_hints", "Trusted client hints that were clamped or replaced"),
+    "retained_blocks": ("retained_blocks", "Free cached blocks moved to the end of the eviction order"),
 }
 METRIC_NAMES = tuple(f"feather_scheduler_{k}_total" for k in (*_COUNTERS, "released", "faults")) + (
     "feather_scheduler_held_requests",
@@ -108,7 +114,7 @@ class SchedulerMetrics:
         # Created now, so /metrics lists every series (at 0) from the start.
         for key, metric in metrics.items():
             if key == "released":
-                for reason in ("policy", "seed", "max_wait", "order"):
+                for reason in RELEASE_REASONS:
                     self._children[f"released/{reason}"] = metric.labels(scheduler_name, reason)
             elif key == "faults":
                 for stage in FAULT_STAGES:

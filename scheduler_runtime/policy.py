@@ -80,6 +80,7 @@ from scheduler_runtime.decision import (
     GROUP_OBS_NAMES,
     OBSERVATION_KINDS,
     STOP,
+    AlwaysAdd,
 )
 
 __all__ = [
@@ -110,6 +111,7 @@ __all__ = [
     "load_policy_spec",
     "policy_from_document",
     "bins_from_dict",
+    "default_policy",
     "table_decision",
     "write_policy",
 ]
@@ -392,13 +394,18 @@ class GroupBins:
     min(waiting_in_flight, waiting_in_flight_max), cached_fraction >= 0.5, min(waiting_groups //
     waiting_groups_div, waiting_groups_max), min(int(kv_usage * kv_levels), kv_levels - 1))``: the
     cap (groups in flight), the hold (work of the groups in flight that waits, and whether the
-    candidate is cached), the load (groups waiting) and the KV pressure."""
+    candidate is cached), the load (groups waiting) and the KV pressure.
+
+    The defaults (9 x 3 x 2 x 2 x 1 = 108 states: load as fewer or more than 8 groups waiting, no
+    KV levels) learned the best constant cap's decisions on ``leval-kv-pressure-poisson`` within
+    1% on three seeds out of three (Q-learning, 40,000 steps); four load and four KV levels (1,080
+    states) left seeds up to 3% behind it, the same steps spread over ten times the states."""
 
     in_flight_max: int = 8
     waiting_in_flight_max: int = 2
-    waiting_groups_div: int = 4
-    waiting_groups_max: int = 4
-    kv_levels: int = 4
+    waiting_groups_div: int = 8
+    waiting_groups_max: int = 1
+    kv_levels: int = 1
     kind: ClassVar[str] = "group"
 
     def __post_init__(self) -> None:
@@ -856,3 +863,19 @@ def _mlp_from_params(spec: ObservationSpec, params: dict[str, Any], common: dict
     if activation not in ("tanh", "relu"):
         raise ValueError(f"'activation' must be 'tanh' or 'relu', got {activation!r}")
     return MLPPolicy(spec, parsed, activation, **common)
+
+
+def default_policy(ordering: str | None, policy: str | None = None, group_cap: int | None = None) -> Any:
+    """The policy a scheduler answers its decisions with, the one place that chooses it.
+
+    A baseline's ordering (``fcfs``, ``lpm``, ...): always-add (its order does the work). Feather:
+    the ``policy`` spec when given (a file or a plug-in, :func:`load_policy_spec`), else
+    ``group-cap-K``'s rule when ``group_cap`` is given (0: no cap), else the authors' heuristic.
+    """
+    if ordering != "feather":
+        return AlwaysAdd()
+    if policy:
+        return load_policy_spec(policy)
+    if group_cap is not None:
+        return GroupCapRule(cap=group_cap or None)
+    return HeuristicRule()

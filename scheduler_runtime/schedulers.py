@@ -63,7 +63,7 @@ import numpy as np
 from scheduler_runtime.batching import BatchingCore, CoreConfig
 from scheduler_runtime.config import ConfigError, checked_fields, load_mapping
 from scheduler_runtime.decision import BatchingPolicy, EngineView, observation_kind
-from scheduler_runtime.policy import GroupCapRule, HeuristicRule, load_policy_spec
+from scheduler_runtime.policy import default_policy
 from scheduler_runtime.predictor import OutputLengthPredictor, load_predictor
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 
@@ -424,13 +424,8 @@ class FeatherRuntime:
             raise ConfigError("fcfs is vLLM's own scheduler: it has no Feather runtime")
         self.config = config
         self.max_model_len = max_model_len
-        if policy is None and config.ordering == "feather":
-            if config.policy:
-                policy = load_policy_spec(config.policy)
-            elif config.group_cap is not None:
-                policy = GroupCapRule(cap=config.group_cap or None)
-            else:
-                policy = HeuristicRule()
+        if policy is None:
+            policy = default_policy(config.ordering, config.policy, config.group_cap)
         # a policy that reads the group observation answers the group decision
         decision = "group" if policy is not None and observation_kind(policy) == "group" else config.decision
         policy_chunk = _policy_chunk_size(policy) if policy is not None else None

@@ -2,17 +2,23 @@
 
     python scripts/build_policies.py [--scenarios a,b,...] [--timesteps N] [--reward R] [--out policies]
 
-For each scenario: ``train.py`` trains UCB, Q-learning and PPO (``configs/runs/<agent>.yaml``, on
-the simulator, evaluated on its held-out episodes ``train.eval_seed + i``) with the ``makespan``
+Every shipped policy answers the group decision (``feather/GroupAdmission-v0``: open a prefix
+group or hold it). For each scenario, ``train.py`` trains UCB (seed 0), Q-learning (seeds 0 and
+1) and PPO (seed 0) with ``configs/runs/<agent>.yaml`` on the simulator and the ``makespan``
 reward (its return is minus the episode's makespan: for a fixed episode, the end-to-end output
-throughput the policies are selected and judged on; the configs' default, ``latency``, trades
-throughput for latency where the workload lets it, e.g. ShareGPT), and
-``python -m agents.tuning`` searches the heuristic's constants (``heuristic-tuned``). The agent
-whose exported policy reached the highest held-out end-to-end output throughput is shipped as
-``policies/<scenario>.feather`` (ties go to the earlier agent of ``AGENTS``: the simpler policy);
-the tuned heuristic goes to ``policies/heuristic-tuned/<scenario>.feather``. ``general.feather`` is
-PPO trained on a mix of every scenario (``--scenario a+b+...``). ``policies/README.md`` is written
-with every command, the configs and the figures. Each command is run as a user would run it.
+throughput the policies are selected and judged on), each evaluated on the run's validation
+episodes (``train.eval_seed + i``, seeds 1,000,000+; the benchmarks' held-out episodes are
+2,000,000+ and are not used here). The run whose exported policy reached the highest validation
+output throughput is shipped as ``policies/<scenario>.feather`` (ties: the earlier run of
+:data:`RUNS`, the simpler agent). ``python -m agents.tuning`` picks the best constant cap
+(``heuristic-tuned``, ``policies/heuristic-tuned/<scenario>.feather``).
+
+A scenario whose episodes never ask the group decision (nothing shares a prefix: ShareGPT,
+LongBench) has nothing to train on; it ships ``general.feather``, which serves it exactly as any
+group policy does (every request joins at once). ``general.feather`` is the best of the same runs
+on the mix of every scenario (``--scenario a+b+...``; the mix skips the decision-free ones).
+``policies/README.md`` is written with every command, the configs and the figures. Each command is
+run as a user would run it.
 """
 
 from __future__ import annotations
@@ -31,7 +37,11 @@ from feather_env.reporting import format_table, machine_info  # noqa: E402
 from feather_env.scenarios import EVALUATED_SCENARIOS as SCENARIOS  # noqa: E402
 
 AGENTS = ("ucb", "qlearning", "ppo")
-REFERENCES = ("always-add", "fcfs", "feather-heuristic", "heuristic-tuned", "general")
+#: (agent, seed) of every training run, in tie-break order.
+RUNS = (("ucb", 0), ("qlearning", 0), ("qlearning", 1), ("ppo", 0))
+REFERENCES = ("always-add", "fcfs", "feather-heuristic", "group-cap-3", "heuristic-tuned", "general")
+#: Validation episodes that decide whether a scenario asks the group decision at all.
+PROBE_EPISODES = 4
 
 
 def _run(cmd: list[str]) -> None:
@@ -39,20 +49,47 @@ def _run(cmd: list[str]) -> None:
     subprocess.run(cmd, check=True, cwd=REPO)
 
 
-def train(agent: str, scenario: str, timesteps: int, reward: str,
+def _policy_path(summary: dict[str, Any]) -> Path:
+    path = Path(summary["policy"])
+    return path if path.is_absolute() else REPO / path
+
+
+def train(agent: str, seed: int, scenario: str, timesteps: int, reward: str,
           runs: Path) -> tuple[list[str], dict[str, Any]]:
-    out = runs / f"{scenario}-{agent}"
+    out = runs / f"{scenario}-{agent}-s{seed}"
     cmd = ["python", "train.py", "--agent", agent, "--config", f"configs/runs/{agent}.yaml", "--scenario",
-           scenario, "--reward", reward, "--timesteps", str(timesteps), "--out", str(out.relative_to(REPO)),
-           "--no-progress"]
+           scenario, "--reward", reward, "--timesteps", str(timesteps), "--seed", str(seed),
+           "--out", str(out.relative_to(REPO)), "--no-progress"]
     _run([sys.executable, *cmd[1:]])
     return cmd, json.loads((out / "summary.json").read_text())
+
+
+def asks_group_decisions(scenario: str) -> bool:
+    """Whether ``group-cap-3`` meets a single group decision on the scenario's first validation episodes."""
+    from feather_env.env import FeatherEnv, play_episode
+
+    env = FeatherEnv(scenario, "sim", decision="group")
+    try:
+        return any(play_episode(env, episode_seed=1_000_000 + i)["decisions"] for i in range(PROBE_EPISODES))
+    finally:
+        env.close()
+
+
+def best_of(scenario: str, timesteps: int, reward: str, runs: Path) -> dict[str, Any]:
+    results = {f"{a}-s{s}": (a, s, *train(a, s, scenario, timesteps, reward, runs)) for a, s in RUNS}
+    order = list(results)
+    best = max(order, key=lambda k: (results[k][3]["final_eval"]["output_throughput"], -order.index(k)))
+    return {"shipped": best, "command": " ".join(results[best][2]), "policy": _policy_path(results[best][3]),
+            "runs": {k: {"agent": a, "seed": s, "output_throughput": r["final_eval"]["output_throughput"],
+                         "mean_e2el_s": r["final_eval"]["mean_e2el_s"], "command": " ".join(cmd),
+                         "timesteps": r["num_timesteps"], "wall_s": r["wall_s"]}
+                     for k, (a, s, cmd, r) in results.items()}}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
-    p.add_argument("--timesteps", type=int, default=100_000)
+    p.add_argument("--timesteps", type=int, default=60_000)
     p.add_argument("--general-timesteps", type=int, default=200_000)
     p.add_argument("--reward", default="makespan")
     p.add_argument("--out", default=str(REPO / "policies"))
@@ -62,105 +99,105 @@ def main() -> int:
     runs = REPO / "runs" / "policies"
     (out / "heuristic-tuned").mkdir(parents=True, exist_ok=True)
     records: dict[str, Any] = {"machine": machine_info(), "timesteps": args.timesteps, "reward": args.reward,
-                               "scenarios": {}}
+                               "runs": [f"{a}-s{s}" for a, s in RUNS], "scenarios": {}}
     for scenario in scenarios:
-        results = {agent: train(agent, scenario, args.timesteps, args.reward, runs) for agent in AGENTS}
-        best = max(AGENTS, key=lambda a: (results[a][1]["final_eval"]["output_throughput"], -AGENTS.index(a)))
-        shutil.copyfile(results[best][1]["policy"] if Path(results[best][1]["policy"]).is_absolute()
-                        else REPO / results[best][1]["policy"], out / f"{scenario}.feather")
+        tuned = out / "heuristic-tuned" / f"{scenario}.feather"
         tuned_cmd = ["python", "-m", "agents.tuning", "--scenario", scenario, "--out",
-                     f"policies/heuristic-tuned/{scenario}.feather"]
+                     str(tuned.relative_to(REPO) if tuned.is_relative_to(REPO) else tuned)]
         _run([sys.executable, *tuned_cmd[1:]])
-        records["scenarios"][scenario] = {
-            "shipped": best, "command": " ".join(results[best][0]), "tuned_command": " ".join(tuned_cmd),
-            "agents": {a: {"output_throughput": r[1]["final_eval"]["output_throughput"],
-                           "mean_e2el_s": r[1]["final_eval"]["mean_e2el_s"], "command": " ".join(r[0]),
-                           "timesteps": r[1]["num_timesteps"], "wall_s": r[1]["wall_s"]}
-                       for a, r in results.items()}}
-    mix = "+".join(scenarios)
-    general_cmd, general = train("ppo", mix, args.general_timesteps, args.reward, runs)
-    general_src = Path(general["policy"])
-    shutil.copyfile(general_src if general_src.is_absolute() else REPO / general_src, out / "general.feather")
-    records["general"] = {"agent": "ppo", "command": " ".join(general_cmd),
-                          "output_throughput_mix": general["final_eval"]["output_throughput"]}
-    references(out, records, runs)
+        rec: dict[str, Any] = {"tuned_command": " ".join(tuned_cmd)}
+        if asks_group_decisions(scenario):
+            best = best_of(scenario, args.timesteps, args.reward, runs)
+            shutil.copyfile(best.pop("policy"), out / f"{scenario}.feather")
+            rec.update(best)
+        else:
+            rec.update(shipped="general", decision_free=True)
+        records["scenarios"][scenario] = rec
+        (out / "build.json").write_text(json.dumps(records, indent=1) + "\n")  # progress survives a crash
+    general = best_of("+".join(scenarios), args.general_timesteps, args.reward, runs)
+    shutil.copyfile(general.pop("policy"), out / "general.feather")
+    records["general"] = general
+    for scenario, rec in records["scenarios"].items():
+        if rec.get("decision_free"):
+            shutil.copyfile(out / "general.feather", out / f"{scenario}.feather")
+    references(out, records)
     (out / "build.json").write_text(json.dumps(records, indent=1) + "\n")
     write_readme(out, records)
     return 0
 
 
-def references(out: Path, records: dict[str, Any], runs: Path) -> None:
-    """The baselines on each scenario's held-out episodes (those its agents were evaluated on).
-
-    always-add and fcfs come from the shipped agent's own run (``compare_with``); the authors'
-    heuristic, the tuned heuristic and ``general.feather`` are served here on the same seeds.
-    """
+def references(out: Path, records: dict[str, Any]) -> None:
+    """Every shipped file and the baselines on each scenario's validation episodes (the runs')."""
     from agents.base import evaluate
     from agents.training import load_config
-    from feather_env.env import FeatherEnv
-    from scheduler_runtime.policy import HeuristicRule, load_policy
+    from feather_env.env import FeatherEnv, scheduler_policy
+    from scheduler_runtime.decision import AlwaysAdd
+    from scheduler_runtime.policy import load_policy
 
+    cfg = load_config(REPO / "configs" / "runs" / "qlearning.yaml")
+    seeds = [cfg.train.eval_seed + i for i in range(cfg.train.eval_episodes)]
     for scenario, rec in records["scenarios"].items():
-        summary = json.loads((runs / f"{scenario}-{rec['shipped']}" / "summary.json").read_text())
-        cfg = load_config(REPO / "configs" / "runs" / f"{rec['shipped']}.yaml", scenario=scenario)
-        seeds = [cfg.train.eval_seed + i for i in range(cfg.train.eval_episodes)]
-        env = FeatherEnv(scenario, "sim")
-        refs = {name: summary["comparison"][name]["output_throughput"] for name in ("always-add", "fcfs")}
-        refs["feather-heuristic"] = evaluate(HeuristicRule(), env, seeds)["output_throughput"]
+        refs: dict[str, float] = {}
+        group = FeatherEnv(scenario, "sim", decision="group")
+        for name in ("fcfs", "feather-heuristic", "group-cap-3"):
+            env = FeatherEnv(scenario, "sim", scheduler=name)
+            refs[name] = evaluate(scheduler_policy(env), env, seeds)["output_throughput"]
+            env.close()
+        refs["always-add"] = evaluate(AlwaysAdd(), group, seeds)["output_throughput"]
         for name, path in (("heuristic-tuned", out / "heuristic-tuned" / f"{scenario}.feather"),
-                           ("general", out / "general.feather")):
-            refs[name] = evaluate(load_policy(path), env, seeds)["output_throughput"]
+                           ("general", out / "general.feather"), ("shipped", out / f"{scenario}.feather")):
+            refs[name] = evaluate(load_policy(path), group, seeds)["output_throughput"]
+        group.close()
         rec["references"] = refs
-        env.close()
 
 
 def write_readme(out: Path, records: dict[str, Any]) -> None:
+    names = records["runs"]
     rows = []
     for scenario, rec in records["scenarios"].items():
-        a = rec["agents"]
         r = rec["references"]
+        runs = rec.get("runs") or {}
         rows.append([f"`{scenario}.feather`", rec["shipped"],
-                     *(f"{a[x]['output_throughput']:.1f}" for x in AGENTS),
+                     *(f"{runs[n]['output_throughput']:.1f}" if n in runs else "-" for n in names),
                      *(f"{r[x]:.1f}" for x in REFERENCES)])
     lines = [
         "# Shipped policies",
         "",
-        "Every file here is a versioned policy file (`scheduler_runtime.policy`), served with",
+        "Every file here is a versioned policy file (`scheduler_runtime.policy`) that answers the group",
+        "decision (`feather/GroupAdmission-v0`: open a prefix group or hold it), served with",
         "`feather-serve --scheduler feather:policies/NAME.feather` or `evaluate.py --schedulers",
-        "feather:policies/NAME.feather`, and made by `python scripts/build_policies.py`, which runs the",
-        "commands below as a user would. Training is on the simulator (calibrated on the real engine,",
-        "`configs/profiles/cpu-tiny-llama.json`); the figures are held-out end-to-end output tokens/s",
-        f"on the simulator ({records['timesteps']:,} training steps each, reward `{records['reward']}`; "
-        f"measured {records['machine']['date']} on {records['machine']['cpu']}). The real-engine figures of",
-        "each file are in the README's evaluation tables (`benchmarks/evaluation.py`).",
+        "feather:policies/NAME.feather`: the file's observation names tell the scheduler to ask the",
+        "group decision, and its chunk size is the scheduler's. Made by `python scripts/build_policies.py`,",
+        "which runs the commands below as a user would. Training is on the simulator (calibrated on the",
+        "real engine, `configs/profiles/cpu-tiny-llama.json`); the figures are end-to-end output tokens/s on",
+        f"the runs' validation episodes ({records['timesteps']:,} training steps each, reward "
+        f"`{records['reward']}`; measured {records['machine']['date']} on {records['machine']['cpu']}). The",
+        "real-engine figures of each file are in the evaluation (`docs/results.md`).",
         "",
-        "- `<scenario>.feather`: the best of UCB, Q-learning and PPO on the scenario (ties: the",
-        "  simpler agent, in that order).",
-        "- `heuristic-tuned/<scenario>.feather`: the authors' heuristic with its constants searched on",
-        "  the scenario (`python -m agents.tuning`), the baseline a learned policy must beat.",
-        "- `general.feather`: PPO trained on a mix of every scenario, for a user who deploys one policy.",
+        "- `<scenario>.feather`: the best of the runs (UCB, Q-learning with two seeds, PPO) on the",
+        "  scenario's validation episodes; a scenario that never asks the group decision (nothing",
+        "  shares a prefix) ships `general.feather`, which serves it as any group policy does.",
+        "- `heuristic-tuned/<scenario>.feather`: the best constant cap `group-cap-K` on the scenario",
+        "  (`python -m agents.tuning`), the baseline a learned policy must match.",
+        "- `general.feather`: the best of the same runs on the mix of every scenario, for a user who",
+        "  deploys one policy.",
         "",
-        "Columns: each agent's held-out output tokens/s, then the baselines on the same episodes",
-        "(`general` is `general.feather` served on the scenario).",
+        "Columns: each run's validation output tokens/s, then the references on the same episodes",
+        "(`always-add`: the group decision answered ADD, every new document opens at once).",
         "",
-        format_table(["file", "shipped agent", *AGENTS, *REFERENCES], rows),
+        format_table(["file", "shipped", *names, *REFERENCES], rows),
         "",
         "Commands (run from the repository root):",
         "",
     ]
     for scenario, rec in records["scenarios"].items():
-        lines += [f"- `{scenario}.feather`: `{rec['command']}` (then copied from its `policy.feather`); "
-                  f"tuned heuristic: `{rec['tuned_command']}`"]
+        how = (f"`{rec['command']}` (then copied from its `policy.feather`)" if "command" in rec
+               else "`general.feather` (the scenario never asks the group decision)")
+        lines += [f"- `{scenario}.feather`: {how}; tuned cap: `{rec['tuned_command']}`"]
     g = records["general"]
-    lines += [f"- `general.feather`: `{g['command']}` (held-out output on the mix: "
-              f"{g['output_throughput_mix']:.1f} tokens/s)", "",
+    lines += [f"- `general.feather`: `{g['command']}`", "",
               "Configs: `configs/runs/ucb.yaml`, `configs/runs/qlearning.yaml`, `configs/runs/ppo.yaml`; "
-              "scenarios: `configs/scenarios/`. `build.json` has every figure.", "",
-              "Fine-tuning on the real engine (`train.py ... --resume --backend vllm --eval-backend sim`, "
-              "then `python -m agents.agreement SHIPPED FINE-TUNED --scenario NAME`) was tried on "
-              "`leval-kv-pressure-poisson.feather` (UCB) and `leval-kv-pressure.feather` (PPO), 1,000 "
-              "real-engine decisions each (2026-12-01): neither changed a decision on 8 held-out episodes, "
-              "so the files here are the simulator's (docs/design.md, \"Policies in the serving loop\")."]
+              "scenarios: `configs/scenarios/`. `build.json` has every figure."]
     (out / "README.md").write_text("\n".join(lines) + "\n")
 
 

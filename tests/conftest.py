@@ -90,8 +90,16 @@ def exported_policies(tmp_path_factory) -> dict[str, Path]:
 OWN_ENGINE_MODULES = ("test_vllm_scheduler.py", "test_evaluate.py")
 
 
+#: The fixtures that start (or hold) a real vLLM engine: a test that uses one is an engine test.
+ENGINE_FIXTURES = {"llm", "env_backend", "isolated_runner"}
+
+
 def pytest_collection_modifyitems(config, items):
     def own_engine(item) -> bool:
         return item.path.name in OWN_ENGINE_MODULES
 
+    # `pytest -m "not engine"` (make test-fast) leaves out every test that needs the engine
+    for item in items:
+        if own_engine(item) or ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.engine)
     items[:] = [i for i in items if not own_engine(i)] + [i for i in items if own_engine(i)]

@@ -30,7 +30,8 @@ pytestmark = pytest.mark.engine
 KV_GIB = 1 / 32  # 8192 tokens: small enough to force preemption
 TEST_CHUNK = 64  # CHT chunk for the Feather names: the 600-token documents span ~10 chunks
 NAMES = ["fcfs", "sjf", "oracle-sjf", "svf", "svf-1bit", "oracle-svf", "lpm", "dfs-weight",
-         "feather-heuristic", "feather-heuristic+svf", "feather-heuristic+svf-1bit"]
+         "feather-heuristic", "feather-heuristic+svf", "feather-heuristic+svf-1bit", "group-cap-2",
+         "group-hold+svf"]
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +103,7 @@ def test_every_scheduler_serves_each_request_once_with_its_tokens(sched, feather
                                       scale=(64, 64, 64), chunk_size=TEST_CHUNK)
         rule = policy.HeuristicPolicy(spec, policy.HeuristicRule())
         name = name.replace("CKPT", str(policy.write_policy(tmp_path / "heuristic.feather", rule)))
-    elif name.startswith("feather"):
+    elif name.startswith(("feather", "group")):
         overrides["chunk_size"] = TEST_CHUNK
     sched.feather_configure({"name": name, **overrides})
     engine = feather_llm.llm_engine
@@ -118,7 +119,7 @@ def test_every_scheduler_serves_each_request_once_with_its_tokens(sched, feather
     if name != "fcfs":
         assert stats["finished"] == len(reqs) and sum(stats["released"].values()) == len(reqs)
         assert stats["held"] == 0 and stats["plan_calls"] > 0
-    if name.startswith("feather"):
+    if name.startswith(("feather", "group")):
         assert stats["decisions"] == stats["adds"] + stats["stops"] > 0
 
 
@@ -137,6 +138,55 @@ def test_stop_holds_requests_and_they_still_count_as_waiting(sched, feather_llm)
     assert stats.num_running_reqs + stats.num_waiting_reqs + stats.num_skipped_waiting_reqs == len(reqs)
     assert sched.feather_stats()["stops"] >= 1
     assert drain(engine, sched) == {rid: out for rid, _, out in reqs}
+
+
+def test_group_cap_keeps_its_documents_in_flight_inside_vllm(sched, feather_llm):
+    """group-cap-1: one document in flight at every step, its questions flowing; what the core
+    reads of vLLM (cached prefix, queue) agrees with vLLM's own state."""
+    sched.feather_configure({"name": "group-cap-1", "chunk_size": TEST_CHUNK, "max_wait": None,
+                             "retain_held_prefixes": True})
+    engine = feather_llm.llm_engine
+    reqs = workload("grp", groups=4, per_group=4, prefix=640, out=(3, 6), seed=5)
+    for rid, prompt, out in reqs:
+        add(engine, rid, prompt, out)
+    core = sched.feather.core
+    view = sched.feather_view
+    seen: list[int] = []
+
+    def check() -> None:
+        seen.append(core.groups.num_in_flight)
+        assert view.num_queued() == len(sched.waiting) + len(sched.kv_holding_waiting)
+        for rid in list(sched._feather_held)[:3]:
+            full = view.cached_prefix_tokens(rid)
+            assert view.cached_prefix_tokens(rid, 256) == min(full, 256)
+
+    assert drain(engine, sched, on_step=check) == {rid: out for rid, _, out in reqs}
+    stats = sched.feather_stats()
+    assert max(seen) == 1 and stats["stops"] > 0 and stats["released"]["group"] > 0
+
+
+def test_retention_moves_a_held_documents_cached_blocks_to_the_end_of_vllms_eviction_order(
+        sched, feather_llm):
+    sched.feather_configure({"name": "group-cap-1", "chunk_size": TEST_CHUNK, "max_wait": None})
+    engine = feather_llm.llm_engine
+    (first, prompt, out), other = workload("keep", groups=2, per_group=1, prefix=640, out=(3, 3), seed=6)
+    add(engine, first, prompt, out)
+    drain(engine, sched)  # the document's blocks are free now, and cached
+    queue = sched.kv_cache_manager.block_pool.free_block_queue
+    later = prompt[:640] + [7] * 20  # a later question of the same document, held
+    add(engine, "keep-later", later, 3)
+    (held,) = sched._feather_held  # vLLM's own id for it
+    doc_blocks = sched.feather_view.cached_prefix_tokens(held) // sched.block_size
+    assert doc_blocks == 640 // sched.block_size
+    moved = sched.feather_view.retain_prefixes([held])
+    assert moved == doc_blocks
+    tail = queue.get_all_free_blocks()[-moved:]
+    assert [b.block_hash is not None for b in tail] == [True] * moved
+    # the document's first block is the very last to be evicted
+    first_hash = sched._feather_held[held].block_hashes[0]
+    assert tail[-1] is sched.kv_cache_manager.block_pool.get_cached_block(first_hash, [0])[0]
+    add(engine, other[0], other[1], other[2])
+    assert len(drain(engine, sched)) == 2
 
 
 @pytest.mark.parametrize("name", ["feather-heuristic", "lpm"])
