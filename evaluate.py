@@ -3,15 +3,21 @@
     python evaluate.py (--scenario NAME [--seed S] | --workload KIND [workload knobs]) [--quick]
                        (--schedulers fcfs,lpm,feather-heuristic,... | --endpoint URL [--max-concurrency N])
                        [--label NAME] [--goodput "ttft:MS tpot:MS e2el:MS"] [--out DIR] [--verbose]
+    python evaluate.py --scenario NAME --backend sim [--episodes N] [--profile PROFILE.json]
+                       --schedulers fcfs,lpm,feather-heuristic,feather:runs/x/policy.feather,...
     python evaluate.py compare DIR [DIR ...] [--out DIR]
 
 One workload (the same requests, token ids, output lengths and arrival times) is built once: a
-scenario's episode (``configs/scenarios/NAME.yaml``, episode ``--seed``) or a ``--workload`` sample.
-Then either
+scenario's episode (``configs/scenarios/NAME.yaml`` or a scenario file, episode ``--seed``) or a
+``--workload`` sample. Then either
 
 - **in-process** (``--schedulers``): one real vLLM engine in this process serves it once per
   scheduler, each scheduler deciding as it does under ``feather-serve`` (``fcfs`` is vLLM's own
   scheduler), on the engine clock (:mod:`feather_env.evaluation.inprocess`); or
+- **simulator** (``--backend sim --schedulers ...``): the calibrated simulator serves a scenario's
+  episodes ``--seed`` .. ``--seed + --episodes - 1`` once per scheduler, each answering its own
+  decisions, in a few seconds and without an engine (:mod:`feather_env.evaluation.simulated`); the
+  same tables and JSON keys as in-process (what the simulator cannot measure is ``n/a``); or
 - **endpoint** (``--endpoint URL``): any running OpenAI-compatible completions server serves it
   (``feather-serve`` with any scheduler, or vLLM's own server with no Feather in it), timed at this
   client from the streamed answers (:mod:`feather_env.evaluation.endpoint`).
@@ -27,7 +33,7 @@ Outputs in ``--out`` (default ``runs/eval-DATE-TIME``): ``results.json``, ``resu
 ``results.csv``, ``requests.csv``, ``steps.csv`` (in-process), ``throughput.png``,
 ``latency_cdf.png``, ``batch_size.png`` (in-process) and, in-process, ``vllm.log`` (vLLM's own
 log lines; ``--verbose`` prints them instead). Exit status: 0, 1 when a request failed, 2 on bad
-input (reported before anything starts).
+input (one line, reported before anything starts or any file is written).
 """
 
 from __future__ import annotations
@@ -49,9 +55,12 @@ from feather_env.evaluation import (  # noqa: E402
     EndpointConfig,
     EndpointError,
     InProcessConfig,
+    SimConfig,
     compare,
+    episodes_workload,
     evaluate_endpoint,
     evaluate_in_process,
+    evaluate_simulated,
     fit_engine,
     metrics_tables,
     probe_server,
@@ -59,7 +68,8 @@ from feather_env.evaluation import (  # noqa: E402
     validate_schedulers,
     write_results,
 )
-from feather_env.scenarios import load_scenario  # noqa: E402
+from feather_env.reporting import check_output_dir  # noqa: E402
+from feather_env.scenarios import Scenario, load_scenario  # noqa: E402
 from feather_env.serving_metrics import parse_goodput  # noqa: E402
 from feather_env.workloads import DataNotFoundError, Workload, WorkloadConfig, WorkloadError  # noqa: E402
 from feather_env.workloads import build_workload as _build_workload  # noqa: E402
@@ -117,6 +127,12 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
                      "cache first, as each in-process run starts (vLLM: VLLM_SERVER_DEV_MODE=1)")
     how.add_argument("--request-timeout", type=float, default=600.0, help="endpoint: seconds per request")
     how.add_argument("--label", default=None, help="name of the run (in-process: prefix of each scheduler's)")
+    how.add_argument("--backend", choices=("vllm", "sim"), default="vllm", help="--schedulers on the real "
+                     "in-process engine (vllm, default) or on the simulator (sim: a scenario's episodes)")
+    how.add_argument("--episodes", type=int, default=1, help="sim: serve episodes --seed .. --seed + N - 1 "
+                     "back to back (default 1)")
+    how.add_argument("--profile", default=None, help="sim: the simulator's calibrated profile (default: the "
+                     "shipped one; make one with python -m feather_env.calibrate)")
 
     eng = p.add_argument_group("in-process engine (default: the scenario's; --workload: 4 GiB, 64, 8192)")
     eng.add_argument("--kv-cache-gib", type=float, default=None)
@@ -167,6 +183,37 @@ def _engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in given.items() if v is not None}
 
 
+def build_scenario(args: argparse.Namespace) -> tuple[Scenario, dict[str, Any]]:
+    """The scenario of ``--scenario`` with the command line's overrides, and the engine flags given."""
+    engine_flags = _engine_overrides(args)
+    overrides: dict[str, dict[str, Any]] = {"workload": {}, "episode": {}}
+    for key, value in (("max_prompt_tokens", args.max_prompt_tokens),
+                       ("max_output_tokens", args.max_output_tokens), ("output", args.output),
+                       ("data_dir", args.data_dir)):
+        if value is not None:
+            overrides["workload"][key] = value
+    for key, value in (("groups", args.num_groups), ("max_per_group", args.max_per_group),
+                       ("requests", args.num_requests), ("arrival", args.arrival)):
+        if value is not None:
+            overrides["episode"][key] = value
+    if args.quick:
+        base = load_scenario(args.scenario)
+        for key in ("max_prompt_tokens", "max_output_tokens"):
+            cap = QUICK[key]
+            current = getattr(base.workload, key)
+            overrides["workload"].setdefault(key, cap if current is None else min(cap, current))
+        overrides["workload"].setdefault("output", "max")
+        if base.episode.groups is not None:
+            overrides["episode"].setdefault("groups", QUICK["num_groups"])
+            overrides["episode"].setdefault("max_per_group", QUICK["max_per_group"])
+        else:
+            overrides["episode"].setdefault("requests", QUICK["num_requests"])
+    scenario = load_scenario(args.scenario, {k: v for k, v in overrides.items() if v})
+    if args.quick:  # a small KV cache, unless the scenario's is smaller still
+        engine_flags.setdefault("kv_cache_gib", min(QUICK["kv_cache_gib"], scenario.engine.kv_cache_gib))
+    return scenario, engine_flags
+
+
 def build_workload(args: argparse.Namespace) -> tuple[Workload, EngineConfig, dict[str, Any]]:
     """The workload of the command line, the in-process engine for it, and what to record about it."""
     if args.scenario is not None and args.workload is not None:
@@ -176,38 +223,14 @@ def build_workload(args: argparse.Namespace) -> tuple[Workload, EngineConfig, di
         if not quick:
             raise ConfigError("no workload: give --scenario NAME, --workload KIND, or --quick")
         args.workload = "leval"
-    engine_flags = _engine_overrides(args)
     if args.scenario is not None:
-        overrides: dict[str, dict[str, Any]] = {"workload": {}, "episode": {}}
-        for key, value in (("max_prompt_tokens", args.max_prompt_tokens),
-                           ("max_output_tokens", args.max_output_tokens), ("output", args.output),
-                           ("data_dir", args.data_dir)):
-            if value is not None:
-                overrides["workload"][key] = value
-        for key, value in (("groups", args.num_groups), ("max_per_group", args.max_per_group),
-                           ("requests", args.num_requests), ("arrival", args.arrival)):
-            if value is not None:
-                overrides["episode"][key] = value
-        if quick:
-            base = load_scenario(args.scenario)
-            for key in ("max_prompt_tokens", "max_output_tokens"):
-                cap = QUICK[key]
-                current = getattr(base.workload, key)
-                overrides["workload"].setdefault(key, cap if current is None else min(cap, current))
-            overrides["workload"].setdefault("output", "max")
-            if base.episode.groups is not None:
-                overrides["episode"].setdefault("groups", QUICK["num_groups"])
-                overrides["episode"].setdefault("max_per_group", QUICK["max_per_group"])
-            else:
-                overrides["episode"].setdefault("requests", QUICK["num_requests"])
-        scenario = load_scenario(args.scenario, {k: v for k, v in overrides.items() if v})
+        scenario, engine_flags = build_scenario(args)
         workload = scenario.episode_workload(args.seed)
-        if quick:  # a small KV cache, unless the scenario's is smaller still
-            engine_flags.setdefault("kv_cache_gib", min(QUICK["kv_cache_gib"], scenario.engine.kv_cache_gib))
         engine = replace(scenario.engine_config(), **engine_flags)
         knobs = {"chunk_size": scenario.scheduler.chunk_size, "max_wait": scenario.scheduler.max_wait}
         record = {"scenario": scenario.to_dict(), "episode_seed": args.seed}
     else:
+        engine_flags = _engine_overrides(args)
         num_requests, num_groups, max_per_group = args.num_requests, args.num_groups, args.max_per_group
         max_prompt = args.max_prompt_tokens or 16384
         max_output, output = args.max_output_tokens, args.output or "answer"
@@ -240,6 +263,54 @@ def build_workload(args: argparse.Namespace) -> tuple[Workload, EngineConfig, di
     return workload, engine, {**record, "scheduler_knobs": knobs}
 
 
+def _simulated_scenario(args: argparse.Namespace) -> tuple[Scenario, SimConfig]:
+    """``--backend sim``: the scenario (engine flags and scheduler knobs applied) and how to serve it,
+    every input checked."""
+    if args.scenario is None:
+        raise ConfigError("--backend sim serves a scenario's episodes: give --scenario NAME (or a scenario "
+                          "file; python -m feather_env.scenarios new makes one from a trace)")
+    if args.endpoint is not None:
+        raise ConfigError("--backend sim serves in the simulator; --endpoint is a running server: give one")
+    if args.episodes < 1:
+        raise ConfigError(f"--episodes must be >= 1, got {args.episodes}")
+    if args.seed < 0:
+        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
+    scenario, engine_flags = build_scenario(args)
+    overrides: dict[str, dict[str, Any]] = {}
+    if engine_flags:
+        overrides["engine"] = engine_flags
+    knobs = {k: v for k, v in (("chunk_size", args.chunk_size), ("max_wait", args.max_wait)) if v is not None}
+    if knobs:
+        overrides["scheduler"] = knobs
+    scenario = load_scenario(scenario, overrides) if overrides else scenario
+    if args.profile is not None:
+        from feather_env.calibrate import load_profile
+
+        load_profile(args.profile)
+    names = tuple(n.strip() for n in (args.schedulers or DEFAULT_SCHEDULERS).split(",") if n.strip())
+    config = SimConfig(names, tuple(range(args.seed, args.seed + args.episodes)), args.profile, args.label)
+    validate_schedulers(config.schedulers, scenario.scheduler.chunk_size, scenario.scheduler.max_wait)
+    return scenario, config
+
+
+def run_simulated(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any], Workload]:
+    """``--backend sim``: every scheduler on the scenario's episodes (the runs, what to record, the
+    episodes as one workload)."""
+    scenario, config = _simulated_scenario(args)
+    workload = episodes_workload(scenario, config.seeds)
+    print(_describe(workload))
+    engine = scenario.engine_config()
+    print(f"simulator: KV cache {engine.kv_cache_gib:g} GiB, max {engine.max_num_seqs} running, "
+          f"{engine.max_num_batched_tokens} tokens/step, profile {config.profile or 'shipped'}; "
+          f"episode(s) {', '.join(map(str, config.seeds))}")
+    runs = evaluate_simulated(scenario, config)
+    record = {"mode": "simulator", "scenario": scenario.to_dict(), "episode_seed": config.seeds[0],
+              "engine": engine.to_dict(), "simulator": config.to_dict(),
+              "scheduler_knobs": {"chunk_size": scenario.scheduler.chunk_size,
+                                  "max_wait": scenario.scheduler.max_wait}}
+    return runs, record, workload
+
+
 def _describe(workload: Workload) -> str:
     d = workload.describe()
     return (f"workload {d['name']}: {d['requests']} requests, {d['groups']} prefix groups, prompts mean "
@@ -254,8 +325,9 @@ def _where(out: Path, written: Sequence[Path]) -> str:
     return line + (f"; plots {', '.join(plots)}" if plots else "")
 
 
-def run(argv: Sequence[str]) -> int:
-    """``evaluate.py`` without a subcommand (module docstring)."""
+def run(argv: Sequence[str], backend: Any = None) -> int:
+    """``evaluate.py`` without a subcommand (module docstring). ``backend``: an in-process
+    :class:`~feather_env.serving.VLLMBackend` to serve on instead of starting one (tests)."""
     args = _parse_args(argv)
     t_all = time.perf_counter()
     # -- everything that can be wrong is checked before an engine starts or a request is sent
@@ -264,6 +336,14 @@ def run(argv: Sequence[str]) -> int:
                           "a server runs its own scheduler")
     goodput = parse_goodput(args.goodput) if args.goodput else None
     percentiles = _percentiles(args.percentiles)
+    if args.backend != "sim" and (args.episodes != 1 or args.profile is not None):
+        raise ConfigError("--episodes and --profile are for --backend sim (the real engine serves one "
+                          "episode, --seed)")
+    out = Path(args.out or f"runs/eval-{dt.datetime.now():%Y%m%d-%H%M%S}")
+    check_output_dir(out, "--out")
+    if args.backend == "sim":
+        runs, context, workload = run_simulated(args)
+        return _report(args, out, runs, workload, context, goodput, percentiles, t_all)
     endpoint = server = None
     if args.endpoint is not None:
         endpoint = EndpointConfig(args.endpoint, model=args.model, max_concurrency=args.max_concurrency,
@@ -276,7 +356,6 @@ def run(argv: Sequence[str]) -> int:
             raise ConfigError("--max-concurrency and --model are for --endpoint runs")
         schedulers = validate_schedulers((args.schedulers or DEFAULT_SCHEDULERS).split(","),
                                          args.chunk_size, args.max_wait)
-    out = Path(args.out or f"runs/eval-{dt.datetime.now():%Y%m%d-%H%M%S}")
     workload, engine, record = build_workload(args)
     print(_describe(workload))
     progress = not args.no_progress
@@ -300,10 +379,17 @@ def run(argv: Sequence[str]) -> int:
             log_note = f" (vLLM's log: {out / 'vllm.log'})"
         print(f"in-process engine: KV cache {engine.kv_cache_gib:g} GiB, max {engine.max_num_seqs} running, "
               f"{engine.max_num_batched_tokens} tokens/step, cores {engine.cpu_cores or 'all'}{log_note}")
-        runs, info = evaluate_in_process(workload, config, progress=progress)
+        runs, info = evaluate_in_process(workload, config, progress=progress, backend=backend)
         context = {"mode": "in-process", "engine": engine.to_dict(), "inprocess": config.to_dict(), **info}
+    return _report(args, out, runs, workload, {**record, **context}, goodput, percentiles, t_all)
+
+
+def _report(args: argparse.Namespace, out: Path, runs: Sequence[Any], workload: Workload,
+            context: dict[str, Any], goodput: dict[str, float] | None, percentiles: tuple[float, ...],
+            t_all: float) -> int:
+    """Write the results folder, print the tables; exit status 1 when a request failed."""
     payload = results_payload(runs, goodput=goodput, percentiles=percentiles, workload={
-        **workload.describe(), "fingerprint": workload.fingerprint()}, **record, **context,
+        **workload.describe(), "fingerprint": workload.fingerprint()}, **context,
         wall_s=time.perf_counter() - t_all)
     d = payload["workload"]
     title = f"{d['name']}, {d['requests']} requests, arrivals {d['arrivals']} ({payload['machine']['date']})"
@@ -332,6 +418,7 @@ def run_compare(argv: Sequence[str]) -> int:
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
     out = Path(args.out or f"runs/compare-{dt.datetime.now():%Y%m%d-%H%M%S}")
+    check_output_dir(out, "--out")
     try:
         payload, written = compare(args.dirs, out, plots=not args.no_plots)
     except (FileNotFoundError, ValueError) as exc:
@@ -344,12 +431,13 @@ def run_compare(argv: Sequence[str]) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, backend: Any = None) -> int:
+    """The command line (module docstring); ``backend``: see :func:`run`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv[:1] == ["compare"]:
             return run_compare(argv[1:])
-        return run(argv)
+        return run(argv, backend=backend)
     except (ConfigError, DataNotFoundError, WorkloadError, EndpointError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -2,12 +2,16 @@
 
     python train.py --agent {heuristic,ucb,qlearning,ppo} --config configs/<file>.yaml
                     [--scenario NAME] [--reward NAME] [--backend sim|vllm] [--eval-backend sim|vllm]
-                    [--timesteps N] [--seed S] [--out DIR]
+                    [--timesteps N] [--seed S] [--profile PROFILE.json] [--out DIR]
                     [--n-envs N] [--resume] [--verbose]
 
 The config's sections (``scenario``, ``env``, ``agent``, ``train``), what a run writes and how
 seeds are used are described in :mod:`agents.training`, which does the work; this file parses the
-command line. ``--scenario`` replaces the config's scenario (``configs/scenarios/NAME.yaml``).
+command line. ``--scenario`` replaces the config's scenario (``configs/scenarios/NAME.yaml``, or a
+scenario file such as ``python -m feather_env.scenarios new`` writes), ``--profile`` the simulator's
+calibrated profile (``python -m feather_env.calibrate``). Every input error (the config, the
+scenario and its data, the checkpoint of a ``--resume``) is one line on stderr and exit status 2,
+before the run folder is created or changed.
 vLLM's own log lines (a real engine's start) go to ``OUT/vllm.log`` unless ``--verbose``.
 Fine-tuning a simulator run on the real engine: the same command with ``--resume --backend vllm
 --eval-backend sim --timesteps MORE``.
@@ -41,28 +45,30 @@ def main(argv: Sequence[str] | None = None):  # -> agents.training.TrainResult
     p.add_argument("--timesteps", type=int, default=None, help="overrides train.timesteps")
     p.add_argument("--seed", type=int, default=None, help="overrides train.seed")
     p.add_argument("--n-envs", type=int, default=None, help="overrides train.n_envs")
+    p.add_argument("--profile", default=None, help="overrides env.profile (the simulator's profile JSON)")
     p.add_argument("--out", default=None, help="output folder (default runs/<agent>-<config name>)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/latest.json")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--verbose", action="store_true", help="vLLM's log on the terminal, not in OUT/vllm.log")
     args = p.parse_args(argv)
+    from feather_env.workloads import DataNotFoundError, WorkloadError
+
     try:
         cfg = load_config(args.config, args.agent, scenario=args.scenario, reward=args.reward,
-                          backend=args.backend, eval_backend=args.eval_backend, timesteps=args.timesteps,
-                          seed=args.seed, n_envs=args.n_envs,
+                          profile=args.profile, backend=args.backend, eval_backend=args.eval_backend,
+                          timesteps=args.timesteps, seed=args.seed, n_envs=args.n_envs,
                           progress_bar=False if args.no_progress else None)
-    except ConfigError as exc:
-        p.exit(2, f"train.py: config error: {exc}\n")
+    except (ConfigError, DataNotFoundError, WorkloadError) as exc:
+        p.exit(2, f"train.py: config error: {_one_line(exc)}\n")
     out = Path(args.out) if args.out else REPO_ROOT / "runs" / f"{args.agent}-{Path(args.config).stem}"
-    from feather_env.engine import send_vllm_logs_to
-    from feather_env.workloads import DataNotFoundError
-
-    if not args.verbose:
-        send_vllm_logs_to(out / "vllm.log")
     try:
-        return run(cfg, out, resume=args.resume)
-    except (ConfigError, DataNotFoundError) as exc:  # the data error says where to get the data
-        p.exit(2, f"train.py: {exc}\n")
+        return run(cfg, out, resume=args.resume, vllm_log=None if args.verbose else out / "vllm.log")
+    except (ConfigError, DataNotFoundError, WorkloadError) as exc:  # the data error says where to get it
+        p.exit(2, f"train.py: {_one_line(exc)}\n")
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
 
 
 if __name__ == "__main__":

@@ -44,8 +44,12 @@ their tables (see ``merge`` in each agent).
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import multiprocessing as mp
+import os
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -82,7 +86,12 @@ def _scheduler_reference(name: str) -> bool:
 # -- configuration ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class EnvSection:
-    """``FeatherEnv`` arguments (see its manual); ``profile`` is the simulator's profile JSON."""
+    """``FeatherEnv`` arguments (see its manual); ``profile`` is the simulator's profile JSON.
+
+    Its fields are ``FeatherEnv``'s keyword arguments but those a run sets itself (the scenario and
+    its overrides, the backend, an engine object): ``tests/test_train.py`` holds the two together,
+    so an argument the environment gains is a key the run config accepts. ``scheduler: null`` is
+    the environment's default for the decision (saved as its name)."""
 
     scheduler: str | None = None
     reward: str = "latency"
@@ -91,7 +100,24 @@ class EnvSection:
     decision: str | None = None
     delta_clip: int = 64
     max_episode_seconds: float | None = None
+    obs_max_requests: int | None = None
     profile: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.scheduler is None:
+            from feather_env.env import DEFAULT_GROUP_SCHEDULER
+
+            default = DEFAULT_GROUP_SCHEDULER if self.decision == "group" else "feather-heuristic"
+            object.__setattr__(self, "scheduler", default)
+        if not (math.isfinite(self.reward_scale) and self.reward_scale > 0):
+            raise ConfigError(f"env.reward_scale must be a finite number > 0, got {self.reward_scale!r} "
+                              "(it multiplies every reward: 0 or NaN leaves nothing to learn)")
+        if self.max_episode_seconds is not None and not (math.isfinite(self.max_episode_seconds)
+                                                         and self.max_episode_seconds > 0):
+            raise ConfigError(f"env.max_episode_seconds must be a finite number > 0 or null, "
+                              f"got {self.max_episode_seconds!r}")
+        if self.obs_max_requests is not None and self.obs_max_requests < 1:
+            raise ConfigError(f"env.obs_max_requests must be >= 1 or null, got {self.obs_max_requests}")
 
 
 @dataclass(frozen=True)
@@ -138,7 +164,7 @@ class TrainSection:
         for name in ("timesteps", "n_envs", "eval_episodes", "sync_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("eval_every", "checkpoint_every", "confirm_episodes"):
+        for name in ("eval_every", "checkpoint_every", "confirm_episodes", "seed", "eval_seed"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if isinstance(self.compare_with, str):
@@ -187,10 +213,15 @@ def _plain(obj: Any) -> Any:
 
 
 def parse_config(data: Mapping[str, Any], agent: str | None = None, *, scenario: str | None = None,
-                 where: str = "config") -> RunConfig:
+                 where: str = "config", base_dir: str | Path | None = None) -> RunConfig:
     """Validate a config mapping; ``agent`` (``--agent``) must match ``agent.name`` if both exist;
     ``scenario`` (``--scenario``) replaces ``scenario.name``. The scenario itself is loaded and
-    checked here (unknown names and keys fail before any training starts)."""
+    checked here (unknown names and keys fail before any training starts).
+
+    Files the config names (a scenario file, a workload or arrival trace file in the scenario's
+    overrides, ``env.profile``) are relative to ``base_dir`` (the config file's folder; default: the
+    current one), ``--scenario`` to the current folder; the returned config holds them absolute, so
+    its saved copy reads the same from anywhere. Every number must be finite."""
     from agents.registry import TRAINABLE, config_class
     from feather_env.scenarios import load_scenario
 
@@ -213,8 +244,13 @@ def parse_config(data: Mapping[str, Any], agent: str | None = None, *, scenario:
         agent_cfg = from_mapping(cls, agent_section, where=f"{where}: agent ({name})")
     except ValueError as exc:  # the config dataclasses' own range checks
         raise ConfigError(str(exc)) from exc
-    env = from_mapping(EnvSection, data.get("env"), where=f"{where}: env")
+    base = Path(base_dir) if base_dir is not None else Path.cwd()
+    env_section = dict(data.get("env") or {}) if isinstance(data.get("env"), Mapping) else data.get("env")
+    if isinstance(env_section, dict) and isinstance(env_section.get("profile"), str):
+        env_section["profile"] = _anchor(env_section["profile"], base)
+    env = from_mapping(EnvSection, env_section, where=f"{where}: env")
     train = from_mapping(TrainSection, data.get("train"), where=f"{where}: train")
+    _check_numbers(where, {"agent": agent_cfg, "env": env, "train": train})
     scen = data.get("scenario")
     if scen is None:
         scen = {}
@@ -222,22 +258,81 @@ def parse_config(data: Mapping[str, Any], agent: str | None = None, *, scenario:
         scen = {"name": scen}
     if not isinstance(scen, Mapping):
         raise ConfigError(f"{where}: scenario must be a name or a mapping with a 'name'")
-    scen = dict(scen)
+    scen = _anchor_overrides(dict(scen), base)
     if scenario is not None:
-        scen["name"] = scenario
+        scen["name"] = _scenario_names(scenario, Path.cwd())
+    elif "name" in scen:
+        scen["name"] = _scenario_names(scen["name"], base)
     if "name" not in scen:
         raise ConfigError(f"{where}: no scenario given (--scenario or scenario.name)")
     scenarios = scen["name"]
-    if isinstance(scenarios, str) and "+" in scenarios:  # --scenario a+b: a mix
-        scenarios = scen["name"] = scenarios.split("+")
     for scenario_name in scenarios if isinstance(scenarios, list | tuple) else [scenarios]:
         load_scenario(scenario_name, {k: v for k, v in scen.items() if k != "name"})
     return RunConfig(name, agent_cfg, scen, env, train, source=where)
 
 
+def _anchor(path: str, base: Path) -> str:
+    """``path`` made absolute against ``base`` (the folder of the file that names it)."""
+    p = Path(path).expanduser()
+    return str(p if p.is_absolute() else (base / p).resolve())
+
+
+def _looks_like_file(name: str) -> bool:
+    return name.endswith((".yaml", ".yml")) or os.sep in name
+
+
+def _scenario_names(value: Any, base: Path) -> Any:
+    """A scenario name, a scenario file (made absolute against ``base``), or a mix: a list, or names
+    joined by ``+`` (``a+b``; a file whose own name holds a ``+`` is one scenario)."""
+    if isinstance(value, list | tuple):
+        return [_scenario_names(v, base) for v in value]
+    if not isinstance(value, str):
+        raise ConfigError(f"scenario name must be a string or a list of them, got {value!r}")
+    if _looks_like_file(value) and (base / value).expanduser().is_file():
+        return _anchor(value, base)
+    if "+" in value:
+        return [_scenario_names(v, base) for v in value.split("+")]
+    return _anchor(value, base) if _looks_like_file(value) else value
+
+
+def _anchor_overrides(scen: dict[str, Any], base: Path) -> dict[str, Any]:
+    """The files a scenario override names (``workload.path``, ``workload.data_dir``, an episode's
+    ``arrival: trace:FILE[:RATE]``), relative to the config file, made absolute."""
+    workload = scen.get("workload")
+    if isinstance(workload, Mapping):
+        scen["workload"] = {k: _anchor(v, base) if k in ("path", "data_dir") and isinstance(v, str) and v
+                            else v for k, v in workload.items()}
+    episode = scen.get("episode")
+    if isinstance(episode, Mapping) and isinstance(episode.get("arrival"), str):
+        kind, _, rest = episode["arrival"].partition(":")
+        if kind.strip().lower() == "trace" and rest:
+            file, sep, rate = rest.rpartition(":")
+            try:
+                float(rate)
+            except ValueError:
+                file, sep, rate = rest, "", ""
+            if (base / file).expanduser().is_file():
+                scen["episode"] = {**episode, "arrival": f"trace:{_anchor(file, base)}{sep}{rate}"}
+    return scen
+
+
+def _check_numbers(where: str, sections: Mapping[str, Any]) -> None:
+    """Every number of the run's sections finite (NaN and infinity are errors, not values), and a
+    learning rate > 0 (a negative one ascends the loss)."""
+    for section, obj in sections.items():
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            values = value if isinstance(value, list | tuple) else [value]
+            for v in values:
+                if isinstance(v, float) and not math.isfinite(v):
+                    raise ConfigError(f"{where}: {section}.{f.name} must be a finite number, got {v!r}")
+            if f.name == "learning_rate" and isinstance(value, int | float) and not value > 0:
+                raise ConfigError(f"{where}: {section}.learning_rate must be > 0, got {value!r}")
+
+
 def load_config(path: str | Path, agent: str | None = None, *, scenario: str | None = None,
-                reward: str | None = None, **train_overrides: Any) -> RunConfig:
-    """Read and validate a YAML config; ``reward`` replaces ``env.reward``, non-``None``
+                reward: str | None = None, profile: str | None = None, **train_overrides: Any) -> RunConfig:
+    """Read and validate a YAML config; ``reward`` and ``profile`` replace ``env.*``, non-``None``
     ``train_overrides`` replace ``train.*``."""
     data = load_yaml(path)
     overrides = {k: v for k, v in train_overrides.items() if v is not None}
@@ -245,7 +340,9 @@ def load_config(path: str | Path, agent: str | None = None, *, scenario: str | N
         data = {**data, "train": {**(data.get("train") or {}), **overrides}}
     if reward is not None:
         data = {**data, "env": {**(data.get("env") or {}), "reward": reward}}
-    return parse_config(data, agent, scenario=scenario, where=str(path))
+    if profile is not None:
+        data = {**data, "env": {**(data.get("env") or {}), "profile": str(Path(profile).resolve())}}
+    return parse_config(data, agent, scenario=scenario, where=str(path), base_dir=Path(path).parent)
 
 
 # -- environments -------------------------------------------------------------------------------
@@ -417,7 +514,7 @@ def _check_resume_config(out: Path, cfg: RunConfig) -> str:
     saved_path = out / "config.yaml"
     if not saved_path.is_file():
         raise ConfigError(f"--resume: {saved_path} not found (nothing to resume in {out})")
-    saved = _flatten(yaml.safe_load(saved_path.read_text()) or {})
+    saved = _flatten(load_yaml(saved_path))
     now = _flatten(cfg.to_dict())
     # The run may be extended, and its bookkeeping changed; nothing that shapes learning but where
     # its episodes are served: a simulator run resumed with ``backend: vllm`` is fine-tuned on
@@ -459,14 +556,95 @@ def _resume_checkpoint(ckpt_dir: Path) -> Path:
     return path
 
 
+def _load_checkpoint(cls: Any, path: Path) -> Any:
+    """The agent of checkpoint ``path`` (not bound to an environment), or a :class:`ConfigError`
+    naming it and the latest earlier checkpoint of the run that loads."""
+    try:
+        return cls.load(path)
+    except Exception as exc:  # a corrupt file fails anywhere in numpy's, zipfile's or SB3's loader
+        why = f"{type(exc).__name__}: {exc}"
+    pattern = re.compile(rf"{re.escape(cls.name)}_(\d+)_steps{re.escape(path.suffix)}")
+    own = pattern.fullmatch(path.name)
+    limit = int(own.group(1)) if own else None
+    found = [(int(m.group(1)), p) for p in path.parent.iterdir() if (m := pattern.fullmatch(p.name))]
+    earlier = sorted(((n, p) for n, p in found if p != path and (limit is None or n < limit)), reverse=True)
+    for steps, candidate in earlier:
+        try:
+            cls.load(candidate)
+        except Exception:  # this one is corrupt too: try the one before
+            continue
+        pointer = json.dumps({"path": candidate.name, "num_timesteps": steps, "agent": cls.name})
+        raise ConfigError(f"--resume: checkpoint {path} does not load ({why}); the latest earlier checkpoint "
+                          f"that loads is {candidate} ({steps} timesteps): to resume from it, write "
+                          f"{pointer} to {path.parent / 'latest.json'}")
+    raise ConfigError(f"--resume: checkpoint {path} does not load ({why}), and no earlier checkpoint of this "
+                      f"run does: start afresh without --resume (in another --out)")
+
+
+def _check_decisions(env: Any, seed: int) -> None:
+    """Raise a :class:`ConfigError` when the scenario's episodes never ask a decision (every request
+    released as it arrives: nothing to learn); every scenario of a mix is tried."""
+    names = getattr(env, "names", None)
+    for name in names or [None]:
+        one = env.envs[name] if name is not None else env
+        if one.engine_config.max_num_seqs == 1 or one.scenario.max_episode_requests == 1:
+            why = ("engine.max_num_seqs is 1: a request is released, without asking, when the batch is "
+                   "empty" if one.engine_config.max_num_seqs == 1
+                   else "its episodes hold a single request, released without asking")
+            raise ConfigError(f"scenario {one.scenario.name!r} never asks a decision ({why}): there is "
+                              "nothing to train; serve more requests at once")
+        env.reset(seed=seed, options={"scenario": name} if name is not None else None)
+
+
 def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any = None,
-        verbose: bool = True) -> TrainResult:
+        verbose: bool = True, vllm_log: str | Path | None = None) -> TrainResult:
     """Train, evaluate, checkpoint and export as ``cfg`` says (what ``python train.py`` does).
 
     ``backend``: a serving backend object to use instead of building one (e.g. a test session's
-    engine); only with ``n_envs == 1``.
+    engine); only with ``n_envs == 1``. ``vllm_log``: vLLM's log lines go to this file.
+
+    Every input is checked before anything is written: the output folder, the environment (built
+    on the simulator: the scenario, its pool, the environment's arguments, and that its episodes
+    ask decisions at all) and, with ``resume``, the saved config and the checkpoint (loaded). Only
+    then is ``OUT`` created, ``OUT/config.yaml`` written and an engine started.
     """
-    from stable_baselines3.common.callbacks import CallbackList
+    from agents.registry import agent_class, make_agent
+    from feather_env.reporting import check_output_dir
+
+    t0 = time.perf_counter()
+    out = Path(out)
+    if backend is not None and cfg.train.n_envs > 1:
+        raise ConfigError("a shared backend object needs n_envs == 1 (each worker builds its own)")
+    try:
+        check_output_dir(out, "the run folder")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    cls = agent_class(cfg.agent_name)
+    ppo = cfg.agent_name == "ppo"
+    checkpoint_to_resume = None
+    trained_on = None
+    resumed_from: dict[str, Any] | None = None
+    loaded = None
+    if resume:
+        trained_on = _check_resume_config(out, cfg)
+        checkpoint_to_resume = _resume_checkpoint(out / "checkpoints")
+        loaded = _load_checkpoint(cls, checkpoint_to_resume)
+    probe = make_env(cfg, backend="sim")
+    try:
+        _check_decisions(probe, cfg.train.seed)
+    finally:
+        probe.close()
+    out.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    (out / "config.yaml").write_text(text)
+    if vllm_log is not None:
+        from feather_env.engine import send_vllm_logs_to
+
+        send_vllm_logs_to(vllm_log)
+    if verbose:
+        print(f"# train.py --agent {cfg.agent_name} --scenario {cfg.scenario_name} (config {cfg.source})",
+              flush=True)
+    from stable_baselines3.common.callbacks import CallbackList  # after the checks: seconds to import
 
     from agents.base import evaluate
     from agents.callbacks import (
@@ -476,24 +654,6 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
         ProgressCallback,
         save_checkpoint,
     )
-    from agents.registry import agent_class, make_agent
-
-    t0 = time.perf_counter()
-    out = Path(out)
-    if backend is not None and cfg.train.n_envs > 1:
-        raise ConfigError("a shared backend object needs n_envs == 1 (each worker builds its own)")
-    checkpoint_to_resume = None
-    trained_on = None
-    resumed_from: dict[str, Any] | None = None
-    if resume:
-        trained_on = _check_resume_config(out, cfg)
-        checkpoint_to_resume = _resume_checkpoint(out / "checkpoints")
-    out.mkdir(parents=True, exist_ok=True)
-    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-    (out / "config.yaml").write_text(text)
-    if verbose:
-        print(f"# train.py --agent {cfg.agent_name} --scenario {cfg.scenario_name} (config {cfg.source})",
-              flush=True)
 
     # One backend per kind serves the training env, the evaluation env and the references.
     train_backend = backend if backend is not None else cfg.train.backend
@@ -507,8 +667,6 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
     else:
         eval_env = make_env(cfg, backend=eval_kind)
     ckpt_dir = out / "checkpoints"
-    cls = agent_class(cfg.agent_name)
-    ppo = cfg.agent_name == "ppo"
 
     if ppo:
         from agents.ppo import make_vec_env
@@ -523,7 +681,7 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
         train_env = None if cfg.train.n_envs > 1 else make_env(cfg, backend=shared)
 
     if checkpoint_to_resume is not None:
-        agent = cls.load(checkpoint_to_resume, env=train_env if ppo else None)
+        agent = cls.load(checkpoint_to_resume, env=train_env) if ppo else loaded
         if ppo:
             agent.bind(train_env)
         resumed_from = {"backend": trained_on, "timesteps": int(agent.num_timesteps)}
@@ -566,6 +724,7 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
             final = eval_cb.run_eval()
             logger.dump(int(agent.num_timesteps))
     finally:
+        skipped = _skipped_episodes(train_env)
         if train_env is not None and train_env is not eval_env:
             train_env.close()
     comparison = {cfg.agent_name: {k: v for k, v in final.items() if k != "episodes"}}
@@ -588,7 +747,8 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
                "policy": str(policy_path),
                "final_eval": {k: v for k, v in final.items() if k != "episodes"}, "eval_history": history,
                "comparison": comparison, "eval_backend": eval_kind, "confirmed_on_real_engine": confirmed,
-               "backend": cfg.train.backend, "resumed_from": resumed_from}
+               "backend": cfg.train.backend, "resumed_from": resumed_from,
+               "skipped_episodes": skipped}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
     if backend is None:
         train_probe.close()
@@ -601,6 +761,9 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
               f"policy: {policy_path}\ncheckpoint: {checkpoint}\n"
               f"TensorBoard: tensorboard --logdir {out / 'tb'}",
               flush=True)
+        if summary["skipped_episodes"]:
+            print(f"{summary['skipped_episodes']} training episodes needed no decision (every request went "
+                  "straight in) and were skipped", flush=True)
         if len(comparison) > 1:
             print(comparison_table(comparison, cfg.agent_name), flush=True)
         if confirmed:
@@ -608,6 +771,21 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
                   + comparison_table(confirmed, cfg.agent_name), flush=True)
     return TrainResult(out, policy_path, checkpoint, int(agent.num_timesteps), final, history, comparison,
                        wall)
+
+
+def _skipped_episodes(env: Any) -> int | None:
+    """Training episodes the environment skipped for needing no decision (``None``: not known, e.g.
+    environments in worker processes)."""
+    if env is None:
+        return None
+    try:
+        if hasattr(env, "get_attr"):  # an SB3 vector of environments
+            return int(sum(env.get_attr("skipped_episodes")))
+        inner = getattr(env, "envs", None)  # a scenario mix
+        envs = inner.values() if isinstance(inner, Mapping) else [env.unwrapped]
+        return int(sum(e.skipped_episodes for e in envs))
+    except Exception:  # a worker process that is gone: not known
+        return None
 
 
 def _strip(result: Mapping[str, Any]) -> dict[str, Any]:

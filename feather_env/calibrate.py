@@ -2,6 +2,7 @@
 
     python -m feather_env.calibrate --out configs/profiles/cpu-tiny-llama.json
     python -m feather_env.calibrate --validate configs/profiles/cpu-tiny-llama.json --json PATH
+    python -m feather_env.calibrate --scenario mine.yaml --out mine-profile.json   # on your workload
 
 Calibration serves episodes of several scenarios on the real engine
 (:class:`~feather_env.serving.VLLMBackend`, the engine pinned to one core) with several
@@ -23,6 +24,11 @@ simulator with the new profile, the same episode and the same policy, and writes
 - ``hit_rate_abs_err``: mean over episodes of |sim - real| of the prefix-cache hit rate;
 - ``n``: episodes compared (runs under foreign CPU load above ``MAX_FOREIGN_LOAD`` are re-run once,
   then left out and counted in ``excluded_under_load``).
+
+``--scenario NAME`` (a name or a scenario file, e.g. your own trace's) replaces both plans by that
+scenario's episodes (:func:`scenario_plan`): the engine is then calibrated, and validated, on the
+workload it will serve. Every input error (a flag out of range, a scenario or file that cannot be
+read, an output that cannot be written) is one line and exit status 2, before an engine starts.
 """
 
 from __future__ import annotations
@@ -44,7 +50,8 @@ from feather_env.reporting import machine_info, write_json
 from feather_env.scenarios import Scenario, load_scenario
 from feather_env.step_model import FEATURE_NAMES, StepCostModel, StepRequest, fit_step_model, step_features
 
-__all__ = ["CALIBRATION_PLAN", "PROFILE_VERSION", "VALIDATION_PLAN", "EpisodeSpec", "load_profile", "main"]
+__all__ = ["CALIBRATION_PLAN", "PROFILE_VERSION", "VALIDATION_PLAN", "EpisodeSpec", "load_profile", "main",
+           "scenario_plan"]
 
 PROFILE_VERSION = 2
 DEFAULT_PROFILE = REPO_ROOT / "configs" / "profiles" / "cpu-tiny-llama.json"
@@ -107,6 +114,16 @@ VALIDATION_PLAN: tuple[EpisodeSpec, ...] = tuple(
 )
 
 
+def scenario_plan(scenario: str, episodes: int = 1, *, validation: bool = False) -> tuple[EpisodeSpec, ...]:
+    """Episodes of one scenario to calibrate on (seeds 1, 2, ...; fcfs, lpm, feather-heuristic each)
+    or to validate on (fresh seeds 1000, 1001, ...; dfs-weight too), ``episodes`` per scheduler."""
+    schedulers = (*_SCHEDULERS, "dfs-weight") if validation else _SCHEDULERS
+    first = 1000 if validation else 1
+    name = Path(scenario).stem
+    return tuple(EpisodeSpec(scenario, s, first + i * len(schedulers) + j, {}, f"{name}-{s}-{i}")
+                 for i in range(episodes) for j, s in enumerate(schedulers))
+
+
 def load_profile(path: str | Path | None = None) -> dict[str, Any]:
     """Read and check a profile JSON (default: the shipped CPU profile); clear errors on bad files."""
     from scheduler_runtime.config import ConfigError
@@ -118,7 +135,7 @@ def load_profile(path: str | Path | None = None) -> dict[str, Any]:
     try:
         profile = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: malformed profile JSON: {exc}") from exc
+        raise ConfigError(f"{path}: malformed profile JSON: {exc}") from None
     if not isinstance(profile, dict) or profile.get("version") != PROFILE_VERSION:
         got = profile.get("version") if isinstance(profile, dict) else None
         raise ConfigError(f"{path}: profile version {got!r}, this toolkit reads version "
@@ -131,17 +148,21 @@ def load_profile(path: str | Path | None = None) -> dict[str, Any]:
 
 
 class _Engines:
-    """One real engine per distinct engine configuration, built on first use (one at a time)."""
+    """One real engine per distinct engine configuration, built on first use (one at a time);
+    ``shared``: one engine to serve every episode on (not closed here)."""
 
-    def __init__(self) -> None:
+    def __init__(self, shared: Any = None) -> None:
         self.config: EngineConfig | None = None
         self.backend: Any = None
+        self.shared = shared
 
     def get(self, spec: EpisodeSpec) -> Any:
         """The engine of ``spec``'s scenario; a new one first serves a throw-away episode of it
         (another seed): the first steps after start-up are much slower than steady state."""
         from feather_env.serving import VLLMBackend
 
+        if self.shared is not None:
+            return self.shared
         config = spec.load().engine_config()
         if self.config != config:
             self.close()
@@ -173,13 +194,19 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def calibrate(plan: Sequence[EpisodeSpec], steps_out: str | Path | None = None) -> dict[str, Any]:
+def calibrate(plan: Sequence[EpisodeSpec], steps_out: str | Path | None = None, *,
+              backend: Any = None, max_foreign: float = MAX_FOREIGN_LOAD) -> dict[str, Any]:
     """Serve ``plan`` on the real engine, fit the step model, and return the profile.
 
     ``steps_out``: also write every measured step (JSON: seconds and its requests' columns), for
-    analysis of the fit.
+    analysis of the fit. ``backend``: a :class:`~feather_env.serving.VLLMBackend` to serve every
+    episode on (else one engine per engine configuration is started). ``max_foreign``: episodes
+    during which other processes used more of the machine are re-run once, then left out.
+
+    Raises:
+        RuntimeError: every episode was left out (the machine was never quiet enough).
     """
-    engines = _Engines()
+    engines = _Engines(backend)
     steps: list[tuple[list[Any], float]] = []
     episodes = []
     t0 = time.perf_counter()
@@ -188,10 +215,10 @@ def calibrate(plan: Sequence[EpisodeSpec], steps_out: str | Path | None = None) 
             for attempt in range(2):
                 backend = engines.get(spec)
                 metrics, _, foreign = _serve(spec, backend, record=True)
-                if foreign <= MAX_FOREIGN_LOAD or attempt:
+                if foreign <= max_foreign or attempt:
                     break
                 _log(f"  {spec.label}: foreign CPU {foreign:.0%} during the episode: re-running")
-            if foreign > MAX_FOREIGN_LOAD:
+            if foreign > max_foreign:
                 _log(f"  {spec.label}: foreign CPU {foreign:.0%} again: left out of the fit")
                 continue
             measured = [(m.batch, m.seconds) for m in backend.measured_steps]
@@ -204,6 +231,11 @@ def calibrate(plan: Sequence[EpisodeSpec], steps_out: str | Path | None = None) 
                  f"hit {metrics['prefix_hit_rate']:.0%}, foreign CPU {foreign:.0%}")
     finally:
         engines.close()
+    if len(steps) < len(FEATURE_NAMES):
+        raise RuntimeError(
+            f"{len(steps)} engine steps measured in {len(episodes)} of {len(plan)} episodes: too few to fit "
+            f"(episodes with other processes using more than {max_foreign:.0%} of the machine are left out): "
+            "run it on a quieter machine, or raise --max-foreign")
     if steps_out:
         columns = [[[r.num_tokens, r.num_computed, r.group, r.shared_tokens, int(r.is_prefill)] for r in b]
                    for b, _ in steps]
@@ -213,10 +245,21 @@ def calibrate(plan: Sequence[EpisodeSpec], steps_out: str | Path | None = None) 
 
 
 def load_steps(path: str | Path) -> tuple[list[tuple[list[StepRequest], float]], list[dict[str, Any]]]:
-    """Steps and episodes written by ``--steps-out`` (to fit again without an engine)."""
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
-    steps = [([StepRequest(q, c, g, h, bool(pre)) for q, c, g, h, pre in s["batch"]], float(s["seconds"]))
-             for s in data["steps"]]
+    """Steps and episodes written by ``--steps-out`` (to fit again without an engine); a file that is
+    not one is a :class:`~scheduler_runtime.config.ConfigError` naming it."""
+    from scheduler_runtime.config import ConfigError, load_mapping
+
+    path = Path(path)
+    if path.suffix != ".json":
+        raise ConfigError(f"{path}: a steps file is the JSON --steps-out writes")
+    data = load_mapping(path)
+    try:
+        steps = [([StepRequest(int(q), int(c), int(g), int(h), bool(pre)) for q, c, g, h, pre in s["batch"]],
+                  float(s["seconds"])) for s in data["steps"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{path}: not a steps file of --steps-out ({type(exc).__name__}: {exc})") from None
+    if len(steps) < len(FEATURE_NAMES) or not all(np.isfinite(t) and t > 0 for _, t in steps):
+        raise ConfigError(f"{path}: needs at least {len(FEATURE_NAMES)} steps, each of a finite time > 0")
     return steps, list(data.get("episodes", []))
 
 
@@ -239,12 +282,14 @@ def fit_profile(steps: Sequence[tuple[Sequence[StepRequest], float]],
     }
 
 
-def validate(profile_path: str | Path, plan: Sequence[EpisodeSpec]) -> dict[str, Any]:
-    """Serve ``plan`` on the real engine and on the simulator; the error figures of the docstring."""
+def validate(profile_path: str | Path, plan: Sequence[EpisodeSpec], *, backend: Any = None,
+             max_foreign: float = MAX_FOREIGN_LOAD) -> dict[str, Any]:
+    """Serve ``plan`` on the real engine and on the simulator; the error figures of the docstring
+    (``backend``, ``max_foreign``: as :func:`calibrate`)."""
     from feather_env.sim import SimBackend
 
     load_profile(profile_path)
-    engines = _Engines()
+    engines = _Engines(backend)
     rows: list[dict[str, Any]] = []
     apes: list[float] = []
     excluded = 0
@@ -254,9 +299,9 @@ def validate(profile_path: str | Path, plan: Sequence[EpisodeSpec]) -> dict[str,
             scenario = spec.load()
             for attempt in range(2):
                 real, real_env, foreign = _serve(spec, engines.get(spec), record=False)
-                if foreign <= MAX_FOREIGN_LOAD or attempt:
+                if foreign <= max_foreign or attempt:
                     break
-            if foreign > MAX_FOREIGN_LOAD:
+            if foreign > max_foreign:
                 excluded += 1
                 _log(f"  {spec.label}: foreign CPU {foreign:.0%}: left out")
                 continue
@@ -282,7 +327,8 @@ def validate(profile_path: str | Path, plan: Sequence[EpisodeSpec]) -> dict[str,
     finally:
         engines.close()
     if not rows:
-        raise RuntimeError("no validation episode ran without foreign load")
+        raise RuntimeError(f"no validation episode ran with other processes using at most {max_foreign:.0%} "
+                           "of the machine: run it on a quieter machine, or raise --max-foreign")
     return {
         "makespan_mape": float(np.mean([r["makespan_ape"] for r in rows])),
         "latency_median_ape": float(np.median(apes)) if apes else None,
@@ -295,7 +341,49 @@ def validate(profile_path: str | Path, plan: Sequence[EpisodeSpec]) -> dict[str,
     }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _check_args(args: argparse.Namespace) -> tuple[EpisodeSpec, ...]:
+    """Every input of the command line checked before an engine starts; the plan to serve."""
+    from feather_env.reporting import check_output_dir
+    from feather_env.workloads import DataNotFoundError, WorkloadError
+    from scheduler_runtime.config import ConfigError
+
+    if args.episodes is not None and args.episodes < 1:
+        raise ConfigError(f"--episodes must be >= 1, got {args.episodes}")
+    if not 0 <= args.max_foreign <= 1:
+        raise ConfigError(f"--max-foreign must be a share of the machine in [0, 1], got {args.max_foreign}")
+    if args.from_steps and not args.out:
+        raise ConfigError("--from-steps fits a profile: give --out PROFILE.json")
+    for flag, value in (("--out", args.out), ("--json", args.json), ("--steps-out", args.steps_out)):
+        if value is None:
+            continue
+        if not value.endswith(".json"):
+            raise ConfigError(f"{flag} must name a .json file, got {value!r}")
+        try:
+            check_output_dir(Path(value).parent, f"{flag} {value}: its folder")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    if args.validate:
+        load_profile(args.validate)
+    if args.from_steps:
+        load_steps(args.from_steps)
+        return ()
+    if args.scenario is not None:
+        plan = scenario_plan(args.scenario, args.episodes or 1, validation=bool(args.validate))
+    else:
+        plan = VALIDATION_PLAN if args.validate else CALIBRATION_PLAN
+        plan = plan[: args.episodes] if args.episodes else plan
+    try:
+        for spec in plan:  # the scenarios, their pools and the episodes, before any engine
+            spec.load().episode_workload(spec.seed)
+    except (DataNotFoundError, WorkloadError) as exc:
+        raise ConfigError(str(exc)) from None
+    return plan
+
+
+def main(argv: Sequence[str] | None = None, backend: Any = None) -> int:
+    """The command line (module docstring); ``backend``: an engine to serve on (see :func:`calibrate`)."""
+    from scheduler_runtime.config import ConfigError
+
     p = argparse.ArgumentParser(description="Fit the simulator on real-engine episodes, or validate it.")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--out", help="serve the calibration episodes, fit, and write a profile here")
@@ -303,23 +391,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", help="with --validate: write the error figures here")
     p.add_argument("--steps-out", help="with --out: also write every measured step here (JSON)")
     p.add_argument("--from-steps", help="with --out: fit the steps of a --steps-out file (no engine)")
+    p.add_argument("--scenario", default=None, help="calibrate (or validate) on this scenario's episodes "
+                   "(a name or a scenario file) instead of the built-in plan")
+    p.add_argument("--max-foreign", type=float, default=MAX_FOREIGN_LOAD, help="re-run, then leave out, an "
+                   "episode during which other processes used more than this share of the machine (default "
+                   f"{MAX_FOREIGN_LOAD})")
     p.add_argument("--episodes", type=int, default=None,
                    help="serve only the first N episodes of the plan (default: all; validation has "
-                        f"{len(VALIDATION_PLAN)}, calibration {len(CALIBRATION_PLAN)})")
+                        f"{len(VALIDATION_PLAN)}, calibration {len(CALIBRATION_PLAN)}); with --scenario: N "
+                        "episodes per scheduler (default 1)")
     args = p.parse_args(argv)
     use_in_process_engine()
-    if args.out:
-        if args.from_steps:
-            profile = fit_profile(*load_steps(args.from_steps))
+    try:
+        plan = _check_args(args)
+    except ConfigError as exc:
+        print(f"calibrate: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    try:
+        if args.out:
+            profile = (fit_profile(*load_steps(args.from_steps)) if args.from_steps
+                       else calibrate(plan, args.steps_out, backend=backend, max_foreign=args.max_foreign))
         else:
-            plan = CALIBRATION_PLAN[: args.episodes] if args.episodes else CALIBRATION_PLAN
-            profile = calibrate(plan, args.steps_out)
+            result = validate(args.validate, plan, backend=backend, max_foreign=args.max_foreign)
+    except RuntimeError as exc:
+        print(f"calibrate: {exc}", file=sys.stderr)
+        return 1
+    if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(profile, indent=1) + "\n")
         print(f"wrote {args.out}")
         return 0
-    plan = VALIDATION_PLAN[: args.episodes] if args.episodes else VALIDATION_PLAN
-    result = validate(args.validate, plan)
     print(f"validation on {result['n']} fresh episodes: makespan MAPE {result['makespan_mape']:.3f}, "
           f"latency median APE {result['latency_median_ape']:.3f}, "
           f"hit-rate abs err {result['hit_rate_abs_err']:.4f}")

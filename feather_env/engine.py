@@ -84,8 +84,8 @@ class EngineConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.kv_cache_gib <= 0:
-            raise ConfigError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        if not (isinstance(self.kv_cache_gib, int | float) and 0 < self.kv_cache_gib < float("inf")):
+            raise ConfigError(f"kv_cache_gib must be a finite number > 0, got {self.kv_cache_gib!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -60,3 +60,24 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def check_output_dir(path: str | Path, what: str = "the output folder") -> None:
+    """Raise ``ValueError`` unless ``path`` is a folder, or can be created as one, by this user.
+
+    Commands call it before they start, so that a bad ``--out`` fails first. Nothing is left behind:
+    whether the nearest existing folder takes a new entry is tried with a temporary folder, removed
+    at once (permission bits do not tell, e.g. for root or a read-only mount).
+    """
+    import tempfile
+
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{what} {path} exists and is not a folder")
+    parent = next((p for p in [path, *path.absolute().parents] if p.exists()), Path("/"))
+    if not parent.is_dir():
+        raise ValueError(f"{what} {path}: {parent} is not a folder")
+    try:
+        tempfile.TemporaryDirectory(dir=parent, prefix=".feather-write-check-").cleanup()
+    except OSError as exc:
+        raise ValueError(f"{what} {path}: cannot write in {parent} ({exc.strerror or exc})") from None

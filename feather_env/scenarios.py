@@ -12,7 +12,9 @@ A scenario is what the environment trains on, what ``train.py --scenario`` and
       groups: 16         # whole prefix groups (documents with their questions) ...
       max_per_group: 8   # ... with at most this many requests each
       requests: null     # or this many requests at random (after the groups, if both)
-      arrival: burst     # burst | poisson:RATE | trace
+      window_s: null     # a timed trace: a window of so many seconds (drawn before the above)
+      arrival: burst     # burst | poisson:RATE | trace | trace:FILE[:RATE]; default: the
+                         # trace's own timestamps when the pool has them, else burst
     engine:              # feather_env.engine.EngineConfig: the KV cache, the batch, the token budget
       kv_cache_gib: 0.25
       max_num_seqs: 64
@@ -24,9 +26,18 @@ Episode ``seed`` is a pure function of the scenario: :meth:`Scenario.episode` dr
 requests, the same token ids and the same arrival times for the same seed, wherever it runs.
 ``evaluate.py --scenario NAME --seed S`` serves episode ``S``.
 
+Paths in a scenario file (``workload.path``, ``workload.data_dir``, an arrival's ``trace:FILE``)
+are relative to the file's folder.
+
 Errors are clear and early: an unknown scenario lists the available ones, an unknown key lists
 the valid keys of its section, and a request that could never fit the scenario's KV cache is a
-:class:`~scheduler_runtime.config.ConfigError` naming it, never a silent drop.
+:class:`~scheduler_runtime.config.ConfigError` naming it, never a silent drop (a ``custom`` file or
+a ``synthetic`` workload is checked request by request before its pool is built:
+:class:`~feather_env.workloads.WorkloadError`, naming the file and line).
+
+A scenario for your own trace, in one command (it prints what it found and writes the file)::
+
+    python -m feather_env.scenarios new --trace requests.jsonl --kv-cache-gib 0.5 --out mine.yaml
 """
 
 from __future__ import annotations
@@ -41,7 +52,7 @@ from typing import Any
 
 from feather_env.engine import REPO_ROOT, EngineConfig
 from feather_env.workloads import Workload, WorkloadConfig, load_workload, sample_workload
-from feather_env.workloads.arrivals import parse_arrival
+from feather_env.workloads.arrivals import TraceFileArrivals, parse_arrival
 from scheduler_runtime.config import ConfigError, from_mapping, load_yaml
 
 __all__ = [
@@ -57,11 +68,15 @@ __all__ = [
 SCENARIO_DIR = REPO_ROOT / "configs" / "scenarios"
 #: The scenarios a policy is shipped for and the evaluation serves (``leval-ample-kv`` is the
 #: environment's contrast case: ample KV, where admission order barely matters).
-EVALUATED_SCENARIOS = ("leval-kv-pressure", "leval-kv-pressure-poisson", "leval-high-load", "leval-summaries",
-                       "sharegpt", "longbench")
+EVALUATED_SCENARIOS = ("leval-kv-pressure", "leval-kv-pressure-poisson", "leval-trace", "leval-high-load",
+                       "leval-summaries", "sharegpt", "longbench")
 _SECTIONS = ("description", "workload", "episode", "engine", "scheduler")
 #: Workload keys that belong to the episode (the pool must not sample by itself).
 _EPISODE_KEYS = ("num_requests", "num_groups", "max_per_group", "arrival")
+#: Workload keys that name files, relative to the scenario file.
+_PATH_KEYS = ("path", "data_dir")
+#: Prefix groups a synthetic scenario's pool has at least (its episodes draw ``episode.groups``).
+SYNTHETIC_POOL_GROUPS = 8
 
 
 @dataclass(frozen=True)
@@ -71,14 +86,19 @@ class EpisodeConfig:
     groups: int | None = None
     max_per_group: int | None = None
     requests: int | None = None
-    arrival: str = "burst"
+    window_s: float | None = None
+    arrival: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("groups", "max_per_group", "requests"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or value < 1):
                 raise ConfigError(f"episode.{name} must be a positive integer or null, got {value!r}")
-        parse_arrival(self.arrival)
+        if self.window_s is not None and not (math.isfinite(self.window_s) and self.window_s > 0):
+            raise ConfigError(f"episode.window_s must be a finite number of seconds > 0 or null, "
+                              f"got {self.window_s!r}")
+        if self.arrival is not None:
+            parse_arrival(self.arrival)
 
 
 @dataclass(frozen=True)
@@ -111,8 +131,16 @@ class Scenario:
     @cached_property
     def pool(self) -> Workload:
         """Every request the episodes draw from (loaded once per scenario object)."""
-        pool = load_workload(self.workload)
         capacity = self.kv_capacity_tokens
+        workload = self.workload
+        if workload.kind == "synthetic":
+            workload = replace(workload, num_groups=max(SYNTHETIC_POOL_GROUPS, self.episode.groups or 0))
+        note = f" ({self.engine.kv_cache_gib:g} GiB, engine.kv_cache_gib of scenario {self.name!r})"
+        pool = load_workload(workload, model_dir=self.engine.model_dir, max_request_tokens=capacity,
+                             capacity_note=note)
+        if self.episode.window_s is not None and pool.arrivals != "trace":
+            raise ConfigError(f"scenario {self.name!r}: episode.window_s draws time windows of a trace, but "
+                              f"the {workload.kind} workload has no timestamps")
         too_big = [r for r in pool if r.peak_tokens > capacity]
         if too_big:
             worst = max(too_big, key=lambda r: r.peak_tokens)
@@ -136,11 +164,16 @@ class Scenario:
         return replace(self.engine, max_model_len=max(need, block))
 
     def episode_workload(self, seed: int) -> Workload:
-        """Episode ``seed``: the same requests, tokens and arrivals for the same seed."""
+        """Episode ``seed``: the same requests, tokens and arrivals for the same seed.
+
+        A timed trace keeps its timestamps unless ``episode.arrival`` says otherwise; with
+        ``episode.window_s`` the episode is a time window of it drawn for ``seed``, else all of it.
+        """
         ep = self.episode
         cfg = replace(self.workload, num_groups=ep.groups, max_per_group=ep.max_per_group,
                       num_requests=ep.requests, arrival=ep.arrival, seed=int(seed))
-        return sample_workload(self.pool, cfg)
+        pool = self.pool if ep.window_s is None else self.pool.window(ep.window_s, int(seed))
+        return sample_workload(pool, cfg, groups_from_pool=True)
 
     @property
     def max_episode_requests(self) -> int:
@@ -154,6 +187,8 @@ class Scenario:
             n = sum(sizes[: ep.groups])
         elif ep.max_per_group is not None:
             n = sum(min(len(m), ep.max_per_group) for m in self.pool.groups().values())
+        if ep.window_s is not None:
+            n = min(n, self.pool.max_window_requests(ep.window_s))
         if ep.requests is not None:
             n = min(n, ep.requests)
         return n
@@ -175,6 +210,10 @@ class Scenario:
             raise ConfigError(f"{where}: unknown key(s) {unknown}; valid keys are {list(_SECTIONS)}")
         if "workload" not in data:
             raise ConfigError(f"{where}: a scenario needs a 'workload' section")
+        if source is not None and isinstance(data["workload"], Mapping):
+            base = Path(source).parent
+            data = {**data, "workload": {k: _anchor_path(v, base) if k in _PATH_KEYS else v
+                                         for k, v in data["workload"].items()}}
         workload = WorkloadConfig.from_mapping(data["workload"], where=f"{where}: workload")
         sampled = [k for k in _EPISODE_KEYS if getattr(workload, k) is not None]
         if sampled:
@@ -184,6 +223,11 @@ class Scenario:
         if isinstance(episode, Mapping) and source is not None:
             episode = {**episode, "arrival": _anchor_trace(episode.get("arrival"), Path(source).parent)}
             data = {**data, "episode": episode}
+        engine = data.get("engine")
+        if source is not None and isinstance(engine, Mapping) and isinstance(engine.get("model_dir"), str):
+            beside = Path(source).parent / Path(engine["model_dir"]).expanduser()
+            if beside.is_dir():  # else the engine's own rule (as given, else the repository's)
+                data = {**data, "engine": {**engine, "model_dir": str(beside.resolve())}}
         description = data.get("description", "")
         if not isinstance(description, str):
             raise ConfigError(f"{where}: description must be a string")
@@ -199,13 +243,24 @@ class Scenario:
         )
 
 
+def _anchor_path(value: Any, base_dir: Path) -> Any:
+    """A relative path named in a scenario file, made absolute against the file's folder."""
+    if not isinstance(value, str) or not value:
+        return value
+    path = Path(value).expanduser()
+    return str(path if path.is_absolute() else (base_dir / path).resolve())
+
+
 def _anchor_trace(arrival: Any, base_dir: Path) -> Any:
-    """A ``trace:FILE[:RATE]`` arrival with FILE resolved beside the scenario file (else in the
-    data root's traces/): the path a scenario names is relative to the scenario."""
+    """A ``trace:FILE[:RATE]`` arrival whose FILE lies in the scenario file's folder (or below it),
+    with FILE made absolute (a path in a scenario is relative to the scenario); any other spec
+    unchanged (a FILE of the data root's traces/ is found there when the episode is drawn)."""
     if not isinstance(arrival, str) or not arrival.strip().lower().startswith("trace:"):
         return arrival
-    process = parse_arrival(arrival, base_dir)
-    return process.spec
+    process = parse_arrival(arrival, base_dir)  # checks the spec and finds FILE
+    if isinstance(process, TraceFileArrivals) and process.path.is_relative_to(base_dir):  # found beside it
+        return process.spec
+    return arrival
 
 
 def available_scenarios() -> list[str]:
@@ -230,6 +285,8 @@ def load_scenario(name_or_path: str | Path | Scenario,
         name, source = name_or_path.name, name_or_path.source
     else:
         path = Path(name_or_path)
+        if path.suffix in (".yaml", ".yml") and not path.is_file() and not (SCENARIO_DIR / path).is_file():
+            raise ConfigError(f"scenario file not found: {path}")
         if path.suffix not in (".yaml", ".yml") or not path.is_file():
             candidate = SCENARIO_DIR / f"{name_or_path}.yaml"
             if not candidate.is_file():
@@ -245,3 +302,133 @@ def load_scenario(name_or_path: str | Path | Scenario,
             raise ConfigError(f"scenario override {section!r}: expected a mapping")
         data[section] = {**dict(data.get(section) or {}), **values}
     return Scenario.from_mapping(name, data, source)
+
+
+# -- python -m feather_env.scenarios new -------------------------------------------------------------
+def describe_trace(scenario: Scenario) -> list[str]:
+    """What a scenario's pool holds, in a few lines: requests, time span and rate, prompt and output
+    lengths, prefix groups, and the prompt tokens a perfect prefix cache would serve."""
+    import numpy as np
+
+    pool = scenario.pool
+    prompt = np.array([r.prompt_len for r in pool])
+    output = np.array([r.output_len for r in pool])
+    times = np.array([r.arrival_time for r in pool])
+    block = scenario.engine.block_size
+    cached = pool.cached_prompt_tokens(block)
+    if pool.arrivals == "trace" and times.max() > times.min():
+        span = float(times.max() - times.min())
+        timing = f"timestamps over {span:,.1f} s, a mean rate of {(len(pool) - 1) / span:.2f} requests/s"
+    else:
+        timing = "no timestamps (an episode arrives as a burst unless episode.arrival says otherwise)"
+    kv = scenario.kv_capacity_tokens
+    return [
+        f"{len(pool)} requests, {timing}",
+        f"prompts: mean {prompt.mean():,.0f}, median {np.median(prompt):,.0f}, max {prompt.max():,} tokens; "
+        f"outputs: mean {output.mean():,.1f}, max {output.max():,} tokens",
+        f"prefix sharing: a perfect prefix cache (blocks of {block} tokens, no eviction) would serve "
+        f"{cached / prompt.sum():.1%} of the {int(prompt.sum()):,} prompt tokens; {pool.num_groups} prefix "
+        f"groups",
+        f"KV cache: {scenario.engine.kv_cache_gib:g} GiB = {kv:,} tokens, "
+        f"{kv / (prompt.mean() + output.mean()):.1f}x a mean request; episodes of up to "
+        f"{scenario.max_episode_requests} requests",
+    ]
+
+
+def new_scenario(trace: str | Path, out: str | Path, *, kv_cache_gib: float = 4.0, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 8192, cpu_cores: str | None = None,
+                 window_s: float | None = None, arrival: str | None = None, description: str | None = None,
+                 force: bool = False) -> tuple[Scenario, dict[str, Any]]:
+    """A ``custom`` scenario for ``trace`` written to ``out`` (the trace's path relative to it), after
+    its pool loaded and passed every check: nothing is written when the trace or a knob is bad."""
+    import os
+
+    out, trace = Path(out), Path(trace)
+    if out.suffix not in (".yaml", ".yml"):
+        raise ConfigError(f"--out must name a .yaml file, got {str(out)!r}")
+    if out.exists() and not force:
+        raise ConfigError(f"{out} exists; choose another --out or pass --force to replace it")
+    if not trace.is_file():
+        raise ConfigError(f"trace file not found: {trace}")
+    rel = os.path.relpath(trace.resolve(), out.resolve().parent)
+    engine: dict[str, Any] = {"kv_cache_gib": kv_cache_gib, "max_num_seqs": max_num_seqs,
+                              "max_num_batched_tokens": max_num_batched_tokens}
+    if cpu_cores is not None:
+        engine["cpu_cores"] = cpu_cores
+    episode: dict[str, Any] = {}
+    if window_s is not None:
+        episode["window_s"] = window_s
+    if arrival is not None:
+        episode["arrival"] = arrival
+    data: dict[str, Any] = {
+        "description": description or f"your own requests: {trace.name}",
+        "workload": {"kind": "custom", "path": rel, "max_prompt_tokens": None},
+        "episode": episode,
+        "engine": engine,
+    }
+    scenario = Scenario.from_mapping(out.stem, data, str(out))
+    scenario.pool  # noqa: B018 - loads and checks every request before anything is written
+    return scenario, data
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m feather_env.scenarios new ...`` (see :func:`new_scenario`) and ``list``."""
+    import argparse
+    import shlex
+    import sys
+
+    import yaml
+
+    from feather_env.workloads import DataNotFoundError, WorkloadError
+
+    p = argparse.ArgumentParser(prog="python -m feather_env.scenarios",
+                                description="Scenarios: list them, or make one from your own trace.")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="the scenarios in configs/scenarios/")
+    new = sub.add_parser("new", help="a scenario from a JSON-lines or CSV trace of your requests "
+                         "(feather_env.workloads.custom)")
+    new.add_argument("--trace", required=True, help="the trace (.jsonl or .csv)")
+    new.add_argument("--out", required=True, help="the scenario file to write (.yaml)")
+    new.add_argument("--kv-cache-gib", type=float, default=4.0, help="the engine's KV cache (GiB; default 4)")
+    new.add_argument("--max-num-seqs", type=int, default=64, help="max running batch (default 64)")
+    new.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget of a step")
+    new.add_argument("--cpu-cores", default=None, help='pin the engine (CPU backend), e.g. "1"')
+    new.add_argument("--window-s", type=float, default=None, help="episodes are time windows of this many "
+                     "seconds of the trace (default: an episode is the whole trace)")
+    new.add_argument("--arrival", default=None, help="burst | poisson:RATE | trace (default: the trace's "
+                     "timestamps when it has them, else burst)")
+    new.add_argument("--description", default=None)
+    new.add_argument("--force", action="store_true", help="replace --out if it exists")
+    args = p.parse_args(argv)
+    if args.command == "list":
+        for name in available_scenarios():
+            print(f"{name}: {load_scenario(name).description}")
+        return 0
+    try:
+        scenario, data = new_scenario(args.trace, args.out, kv_cache_gib=args.kv_cache_gib,
+                                      max_num_seqs=args.max_num_seqs,
+                                      max_num_batched_tokens=args.max_num_batched_tokens,
+                                      cpu_cores=args.cpu_cores, window_s=args.window_s, arrival=args.arrival,
+                                      description=args.description, force=args.force)
+        lines = describe_trace(scenario)
+    except (ConfigError, DataNotFoundError, WorkloadError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"trace {args.trace}:")
+    for line in lines:
+        print(f"  {line}")
+    command = shlex.join(sys.argv[1:] if argv is None else argv)
+    header = (f"# Made by: python -m feather_env.scenarios {command}\n"
+              "# Paths are relative to this file. Keys: feather_env/scenarios.py (docstring).\n")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(header + yaml.safe_dump(data, sort_keys=False))
+    episode = (f"a {args.window_s:g} s window of the trace, drawn per seed" if args.window_s
+               else "the whole trace")
+    print(f"wrote {args.out}: an episode is {episode}")
+    print(f"next: python train.py --agent ucb --config configs/runs/ucb.yaml --scenario {args.out} "
+          f"--out runs/{Path(args.out).stem}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,18 +1,25 @@
 """train.py end to end on the simulator (config, TensorBoard logs, checkpoints, export, --resume,
---n-envs, --scenario), config validation, and one short run on the session's real engine."""
+--n-envs, --scenario), config validation, every bad input as one line and exit status 2 before the run
+folder is touched, low-traffic runs, and one short run on the session's real engine."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import inspect
 import json
+import math
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import yaml
 
 import train
-from agents.training import load_config, parse_config, run
+from agents.training import EnvSection, load_config, parse_config, run
+from agents.ucb import UCBConfig
 from scheduler_runtime.config import ConfigError
 from scheduler_runtime.policy import load_policy
 
@@ -59,8 +66,8 @@ def test_cli_end_to_end_and_resume(tmp_path):
     first = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
     assert first.returncode == 0, first.stderr
     saved = yaml.safe_load((out / "config.yaml").read_text())
-    assert saved["agent"] == {"name": "ucb", "c": 2.0, "credit": "return_to_go", "batch_div": 4,
-                              "batch_max": 10, "delta_clip": 5, "w_div": 4, "w_max": 10}
+    assert saved["agent"] == {"name": "ucb", **asdict(UCBConfig())}  # every knob, defaults included
+    assert saved["agent"]["c"] == 2.0 and saved["agent"]["credit"] == "return_to_go"
     assert saved["scenario"]["name"] == "leval-kv-pressure" and saved["train"]["timesteps"] == 300
     pointer = json.loads((out / "checkpoints" / "latest.json").read_text())
     assert pointer["num_timesteps"] == 300 and (out / "checkpoints" / pointer["path"]).is_file()
@@ -245,3 +252,172 @@ def test_missing_data_is_a_clear_error(tmp_path, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("train.py: ") and "nowhere" in err and "OpenLMLab/LEval" in err
+
+
+# ----------------------------------------------------------------------------- bad input: one line, exit 2
+TRACE = REPO / "tests" / "data" / "support-small.jsonl"
+
+
+def _trace(tmp_path: Path, text: str | bytes) -> str:
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return str(path)
+
+
+GOOD_ROW = '{"prompt": "Hello there, how do I reset my password?", "output_tokens": 4, "timestamp": 0}\n'
+BAD_INPUTS = [
+    ("malformed JSON line", {"trace": GOOD_ROW + '{"prompt": "x", \n'}, "t.jsonl:2: malformed JSON line"),
+    ("missing output length", {"trace": GOOD_ROW + '{"prompt": "x", "timestamp": 1}\n'},
+     "t.jsonl:2: no output length"),
+    ("missing prompt", {"trace": '{"output_tokens": 3}\n'}, "t.jsonl:1: no prompt"),
+    ("non-UTF-8", {"trace": GOOD_ROW.encode() + b'{"prompt": "caf\xe9", "output_tokens": 2}\n'},
+     "t.jsonl:2: not UTF-8"),
+    ("empty file", {"trace": ""}, "no requests (the file is empty)"),
+    ("negative timestamp", {"trace": GOOD_ROW + '{"prompt": "x", "output_tokens": 2, "timestamp": -1}\n'},
+     "t.jsonl:2: timestamp must be a finite time in seconds >= 0, got -1"),
+    ("NaN timestamp", {"trace": GOOD_ROW + '{"prompt": "x", "output_tokens": 2, "timestamp": NaN}\n'},
+     "t.jsonl:2: timestamp must be a finite time in seconds >= 0, got nan"),
+    ("token id outside the vocabulary", {"trace": '{"prompt_token_ids": [1, 8192], "output_tokens": 2}\n'},
+     "t.jsonl:1: token id 8192 is outside the model's vocabulary"),
+    ("request larger than the KV cache",
+     {"trace": '{"prompt_token_ids": [' + ", ".join(["5"] * 6000) + '], "output_tokens": 2}\n'},
+     "can never fit the KV cache"),
+    ("kv_cache_gib .nan", {"scenario": {"engine": {"kv_cache_gib": math.nan}}},
+     "kv_cache_gib must be a finite"),
+    ("kv_cache_gib .inf", {"scenario": {"engine": {"kv_cache_gib": math.inf}}},
+     "kv_cache_gib must be a finite"),
+    ("negative Poisson rate", {"scenario": {"episode": {"arrival": "poisson:-1"}}}, "rate must be a finite"),
+    ("max_wait .nan", {"scenario": {"scheduler": {"max_wait": math.nan}}}, "max_wait must be a finite"),
+    ("window_s .inf", {"scenario": {"episode": {"window_s": math.inf}}},
+     "window_s must be a finite"),
+    ("--seed -1", {"argv": ["--seed", "-1"]},
+     "train.seed must be >= 0, got -1"),
+    ("reward_scale .nan", {"env": {"reward_scale": math.nan}},
+     "env.reward_scale must be a finite number > 0"),
+    ("reward_scale 0", {"env": {"reward_scale": 0}}, "env.reward_scale must be a finite number > 0"),
+    ("max_episode_seconds .nan", {"env": {"max_episode_seconds": math.nan}}, "max_episode_seconds must be"),
+    ("negative learning rate", {"agent": "ppo", "agent_kw": {"learning_rate": -1e-3}},
+     "agent.learning_rate must be > 0"),
+    ("infinite exploration constant", {"agent_kw": {"c": math.inf}},
+     "agent.c must be a finite number"),
+    ("output length spec that overflows",
+     {"base": "leval-kv-pressure",
+      "scenario": {"workload": {"kind": "synthetic", "output_len": "uniform:1:1e30"}}},
+     "longer than any length"),
+    ("one request per episode", {"scenario": {"episode": {"requests": 1}}}, "never asks a decision"),
+    ("max_num_seqs 1", {"scenario": {"engine": {"max_num_seqs": 1}}}, "engine.max_num_seqs is 1"),
+]
+
+
+@pytest.mark.parametrize("case, given, message", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_every_bad_input_is_one_line_and_exit_2_before_the_run_folder(tmp_path, capsys, case, given, message):
+    scenario: dict = {"name": given.get("base", str(REPO / "tests" / "data" / "support-small.yaml"))}
+    if "trace" in given:
+        scenario["workload"] = {"path": _trace(tmp_path, given["trace"])}
+    for section, values in given.get("scenario", {}).items():
+        scenario[section] = {**scenario.get(section, {}), **values}
+    agent = given.get("agent", "ucb")
+    cfg = {"scenario": scenario, "agent": {"name": agent, **given.get("agent_kw", {})},
+           "env": given.get("env", {}), "train": {"timesteps": 64, "eval_every": 0, "eval_episodes": 1,
+                                                  "checkpoint_every": 0, "progress_bar": False}}
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--agent", agent, "--config", str(write(tmp_path, cfg)), "--out", str(out),
+                    *given.get("argv", [])])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert len(err.strip().splitlines()) == 1 and err.startswith("train.py: ") and message in err, err
+    assert not out.exists()
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("agent, damage, why", [
+    ("ucb", "truncate", "BadZipFile"),
+    ("ucb", "empty", "EOFError"),
+    ("ucb", "no-meta", "KeyError: '__meta__"),
+    ("ppo", "no-sidecar", "FileNotFoundError"),
+])
+def test_resume_checks_the_checkpoint_before_touching_the_run_and_offers_an_earlier_one(
+        tmp_path, capsys, agent, damage, why):
+    import numpy as np
+
+    cfg = small_config(agent, timesteps=192, eval_every=0, eval_episodes=1, checkpoint_every=64)
+    path = write(tmp_path, cfg)
+    out = tmp_path / "run"
+    train.main(["--agent", agent, "--config", str(path), "--out", str(out), "--no-progress"])
+    ckpt = out / "checkpoints" / json.loads((out / "checkpoints" / "latest.json").read_text())["path"]
+    if damage == "truncate":
+        ckpt.write_bytes(ckpt.read_bytes()[: ckpt.stat().st_size // 2])
+    elif damage == "empty":
+        ckpt.write_bytes(b"")
+    elif damage == "no-meta":
+        with ckpt.open("wb") as fh:
+            np.savez(fh, q=np.zeros(3))
+    else:
+        ckpt.with_suffix(".json").unlink()
+    before = {p.name: _sha(p) for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--agent", agent, "--config", str(path), "--out", str(out), "--resume",
+                    "--timesteps", "300", "--no-progress"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    earlier = f"{agent}_128_steps{ckpt.suffix}"
+    assert f"checkpoint {ckpt} does not load ({why}" in err, err
+    assert f"the latest earlier checkpoint that loads is {ckpt.parent / earlier} (128 timesteps)" in err, err
+    after = {p.name: _sha(p) for p in out.rglob("*") if p.is_file()}
+    assert after == before  # nothing written, config.yaml included
+    pointer = json.loads(err.split("write ", 1)[1].split(" to ", 1)[0])
+    (out / "checkpoints" / "latest.json").write_text(json.dumps(pointer))  # as the message says
+    res = train.main(["--agent", agent, "--config", str(path), "--out", str(out), "--resume",
+                      "--timesteps", "256", "--no-progress"])
+    assert res.num_timesteps >= 256
+
+
+def test_low_traffic_trains_to_the_end_skipping_episodes_without_a_decision(tmp_path, capsys):
+    """Poisson arrivals at 0.05 requests/s: most episodes never ask a decision (each request is served
+    alone); they are skipped and counted, and the run trains to the end."""
+    cfg = small_config("ucb", timesteps=120, eval_every=0, eval_episodes=2, checkpoint_every=0)
+    cfg["scenario"]["episode"] = {**cfg["scenario"]["episode"], "arrival": "poisson:0.05"}
+    res = train.main(["--agent", "ucb", "--config", str(write(tmp_path, cfg)), "--out", str(tmp_path / "run"),
+                      "--no-progress"])
+    assert res.num_timesteps == 120
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["skipped_episodes"] > 0 and summary["final_eval"]["output_throughput"] > 0
+    assert f"{summary['skipped_episodes']} training episodes needed no decision" in capsys.readouterr().out
+
+
+def test_the_run_config_accepts_every_argument_of_the_environment():
+    """EnvSection is FeatherEnv's keyword arguments less those a run sets itself: an argument the
+    environment gains (``decision``) is a key a run config accepts and passes through."""
+    from feather_env.env import FeatherEnv
+
+    params = inspect.signature(FeatherEnv.__init__).parameters
+    run_sets = {"self", "scenario", "backend", "scenario_overrides", "llm"}
+    assert {f.name for f in dataclasses.fields(EnvSection)} == set(params) - run_sets
+    cfg = parse_config({**small_config("ucb"), "env": {"decision": "group"}})
+    assert cfg.env.decision == "group" and cfg.env.scheduler == "group-cap-3"  # the env's default for it
+
+
+def test_files_a_config_names_are_relative_to_it(tmp_path):
+    folder = tmp_path / "proj+1"
+    (folder / "scen").mkdir(parents=True)
+    (folder / "scen" / "mine+v2.yaml").write_text(yaml.safe_dump({
+        "workload": {"kind": "custom", "path": str(TRACE)}, "engine": {"kv_cache_gib": 0.01}}))
+    (folder / "traces").mkdir()
+    (folder / "traces" / "other.jsonl").write_bytes(TRACE.read_bytes())
+    profile = REPO / "configs" / "profiles" / "cpu-tiny-llama.json"
+    (folder / "profile.json").write_bytes(profile.read_bytes())
+    cfg_path = folder / "run.yaml"
+    cfg_path.write_text(yaml.safe_dump({
+        "scenario": {"name": "scen/mine+v2.yaml", "workload": {"path": "traces/other.jsonl"}},
+        "env": {"profile": "profile.json"}, "agent": {"name": "ucb"}}))
+    cfg = load_config(cfg_path)
+    assert cfg.scenario["name"] == str(folder / "scen" / "mine+v2.yaml")  # one scenario, not a mix
+    assert cfg.scenario["workload"]["path"] == str(folder / "traces" / "other.jsonl")
+    assert cfg.env.profile == str(folder / "profile.json")
+    mix = folder / "mix.yaml"
+    mix.write_text(yaml.safe_dump({"scenario": "leval-kv-pressure+sharegpt", "agent": {"name": "ucb"}}))
+    assert load_config(mix).scenario["name"] == ["leval-kv-pressure", "sharegpt"]  # names: a mix

@@ -4,6 +4,7 @@
   (:meth:`feather_env.serving.VLLMBackend.serve`, the scheduler deciding as in production);
 - :mod:`~feather_env.evaluation.endpoint`: any OpenAI-compatible completions server over HTTP
   (``feather-serve``, vLLM's own server), streamed and timed at the client;
+- :mod:`~feather_env.evaluation.simulated`: each scheduler on a scenario's episodes in the simulator;
 - :mod:`~feather_env.evaluation.report`: a run's metrics in ``vllm bench serve``'s vocabulary plus
   the scheduler's own figures, the tables, the results folder, reading runs back and comparing them;
 - :mod:`~feather_env.evaluation.plots`: the figures;
@@ -23,6 +24,7 @@ from feather_env.evaluation.inprocess import (
 from feather_env.evaluation.report import (
     ENDPOINT,
     IN_PROCESS,
+    SIMULATOR,
     Run,
     compare,
     metrics_tables,
@@ -31,17 +33,22 @@ from feather_env.evaluation.report import (
     summarize,
     write_results,
 )
+from feather_env.evaluation.simulated import SimConfig, episodes_workload, evaluate_simulated
 
 __all__ = [
     "ENDPOINT",
     "IN_PROCESS",
+    "SIMULATOR",
     "EndpointConfig",
     "EndpointError",
     "InProcessConfig",
     "Run",
+    "SimConfig",
     "compare",
+    "episodes_workload",
     "evaluate_endpoint",
     "evaluate_in_process",
+    "evaluate_simulated",
     "fit_engine",
     "metrics_tables",
     "probe_server",

@@ -353,6 +353,8 @@ def serve_one(backend: Any, name: str, workload: Workload, config: InProcessConf
         "scheduler_overhead_frac": None,
         "scheduler_arrival_frac": None,
         "foreign_cpu": load.fraction,
+        "max_slowdown": None,  # with the isolated probes: evaluate_in_process
+        "mean_slowdown": None,
         "wall_s": wall,
     }
     if stats is not None and step_s > 0:

@@ -1,8 +1,9 @@
 """One vocabulary for every evaluation run, and how runs are written, read back and compared.
 
 A :class:`Run` is one served episode: a scheduler on the in-process engine
-(:mod:`feather_env.evaluation.inprocess`) or a running server over HTTP
-(:mod:`feather_env.evaluation.endpoint`). :func:`summarize` turns it into one flat mapping:
+(:mod:`feather_env.evaluation.inprocess`), a running server over HTTP
+(:mod:`feather_env.evaluation.endpoint`), or the simulator
+(:mod:`feather_env.evaluation.simulated`). :func:`summarize` turns it into one flat mapping:
 
 - ``vllm bench serve``'s keys, with its definitions (:func:`feather_env.serving_metrics.serving_metrics`:
   ``request_throughput``, ``output_throughput``, ``mean_ttft_ms``, ``p99_e2el_ms``, ITL, goodput, ...);
@@ -38,6 +39,7 @@ __all__ = [
     "ENDPOINT",
     "IN_PROCESS",
     "PERCENTILES",
+    "SIMULATOR",
     "Run",
     "StepSample",
     "compare",
@@ -50,6 +52,7 @@ __all__ = [
 
 IN_PROCESS = "in-process"
 ENDPOINT = "endpoint"
+SIMULATOR = "simulator"
 #: Percentiles of every latency distribution (vLLM's default is 99 alone).
 PERCENTILES = (50, 90, 95, 99)
 
@@ -91,7 +94,7 @@ class Run:
 
     Attributes:
         label: the run's name in tables and plots.
-        kind: :data:`IN_PROCESS` or :data:`ENDPOINT`.
+        kind: :data:`IN_PROCESS`, :data:`ENDPOINT` or :data:`SIMULATOR`.
         timelines: every request of the episode (failed ones included).
         duration: the run's duration when it is not first arrival -> last completion (endpoint).
         extra: figures only this kind of run measures (flat numbers, or small mappings).
@@ -252,37 +255,63 @@ def read_runs(results_dir: str | Path) -> tuple[dict[str, Any], list[Run]]:
 
     Raises:
         FileNotFoundError: the folder has no ``results.json``.
-        ValueError: the folder's files are not an evaluation's.
+        ValueError: the folder's files are not an evaluation's (naming the file, and the line of a
+            CSV file).
     """
     folder = Path(results_dir)
     path = folder / "results.json"
     if not path.is_file():
         raise FileNotFoundError(f"{folder} is not a results folder: {path} does not exist")
-    payload = json.loads(path.read_text())
-    if not isinstance(payload.get("runs"), dict):
+    try:
+        payload = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: malformed JSON: {exc}") from None
+    if not isinstance(payload, dict) or not isinstance(payload.get("runs"), dict) or not all(
+            isinstance(m, dict) for m in payload["runs"].values()):
         raise ValueError(f"{path} has no 'runs' mapping: not written by evaluate.py")
     timelines: dict[str, list[RequestTimeline]] = {label: [] for label in payload["runs"]}
-    if (folder / "requests.csv").is_file():
-        with (folder / "requests.csv").open() as fh:
-            for row in csv.DictReader(fh):
-                t = RequestTimeline(row["request_id"], int(row["prompt_len"]), int(row["output_len"]),
-                                    float(row["arrival"]), source=row["source"])
-                for key in ("first_scheduled", "first_token", "finish"):
-                    setattr(t, key, float(row[key]))
-                for key in ("tokens", "finished_count", "prefix_hit_tokens"):
-                    setattr(t, key, int(row[key]))
-                t.itl = [float(g) for g in row.get("itl", "").split()]
-                timelines.setdefault(row["run"], []).append(t)
+    for row, where in _csv_rows(folder / "requests.csv"):
+        try:
+            t = RequestTimeline(row["request_id"], int(row["prompt_len"]), int(row["output_len"]),
+                                float(row["arrival"]), source=row["source"])
+            for key in ("first_scheduled", "first_token", "finish"):
+                setattr(t, key, float(row[key]))
+            for key in ("tokens", "finished_count", "prefix_hit_tokens"):
+                setattr(t, key, int(row[key]))
+            t.itl = [float(g) for g in (row.get("itl") or "").split()]
+            timelines.setdefault(row["run"], []).append(t)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: not a request row of evaluate.py ({type(exc).__name__}: {exc})"
+                             ) from None
     steps: dict[str, list[StepSample]] = {}
-    if (folder / "steps.csv").is_file():
-        with (folder / "steps.csv").open() as fh:
-            for row in csv.DictReader(fh):
-                steps.setdefault(row["run"], []).append(StepSample(
-                    float(row["start"]), float(row["seconds"]), int(row["running"]), int(row["scheduled"]),
-                    bool(int(row["decode_only"]))))
+    for row, where in _csv_rows(folder / "steps.csv"):
+        try:
+            steps.setdefault(row["run"], []).append(StepSample(
+                float(row["start"]), float(row["seconds"]), int(row["running"]), int(row["scheduled"]),
+                bool(int(row["decode_only"]))))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: not an engine-step row of evaluate.py ({type(exc).__name__}: {exc})"
+                             ) from None
     runs = [Run(label, m.get("kind", IN_PROCESS), timelines.get(label, []), steps=steps.get(label, []),
                 errors=m.get("errors") or {}) for label, m in payload["runs"].items()]
     return payload, runs
+
+
+def _csv_rows(path: Path) -> Any:
+    """``(row, "FILE:LINE")`` for each row of a results CSV (none when the file is absent)."""
+    if not path.is_file():
+        return
+    try:
+        with path.open(newline="", encoding="utf-8") as fh:
+            reader = csv.DictReader(fh)
+            for row in reader:
+                yield row, f"{path}:{reader.line_num}"
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except csv.Error as exc:
+        raise ValueError(f"{path}: malformed CSV: {exc}") from None
 
 
 def compare(results_dirs: Sequence[str | Path], out_dir: str | Path, *, plots: bool = True
@@ -298,6 +327,10 @@ def compare(results_dirs: Sequence[str | Path], out_dir: str | Path, *, plots: b
     """
     if not results_dirs:
         raise ValueError("compare needs at least one results folder")
+    inputs = {Path(folder).resolve() for folder in results_dirs}
+    if Path(out_dir).resolve() in inputs:
+        raise ValueError(f"the output folder {out_dir} is one of the folders to compare: it would be "
+                         "overwritten; give another --out")
     merged: dict[str, Any] = {}
     all_runs: list[Run] = []
     sources: dict[str, str] = {}
@@ -309,6 +342,10 @@ def compare(results_dirs: Sequence[str | Path], out_dir: str | Path, *, plots: b
             label = run.label
             if label in merged:
                 label = f"{label} ({Path(folder).name})"
+            n = 2
+            while label in merged:
+                label = f"{run.label} ({Path(folder).name}, {n})"
+                n += 1
             metrics = dict(payload["runs"][run.label], label=label)
             run.label = label
             merged[label] = metrics

@@ -2,7 +2,8 @@
 
 - :class:`Workload`: a named, immutable list of :class:`Request` (sampling, arrivals, stats);
 - loaders: :func:`load_leval` (documents shared by their questions), :func:`load_longbench`
-  (per-request lengths), :func:`load_trace` (vidur CSV traces), :func:`synthetic_workload`;
+  (per-request lengths), :func:`load_trace` (vidur CSV traces), :func:`synthetic_workload`,
+  :func:`load_custom` (your own requests: JSON lines or CSV of prompts, output lengths, timestamps);
 - :func:`parse_arrival` (burst / Poisson / trace), :func:`parse_length_spec`;
 - :class:`WorkloadConfig` + :func:`build_workload`: one config section -> one workload;
 - :func:`resolve_data_dir`: where the data lives (flag > ``$FEATHER_DATA_DIR`` >
@@ -23,6 +24,7 @@ from feather_env.workloads.build import (
     load_workload,
     sample_workload,
 )
+from feather_env.workloads.custom import load_custom
 from feather_env.workloads.datadir import ENV_VAR, DataNotFoundError, resolve_data_dir
 from feather_env.workloads.leval import DEFAULT_INSTRUCTION_TEMPLATE, leval_task_files, load_leval
 from feather_env.workloads.longbench import ZH_TASKS, load_longbench, read_max_new_tokens
@@ -70,6 +72,7 @@ __all__ = [
     "count_tokens",
     "encode_batch_ids",
     "leval_task_files",
+    "load_custom",
     "load_leval",
     "load_longbench",
     "load_trace",

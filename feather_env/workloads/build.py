@@ -6,18 +6,23 @@ A run's ``workload:`` section (YAML) becomes a :class:`WorkloadConfig` through
 in that order:
 
 1. load: ``leval`` | ``longbench`` | ``sharegpt`` | ``splitwise`` | ``arxiv`` (the three vidur
-   CSVs in the data's ``traces/``) | ``synthetic``;
+   CSVs in the data's ``traces/``) | ``synthetic`` | ``custom`` (your own requests: ``path``, a
+   JSON-lines or CSV file, :mod:`feather_env.workloads.custom`);
 2. ``num_groups`` (with ``max_per_group``): keep that many whole prefix groups (for
-   ``synthetic`` it is the number of groups generated);
+   ``synthetic`` it is the number of groups generated, unless the caller samples them from the
+   pool: a scenario's ``episode.groups``);
 3. ``num_requests``: keep that many requests at random;
 4. ``arrival``: ``"burst"`` | ``"poisson:RATE"`` | ``"trace"``; ``None`` means ``"trace"``
-   for a workload with its own timestamps (splitwise) and ``"burst"`` otherwise.
+   for a workload with its own timestamps (splitwise, a custom file with timestamps) and
+   ``"burst"`` otherwise.
 
 Every step is seeded by ``seed``.
 """
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +30,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from feather_env.workloads.arrivals import parse_arrival
+from feather_env.workloads.custom import load_custom
 from feather_env.workloads.datadir import resolve_data_dir
 from feather_env.workloads.leval import DEFAULT_INSTRUCTION_TEMPLATE, load_leval
 from feather_env.workloads.longbench import load_longbench
@@ -34,7 +40,7 @@ from feather_env.workloads.traces import TRACE_FILES, load_trace
 from feather_env.workloads.workload import Workload
 from scheduler_runtime.config import ConfigError, from_mapping
 
-WORKLOAD_KINDS = ("leval", "longbench", *TRACE_FILES, "synthetic")
+WORKLOAD_KINDS = ("leval", "longbench", *TRACE_FILES, "synthetic", "custom")
 DEFAULT_MAX_OUTPUT_TOKENS = {"leval": 512}
 
 
@@ -43,7 +49,10 @@ class WorkloadConfig:
     """Every knob of a workload.
 
     Attributes:
-        kind: ``leval`` | ``longbench`` | ``sharegpt`` | ``splitwise`` | ``arxiv`` | ``synthetic``.
+        kind: ``leval`` | ``longbench`` | ``sharegpt`` | ``splitwise`` | ``arxiv`` | ``synthetic`` |
+            ``custom``.
+        path: ``custom`` only: the JSON-lines or CSV file of requests (a scenario resolves a
+            relative path against its own folder).
         data_dir: data root (or the kind's own folder); ``None``: ``$FEATHER_DATA_DIR``, else
             ``../shared/data`` beside the repository.
         tasks: L-Eval / LongBench task names (``None``: all).
@@ -65,6 +74,7 @@ class WorkloadConfig:
     """
 
     kind: str = "leval"
+    path: str | None = None
     data_dir: str | None = None
     tasks: tuple[str, ...] | None = None
     max_prompt_tokens: int | None = 16384
@@ -90,8 +100,14 @@ class WorkloadConfig:
     def __post_init__(self) -> None:
         if self.kind not in WORKLOAD_KINDS:
             raise ConfigError(
-                f"workload.kind: unknown kind {self.kind!r}; valid: {list(WORKLOAD_KINDS)}"
+                f"workload.kind: unknown kind {self.kind!r}; valid: {list(WORKLOAD_KINDS)} "
+                "(your own requests: kind: custom, path: FILE)"
             )
+        if self.kind == "custom" and not self.path:
+            raise ConfigError("workload.path: kind custom reads your requests from a file: give its path "
+                              "(JSON lines or CSV)")
+        if self.kind != "custom" and self.path is not None:
+            raise ConfigError(f"workload.path is for kind custom (your own requests), not {self.kind!r}")
         if self.overflow not in ("truncate", "error"):
             raise ConfigError(
                 f"workload.overflow must be 'truncate' or 'error', got {self.overflow!r}"
@@ -110,6 +126,17 @@ class WorkloadConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"workload.{name} must be >= 1 or null, got {value}")
+        for name in ("group_size", "vocab_size"):
+            if getattr(self, name) < (1 if name == "group_size" else 4):
+                raise ConfigError(f"workload.{name} must be >= {1 if name == 'group_size' else 4}, "
+                                  f"got {getattr(self, name)}")
+        if self.seed < 0 or self.question_tokens < 0:
+            raise ConfigError(f"workload.seed and workload.question_tokens must be >= 0, got "
+                              f"{self.seed} and {self.question_tokens}")
+        for name in ("tokens_per_word", "tokens_per_char_zh"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"workload.{name} must be a finite number > 0, got {value!r}")
         if self.arrival is not None:
             parse_arrival(self.arrival)
         for name in ("per_group", "prefix_len", "suffix_len", "output_len"):
@@ -135,8 +162,16 @@ def build_workload(
     return sample_workload(load_workload(cfg, tokenizer), cfg)
 
 
-def load_workload(cfg: WorkloadConfig, tokenizer: Tokenizer | None = None) -> Workload:
-    """Step 1 of :func:`build_workload`: every request of the data, as ``cfg`` caps them."""
+def load_workload(cfg: WorkloadConfig, tokenizer: Tokenizer | None = None, *,
+                  model_dir: str | os.PathLike[str] | None = None, max_request_tokens: int | None = None,
+                  capacity_note: str = "") -> Workload:
+    """Step 1 of :func:`build_workload`: every request of the data, as ``cfg`` caps them.
+
+    ``model_dir``: the model whose tokenizer, vocabulary and context a custom file is read with
+    (default: the bundled one). ``max_request_tokens``: prompt + output tokens a request may hold
+    (a scenario's KV cache; ``capacity_note`` describes it): a custom file or a synthetic workload
+    with a larger request raises before the pool is built.
+    """
     max_out = cfg.max_output_tokens
     if max_out is None:
         max_out = DEFAULT_MAX_OUTPUT_TOKENS.get(cfg.kind)
@@ -177,6 +212,18 @@ def load_workload(cfg: WorkloadConfig, tokenizer: Tokenizer | None = None) -> Wo
             vocab_size=cfg.vocab_size,
             name=cfg.kind,
         )
+    elif cfg.kind == "custom":
+        assert cfg.path is not None
+        workload = load_custom(
+            cfg.path,
+            tokenizer=tokenizer,
+            model_dir=model_dir,
+            max_prompt_tokens=cfg.max_prompt_tokens,
+            max_output_tokens=max_out,
+            overflow=cfg.overflow,
+            max_request_tokens=max_request_tokens,
+            capacity_note=capacity_note,
+        )
     else:
         workload = synthetic_workload(
             cfg.num_groups if cfg.num_groups is not None else 8,
@@ -189,13 +236,22 @@ def load_workload(cfg: WorkloadConfig, tokenizer: Tokenizer | None = None) -> Wo
             max_prompt_tokens=cfg.max_prompt_tokens,
             max_output_tokens=max_out,
             overflow=cfg.overflow,
+            max_request_tokens=max_request_tokens,
+            capacity_note=capacity_note,
         )
     return workload
 
 
-def sample_workload(workload: Workload, cfg: WorkloadConfig) -> Workload:
-    """Steps 2-4 of :func:`build_workload`: the groups, requests and arrivals ``cfg`` asks for."""
-    if cfg.num_groups is not None and cfg.kind != "synthetic":
+def sample_workload(workload: Workload, cfg: WorkloadConfig, *, groups_from_pool: bool | None = None
+                    ) -> Workload:
+    """Steps 2-4 of :func:`build_workload`: the groups, requests and arrivals ``cfg`` asks for.
+
+    ``groups_from_pool``: whether ``cfg.num_groups`` samples whole groups of ``workload`` (default:
+    for every kind but ``synthetic``, whose ``num_groups`` is what it generated).
+    """
+    if groups_from_pool is None:
+        groups_from_pool = cfg.kind != "synthetic"
+    if cfg.num_groups is not None and groups_from_pool:
         workload = workload.sample_groups(cfg.num_groups, cfg.seed, cfg.max_per_group)
     elif cfg.max_per_group is not None:
         workload = workload.sample_groups(workload.num_groups, cfg.seed, cfg.max_per_group)

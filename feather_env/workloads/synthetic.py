@@ -29,6 +29,13 @@ from feather_env.workloads.workload import Workload, WorkloadError
 from scheduler_runtime.config import ConfigError
 
 LENGTH_FORMS = 'N, "uniform:LO:HI", "lognormal:MEAN:SIGMA" or "choice:A,B,..."'
+#: The longest length a spec may give (tokens): above it no model has a context, and numpy's
+#: integers overflow.
+MAX_LENGTH = 2**31 - 1
+#: A synthetic pool holds at most this many prompt tokens (4 GiB of token ids).
+MAX_POOL_TOKENS = 2**30
+#: ... and at most this many requests.
+MAX_REQUESTS = 10**7
 
 
 def random_tokens(
@@ -60,7 +67,7 @@ class LengthDistribution:
     spec: str
 
     def sample(self, rng: np.random.Generator, n: int, minimum: int = 1) -> np.ndarray:
-        """``n`` lengths (``np.int64``), each at least ``minimum``."""
+        """``n`` lengths (``np.int64``), each at least ``minimum`` and at most :data:`MAX_LENGTH`."""
         if self.kind == "const":
             out = np.full(n, self.params[0])
         elif self.kind == "uniform":
@@ -68,7 +75,8 @@ class LengthDistribution:
         elif self.kind == "lognormal":
             mean, sigma = self.params
             mu = np.log(mean) - sigma * sigma / 2  # so that E[length] = mean
-            out = np.rint(rng.lognormal(mu, sigma, size=n))
+            with np.errstate(over="ignore"):
+                out = np.minimum(np.rint(rng.lognormal(mu, sigma, size=n)), MAX_LENGTH)
         else:  # choice
             out = rng.choice(np.array(self.params), size=n)
         return np.maximum(np.asarray(out, dtype=np.int64), minimum)
@@ -92,6 +100,8 @@ def parse_length_spec(spec: int | str, *, name: str = "length") -> LengthDistrib
             raise bad(f"{text!r} is not a number") from None
         if not value.is_integer() or value < 0:
             raise bad(f"{text!r} is not a non-negative integer")
+        if value > MAX_LENGTH:
+            raise bad(f"{text!r} is longer than any length ({MAX_LENGTH})")
         return int(value)
 
     def as_float(text: str) -> float:
@@ -105,6 +115,8 @@ def parse_length_spec(spec: int | str, *, name: str = "length") -> LengthDistrib
     if isinstance(spec, int | np.integer):
         if spec < 0:
             raise bad("lengths are >= 0")
+        if spec > MAX_LENGTH:
+            raise bad(f"longer than any length ({MAX_LENGTH})")
         return LengthDistribution("const", (float(spec),), str(int(spec)))
     if not isinstance(spec, str):
         raise bad(f"expected an int or a string, got {type(spec).__name__}")
@@ -124,8 +136,8 @@ def parse_length_spec(spec: int | str, *, name: str = "length") -> LengthDistrib
         if len(args) != 2:
             raise bad("lognormal takes MEAN:SIGMA")
         mean, sigma = as_float(args[0]), as_float(args[1])
-        if not (mean > 0 and sigma >= 0 and np.isfinite(mean) and np.isfinite(sigma)):
-            raise bad("lognormal needs MEAN > 0 and SIGMA >= 0")
+        if not (0 < mean <= MAX_LENGTH and 0 <= sigma <= 10 and np.isfinite(sigma)):
+            raise bad(f"lognormal needs MEAN > 0 (at most {MAX_LENGTH}) and 0 <= SIGMA <= 10")
         return LengthDistribution("lognormal", (mean, sigma), spec.strip())
     if kind == "choice":
         values = [v.strip() for v in rest.split(",") if v.strip()]
@@ -148,6 +160,8 @@ def synthetic_workload(
     max_prompt_tokens: int | None = None,
     max_output_tokens: int | None = None,
     overflow: str = "truncate",
+    max_request_tokens: int | None = None,
+    capacity_note: str = "",
 ) -> Workload:
     """``num_groups`` groups of requests that share a random prefix within their group.
 
@@ -160,9 +174,13 @@ def synthetic_workload(
     prefix cut (``"truncate"``) to what fits the group's longest suffix, so the group still
     shares one prefix (a suffix longer than the cap on its own is cut too). Outputs are
     capped by ``max_output_tokens``.
+
+    Every length is drawn, and checked, before any token is: a request of more than
+    ``max_request_tokens`` prompt + output tokens (a KV cache's capacity, ``capacity_note`` says
+    which), or a pool of more than :data:`MAX_POOL_TOKENS` prompt tokens, raises at once.
     """
-    if num_groups < 1:
-        raise WorkloadError(f"synthetic workload needs num_groups >= 1, got {num_groups}")
+    if not 1 <= num_groups <= MAX_REQUESTS:
+        raise WorkloadError(f"synthetic workload needs 1 <= num_groups <= {MAX_REQUESTS}, got {num_groups}")
     if overflow not in ("truncate", "error"):
         raise WorkloadError(f"overflow must be 'truncate' or 'error', got {overflow!r}")
     if max_prompt_tokens is not None and max_prompt_tokens < 1:
@@ -175,24 +193,43 @@ def synthetic_workload(
     counts = counts_d.sample(rng, num_groups, minimum=1)
     prefixes = prefix_d.sample(rng, num_groups, minimum=0)
     total = int(counts.sum())
+    if total > MAX_REQUESTS:
+        raise WorkloadError(f"synthetic workload of {total} requests (> {MAX_REQUESTS}): fewer groups or "
+                            "requests per group")
     suffixes = suffix_d.sample(rng, total, minimum=1)
     outputs = output_d.sample(rng, total, minimum=1)
     if max_output_tokens is not None:
         outputs = np.minimum(outputs, max_output_tokens)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    for g in range(num_groups):  # the lengths, capped and checked before any token is drawn
+        k, n = int(starts[g]), int(counts[g])
+        if max_prompt_tokens is not None:
+            longest = int(suffixes[k : k + n].max())
+            if int(prefixes[g]) + longest > max_prompt_tokens:
+                if overflow == "error":
+                    raise WorkloadError(
+                        f"synthetic group {g}: prompt of {int(prefixes[g]) + longest} tokens (prefix "
+                        f"{int(prefixes[g])}, suffix {longest}) > max_prompt_tokens={max_prompt_tokens}"
+                    )
+                prefixes[g] = max(0, max_prompt_tokens - longest)
+                suffixes[k : k + n] = np.minimum(suffixes[k : k + n], max_prompt_tokens)
+        if max_request_tokens is not None:
+            peaks = prefixes[g] + suffixes[k : k + n] + outputs[k : k + n]
+            j = int(np.argmax(peaks))
+            if peaks[j] > max_request_tokens:
+                raise WorkloadError(
+                    f"synthetic group {g}, request {j}: {int(prefixes[g] + suffixes[k + j])} prompt + "
+                    f"{int(outputs[k + j])} output tokens can never fit the KV cache of {max_request_tokens} "
+                    f"tokens{capacity_note}; lower workload.prefix_len / suffix_len / output_len, cap them "
+                    "(max_prompt_tokens, max_output_tokens) or raise engine.kv_cache_gib")
+    pool_tokens = int(np.dot(prefixes, counts)) + int(suffixes.sum())
+    if pool_tokens > MAX_POOL_TOKENS:
+        raise WorkloadError(f"synthetic workload of {pool_tokens} prompt tokens (> {MAX_POOL_TOKENS}): "
+                            "fewer groups, requests per group or tokens per request")
     requests: list[Request] = []
     k = 0
     for g in range(num_groups):
         n, prefix_n = int(counts[g]), int(prefixes[g])
-        if max_prompt_tokens is not None:
-            longest = int(suffixes[k : k + n].max())
-            if prefix_n + longest > max_prompt_tokens:
-                if overflow == "error":
-                    raise WorkloadError(
-                        f"synthetic group {g}: prompt of {prefix_n + longest} tokens (prefix "
-                        f"{prefix_n}, suffix {longest}) > max_prompt_tokens={max_prompt_tokens}"
-                    )
-                prefix_n = max(0, max_prompt_tokens - longest)
-                suffixes[k : k + n] = np.minimum(suffixes[k : k + n], max_prompt_tokens)
         prefix = random_tokens(prefix_n, (seed, g, 0), vocab_size, stamp=g)
         for j in range(n):
             suffix = random_tokens(int(suffixes[k]), (seed, g, j + 1), vocab_size)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -33,19 +34,30 @@ def not_utf8(where: str | Path, exc: UnicodeDecodeError) -> WorkloadError:
     return WorkloadError(f"{where}: not UTF-8 text (byte {exc.start}: {exc.reason})")
 
 
-def iter_jsonl_objects(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+def iter_jsonl_objects(path: Path, max_line_bytes: int | None = None,
+                       too_long: str = "") -> Iterator[tuple[int, dict[str, Any]]]:
     """``(line number, object)`` for each non-blank line of a JSON-lines file.
 
     A line that is not UTF-8, malformed, or not a JSON object raises :class:`WorkloadError`
-    naming it.
+    naming it. With ``max_line_bytes`` a longer line raises too, before it is read whole (memory
+    stays bounded); ``too_long`` says why such a line cannot be a valid one.
     """
     with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
+        lineno = 0
+        while True:
+            raw = fh.readline() if max_line_bytes is None else fh.readline(max_line_bytes + 2)
+            if not raw:
+                break
+            lineno += 1
             where = f"{path}:{lineno}"
+            if max_line_bytes is not None and len(raw.rstrip(b"\r\n")) > max_line_bytes:
+                raise WorkloadError(f"{where}: line longer than {max_line_bytes} bytes{too_long}")
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
                 raise not_utf8(where, exc) from None
+            if lineno == 1:
+                line = line.removeprefix("\ufeff")  # a byte-order mark some editors write
             if not line.strip():
                 continue
             try:
@@ -222,7 +234,63 @@ class Workload:
         reqs = [self.requests[i].with_arrival(float(times[i])) for i in order]
         return Workload(self.name, tuple(reqs), process.spec)
 
+    def _arrival_order(self) -> np.ndarray:
+        times = np.array([r.arrival_time for r in self.requests], dtype=np.float64)
+        return np.argsort(times, kind="stable")
+
+    def window(self, seconds: float, seed: int) -> Workload:
+        """The requests of one time window of ``seconds`` of a timed trace, deterministic for ``seed``.
+
+        The window starts at the arrival of a request drawn at random among those whose window ends
+        within the trace (the first request when the trace is shorter than a window); it keeps the
+        requests arriving in ``[start, start + seconds)``, their times shifted so the first is at 0.
+        """
+        if self.arrivals != "trace":
+            raise WorkloadError(f"workload {self.name!r}: a time window needs timestamps of its own "
+                                f"(arrivals {self.arrivals!r})")
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise WorkloadError(f"window must be a finite number of seconds > 0, got {seconds!r}")
+        order = self._arrival_order()
+        times = np.array([self.requests[i].arrival_time for i in order], dtype=np.float64)
+        fits = int(np.searchsorted(times, times[-1] - seconds, side="right"))
+        start = times[int(np.random.default_rng(seed).integers(max(fits, 1)))]
+        picked = [self.requests[i].with_arrival(float(t - start))
+                  for i, t in zip(order, times, strict=True) if start <= t < start + seconds]
+        return Workload(f"{self.name}/window{seconds:g}s@{seed}", tuple(picked), "trace")
+
+    def max_window_requests(self, seconds: float) -> int:
+        """The most requests any window of ``seconds`` (as :meth:`window` draws them) holds."""
+        times = np.sort(np.array([r.arrival_time for r in self.requests], dtype=np.float64))
+        ends = np.searchsorted(times, times + seconds, side="left")
+        return int(np.max(ends - np.arange(times.size)))
+
     # -- summaries ---------------------------------------------------------------------------
+    def cached_prompt_tokens(self, block_size: int) -> int:
+        """Prompt tokens a prefix cache that never evicts would serve, requests taken in arrival order.
+
+        vLLM's rule: a request finds the whole blocks of ``block_size`` tokens that an earlier
+        request's prompt filled with the same prefix, but never its last prompt token (it is
+        computed to sample the first output). Over the prompt tokens, the ceiling of any
+        scheduler's prefix hit rate on this workload.
+        """
+        if block_size < 1:
+            raise WorkloadError(f"block_size must be >= 1, got {block_size}")
+        seen: set[int] = set()
+        total = 0
+        for i in self._arrival_order():
+            ids = self.requests[i].prompt_token_ids
+            can_hit = (ids.size - 1) // block_size
+            chain = 0
+            hitting = True
+            for b in range(ids.size // block_size):
+                chain = hash((chain, ids[b * block_size:(b + 1) * block_size].tobytes()))
+                if hitting and b < can_hit and chain in seen:
+                    total += block_size
+                else:
+                    hitting = False
+                seen.add(chain)
+        return total
+
     def unique_prompt_tokens(self) -> int:
         """Prompt tokens after merging each group's common prefix (what a prefix cache stores)."""
         total = 0
