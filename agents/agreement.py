@@ -28,8 +28,15 @@ from agents.base import evaluate
 from feather_env.env import FeatherEnv
 from feather_env.reporting import format_table, write_json
 from scheduler_runtime.config import ConfigError
-from scheduler_runtime.decision import BASE_OBS_NAMES, EXTENDED_OBS_NAMES, GROUP_OBS_NAMES, observation_kind
-from scheduler_runtime.policy import ObservationSpec, PolicyFormatError, load_policy_spec
+from scheduler_runtime.decision import (
+    BASE_OBS_NAMES,
+    EXTENDED_OBS_NAMES,
+    GROUP_OBS_NAMES,
+    ObservationSpec,
+    PolicyFormatError,
+    observation_kind,
+)
+from scheduler_runtime.plugins import load_policy_spec
 
 
 def _seed_list(text: str) -> list[int]:

@@ -36,8 +36,9 @@ from typing import Any, ClassVar
 import gymnasium as gym
 import numpy as np
 
-from scheduler_runtime.decision import ADD, GROUP_OBS_NAMES, STOP
-from scheduler_runtime.policy import GroupBins, ObservationSpec, Policy, TableBins, write_policy
+from scheduler_runtime.decision import ADD, GROUP_OBS_NAMES, STOP, ObservationSpec
+from scheduler_runtime.policy import Policy, write_policy
+from scheduler_runtime.rules import GroupBins, TableBins
 
 __all__ = [
     "ADD",

@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from agents.base import EpisodicAgent
-from scheduler_runtime.policy import HeuristicPolicy, HeuristicRule, Policy
+from scheduler_runtime.policy import HeuristicPolicy, Policy
+from scheduler_runtime.rules import HeuristicRule
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ import gymnasium as gym
 import numpy as np
 
 from agents.base import Agent, AgentEnv, observation_spec
-from scheduler_runtime.policy import MLPPolicy, ObservationSpec, Policy
+from scheduler_runtime.decision import ObservationSpec
+from scheduler_runtime.policy import MLPPolicy, Policy
 
 
 @dataclass(frozen=True)

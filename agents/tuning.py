@@ -22,7 +22,9 @@ from typing import Any
 
 from agents.base import evaluate
 from feather_env.env import FeatherEnv
-from scheduler_runtime.policy import GroupCapPolicy, GroupCapRule, ObservationSpec, write_policy
+from scheduler_runtime.decision import ObservationSpec
+from scheduler_runtime.policy import GroupCapPolicy, write_policy
+from scheduler_runtime.rules import GroupCapRule
 
 __all__ = ["CAPS", "TUNE_SEED", "main", "tune_group_cap"]
 

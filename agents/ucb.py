@@ -43,7 +43,8 @@ from typing import Any
 import numpy as np
 
 from agents.base import ADD, STOP, EpisodicAgent, TableBinsConfig
-from scheduler_runtime.policy import GroupBins, Policy, TableBins, TablePolicy, table_decision
+from scheduler_runtime.policy import Policy, TablePolicy
+from scheduler_runtime.rules import GroupBins, TableBins, table_decision
 
 CREDITS = ("episode", "return_to_go")
 

@@ -27,7 +27,7 @@ from scheduler_runtime.decision import (
     observation_kind,
     observation_names,
 )
-from scheduler_runtime.policy import default_policy
+from scheduler_runtime.plugins import default_policy
 
 __all__ = ["ADD", "REWARDS", "STOP", "FeatherEnv", "InvalidActionError", "NoDecisionError", "ScenarioMix",
            "play_episode",

@@ -52,7 +52,7 @@ from feather_env.serving_metrics import RequestTimeline
 from feather_env.step_model import StepRequest
 from feather_env.workloads import Request, Workload
 from scheduler_runtime.decision import EngineView, observation_kind
-from scheduler_runtime.policy import load_policy_spec
+from scheduler_runtime.plugins import load_policy_spec
 from scheduler_runtime.schedulers import (
     EXTRA_OUTPUT_LEN,
     EXTRA_SOURCE,

@@ -68,7 +68,8 @@ from scheduler_runtime.decision import (
     observation_kind,
 )
 from scheduler_runtime.groups import PrefixGroups
-from scheduler_runtime.policy import default_policy
+from scheduler_runtime.orderings import ORDERINGS, OrderingName, make_ordering
+from scheduler_runtime.plugins import default_policy
 from scheduler_runtime.prefix_index import (
     DEFAULT_CHUNK_SIZE,
     Candidate,
@@ -76,24 +77,18 @@ from scheduler_runtime.prefix_index import (
     UnknownRequestError,
     num_chunks,
 )
-from scheduler_runtime.radix import RadixTree
 from scheduler_runtime.svf import KeyQueue, KVBudget, volume
 
 __all__ = [
     "ADMISSIONS",
     "DECISIONS",
-    "ORDERINGS",
     "RELEASE_REASONS",
     "BatchingCore",
     "CoreConfig",
     "CoreStats",
     "Decision",
-    "Ordering",
-    "make_ordering",
 ]
 
-#: How the next candidate is chosen: Feather (CHT + policy) or a baseline's order.
-ORDERINGS = ("feather", "fcfs", "sjf", "svf", "lpm", "dfs-weight")
 #: What the policy decides: ADD/STOP on every candidate (the paper's decision), or only on a
 #: candidate that would open a prefix group that is not in flight (``scheduler_runtime.groups``).
 DECISIONS = ("request", "group")
@@ -126,7 +121,7 @@ class CoreConfig:
             the largest group's last of all).
     """
 
-    ordering: str = "feather"
+    ordering: str = OrderingName.FEATHER
     admission: str = "peak"
     svf_seed: bool = True
     chunk_size: int = DEFAULT_CHUNK_SIZE
@@ -137,9 +132,11 @@ class CoreConfig:
     retain_held_prefixes: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.ordering, OrderingName):  # a plain string in dumps and comparisons
+            object.__setattr__(self, "ordering", self.ordering.value)
         if self.decision not in DECISIONS:
             raise ValueError(f"decision must be one of {DECISIONS}, got {self.decision!r}")
-        if self.decision == "group" and self.ordering != "feather":
+        if self.decision == "group" and self.ordering != OrderingName.FEATHER:
             raise ValueError(f"the group decision needs the feather ordering, not {self.ordering!r}")
         chunks = self.group_chunks
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
@@ -210,178 +207,6 @@ class Decision:
     mask: np.ndarray
 
 
-# ---------------------------------------------------------------------------------- orderings
-
-
-class Ordering:
-    """How an ordering picks the candidates of a round (vLLM's ``request_queue.py`` pattern: one
-    small class per policy). The core tells it about every change; :meth:`next_candidate` is asked
-    for the next waiting request of the current round after each release."""
-
-    name = ""
-
-    def __init__(self, core: BatchingCore) -> None:
-        self.core = core
-
-    def arrive(self, entry: _Entry, tokens: np.ndarray) -> None:  # noqa: B027 - optional hook
-        """A request arrived (it is waiting)."""
-
-    def release(self, request_id: str) -> None:  # noqa: B027 - optional hook
-        """A waiting request was released into the batch."""
-
-    def finish(self, request_id: str) -> None:  # noqa: B027 - optional hook
-        """An active request left the batch (finished or aborted)."""
-
-    def remove(self, request_id: str) -> None:  # noqa: B027 - optional hook
-        """A waiting request was aborted."""
-
-    def begin_round(self) -> None:  # noqa: B027 - optional hook
-        """A round of decisions starts (orderings that sort once per round sort here)."""
-
-    def next_candidate(self) -> str | None:
-        """The next waiting request of this round (None when none waits)."""
-        raise NotImplementedError
-
-
-class FeatherOrdering(Ordering):
-    """The CHT's best candidate: the waiting request that misses the fewest prefix chunks."""
-
-    name = "feather"
-
-    def next_candidate(self) -> str | None:
-        cand = self.core.cht.best_candidate()
-        if cand is None:
-            return None
-        self.core._candidate_cache = cand  # the decision's observation reuses it
-        return cand.request_id
-
-
-class GroupOrdering(FeatherOrdering):
-    """The group decision's order: requests of groups in flight first (the CHT's best when it is
-    one), then the waiting group whose prefix the engine's cache holds most (cached-first), then
-    the CHT's best."""
-
-    name = "feather"
-
-    def next_candidate(self) -> str | None:
-        core = self.core
-        cand = core.cht.best_candidate()
-        if cand is None:
-            return None
-        groups = core.groups
-        if groups.in_flight(cand.request_id):
-            core._candidate_cache = cand
-            return cand.request_id
-        joining = groups.first_waiting_in_flight()
-        if joining is not None:
-            return joining
-        engine, limit = core._engine, core.group_tokens
-        best, best_hit = cand.request_id, 0
-        for _, rid in groups.waiting_groups_out_of_flight():
-            hit = engine.cached_prefix_tokens(rid, limit)
-            if hit > best_hit:
-                best, best_hit = rid, hit
-        if best == cand.request_id:
-            core._candidate_cache = cand
-        return best
-
-
-class FCFSOrdering(Ordering):
-    """Arrival order."""
-
-    name = "fcfs"
-
-    def next_candidate(self) -> str | None:
-        entry = self.core._oldest_waiting()
-        return None if entry is None else entry.request_id
-
-
-class KeyOrdering(Ordering):
-    """Ascending key, earliest arrival among ties: output length (``sjf``) or SVF volume (``svf``)."""
-
-    def __init__(self, core: BatchingCore, name: str) -> None:
-        super().__init__(core)
-        self.name = name
-        self.queue = KeyQueue()
-
-    def arrive(self, entry: _Entry, tokens: np.ndarray) -> None:
-        key = entry.output_len if self.name == "sjf" else volume(entry.prompt_len, entry.output_len)
-        self.queue.push(entry.request_id, key)
-
-    def release(self, request_id: str) -> None:
-        self.queue.discard(request_id)
-
-    remove = release
-
-    def next_candidate(self) -> str | None:
-        return self.queue.peek()
-
-
-class RadixOrdering(Ordering):
-    """SGLang's LPM or DFS-weight over a token radix tree of the batch, sorted once per round.
-
-    SGLang sorts its waiting queue once per scheduling round (``calc_priority``) and then admits
-    in that order; so does this, so a round matches every waiting request once, not once per
-    admission.
-    """
-
-    def __init__(self, core: BatchingCore, name: str) -> None:
-        super().__init__(core)
-        self.name = name
-        self.radix = RadixTree(name, core.chunk_size, core.config.lpm_fcfs_fallback)  # type: ignore[arg-type]
-        self._order: list[str] = []
-        self._pos = 0
-
-    def arrive(self, entry: _Entry, tokens: np.ndarray) -> None:
-        self.radix.insert(entry.request_id, tokens)
-
-    def release(self, request_id: str) -> None:
-        self.radix.activate(request_id)
-
-    def finish(self, request_id: str) -> None:
-        self.radix.finish(request_id)
-
-    def remove(self, request_id: str) -> None:
-        self.radix.remove(request_id)
-
-    def begin_round(self) -> None:
-        radix = self.radix
-        if self.name == "dfs-weight":
-            self._order = radix.dfs_weight_order()
-        else:
-            waiting = radix.waiting_ids()  # insertion (arrival) order
-            fallback = self.core.config.lpm_fcfs_fallback
-            if fallback is not None and len(waiting) > fallback:
-                self._order = waiting  # SGLang: no prefix matching above the threshold
-            else:
-                matched = {rid: radix.match_length(rid) for rid in waiting}
-                self._order = sorted(waiting, key=lambda rid: -matched[rid])  # stable: FCFS ties
-        self._pos = 0
-
-    def next_candidate(self) -> str | None:
-        order, waiting = self._order, self.core._waiting
-        while self._pos < len(order):
-            rid = order[self._pos]
-            if rid in waiting:
-                return rid
-            self._pos += 1  # released earlier in this round (as overdue or seed)
-        return None
-
-
-def make_ordering(core: BatchingCore) -> Ordering:
-    """The :class:`Ordering` of ``core.config.ordering``."""
-    name = core.config.ordering
-    if name == "feather":
-        return GroupOrdering(core) if core.config.decision == "group" else FeatherOrdering(core)
-    if name == "fcfs":
-        return FCFSOrdering(core)
-    if name in ("sjf", "svf"):
-        return KeyOrdering(core, name)
-    if name in ("lpm", "dfs-weight"):
-        return RadixOrdering(core, name)
-    raise ValueError(f"ordering must be one of {ORDERINGS}, got {name!r}")
-
-
 # ---------------------------------------------------------------------------------- the core
 
 
@@ -431,7 +256,7 @@ class BatchingCore:
         self._version = 0  # bumped by every change a policy could observe
         self._stop_version = -1  # _version at the last STOP
         self.ordering = make_ordering(self)
-        self._add_reason = "policy" if cfg.ordering == "feather" else "order"
+        self._add_reason = "policy" if cfg.ordering == OrderingName.FEATHER else "order"
         # the open round: free slots left, released ids, the pending decision
         self._round_open = False
         self._free = 0

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 import types
 import typing
 from collections.abc import Mapping
@@ -22,6 +24,21 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A configuration file or mapping is invalid (unknown key, wrong type, bad value)."""
+
+
+def is_number(x: Any) -> bool:
+    """A finite real number that is not a bool (JSON ``true`` is not a weight)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def all_numbers(x: Any) -> bool:
+    """Every leaf of nested lists is a finite number (:func:`is_number`)."""
+    return all(all_numbers(v) for v in x) if isinstance(x, list) else is_number(x)
+
+
+def is_count(x: Any, low: int = 0) -> bool:
+    """An int (not a bool) >= ``low``."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= low
 
 
 def _coerce(value: Any, annotation: Any, where: str) -> Any:

@@ -110,10 +110,13 @@ from scheduler_runtime.prefix_index import (
 __all__ = [
     "IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD",
     "IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD",
+    "RADIX_ORDERINGS",
     "RadixTree",
 ]
 
 Ordering = Literal["lpm", "dfs-weight"]
+#: The orderings this tree computes (the names of :class:`scheduler_runtime.orderings.OrderingName`).
+RADIX_ORDERINGS: tuple[Ordering, Ordering] = ("lpm", "dfs-weight")
 
 #: SGLang's defaults (``managers/schedule_policy.py``, both overridable there by environment
 #: variables of the same name): a waiting request whose cache match is at most this many tokens
@@ -390,8 +393,8 @@ class RadixTree:
         in_batch_check_threshold: int = IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD,
         in_batch_deprioritize_threshold: int = IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD,
     ) -> None:
-        if ordering not in ("lpm", "dfs-weight"):
-            raise ValueError(f"ordering must be 'lpm' or 'dfs-weight', got {ordering!r}")
+        if ordering not in RADIX_ORDERINGS:
+            raise ValueError(f"ordering must be one of {RADIX_ORDERINGS}, got {ordering!r}")
         if lpm_fcfs_fallback is not None and lpm_fcfs_fallback < 0:
             raise ValueError(f"lpm_fcfs_fallback must be >= 0 or None, got {lpm_fcfs_fallback}")
         if cache_tokens is not None:

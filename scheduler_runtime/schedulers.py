@@ -63,7 +63,8 @@ import numpy as np
 from scheduler_runtime.batching import BatchingCore, CoreConfig
 from scheduler_runtime.config import ConfigError, checked_fields, load_mapping
 from scheduler_runtime.decision import BatchingPolicy, EngineView, observation_kind
-from scheduler_runtime.policy import default_policy
+from scheduler_runtime.orderings import KEY_ORDERINGS, OrderingName
+from scheduler_runtime.plugins import default_policy
 from scheduler_runtime.predictor import OutputLengthPredictor, load_predictor
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 
@@ -97,13 +98,13 @@ FEATHER_ASYNC_SCHEDULER = "scheduler_runtime.vllm_scheduler.FeatherAsyncSchedule
 
 #: name -> (ordering, output lengths, admission) of every baseline but fcfs.
 _BASELINES: dict[str, tuple[str, str, str]] = {
-    "sjf": ("sjf", "predicted", "prompt"),
-    "oracle-sjf": ("sjf", "oracle", "prompt"),
-    "svf": ("svf", "predicted", "peak"),
-    "svf-1bit": ("svf", "1bit", "peak"),
-    "oracle-svf": ("svf", "oracle", "peak"),
-    "lpm": ("lpm", "predicted", "prompt"),
-    "dfs-weight": ("dfs-weight", "predicted", "prompt"),
+    "sjf": (OrderingName.SJF, "predicted", "prompt"),
+    "oracle-sjf": (OrderingName.SJF, "oracle", "prompt"),
+    "svf": (OrderingName.SVF, "predicted", "peak"),
+    "svf-1bit": (OrderingName.SVF, "1bit", "peak"),
+    "oracle-svf": (OrderingName.SVF, "oracle", "peak"),
+    "lpm": (OrderingName.LPM, "predicted", "prompt"),
+    "dfs-weight": (OrderingName.DFS_WEIGHT, "predicted", "prompt"),
 }
 BASELINE_NAMES = ("fcfs", *_BASELINES)
 #: "+svf" suffixes of a Feather name -> the output lengths of its SVF admission.
@@ -156,7 +157,7 @@ class SchedulerConfig:
     """
 
     name: str = DEFAULT_NAME
-    ordering: str | None = "feather"
+    ordering: str | None = OrderingName.FEATHER
     policy: str | None = None
     lengths: str = "predicted"
     admission: str = "peak"
@@ -175,6 +176,8 @@ class SchedulerConfig:
     retain_held_prefixes: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.ordering, OrderingName):  # a plain string in dumps and comparisons
+            object.__setattr__(self, "ordering", self.ordering.value)
         # types first (a value built in code skips from_mapping), then ranges
         checked_fields(SchedulerConfig, {f.name: getattr(self, f.name) for f in fields(self)},
                        where="scheduler")
@@ -217,8 +220,8 @@ class SchedulerConfig:
     @property
     def uses_lengths(self) -> bool:
         """Whether output lengths matter (a key, a volume or the peak check reads them)."""
-        return self.ordering in ("sjf", "svf") or self.admission == "peak" or (
-            self.ordering == "feather" and self.svf_seed)
+        return self.ordering in KEY_ORDERINGS or self.admission == "peak" or (
+            self.ordering == OrderingName.FEATHER and self.svf_seed)
 
     def core_config(self, chunk_size: int, decision: str | None = None) -> CoreConfig:
         """The batching core's configuration (``decision`` overrides this one's: the policy's)."""
@@ -248,7 +251,7 @@ def _defaults_for(name: str) -> SchedulerConfig:
             break
     group = _group_rule(base)
     if group is not None:
-        return SchedulerConfig(name=name, ordering="feather", decision="group", group_cap=group,
+        return SchedulerConfig(name=name, ordering=OrderingName.FEATHER, decision="group", group_cap=group,
                                admission="peak" if lengths else "prompt", svf_seed=lengths is not None,
                                lengths=lengths or "predicted")
     if base == "feather-heuristic":
@@ -261,9 +264,9 @@ def _defaults_for(name: str) -> SchedulerConfig:
             f"'group-cap-K' (K = 1..{MAX_GROUP_CAP}), 'group-hold', 'feather:<checkpoint>', each Feather "
             f"name optionally + one of {list(_SVF_SUFFIXES)}")
     if lengths is None:  # Feather alone: the engine's admission test, made at release time
-        return SchedulerConfig(name=name, ordering="feather", policy=policy, admission="prompt",
+        return SchedulerConfig(name=name, ordering=OrderingName.FEATHER, policy=policy, admission="prompt",
                                svf_seed=False)
-    return SchedulerConfig(name=name, ordering="feather", policy=policy, lengths=lengths,
+    return SchedulerConfig(name=name, ordering=OrderingName.FEATHER, policy=policy, lengths=lengths,
                            admission="peak", svf_seed=True)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from scheduler_runtime.policy import HeuristicRule
+from scheduler_runtime.rules import HeuristicRule
 
 
 class PolicyFault(RuntimeError):

@@ -16,7 +16,7 @@ from feather_env.engine import EngineError
 from feather_env.env import ADD, STOP, FeatherEnv, InvalidActionError, play_episode
 from scheduler_runtime.config import ConfigError
 from scheduler_runtime.decision import AlwaysAdd
-from scheduler_runtime.policy import HeuristicRule
+from scheduler_runtime.rules import HeuristicRule
 
 SCENARIO = "leval-kv-pressure"
 #: A small episode of the scenario, still under KV pressure: 10 documents of up to 8K tokens

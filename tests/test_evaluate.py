@@ -264,7 +264,8 @@ def test_bad_input_is_a_clear_error_before_anything_starts(argv, message, tmp_pa
 
 @pytest.fixture
 def policy_256(tmp_path) -> Path:
-    from scheduler_runtime.policy import BASE_OBS_NAMES, ConstantPolicy, ObservationSpec, write_policy
+    from scheduler_runtime.decision import BASE_OBS_NAMES, ObservationSpec
+    from scheduler_runtime.policy import ConstantPolicy, write_policy
 
     spec = ObservationSpec(names=BASE_OBS_NAMES, low=(0, -64, 0), high=(64, 64, 64), scale=(64, 64, 64),
                            chunk_size=256)

@@ -13,18 +13,18 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from scheduler_runtime.batching import BatchingCore, CoreConfig
 from scheduler_runtime.config import ConfigError
-from scheduler_runtime.decision import ADD, GROUP_OBS_NAMES, STOP, AlwaysAdd, observation_kind
-from scheduler_runtime.groups import PrefixGroups
-from scheduler_runtime.policy import (
-    GroupBins,
-    GroupCapRule,
+from scheduler_runtime.decision import (
+    ADD,
+    GROUP_OBS_NAMES,
+    STOP,
+    AlwaysAdd,
     ObservationSpec,
     PolicyFormatError,
-    TableBins,
-    TablePolicy,
-    load_policy,
-    write_policy,
+    observation_kind,
 )
+from scheduler_runtime.groups import PrefixGroups
+from scheduler_runtime.policy import TablePolicy, load_policy, write_policy
+from scheduler_runtime.rules import GroupBins, GroupCapRule, TableBins
 from scheduler_runtime.schedulers import FeatherRuntime, SchedulerConfig
 
 CHUNK = 8

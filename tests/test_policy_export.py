@@ -14,14 +14,8 @@ import pytest
 from agents.base import NotExportableError
 from agents.registry import make_agent
 from feather_env.env import FeatherEnv
-from scheduler_runtime.policy import (
-    FORMAT_VERSION,
-    ObservationSpec,
-    PolicyFormatError,
-    TablePolicy,
-    load_policy,
-    write_policy,
-)
+from scheduler_runtime.decision import ObservationSpec, PolicyFormatError
+from scheduler_runtime.policy import FORMAT_VERSION, TablePolicy, load_policy, write_policy
 
 REPO = Path(__file__).resolve().parent.parent
 #: A small leval-kv-pressure episode on the simulator (milliseconds per episode).

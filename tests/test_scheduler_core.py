@@ -17,12 +17,13 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from scheduler_runtime.batching import ORDERINGS, BatchingCore, CoreConfig
+from scheduler_runtime.batching import BatchingCore, CoreConfig
 from scheduler_runtime.config import ConfigError
 from scheduler_runtime.decision import ADD, STOP
-from scheduler_runtime.policy import HeuristicRule
+from scheduler_runtime.orderings import ORDERINGS
 from scheduler_runtime.predictor import OutputLengthPredictor, load_predictor
 from scheduler_runtime.prefix_index import DuplicateRequestError, UnknownRequestError
+from scheduler_runtime.rules import HeuristicRule
 from scheduler_runtime.schedulers import (
     ADDITIONAL_CONFIG_KEY,
     CONFIG_ENV,
@@ -691,11 +692,12 @@ def test_runtime_output_lengths_per_mode():
 
 
 def test_feather_checkpoint_loads_through_load_policy(tmp_path):
-    from scheduler_runtime import policy as policy_mod
+    from scheduler_runtime.decision import BASE_OBS_NAMES, ObservationSpec
+    from scheduler_runtime.policy import ConstantPolicy, write_policy
 
-    spec = policy_mod.ObservationSpec(names=policy_mod.BASE_OBS_NAMES, low=(0, -64, 0), high=(64, 64, 64),
-                                      scale=(64, 64, 64), chunk_size=256)
-    path = policy_mod.write_policy(tmp_path / "stop.feather", policy_mod.ConstantPolicy(spec, STOP))
+    spec = ObservationSpec(names=BASE_OBS_NAMES, low=(0, -64, 0), high=(64, 64, 64), scale=(64, 64, 64),
+                           chunk_size=256)
+    path = write_policy(tmp_path / "stop.feather", ConstantPolicy(spec, STOP))
     runtime = FeatherRuntime(SchedulerConfig.for_name(f"feather:{path}+svf"), 100_000)
     assert runtime.chunk_size == 256  # delta in the policy's chunks
     assert type(runtime.core.policy).__name__ == "ConstantPolicy"

@@ -36,7 +36,8 @@ def usage_error(argv: list[str], capsys) -> str:
 @pytest.fixture
 def files(tmp_path):
     """Config, policy and predictor files, good and bad."""
-    from scheduler_runtime.policy import BASE_OBS_NAMES, ConstantPolicy, ObservationSpec, write_policy
+    from scheduler_runtime.decision import BASE_OBS_NAMES, ObservationSpec
+    from scheduler_runtime.policy import ConstantPolicy, write_policy
 
     spec = ObservationSpec(names=BASE_OBS_NAMES, low=(0, -64, 0), high=(64, 64, 64), scale=(64, 64, 64),
                            chunk_size=256)

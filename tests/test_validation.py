@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from scheduler_runtime.batching import CoreConfig
 from scheduler_runtime.config import ConfigError, load_mapping
-from scheduler_runtime.policy import PolicyFormatError, load_policy_spec
+from scheduler_runtime.decision import PolicyFormatError
+from scheduler_runtime.plugins import load_policy_spec
 from scheduler_runtime.predictor import DEFAULT_PREDICTOR_PATH, OutputLengthPredictor, load_predictor
 from scheduler_runtime.schedulers import (
     BASELINE_NAMES,

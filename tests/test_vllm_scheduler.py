@@ -18,7 +18,9 @@ import prometheus_client
 import pytest
 
 from feather_env.engine import EngineConfig, build_llm, engine_core_of, forced_length_params, tokens_prompt
-from scheduler_runtime import policy
+from scheduler_runtime.decision import BASE_OBS_NAMES, STOP, ObservationSpec
+from scheduler_runtime.policy import ConstantPolicy, HeuristicPolicy, write_policy
+from scheduler_runtime.rules import HeuristicRule
 from scheduler_runtime.schedulers import EXTRA_OUTPUT_LEN, EXTRA_SOURCE, engine_overrides
 
 HERE = Path(__file__).resolve().parent
@@ -99,10 +101,10 @@ def fault_count(name: str, stage: str) -> float:
 def test_every_scheduler_serves_each_request_once_with_its_tokens(sched, feather_llm, name, tmp_path):
     overrides = {}
     if name.startswith("feather:"):
-        spec = policy.ObservationSpec(names=policy.BASE_OBS_NAMES, low=(0, -64, 0), high=(64, 64, 64),
+        spec = ObservationSpec(names=BASE_OBS_NAMES, low=(0, -64, 0), high=(64, 64, 64),
                                       scale=(64, 64, 64), chunk_size=TEST_CHUNK)
-        rule = policy.HeuristicPolicy(spec, policy.HeuristicRule())
-        name = name.replace("CKPT", str(policy.write_policy(tmp_path / "heuristic.feather", rule)))
+        rule = HeuristicPolicy(spec, HeuristicRule())
+        name = name.replace("CKPT", str(write_policy(tmp_path / "heuristic.feather", rule)))
     elif name.startswith(("feather", "group")):
         overrides["chunk_size"] = TEST_CHUNK
     sched.feather_configure({"name": name, **overrides})
@@ -244,9 +246,9 @@ def test_max_wait_releases_what_the_policy_holds(sched, feather_llm, tmp_path):
     The bound itself (no wait beyond max_wait plus one batch) is a property of the core, checked
     on a simulated clock in test_scheduler_core; here: the engine really runs those releases.
     """
-    spec = policy.ObservationSpec(names=policy.BASE_OBS_NAMES, low=(0, -64, 0), high=(64, 64, 64),
+    spec = ObservationSpec(names=BASE_OBS_NAMES, low=(0, -64, 0), high=(64, 64, 64),
                                   scale=(64, 64, 64), chunk_size=TEST_CHUNK)
-    path = policy.write_policy(tmp_path / "stop.feather", policy.ConstantPolicy(spec, policy.STOP))
+    path = write_policy(tmp_path / "stop.feather", ConstantPolicy(spec, STOP))
     sched.feather_configure({"name": f"feather:{path}", "max_wait": 0.3})
     engine = feather_llm.llm_engine
     reqs = workload("wait", groups=4, per_group=3, prefix=300, out=(40, 40), seed=5)

@@ -104,7 +104,7 @@ def validate_schedulers(names: Sequence[str], chunk_size: int | None = None,
     Raises:
         ConfigError: naming the bad entry and the known names.
     """
-    from scheduler_runtime.policy import PLUGIN_PREFIX
+    from scheduler_runtime.plugins import PLUGIN_PREFIX
     from scheduler_runtime.schedulers import check_scheduler
 
     names = tuple(n.strip() for n in names if n.strip())
