@@ -49,7 +49,6 @@ __all__ = [
     "HELD_OUT_SEED",
     "NotExportableError",
     "evaluate",
-    "observation_spec",
 ]
 
 #: First episode seed of the benchmarks' held-out episodes (``benchmarks/agents.py``,
@@ -145,19 +144,6 @@ class AgentEnv(gym.Wrapper):
         return self.env.unwrapped.action_masks()
 
 
-def observation_spec(env: Any) -> ObservationSpec:
-    """The raw observation spec of a ``FeatherEnv``, a wrapper of one, or a VecEnv of :class:`AgentEnv`."""
-    if hasattr(env, "get_attr") and hasattr(env, "num_envs"):  # SB3 VecEnv
-        space = env.get_attr("raw_observation_space", [0])[0]
-        scale = env.get_attr("obs_scale", [0])[0]
-        chunk = env.get_attr("chunk_size", [0])[0]
-        names = env.get_attr("obs_names", [0])[0]
-        return ObservationSpec(tuple(names), tuple(float(x) for x in space.low),
-                               tuple(float(x) for x in space.high), tuple(float(x) for x in scale),
-                               int(chunk))
-    return ObservationSpec.from_env(env)
-
-
 class Agent(ABC):
     """A batching policy (see the module docstring). Subclasses set ``name``."""
 
@@ -180,7 +166,7 @@ class Agent(ABC):
 
     def bind(self, env: Any) -> None:
         """Remember the environment's observation spec (needed to export)."""
-        self.obs_spec = observation_spec(env)
+        self.obs_spec = ObservationSpec.from_env(env)
         self.observation_changed()
 
     def observation_changed(self) -> None:  # noqa: B027 - optional hook
@@ -348,9 +334,7 @@ class EpisodicAgent(Agent):
         agent.num_timesteps = meta["num_timesteps"]
         agent.rng.bit_generator.state = meta["rng"]
         if meta.get("obs_spec"):
-            d = meta["obs_spec"]
-            agent.obs_spec = ObservationSpec(tuple(d["names"]), tuple(d["low"]), tuple(d["high"]),
-                                             tuple(d["scale"]), d["chunk_size"])
+            agent.obs_spec = ObservationSpec.from_dict(meta["obs_spec"], path)
             agent.observation_changed()
         if env is not None:
             agent.bind(env)

@@ -209,9 +209,7 @@ class PPOAgent(Agent):
         if vec is not None:
             agent.bind(vec)
         elif meta.get("obs_spec"):
-            d = meta["obs_spec"]
-            agent.obs_spec = ObservationSpec(tuple(d["names"]), tuple(d["low"]), tuple(d["high"]),
-                                             tuple(d["scale"]), d["chunk_size"])
+            agent.obs_spec = ObservationSpec.from_dict(meta["obs_spec"], path)
             agent._scale = np.asarray(agent.obs_spec.scale, dtype=np.float32)
         return agent
 

@@ -53,6 +53,7 @@ from typing import Any
 from feather_env.engine import REPO_ROOT, EngineConfig
 from feather_env.workloads import Workload, WorkloadConfig, load_workload, sample_workload
 from feather_env.workloads.arrivals import TraceFileArrivals, parse_arrival
+from scheduler_runtime.batching import check_core_knobs
 from scheduler_runtime.config import ConfigError, from_mapping, load_yaml
 
 __all__ = [
@@ -109,11 +110,10 @@ class ScenarioSchedulerConfig:
     max_wait: float | None = 60.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.chunk_size, bool) or self.chunk_size < 1:
-            raise ConfigError(f"scheduler.chunk_size must be >= 1, got {self.chunk_size!r}")
-        if self.max_wait is not None and not (math.isfinite(self.max_wait) and self.max_wait >= 0):
-            raise ConfigError(f"scheduler.max_wait must be a finite number >= 0 or null, "
-                              f"got {self.max_wait!r}")
+        try:
+            check_core_knobs(chunk_size=self.chunk_size, max_wait=self.max_wait)
+        except ValueError as exc:
+            raise ConfigError(f"scheduler.{exc}") from None
 
 
 @dataclass(frozen=True)

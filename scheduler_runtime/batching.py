@@ -81,6 +81,7 @@ from scheduler_runtime.svf import KeyQueue, KVBudget, volume
 
 __all__ = [
     "ADMISSIONS",
+    "check_core_knobs",
     "DECISIONS",
     "RELEASE_REASONS",
     "BatchingCore",
@@ -138,19 +139,37 @@ class CoreConfig:
             raise ValueError(f"decision must be one of {DECISIONS}, got {self.decision!r}")
         if self.decision == "group" and self.ordering != OrderingName.FEATHER:
             raise ValueError(f"the group decision needs the feather ordering, not {self.ordering!r}")
-        chunks = self.group_chunks
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"group_chunks must be an int >= 1, got {self.group_chunks!r}")
         if self.ordering not in ORDERINGS:
             raise ValueError(f"ordering must be one of {ORDERINGS}, got {self.ordering!r}")
         if self.admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {ADMISSIONS}, got {self.admission!r}")
-        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
-            raise ValueError(f"chunk_size must be an int >= 1, got {self.chunk_size!r}")
-        if self.max_wait is not None and not (math.isfinite(self.max_wait) and self.max_wait >= 0):
-            raise ValueError(f"max_wait must be finite seconds >= 0 or None, got {self.max_wait}")
-        if self.lpm_fcfs_fallback is not None and self.lpm_fcfs_fallback < 0:
-            raise ValueError(f"lpm_fcfs_fallback must be >= 0 or None, got {self.lpm_fcfs_fallback}")
+        check_core_knobs(chunk_size=self.chunk_size, max_wait=self.max_wait,
+                         lpm_fcfs_fallback=self.lpm_fcfs_fallback, group_chunks=self.group_chunks)
+
+
+_UNSET: Any = object()
+
+
+def check_core_knobs(*, chunk_size: Any = _UNSET, max_wait: Any = _UNSET, lpm_fcfs_fallback: Any = _UNSET,
+                     group_chunks: Any = _UNSET) -> None:
+    """The one check of the core's numeric knobs, wherever they are set (:class:`CoreConfig`, the
+    scheduler's configuration, a scenario's ``scheduler`` section); only the given ones are checked.
+
+    Raises:
+        ValueError: naming the knob and the value.
+    """
+    for name, value in (("chunk_size", chunk_size), ("group_chunks", group_chunks)):
+        if value is not _UNSET and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be >= 1 (an integer), got {value!r}")
+    if max_wait is not _UNSET and max_wait is not None and not (
+            isinstance(max_wait, int | float) and not isinstance(max_wait, bool)
+            and math.isfinite(max_wait) and max_wait >= 0):
+        raise ValueError(f"max_wait must be a finite number of seconds >= 0 (or null: no anti-starvation), "
+                         f"got {max_wait!r}")
+    fallback = lpm_fcfs_fallback
+    if fallback is not _UNSET and fallback is not None and (
+            isinstance(fallback, bool) or not isinstance(fallback, int) or fallback < 0):
+        raise ValueError(f"lpm_fcfs_fallback must be >= 0 or null, got {fallback!r}")
 
 
 @dataclass

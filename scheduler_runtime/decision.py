@@ -192,18 +192,18 @@ class ObservationSpec:
 
     @classmethod
     def from_env(cls, env: Any) -> ObservationSpec:
-        """The spec of a ``FeatherEnv`` (or any wrapper of one)."""
-        env = getattr(env, "unwrapped", env)
-        n = env.observation_space.shape[0]
-        names = getattr(env, "obs_names", None) or (
-            EXTENDED_OBS_NAMES if n == len(EXTENDED_OBS_NAMES) else BASE_OBS_NAMES[:n])
-        return cls(
-            names=tuple(names),
-            low=tuple(float(x) for x in env.observation_space.low),
-            high=tuple(float(x) for x in env.observation_space.high),
-            scale=tuple(float(x) for x in env.obs_scale),
-            chunk_size=int(env.chunk_size),
-        )
+        """The spec of a ``FeatherEnv``, any wrapper of one, or a vectorized env of them (SB3's
+        ``VecEnv``: read from its first env's ``raw_observation_space``, ``obs_scale``,
+        ``obs_names`` and ``chunk_size``)."""
+        if hasattr(env, "get_attr") and hasattr(env, "num_envs"):
+            space, scale, names, chunk = (env.get_attr(a, [0])[0] for a in (
+                "raw_observation_space", "obs_scale", "obs_names", "chunk_size"))
+        else:
+            env = getattr(env, "unwrapped", env)
+            space, scale, names, chunk = env.observation_space, env.obs_scale, env.obs_names, env.chunk_size
+        return cls(names=tuple(names), low=tuple(float(x) for x in space.low),
+                   high=tuple(float(x) for x in space.high), scale=tuple(float(x) for x in scale),
+                   chunk_size=int(chunk))
 
     def to_dict(self) -> dict[str, Any]:
         return {"names": list(self.names), "low": list(self.low), "high": list(self.high),

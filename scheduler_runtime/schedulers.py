@@ -60,7 +60,7 @@ from typing import Any
 
 import numpy as np
 
-from scheduler_runtime.batching import BatchingCore, CoreConfig
+from scheduler_runtime.batching import BatchingCore, CoreConfig, check_core_knobs
 from scheduler_runtime.config import ConfigError, checked_fields, load_mapping
 from scheduler_runtime.decision import BatchingPolicy, EngineView, observation_kind
 from scheduler_runtime.orderings import KEY_ORDERINGS, OrderingName
@@ -183,17 +183,16 @@ class SchedulerConfig:
                        where="scheduler")
         if self.lengths not in LENGTH_SOURCES:
             raise ConfigError(f"scheduler.lengths must be one of {LENGTH_SOURCES}, got {self.lengths!r}")
-        if self.max_wait is not None and not (math.isfinite(self.max_wait) and self.max_wait >= 0):
-            raise ConfigError(f"scheduler.max_wait must be a finite number of seconds >= 0 (or null: "
-                              f"no anti-starvation), got {self.max_wait}")
-        for name, low in (("chunk_size", 1), ("kv_capacity_tokens", 1), ("lpm_fcfs_fallback", 0)):
-            value = getattr(self, name)
-            if value is not None and value < low:
-                raise ConfigError(f"scheduler.{name} must be >= {low}, got {value}")
+        try:
+            knobs = {"max_wait": self.max_wait, "lpm_fcfs_fallback": self.lpm_fcfs_fallback,
+                     "group_chunks": self.group_chunks}
+            check_core_knobs(**knobs, **({} if self.chunk_size is None else {"chunk_size": self.chunk_size}))
+        except ValueError as exc:
+            raise ConfigError(f"scheduler.{exc}") from None
+        if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
+            raise ConfigError(f"scheduler.kv_capacity_tokens must be >= 1, got {self.kv_capacity_tokens}")
         if self.max_faults < 1:
             raise ConfigError(f"scheduler.max_faults must be >= 1, got {self.max_faults}")
-        if self.group_chunks < 1:
-            raise ConfigError(f"scheduler.group_chunks must be >= 1, got {self.group_chunks}")
         if self.group_cap is not None and self.group_cap < 0:
             raise ConfigError(f"scheduler.group_cap must be >= 0 (0: no cap) or null, got {self.group_cap}")
         if self.ordering is not None:
