@@ -10,9 +10,9 @@ throughput on the same episodes. What it is for: a policy retrained
 or fine-tuned on the real engine (``train.py --resume --backend vllm``) that changes no decision
 changes nothing a server would see, and needs no new evaluation on the engine.
 
-Both files are read with :func:`scheduler_runtime.policy.load_policy_spec` (a path, or a
+Both files are read with :func:`scheduler_runtime.plugins.load_policy_spec` (a path, or a
 ``py:MODULE:ATTRIBUTE`` plug-in); :func:`compare` also takes loaded policies (the authors'
-:class:`~scheduler_runtime.policy.HeuristicRule`, say). A policy whose observation is the paper's
+:class:`~scheduler_runtime.rules.HeuristicRule`, say). A policy whose observation is the paper's
 three entries gets the first three of the extended observation. ``benchmarks/policy_agreement.py``
 runs it for every shipped file against the heuristic.
 """

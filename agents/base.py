@@ -60,7 +60,7 @@ HELD_OUT_SEED = 2_000_000
 class TableBinsConfig:
     """The state bins shared by the tabular agents (UCB, Q-learning): for the request decision,
     docs/design.md's ``(min(B//batch_div, batch_max), clip(delta, -delta_clip, delta_clip),
-    min(w//w_div, w_max))``; for the group decision, :class:`~scheduler_runtime.policy.GroupBins`
+    min(w//w_div, w_max))``; for the group decision, :class:`~scheduler_runtime.rules.GroupBins`
     with the ``group_*`` knobs."""
 
     batch_div: int = TableBins.batch_div  # the runtime's defaults, one source for both

@@ -27,7 +27,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from agents.base import Agent, AgentEnv, observation_spec
+from agents.base import Agent, AgentEnv
 from scheduler_runtime.decision import ObservationSpec
 from scheduler_runtime.policy import MLPPolicy, Policy
 
@@ -219,4 +219,4 @@ def _sidecar(path: Path) -> Path:
     return zip_path.with_suffix(".json")
 
 
-__all__ = ["PPOAgent", "PPOConfig", "make_vec_env", "observation_spec"]
+__all__ = ["PPOAgent", "PPOConfig", "make_vec_env"]

@@ -30,7 +30,7 @@ Our choices, and why:
   the bootstrap takes the max over the next state's *valid* actions.
 
 The deployed (exported) policy is greedy over visited actions, ADD in states never visited
-(:func:`scheduler_runtime.policy.table_decision`, without the bandit's delta == 0 rule).
+(:func:`scheduler_runtime.rules.table_decision`, without the bandit's delta == 0 rule).
 
 Parallel workers merge by count-weighted means: ``Q(s, a)`` is the mean of the workers'
 values weighted by how often each visited ``(s, a)`` since the last merge (unchanged where none

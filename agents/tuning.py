@@ -3,7 +3,7 @@
     python -m agents.tuning --scenario NAME --out policies/heuristic-tuned/NAME.feather
 
 The baseline a learned policy must beat is the best hand-made rule fitted to the workload too:
-``group-cap-K`` (:class:`~scheduler_runtime.policy.GroupCapRule`: cached group first, hold a new
+``group-cap-K`` (:class:`~scheduler_runtime.rules.GroupCapRule`: cached group first, hold a new
 group while work of the groups in flight waits, at most K groups in flight) with K chosen per
 scenario. The search serves each candidate, ``group-hold`` (no cap) then K = :data:`CAPS` from
 the largest down, on the same training episodes of the scenario on the simulator; the best by

@@ -578,7 +578,7 @@ class ScenarioMix(gym.Env):
 
 def scheduler_policy(env: FeatherEnv) -> BatchingPolicy:
     """The policy the environment's scheduler answers with when it serves (a fresh object):
-    :func:`~scheduler_runtime.policy.default_policy` of its configuration."""
+    :func:`~scheduler_runtime.plugins.default_policy` of its configuration."""
     config = env.scheduler_config
     return default_policy(config.ordering, config.policy, config.group_cap)
 

@@ -40,7 +40,7 @@ free batch slots, :meth:`BatchingCore.end` closes it and returns what was releas
 :meth:`BatchingCore.plan` is that loop with a policy answering each decision: what the vLLM
 scheduler calls. The baselines answer with :class:`~scheduler_runtime.decision.AlwaysAdd`
 (their order does the work); Feather with its policy (default: the authors' heuristic,
-:class:`~scheduler_runtime.policy.HeuristicRule`). The environment answers with the agent.
+:class:`~scheduler_runtime.rules.HeuristicRule`). The environment answers with the agent.
 
 A STOP with nothing changed since (no arrival, release, finish or abort) is not asked again:
 the policy would see the same batch and candidate, so a deterministic policy would answer the
