@@ -52,6 +52,7 @@ from feather_env.serving_metrics import RequestTimeline
 from feather_env.step_model import StepRequest
 from feather_env.workloads import Request, Workload
 from scheduler_runtime.decision import EngineView, observation_kind
+from scheduler_runtime.frontend import AnsweredRounds
 from scheduler_runtime.plugins import load_policy_spec
 from scheduler_runtime.schedulers import (
     EXTRA_OUTPUT_LEN,
@@ -316,7 +317,9 @@ class VLLMBackend(ServingBackend):
         if not hasattr(self.scheduler, "feather_configure"):
             raise EngineError(f"the engine's scheduler is {type(self.scheduler).__name__}, not "
                               f"FeatherScheduler: build it with scheduler_cls={FEATHER_SCHEDULER!r}")
-        self.scheduler.feather_external_rounds = True
+        # the environment answers the rounds between engine steps (scheduler_runtime.frontend)
+        self._answered = AnsweredRounds()
+        self.scheduler.feather_planner = self._answered
         self.scheduler.feather_clock = lambda: self.clock
         self.tap = ScheduleTap.on(self.scheduler)
         self._model_runner = core.model_executor.driver_worker.worker.model_runner
@@ -336,8 +339,7 @@ class VLLMBackend(ServingBackend):
         return self.scheduler.feather_free_slots()
 
     def release(self, request_ids: Sequence[str]) -> None:
-        if request_ids:
-            self.scheduler.feather_release(list(request_ids))
+        self._answered.push(request_ids)  # into vLLM's queue at the next schedule()
 
     def serve(self, episode: Workload, config: SchedulerConfig,
               on_advance: Callable[[Advance], None] | None = None) -> list[RequestTimeline]:
@@ -353,7 +355,7 @@ class VLLMBackend(ServingBackend):
             EngineError: as :meth:`advance`, or a request not served exactly once with its tokens.
         """
         scheduler = self.scheduler
-        scheduler.feather_external_rounds = False
+        scheduler.feather_planner = None  # the scheduler's own policy answers, as it serves
         try:
             self.start(episode, config)
             while not self.done:
@@ -362,7 +364,7 @@ class VLLMBackend(ServingBackend):
                     on_advance(adv)
             self.check_complete()
         finally:
-            scheduler.feather_external_rounds = True
+            scheduler.feather_planner = self._answered
         return self.timelines()
 
     def _reset_engine(self, config: SchedulerConfig) -> None:
@@ -377,6 +379,7 @@ class VLLMBackend(ServingBackend):
         if not self.llm.reset_prefix_cache():
             raise EngineError("vLLM could not reset its prefix cache (requests still hold blocks)")
         self.scheduler.feather_configure(config)
+        self._answered.clear()
         self.runtime = self.scheduler.feather
         self._internal = {}
         self.tap.record_detail = self.record_steps

@@ -32,6 +32,7 @@ from feather_env.sim_engine import SimEngine, SimEngineConfig, StepResult
 from feather_env.step_model import StepCostModel, features_from_columns
 from feather_env.workloads import Request
 from scheduler_runtime.decision import EngineView
+from scheduler_runtime.frontend import HeldRequests, free_slots
 from scheduler_runtime.schedulers import EXTRA_OUTPUT_LEN, FeatherRuntime, SchedulerConfig
 
 __all__ = ["SimBackend"]
@@ -48,7 +49,7 @@ class _SimView:
 
     def cached_prefix_tokens(self, request_id: str, limit: int | None = None) -> int:
         backend = self.backend
-        request = backend._held.get(request_id)
+        request = backend.held.get(request_id)
         if request is None:
             return 0
         engine = backend.engine
@@ -65,7 +66,7 @@ class _SimView:
         backend = self.backend
         prefixes = []
         for rid in request_ids:
-            request = backend._held.get(rid)
+            request = backend.held.get(rid)
             if request is None:
                 continue
             self.cached_prefix_tokens(rid, 0)  # keeps the prompt's block hashes
@@ -96,7 +97,8 @@ class SimBackend(ServingBackend):
                                           max_model_len=e.max_model_len)
         self.kv_capacity_tokens = e.usable_kv_tokens
         self.engine = SimEngine(self.sim_config)
-        self._held: dict[str, Request] = {}
+        #: The requests the core holds, released into the engine's queue (scheduler_runtime.frontend).
+        self.held: HeldRequests[Request] = HeldRequests(self._enqueue)
         self._hit: dict[str, int] = {}
         self._hashes: dict[tuple[str, int], tuple[Request, np.ndarray]] = {}
         self._block_hashes: dict[str, tuple[Request, list[int]]] = {}
@@ -111,19 +113,19 @@ class SimBackend(ServingBackend):
 
     def free_slots(self) -> int:
         engine = self.engine
-        return self.sim_config.max_num_seqs - engine.num_running - engine.num_waiting
+        return free_slots(self.sim_config.max_num_seqs, engine.num_running + engine.num_waiting)
 
     def release(self, request_ids: Sequence[str]) -> None:
-        held, engine = self._held, self.engine
-        for rid in request_ids:
-            r = held.pop(rid)
-            engine.add_request(rid, r.prompt_token_ids, r.output_len)
+        self.held.release(request_ids)
+
+    def _enqueue(self, request: Request) -> None:
+        self.engine.add_request(request.request_id, request.prompt_token_ids, request.output_len)
 
     def _reset_engine(self, config: SchedulerConfig) -> None:
         self.engine = SimEngine(self.sim_config)
         self.runtime = FeatherRuntime(config, self.kv_capacity_tokens,
                                       max_model_len=self.sim_config.max_model_len)
-        self._held = {}
+        self.held = HeldRequests(self._enqueue)
         self._hit = {}
 
     def _engine_busy(self) -> bool:
@@ -144,7 +146,7 @@ class SimBackend(ServingBackend):
         runtime.arrive(request.request_id, request.prompt_token_ids, now=self.clock,
                        max_tokens=request.output_len,
                        extra_args={EXTRA_OUTPUT_LEN: request.output_len}, prompt_hashes=cached[1])
-        self._held[request.request_id] = request
+        self.held.hold(request.request_id, request)
 
     def _deadline(self) -> float:
         """The clock of the next event the core sees: an arrival, or its oldest request's max_wait."""

@@ -210,7 +210,7 @@ def test_env_observations_are_what_the_serving_scheduler_sees(env_backend):
     assert not engine.has_unfinished_requests() and env_backend.llm.reset_prefix_cache()
     serving = Recorder(HeuristicRule())
     sched.feather_configure(env.scheduler_config, policy=serving)
-    sched.feather_external_rounds = False
+    answered, sched.feather_planner = sched.feather_planner, None  # the policy answers, as it serves
     try:
         for r in sorted(episode, key=lambda r: r.arrival_time):
             params = forced_length_params(r.output_len, extra_args={EXTRA_OUTPUT_LEN: r.output_len})
@@ -218,7 +218,7 @@ def test_env_observations_are_what_the_serving_scheduler_sees(env_backend):
         while engine.has_unfinished_requests():
             engine.step()
     finally:
-        sched.feather_external_rounds = True
+        sched.feather_planner = answered
     assert in_env.calls, "no decision was asked"
     assert serving.calls == in_env.calls
 

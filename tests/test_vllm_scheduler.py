@@ -51,7 +51,7 @@ def sched(feather_llm):
     yield scheduler
     # leave the engine empty and consistent for the next test
     assert not feather_llm.llm_engine.has_unfinished_requests()
-    assert not scheduler._feather_held and not scheduler.requests
+    assert not scheduler.feather_held and not scheduler.requests
     if scheduler.feather is not None:
         core = scheduler.feather.core
         core.check_consistency()
@@ -132,7 +132,7 @@ def test_stop_holds_requests_and_they_still_count_as_waiting(sched, feather_llm)
     for rid, prompt, out in reqs:
         add(engine, rid, prompt, out)
     engine.step()
-    held = len(sched._feather_held)
+    held = len(sched.feather_held)
     assert held > 0, "the heuristic should STOP before other documents"
     running, waiting = sched.get_request_counts()
     assert running + waiting == len(reqs)  # no request finishes in one step
@@ -158,7 +158,7 @@ def test_group_cap_keeps_its_documents_in_flight_inside_vllm(sched, feather_llm)
     def check() -> None:
         seen.append(core.groups.num_in_flight)
         assert view.num_queued() == len(sched.waiting) + len(sched.kv_holding_waiting)
-        for rid in list(sched._feather_held)[:3]:
+        for rid in list(sched.feather_held)[:3]:
             full = view.cached_prefix_tokens(rid)
             assert view.cached_prefix_tokens(rid, 256) == min(full, 256)
 
@@ -177,7 +177,7 @@ def test_retention_moves_a_held_documents_cached_blocks_to_the_end_of_vllms_evic
     queue = sched.kv_cache_manager.block_pool.free_block_queue
     later = prompt[:640] + [7] * 20  # a later question of the same document, held
     add(engine, "keep-later", later, 3)
-    (held,) = sched._feather_held  # vLLM's own id for it
+    (held,) = sched.feather_held  # vLLM's own id for it
     doc_blocks = sched.feather_view.cached_prefix_tokens(held) // sched.block_size
     assert doc_blocks == 640 // sched.block_size
     moved = sched.feather_view.retain_prefixes([held])
@@ -185,7 +185,7 @@ def test_retention_moves_a_held_documents_cached_blocks_to_the_end_of_vllms_evic
     tail = queue.get_all_free_blocks()[-moved:]
     assert [b.block_hash is not None for b in tail] == [True] * moved
     # the document's first block is the very last to be evicted
-    first_hash = sched._feather_held[held].block_hashes[0]
+    first_hash = sched.feather_held[held].block_hashes[0]
     assert tail[-1] is sched.kv_cache_manager.block_pool.get_cached_block(first_hash, [0])[0]
     add(engine, other[0], other[1], other[2])
     assert len(drain(engine, sched)) == 2
@@ -210,7 +210,7 @@ def test_preemption_keeps_the_state_consistent(sched, feather_llm, name):
         in_engine = {r.request_id for r in sched.running} | {r.request_id for r in sched.waiting}
         # the formed batch is exactly what vLLM runs or queues (preempted ones included)
         assert set(core.active_ids()) == in_engine
-        assert set(core.waiting_ids()) == set(sched._feather_held)
+        assert set(core.waiting_ids()) == set(sched.feather_held)
 
     done = drain(engine, sched, on_step=consistent)
     assert done == {rid: out for rid, _, out in reqs}
@@ -226,7 +226,7 @@ def test_aborts_leave_nothing_behind(sched, feather_llm):
     for _ in range(3):
         engine.step()
     # the scheduler sees vLLM's internal ids (the caller's id + a suffix)
-    held = list(sched._feather_held)[:2]
+    held = list(sched.feather_held)[:2]
     running = [r.request_id for r in sched.running][:2]
     aborted = set(held + running)
     assert len(held) == 2 and len(running) == 2
