@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -175,6 +175,40 @@ class Agent(ABC):
     def learn(self, env: gym.Env, total_timesteps: int, callback: Any = None,
               reset_num_timesteps: bool = True) -> Agent:
         raise NotImplementedError(f"agent {self.name!r} does not learn")
+
+    # -- how a run trains this kind of agent (agents.training.run asks, whatever the agent) -----
+    @classmethod
+    def training_env(cls, make_env: Callable[[], gym.Env], factories: Callable[[], list[Any]],
+                     n_envs: int, seed: int) -> Any:
+        """The environment a run trains this agent on: one environment (``make_env``), or ``None``
+        with ``n_envs > 1`` (:meth:`train` then steps worker processes of its own)."""
+        return None if n_envs > 1 else make_env()
+
+    @classmethod
+    def resume(cls, path: Path, loaded: Agent, train_env: Any) -> Agent:
+        """The agent a run continues, from its checkpoint at ``path`` (``loaded``: it read and
+        checked before the run started)."""
+        return loaded
+
+    def prepare(self, train_env: Any, eval_env: Any) -> None:
+        """Before training: remember the observation spec (of the evaluation environment, which
+        every kind of training environment shares)."""
+        self.bind(eval_env)
+
+    def train(self, train_env: Any, steps: int, callback: Any, reset_num_timesteps: bool,
+              parallel: Callable[[Agent, Any], None] | None = None) -> None:
+        """Train ``steps`` more (``parallel``: a run's worker processes, when ``train_env`` is None)."""
+        if train_env is None:
+            if parallel is None:
+                raise ValueError(f"agent {self.name!r}: no training environment and no workers")
+            parallel(self, callback)
+        else:
+            self.learn(train_env, steps, callback=callback, reset_num_timesteps=reset_num_timesteps)
+
+    @property
+    def callback_model(self) -> Any:
+        """What SB3's callbacks are initialised with (the agent; PPO: its SB3 model)."""
+        return self
 
     def save(self, path: str | Path) -> Path:
         raise NotImplementedError(f"agent {self.name!r} has no checkpoint")

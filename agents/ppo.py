@@ -137,6 +137,27 @@ class PPOAgent(Agent):
             self.model.set_logger(self._logger)
         self.bind(vec)
 
+    @classmethod
+    def training_env(cls, make_env: Any, factories: Any, n_envs: int, seed: int) -> Any:
+        """A vector of environments: in worker processes with ``n_envs > 1``, else this process's."""
+        vec = make_vec_env(factories(), subprocess=True) if n_envs > 1 else make_vec_env([make_env])
+        vec.seed(seed)
+        return vec
+
+    @classmethod
+    def resume(cls, path: Path, loaded: Any, train_env: Any) -> PPOAgent:
+        """Loaded again with the training environment (SB3 binds its model to it)."""
+        agent = cls.load(path, env=train_env)
+        agent.bind(train_env)
+        return agent
+
+    def prepare(self, train_env: Any, eval_env: Any) -> None:
+        """Nothing: the model binds to the training environment when it is built."""
+
+    @property
+    def callback_model(self) -> Any:
+        return self.model
+
     def learn(self, env: Any, total_timesteps: int, callback: Any = None,
               reset_num_timesteps: bool = True) -> PPOAgent:
         vec = self._as_vec_env(env)

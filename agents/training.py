@@ -620,7 +620,6 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     cls = agent_class(cfg.agent_name)
-    ppo = cfg.agent_name == "ppo"
     checkpoint_to_resume = None
     trained_on = None
     resumed_from: dict[str, Any] | None = None
@@ -668,22 +667,12 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
         eval_env = make_env(cfg, backend=eval_kind)
     ckpt_dir = out / "checkpoints"
 
-    if ppo:
-        from agents.ppo import make_vec_env
-
-        if cfg.train.n_envs > 1:
-            factories = [EnvFactory(cfg.to_dict(), cfg.agent_name) for _ in range(cfg.train.n_envs)]
-            train_env = make_vec_env(factories, subprocess=True)
-        else:
-            train_env = make_vec_env([lambda: make_env(cfg, backend=shared)])
-        train_env.seed(cfg.train.seed)
-    else:
-        train_env = None if cfg.train.n_envs > 1 else make_env(cfg, backend=shared)
-
+    train_env = cls.training_env(lambda: make_env(cfg, backend=shared),
+                                 lambda: [EnvFactory(cfg.to_dict(), cfg.agent_name)
+                                          for _ in range(cfg.train.n_envs)],
+                                 cfg.train.n_envs, cfg.train.seed)
     if checkpoint_to_resume is not None:
-        agent = cls.load(checkpoint_to_resume, env=train_env) if ppo else loaded
-        if ppo:
-            agent.bind(train_env)
+        agent = cls.resume(checkpoint_to_resume, loaded, train_env)
         resumed_from = {"backend": trained_on, "timesteps": int(agent.num_timesteps)}
         if verbose:
             where = ("" if trained_on == cfg.train.backend else
@@ -692,8 +681,7 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
                   flush=True)
     else:
         agent = make_agent(cfg.agent_name, cfg.agent, seed=cfg.train.seed)
-    if not ppo:
-        agent.bind(eval_env)
+    agent.prepare(train_env, eval_env)
     logger = make_logger(out, cfg)
     agent.set_logger(logger)
 
@@ -709,10 +697,8 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
     remaining = cfg.train.timesteps - int(agent.num_timesteps)
     try:
         if remaining > 0:
-            if not ppo and cfg.train.n_envs > 1:
-                learn_parallel_tabular(agent, cfg, cfg.train.timesteps, callback)
-            else:
-                agent.learn(train_env, remaining, callback=callback, reset_num_timesteps=not resume)
+            agent.train(train_env, remaining, callback, not resume,
+                        parallel=lambda a, cb: learn_parallel_tabular(a, cfg, cfg.train.timesteps, cb))
         elif verbose:
             print(f"nothing to train: the checkpoint has {agent.num_timesteps} >= {cfg.train.timesteps} "
                   "timesteps", flush=True)
@@ -720,7 +706,7 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
         if history and history[-1]["timesteps"] == int(agent.num_timesteps):
             final = history[-1]  # the last periodic evaluation saw this very policy
         else:
-            eval_cb.init_callback(agent if not ppo else agent.model)
+            eval_cb.init_callback(agent.callback_model)
             final = eval_cb.run_eval()
             logger.dump(int(agent.num_timesteps))
     finally:
