@@ -46,9 +46,10 @@ import numpy as np
 
 from feather_env.engine import REPO_ROOT, EngineConfig, use_in_process_engine
 from feather_env.hostload import ForeignLoad, pinned_cores
+from feather_env.records import StepRequest
 from feather_env.reporting import machine_info, write_json
 from feather_env.scenarios import Scenario, load_scenario
-from feather_env.step_model import FEATURE_NAMES, StepCostModel, StepRequest, fit_step_model, step_features
+from feather_env.step_model import FEATURE_NAMES, StepCostModel, fit_step_model, step_features
 
 __all__ = ["CALIBRATION_PLAN", "PROFILE_VERSION", "VALIDATION_PLAN", "EpisodeSpec", "load_profile", "main",
            "scenario_plan"]

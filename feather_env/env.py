@@ -15,8 +15,9 @@ from gymnasium import spaces
 from gymnasium.envs.registration import EnvSpec
 
 from feather_env.engine import EngineError
+from feather_env.records import Advance
 from feather_env.scenarios import Scenario, load_scenario
-from feather_env.serving import Advance, ServingBackend, env_scheduler_config
+from feather_env.serving import ServingBackend, env_scheduler_config
 from feather_env.serving_metrics import serving_metrics
 from scheduler_runtime.batching import BatchingCore
 from scheduler_runtime.config import ConfigError

@@ -35,7 +35,7 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from feather_env.engine import (
@@ -48,8 +48,7 @@ from feather_env.engine import (
     shutdown_engine,
     tokens_prompt,
 )
-from feather_env.serving_metrics import RequestTimeline
-from feather_env.step_model import StepRequest
+from feather_env.records import Advance, MeasuredStep, RequestTimeline, StepRequest
 from feather_env.workloads import Request, Workload
 from scheduler_runtime.decision import EngineView, observation_kind
 from scheduler_runtime.frontend import AnsweredRounds
@@ -62,7 +61,7 @@ from scheduler_runtime.schedulers import (
     SchedulerConfig,
 )
 
-__all__ = ["Advance", "MeasuredStep", "ServingBackend", "VLLMBackend", "env_scheduler_config"]
+__all__ = ["ServingBackend", "VLLMBackend", "env_scheduler_config"]
 
 
 def env_scheduler_config(name: str, **overrides: Any) -> SchedulerConfig:
@@ -81,34 +80,6 @@ def env_scheduler_config(name: str, **overrides: Any) -> SchedulerConfig:
     if config.passthrough:
         config = replace(config, ordering="fcfs", admission="none", svf_seed=False, max_wait=None)
     return config
-
-
-@dataclass
-class Advance:
-    """What one :meth:`ServingBackend.advance` cost.
-
-    Attributes:
-        seconds: clock time that passed (engine steps, and an idle jump to the next arrival).
-        request_seconds: requests in the system (arrived, not finished) x seconds, summed.
-        decode_tokens, decode_seconds: tokens and time of the steps that only decoded.
-        steps: engine steps taken.
-        finished: requests that finished (external ids).
-    """
-
-    seconds: float = 0.0
-    request_seconds: float = 0.0
-    decode_tokens: int = 0
-    decode_seconds: float = 0.0
-    steps: int = 0
-    finished: list[str] = field(default_factory=list)
-
-
-@dataclass
-class MeasuredStep:
-    """One engine step as the calibration sees it: its requests in batch order and its time."""
-
-    batch: list[StepRequest]
-    seconds: float
 
 
 class ServingBackend(ABC):

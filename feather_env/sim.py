@@ -27,7 +27,8 @@ import numpy as np
 
 from feather_env.calibrate import DEFAULT_PROFILE, load_profile
 from feather_env.engine import EngineConfig, EngineError
-from feather_env.serving import Advance, ServingBackend
+from feather_env.records import Advance
+from feather_env.serving import ServingBackend
 from feather_env.sim_engine import SimEngine, SimEngineConfig, StepResult
 from feather_env.step_model import StepCostModel, features_from_columns
 from feather_env.workloads import Request

@@ -24,7 +24,7 @@ import pytest
 import evaluate
 from feather_env.evaluation import endpoint, inprocess, report
 from feather_env.evaluation.server import LocalServer, free_port
-from feather_env.serving_metrics import RequestTimeline
+from feather_env.records import RequestTimeline
 from feather_env.workloads import synthetic_workload
 
 REPO = Path(__file__).resolve().parent.parent

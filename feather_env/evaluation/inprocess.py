@@ -39,8 +39,9 @@ from typing import Any
 import numpy as np
 
 from feather_env.engine import EngineConfig, EngineError
-from feather_env.evaluation.report import IN_PROCESS, Run, StepSample
+from feather_env.evaluation.report import IN_PROCESS, Run
 from feather_env.hostload import ForeignLoad, pinned_cores, wait_for_quiet
+from feather_env.records import StepSample
 from feather_env.serving_metrics import serving_metrics
 from feather_env.workloads import Request, Workload
 from scheduler_runtime.config import ConfigError

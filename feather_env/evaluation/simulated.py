@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from feather_env.evaluation.report import SIMULATOR, Run
+from feather_env.records import RequestTimeline
 from feather_env.scenarios import Scenario
-from feather_env.serving_metrics import RequestTimeline
 from feather_env.workloads import Workload
 from scheduler_runtime.config import ConfigError
 
