@@ -21,7 +21,8 @@ from typing import Any
 
 from agents.base import evaluate
 from agents.registry import make_agent
-from agents.training import load_config, make_env, run
+from agents.run_config import load_config
+from agents.training import make_env, run
 from benchmarks import measured
 from feather_env.engine import REPO_ROOT
 from feather_env.env import REWARDS

@@ -53,8 +53,7 @@ from typing import Any
 from feather_env.engine import REPO_ROOT, EngineConfig
 from feather_env.workloads import Workload, WorkloadConfig, load_workload, sample_workload
 from feather_env.workloads.arrivals import TraceFileArrivals, parse_arrival
-from scheduler_runtime.batching import check_core_knobs
-from scheduler_runtime.config import ConfigError, from_mapping, load_yaml
+from scheduler_runtime.config import ConfigError, check_core_knobs, from_mapping, load_yaml
 
 __all__ = [
     "EVALUATED_SCENARIOS",

@@ -49,7 +49,6 @@ same; this keeps a long STOP cheap (``skipped_decisions``), in serving and in th
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -59,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from scheduler_runtime.cht import ChunkedHashTree
+from scheduler_runtime.config import check_core_knobs
 from scheduler_runtime.decision import (
     ADD,
     STOP,
@@ -81,7 +81,6 @@ from scheduler_runtime.svf import KeyQueue, KVBudget, volume
 
 __all__ = [
     "ADMISSIONS",
-    "check_core_knobs",
     "DECISIONS",
     "RELEASE_REASONS",
     "BatchingCore",
@@ -145,31 +144,6 @@ class CoreConfig:
             raise ValueError(f"admission must be one of {ADMISSIONS}, got {self.admission!r}")
         check_core_knobs(chunk_size=self.chunk_size, max_wait=self.max_wait,
                          lpm_fcfs_fallback=self.lpm_fcfs_fallback, group_chunks=self.group_chunks)
-
-
-_UNSET: Any = object()
-
-
-def check_core_knobs(*, chunk_size: Any = _UNSET, max_wait: Any = _UNSET, lpm_fcfs_fallback: Any = _UNSET,
-                     group_chunks: Any = _UNSET) -> None:
-    """The one check of the core's numeric knobs, wherever they are set (:class:`CoreConfig`, the
-    scheduler's configuration, a scenario's ``scheduler`` section); only the given ones are checked.
-
-    Raises:
-        ValueError: naming the knob and the value.
-    """
-    for name, value in (("chunk_size", chunk_size), ("group_chunks", group_chunks)):
-        if value is not _UNSET and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be >= 1 (an integer), got {value!r}")
-    if max_wait is not _UNSET and max_wait is not None and not (
-            isinstance(max_wait, int | float) and not isinstance(max_wait, bool)
-            and math.isfinite(max_wait) and max_wait >= 0):
-        raise ValueError(f"max_wait must be a finite number of seconds >= 0 (or null: no anti-starvation), "
-                         f"got {max_wait!r}")
-    fallback = lpm_fcfs_fallback
-    if fallback is not _UNSET and fallback is not None and (
-            isinstance(fallback, bool) or not isinstance(fallback, int) or fallback < 0):
-        raise ValueError(f"lpm_fcfs_fallback must be >= 0 or null, got {fallback!r}")
 
 
 @dataclass

@@ -60,8 +60,8 @@ from typing import Any
 
 import numpy as np
 
-from scheduler_runtime.batching import BatchingCore, CoreConfig, check_core_knobs
-from scheduler_runtime.config import ConfigError, checked_fields, load_mapping
+from scheduler_runtime.batching import BatchingCore, CoreConfig
+from scheduler_runtime.config import ConfigError, check_core_knobs, checked_fields, load_mapping
 from scheduler_runtime.decision import BatchingPolicy, EngineView, observation_kind
 from scheduler_runtime.orderings import KEY_ORDERINGS, OrderingName
 from scheduler_runtime.plugins import default_policy

@@ -18,7 +18,8 @@ import pytest
 import yaml
 
 import train
-from agents.training import EnvSection, load_config, parse_config, run
+from agents.run_config import EnvSection, load_config, parse_config
+from agents.training import run
 from agents.ucb import UCBConfig
 from scheduler_runtime.config import ConfigError
 from scheduler_runtime.policy import load_policy
