@@ -12,7 +12,7 @@ Our choices, and why:
   to do with throughput. In the serving loop the targets are noisy (the bins do not say how
   much work is left, which dominates the return to go): on a small leval-kv-pressure episode
   (``tests/test_agents.py``'s setting, 5,000 steps) ``gamma = 0.99`` reached 330.5 tokens/s
-  against always-add's 332.9 and ``gamma = 1`` 298.9-311.2; issue 14's tuning decides per scenario.
+  against always-add's 332.9 and ``gamma = 1`` 298.9-311.2; the per-scenario builds choose.
 - step size ``max(learning_rate, 1 / n(s, a))`` with ``learning_rate = 0.01``: a sample average
   over the first 100 visits of a pair (no bias from the initial 0), then a constant step that
   keeps tracking (the real engine drifts). The targets are very noisy (the bins hide how much

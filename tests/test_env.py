@@ -116,7 +116,7 @@ def test_truncation_after_max_episode_seconds():
 
 def test_reference_orderings_rank_as_the_real_engine_did():
     """Under KV pressure the prefix-aware orderings prefill each document about once: fcfs
-    interleaves documents and prefills them again (issue 11's real-engine measurement)."""
+    interleaves documents and prefills them again (as measured on the real engine)."""
     tput = {}
     for scheduler in ("fcfs", "lpm", "feather-heuristic"):
         env = FeatherEnv(SCENARIO, "sim", scheduler=scheduler)

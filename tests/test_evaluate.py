@@ -281,7 +281,7 @@ def policy_256(tmp_path) -> Path:
 ])
 def test_bad_knobs_are_errors_before_the_first_engine(tmp_path, capsys, monkeypatch, policy_256, args,
                                                       message):
-    """Issue 12, M4: these failed when that scheduler's engine started, after the earlier ones ran."""
+    """These once failed when that scheduler's engine started, after the earlier ones ran."""
     def no_engine(*a, **kw):
         raise AssertionError("an engine was started")
 

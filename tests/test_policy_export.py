@@ -257,7 +257,7 @@ def test_bad_parameters(good_file):
 ])
 def test_resigned_heuristic_with_bad_param_types_fails_at_load_not_at_the_first_decision(
         trained, tmp_path, edit, message):
-    """Issue 12, H2: ``HeuristicRule(**params)`` checked no types, so such a file loaded and the
+    """``HeuristicRule(**params)`` once checked no types, so such a file loaded and the
     scheduler raised at its first decision, inside the engine's busy loop."""
     path = trained["heuristic"].export(tmp_path / "h.feather")
     _rewrite(path, lambda d: edit(d["params"]))

@@ -1,7 +1,7 @@
 """``feather-serve``'s own checks: a bad option is a usage error (exit 2, one line naming the
 problem) before vLLM is imported, so no model loads for a command line that cannot work.
 
-Issue 12, M3: an unknown ``--scheduler-config`` key and ``max_wait: "10"`` were raw TypeErrors,
+An unknown ``--scheduler-config`` key and ``max_wait: "10"`` were raw TypeErrors,
 a bad ``feather:PATH`` was found only at engine-core init (after the model had loaded), and a
 bad ``--additional-config`` was a raw JSONDecodeError. No engine starts here.
 """

@@ -217,7 +217,7 @@ def resumable(tmp_path):
     ('{"path": "ucb_999_steps.npz"}', "ucb_999_steps.npz does not exist"),
 ])
 def test_resume_refuses_a_bad_pointer_before_loading_anything(resumable, capsys, pointer, message):
-    """Issue 12: --resume followed pointer["path"] unchecked into the agent's loader (SB3's
+    """--resume once followed pointer["path"] unchecked into the agent's loader (SB3's
     cloudpickle for PPO), absolute paths and ../ included; a missing latest.json was a traceback."""
     cfg_path, out = resumable
     latest = out / "checkpoints" / "latest.json"

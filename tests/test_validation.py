@@ -1,8 +1,8 @@
 """Bad input never reaches the engine's busy loop: scheduler config values, client hints, policy
 and predictor files are checked when they are read, with errors that say what is wrong.
 
-Engine-free (issue 12, H1, H2, M2, M3 and the Low findings): every check here runs on the
-runtime the vLLM scheduler delegates to, before anything starts.
+Engine-free: every check here runs on the runtime the vLLM scheduler delegates to, before
+anything starts.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ if str(HERE) not in sys.path:  # the plug-in policies of these tests (tests/faul
 
 TOKENS = np.arange(3, 300)
 MAX_MODEL_LEN = 4096
-#: The malformed hints of issue 12 (H1), as a client can send them in ``vllm_xargs``.
+#: Malformed hints, as a client can send them in ``vllm_xargs``.
 MALFORMED = ["abc", [1], "nan", "inf", -5, 1e12]
 
 

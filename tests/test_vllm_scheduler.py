@@ -271,7 +271,7 @@ FAULTY = "feather:py:fault_policies:RaisesOnFiftiethDecision"
 
 
 def test_a_policy_fault_hands_every_held_request_to_vllm_and_serves_on_as_fcfs(sched, feather_llm):
-    """Issue 12, H2: an exception in the policy used to end the engine and every request in it."""
+    """An exception in the policy used to end the engine and every request in it."""
     sched.feather_configure({"name": FAULTY, "chunk_size": TEST_CHUNK})
     engine = feather_llm.llm_engine
     reqs = workload("fault", groups=8, per_group=10, prefix=600, out=(2, 8), seed=6)
@@ -355,7 +355,7 @@ def test_max_faults_restarts_feather_until_the_last_fault(sched, feather_llm):
 
 
 def test_malformed_hints_from_trusted_clients_are_served_with_the_fallback(sched, feather_llm):
-    """Issue 12, H1: ``"abc"`` or ``[1]`` in feather_output_len raised in the engine's busy loop
+    """``"abc"`` or ``[1]`` in feather_output_len raised in the engine's busy loop
     (the engine died) and ``"nan"`` poisoned the KV budget."""
     sched.feather_configure({"name": "oracle-svf", "trust_client_hints": True})
     engine = feather_llm.llm_engine
