@@ -159,16 +159,16 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         """The effective config as a YAML-able mapping (the format :func:`load_config` reads)."""
         agent = {"name": self.agent_name, **(asdict(self.agent) if self.agent is not None else {})}
-        return _plain({"scenario": self.scenario, "env": asdict(self.env), "agent": agent,
+        return _plain_data({"scenario": self.scenario, "env": asdict(self.env), "agent": agent,
                        "train": asdict(self.train)})
 
 
-def _plain(obj: Any) -> Any:
+def _plain_data(obj: Any) -> Any:
     """Tuples -> lists, recursively (YAML/JSON friendly)."""
     if isinstance(obj, Mapping):
-        return {k: _plain(v) for k, v in obj.items()}
+        return {k: _plain_data(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return [_plain(v) for v in obj]
+        return [_plain_data(v) for v in obj]
     return obj
 
 

@@ -360,7 +360,7 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
         real_env = make_env(cfg, backend="vllm")
         try:
             real_seeds = seeds[: cfg.train.confirm_episodes]
-            confirmed[cfg.agent_name] = _strip(evaluate(agent, real_env, real_seeds))
+            confirmed[cfg.agent_name] = _without_episodes(evaluate(agent, real_env, real_seeds))
             confirmed.update(_compare(cfg, real_env, real_seeds))
         finally:
             real_env.close()
@@ -414,7 +414,7 @@ def _skipped_episodes(env: Any) -> int | None:
         return None
 
 
-def _strip(result: Mapping[str, Any]) -> dict[str, Any]:
+def _without_episodes(result: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in result.items() if k != "episodes"}
 
 
@@ -428,7 +428,8 @@ def _compare(cfg: RunConfig, env: Any, seeds: Sequence[int]) -> dict[str, dict[s
     for name in cfg.train.compare_with:
         own = name in ORDERING_REFERENCES or name not in REFERENCES
         ref_env = make_env(cfg, backend=backend, scheduler=name) if own else env
-        out[name] = _strip(evaluate(reference_policy(name, ref_env, seed=cfg.train.seed), ref_env, seeds))
+        policy = reference_policy(name, ref_env, seed=cfg.train.seed)
+        out[name] = _without_episodes(evaluate(policy, ref_env, seeds))
     return out
 
 

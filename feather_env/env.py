@@ -398,10 +398,10 @@ class FeatherEnv(gym.Env):
         reward = 0.0
         while True:
             if not core.round_open:
-                core.begin(backend.clock, backend.free_slots(), backend.view)
+                core.open_round(backend.clock, backend.free_slots(), backend.view)
             if core.pending is not None:
                 return reward
-            backend.release(core.end())
+            backend.release(core.close_round())
             if backend.done:
                 backend.check_complete()
                 self._terminated = True
@@ -413,11 +413,11 @@ class FeatherEnv(gym.Env):
             reward += self._reward(adv)
             if self.max_episode_seconds is not None and backend.clock >= self.max_episode_seconds:
                 if not core.round_open:
-                    core.begin(backend.clock, backend.free_slots(), backend.view)
+                    core.open_round(backend.clock, backend.free_slots(), backend.view)
                 if core.pending is not None or backend.done:
                     continue
                 # no decision to ask: the truncated episode ends here
-                backend.release(core.end())
+                backend.release(core.close_round())
                 return reward
 
     def _reward(self, adv: Advance) -> float:

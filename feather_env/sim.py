@@ -194,7 +194,7 @@ class SimBackend(ServingBackend):
             self._hit[rid] = hit
             self._record_scheduled(rid, hit, start)
         dt = self._batch_seconds(res)
-        self._tick(dt, adv)
+        self._advance_clock(dt, adv)
         now = self.clock
         if not res.admitted and not any(res.is_prefill):
             adv.decode_tokens += n
@@ -208,7 +208,7 @@ class SimBackend(ServingBackend):
         for rid in res.finished:
             t = self._timelines[rid]
             self._record_tokens(rid, t.output_len - t.tokens, True, now, adv)
-            runtime.freed(rid, aborted=False)
+            runtime.left_engine(rid, aborted=False)
             self._hit.pop(rid, None)
         return bool(res.finished) or (bool(res.admitted) and runtime.core.config.decision == "group")
 
@@ -220,7 +220,7 @@ class SimBackend(ServingBackend):
         n = len(probe.request_ids)
         t0 = self._batch_seconds(probe)
         g = self._decode_growth * n
-        self._tick(t0, adv)
+        self._advance_clock(t0, adv)
         adv.decode_tokens += n
         adv.decode_seconds += t0
         if k > 1 and self.clock < deadline:
@@ -229,11 +229,11 @@ class SimBackend(ServingBackend):
             m = _steps_to_reach(room, t1, g, k - 1)
             engine.advance_decode(m)
             dt = m * t1 + g * m * (m - 1) / 2.0
-            self._tick(dt, adv, m)
+            self._advance_clock(dt, adv, m)
             adv.decode_tokens += m * n
             adv.decode_seconds += dt
 
-    def _tick(self, dt: float, adv: Advance, steps: int = 1) -> None:
+    def _advance_clock(self, dt: float, adv: Advance, steps: int = 1) -> None:
         self.clock += dt
         adv.seconds += dt
         adv.request_seconds += self._in_system * dt

@@ -21,8 +21,8 @@ formed". Requests are tracked by:
   prompt tokens (the CHT's missing chunks, at most its prompt) plus, with SVF's peak check,
   its output length estimate; the charge returns when it leaves.
 
-A *round* of decisions (once per engine step; :meth:`BatchingCore.begin` opens it with the
-free batch slots, :meth:`BatchingCore.end` closes it and returns what was released, in order):
+A *round* of decisions (once per engine step; :meth:`BatchingCore.open_round` opens it with the
+free batch slots, :meth:`BatchingCore.close_round` closes it and returns what was released, in order):
 
 1. anti-starvation: a request that has waited ``max_wait`` seconds is released before
    anything else, oldest first, whatever the policy says; if it does not fit the KV budget,
@@ -275,7 +275,7 @@ class BatchingCore:
 
         Args:
             token_ids: its prompt.
-            arrival: its arrival time (the clock of ``begin``'s ``now``, seconds).
+            arrival: its arrival time (the clock of ``open_round``'s ``now``, seconds).
             output_len: the output length estimate its scheduler uses (predicted, 1-bit proxy
                 or true): the SJF key, the volume's ``o`` and the peak check's output.
             prompt_hashes: the prompt's ``self.cht.hash_prompt(token_ids)``, when the caller
@@ -360,7 +360,7 @@ class BatchingCore:
 
     # ------------------------------------------------------------------ a round of decisions
 
-    def begin(self, now: float, free_slots: int, engine: EngineView | None = None) -> None:
+    def open_round(self, now: float, free_slots: int, engine: EngineView | None = None) -> None:
         """Open a round: release the overdue and the seed, then stop at the first decision.
 
         Args:
@@ -373,7 +373,7 @@ class BatchingCore:
             RuntimeError: a round is already open.
         """
         if self._round_open:
-            raise RuntimeError("a round is already open: end() it first")
+            raise RuntimeError("a round is already open: close_round() it first")
         self._round_open = True
         self._now = float(now)
         self._free = max(0, int(free_slots))
@@ -401,7 +401,7 @@ class BatchingCore:
 
     @property
     def pending(self) -> Decision | None:
-        """The decision the open round waits for (None: the round is over, call :meth:`end`)."""
+        """The decision the open round waits for (None: the round is over, call :meth:`close_round`)."""
         return self._pending
 
     @property
@@ -497,7 +497,7 @@ class BatchingCore:
         else:
             self.stop()
 
-    def end(self) -> list[str]:
+    def close_round(self) -> list[str]:
         """Close the round; the ids it released, in release order (a pending decision is dropped,
         as a STOP that is asked again next round)."""
         if not self._round_open:
@@ -519,11 +519,11 @@ class BatchingCore:
     def plan(self, now: float, free_slots: int, engine: EngineView | None = None) -> list[str]:
         """One round answered by :attr:`policy`: the ids to release now, in release order.
 
-        Args: as :meth:`begin`.
+        Args: as :meth:`open_round`.
         """
         start = time.perf_counter()
         try:
-            self.begin(now, free_slots, engine)
+            self.open_round(now, free_slots, engine)
             policy, kind = self.policy, self.policy_obs_kind
             observes = self._policy_observes
             while (pending := self._pending) is not None:
@@ -535,10 +535,10 @@ class BatchingCore:
                     self.stop()
                 else:
                     raise ValueError(f"the policy answered {action!r}, not STOP ({STOP}) or ADD ({ADD})")
-            return self.end()
+            return self.close_round()
         finally:
             if self._round_open:  # the policy raised: leave no half-open round behind
-                self.end()
+                self.close_round()
             elapsed = time.perf_counter() - start
             stats = self.stats
             stats.plan_calls += 1

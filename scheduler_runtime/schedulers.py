@@ -528,7 +528,7 @@ class FeatherRuntime:
         """Ids to release to the engine now, in order (see :meth:`BatchingCore.plan`)."""
         return self.core.plan(now, free_slots, engine)
 
-    def freed(self, request_id: str, aborted: bool) -> None:
+    def left_engine(self, request_id: str, aborted: bool) -> None:
         """The engine freed a request it knew (finished, or aborted/errored)."""
         core = self.core
         if aborted or not core.is_active(request_id):

@@ -345,7 +345,7 @@ class _FeatherMixin:
             start = time.perf_counter()
             try:
                 # Anything but a normal end (stop string/EOS, length) counts as an abort.
-                runtime.freed(request.request_id, aborted=request.status not in _COMPLETED)
+                runtime.left_engine(request.request_id, aborted=request.status not in _COMPLETED)
             except Exception as exc:  # fault isolation (module docstring)
                 self._feather_fault("freed", exc)
             runtime.stats.hook_seconds += time.perf_counter() - start

@@ -253,10 +253,10 @@ def stepped(core: BatchingCore, policy, kind: str = "base"):
     """A planner that answers each pending decision from outside, as the environment does."""
 
     def plan(now: float, slots: int, engine=None) -> list[str]:
-        core.begin(now, slots, engine)
+        core.open_round(now, slots, engine)
         while (pending := core.pending) is not None:
             core.decide(policy.act(core.observe(kind), pending.mask))
-        return core.end()
+        return core.close_round()
 
     return plan
 
@@ -297,9 +297,9 @@ def test_pending_decision_observation_mask_and_answers():
     with pytest.raises(RuntimeError, match="no decision"):
         core.add()
     engine = FakeEngine(0.25, {reqs[2].rid: 40})
-    core.begin(0.0, 3, engine)
+    core.open_round(0.0, 3, engine)
     with pytest.raises(RuntimeError, match="already open"):
-        core.begin(0.0, 3)
+        core.open_round(0.0, 3)
     seed = core.active_ids()
     assert len(seed) == 1 and core.pending is not None  # the seed needed no decision
     pending = core.pending
@@ -317,18 +317,18 @@ def test_pending_decision_observation_mask_and_answers():
     assert core.num_active == 2 and core.pending is not None
     core.stop()
     assert core.pending is None and core.round_open
-    released = core.end()
+    released = core.close_round()
     assert released == seed + [pending.request_id] and not core.round_open
     # nothing changed since the STOP: the next round asks nothing, until a request arrives
-    core.begin(1.0, 3)
-    assert core.pending is None and core.end() == []
+    core.open_round(1.0, 3)
+    assert core.pending is None and core.close_round() == []
     assert core.stats.skipped_decisions == 1
     core.arrive("new", np.arange(3, 30), arrival=1.0, output_len=3)
-    core.begin(1.0, 3)
+    core.open_round(1.0, 3)
     assert core.pending is not None
-    core.end()  # a pending decision left unanswered is simply asked again next round
-    core.begin(2.0, 1)
-    assert core.pending is not None and core.end() == []
+    core.close_round()  # a pending decision left unanswered is simply asked again next round
+    core.open_round(2.0, 1)
+    assert core.pending is not None and core.close_round() == []
     core.check_consistency()
 
 
@@ -337,7 +337,7 @@ def test_baseline_candidates_are_observed_like_feathers():
     core = BatchingCore(CoreConfig(ordering="fcfs", chunk_size=CHUNK, admission="none", svf_seed=False))
     for r in reqs:
         core.arrive(r.rid, r.tokens, arrival=0.0, output_len=r.output_len)
-    core.begin(0.0, 4)
+    core.open_round(0.0, 4)
     assert core.active_ids() == [reqs[0].rid]  # fcfs seeds with the oldest
     assert core.pending.request_id == reqs[1].rid  # and asks about the next oldest
     obs = core.observe()
@@ -559,7 +559,7 @@ class CoreMachine(RuleBasedStateMachine):
         self.now += dt
         self.round_active = set(self.core.active_ids())
         self.round_slots = slots
-        self.core.begin(self.now, slots)
+        self.core.open_round(self.now, slots)
 
     @precondition(lambda self: self.core.pending is not None)
     @rule(action=st.sampled_from([ADD, STOP]))
@@ -584,7 +584,7 @@ class CoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.core.round_open)
     @rule()
     def end(self):
-        released = self.core.end()
+        released = self.core.close_round()
         assert len(released) == len(set(released)) <= self.round_slots
         assert not set(released) & self.round_active and not set(released) & self.gone
         assert all(self.core.is_active(r) for r in released)
@@ -687,7 +687,7 @@ def test_runtime_output_lengths_per_mode():
     assert lpm.predictor is None
     lpm.arrive("a", tokens, now=0.0, max_tokens=5)
     assert lpm.stats.predictions == 0 and lpm.core.num_waiting == 1
-    lpm.freed("a", aborted=True)
+    lpm.left_engine("a", aborted=True)
     assert len(lpm.core) == 0
 
 
