@@ -56,7 +56,7 @@ import yaml
 
 from agents.parallel import learn_parallel_tabular
 from agents.run_config import ORDERING_REFERENCES, REFERENCES, RunConfig, parse_config
-from scheduler_runtime.config import ConfigError, load_yaml
+from scheduler_runtime.config import ConfigError, load_mapping, load_yaml
 
 __all__ = ["TrainResult", "comparison_table", "make_env", "reference_policy", "run"]
 
@@ -179,11 +179,9 @@ def _resume_checkpoint(ckpt_dir: Path) -> Path:
     if not latest.is_file():
         raise ConfigError(f"--resume: {latest} not found (no checkpoint to resume from)")
     try:
-        pointer = json.loads(latest.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"--resume: {latest} is not a JSON object: {exc}") from None
-    if not isinstance(pointer, dict):
-        raise ConfigError(f"--resume: {latest} is not a JSON object")
+        pointer = load_mapping(latest)
+    except ConfigError as exc:
+        raise ConfigError(f"--resume: {exc}") from None
     name = pointer.get("path")
     where = f"--resume: {latest}: 'path' must name a checkpoint file in {ckpt_dir}"
     if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name or "\\" in name:
