@@ -41,7 +41,7 @@ from typing import Any
 
 from feather_env.engine import REPO_ROOT, EngineConfig
 from feather_env.workloads import Workload, WorkloadConfig, load_workload, sample_workload
-from feather_env.workloads.arrivals import parse_arrival
+from feather_env.workloads.arrivals import TraceFileArrivals, parse_arrival
 from scheduler_runtime.config import ConfigError, from_mapping, load_yaml
 
 __all__ = [
@@ -57,8 +57,8 @@ __all__ = [
 SCENARIO_DIR = REPO_ROOT / "configs" / "scenarios"
 #: The scenarios a policy is shipped for and the evaluation serves (``leval-ample-kv`` is the
 #: environment's contrast case: ample KV, where admission order barely matters).
-EVALUATED_SCENARIOS = ("leval-kv-pressure", "leval-kv-pressure-poisson", "leval-high-load", "leval-summaries",
-                       "sharegpt", "longbench")
+EVALUATED_SCENARIOS = ("leval-kv-pressure", "leval-kv-pressure-poisson", "leval-trace", "leval-high-load",
+                       "leval-summaries", "sharegpt", "longbench")
 _SECTIONS = ("description", "workload", "episode", "engine", "scheduler")
 #: Workload keys that belong to the episode (the pool must not sample by itself).
 _EPISODE_KEYS = ("num_requests", "num_groups", "max_per_group", "arrival")
@@ -200,12 +200,15 @@ class Scenario:
 
 
 def _anchor_trace(arrival: Any, base_dir: Path) -> Any:
-    """A ``trace:FILE[:RATE]`` arrival with FILE resolved beside the scenario file (else in the
-    data root's traces/): the path a scenario names is relative to the scenario."""
+    """A ``trace:FILE[:RATE]`` arrival whose FILE lies beside the scenario file, with FILE made
+    absolute (a path in a scenario is relative to the scenario); any other spec unchanged (a FILE
+    of the data root's traces/ is found there when the episode is drawn)."""
     if not isinstance(arrival, str) or not arrival.strip().lower().startswith("trace:"):
         return arrival
-    process = parse_arrival(arrival, base_dir)
-    return process.spec
+    process = parse_arrival(arrival, base_dir)  # checks the spec and finds FILE
+    if isinstance(process, TraceFileArrivals) and process.path.parent.resolve() == base_dir.resolve():
+        return process.spec
+    return arrival
 
 
 def available_scenarios() -> list[str]:
