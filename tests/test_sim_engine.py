@@ -23,7 +23,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from feather_env.sim_engine import SimEngine, SimEngineConfig, shared_document_episode
+from benchmarks.sim_engine_speed import shared_document_episode
+from feather_env.sim_engine import SimEngine, SimEngineConfig
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
