@@ -21,8 +21,9 @@ from typing import Any
 import numpy as np
 
 from benchmarks import measured
+from feather_env.engines.sim_config import SimEngineConfig
+from feather_env.engines.sim_engine import SimEngine
 from feather_env.reporting import format_table, machine_info, write_json
-from feather_env.sim_engine import SimEngine, SimEngineConfig
 
 #: (grouped, documents the KV cache holds): interleaved questions under KV pressure, the same grouped,
 #: then grouped with the KV of every document (64 requests run at once).
