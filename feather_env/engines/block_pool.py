@@ -149,10 +149,9 @@ class BlockPool:
         """Give the request's blocks ``num_cached_blocks`` to ``num_full_blocks`` their keys."""
         cached, block_hashes = self.cached_block_hash_to_block, self.block_hashes
         block_ids = request.block_ids
-        keys = request.block_keys(num_full_blocks)
-        for index in range(num_cached_blocks, num_full_blocks):
-            key = keys[index]
-            block = block_ids[index]
+        keys = request.block_keys(num_cached_blocks, num_full_blocks)
+        for offset, key in enumerate(keys, num_cached_blocks):
+            block = block_ids[offset]
             entry = cached.get(key)
             if entry is None:
                 cached[key] = block

@@ -84,7 +84,7 @@ class KVCacheManager:
         if not self.enable_caching:
             return []
         num_blocks = (request.num_prompt_tokens + request.num_output_tokens - 1) // self.block_size
-        return self.find_longest_cache_hit(request.block_keys(num_blocks))
+        return self.find_longest_cache_hit(request.block_keys(0, num_blocks))
 
     def can_allocate(self, request: SimRequest, computed_blocks: list[int], num_new_tokens: int,
                      has_running: bool) -> bool:

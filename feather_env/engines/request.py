@@ -41,11 +41,12 @@ class SimRequest:
         self.schedule_index = -1  # its index in that step's scheduling order
         self.in_decode = False  # sampled since its last (re)admission
 
-    def block_keys(self, num_blocks: int) -> list[int]:
-        """The cache keys of its first ``num_blocks`` full blocks: the prompt's block hashes, then
+    def block_keys(self, start: int, stop: int) -> list[int]:
+        """The cache keys of its full blocks ``start`` to ``stop - 1``: the prompt's block hashes, then
         keys of its own for blocks that hold output tokens."""
         hashes = self.block_hashes
-        if num_blocks <= len(hashes):
-            return hashes[:num_blocks]
+        num_hashes = len(hashes)
+        if stop <= num_hashes:
+            return hashes[start:stop]
         base = self.serial << OUTPUT_KEY_INDEX_BITS
-        return hashes + [-(base + index) - 1 for index in range(len(hashes), num_blocks)]
+        return hashes[start:] + [-(base + index) - 1 for index in range(max(start, num_hashes), stop)]
