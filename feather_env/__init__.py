@@ -5,7 +5,8 @@
   to open a prefix group);
 - :mod:`feather_env.backends`: :class:`VLLMBackend` (the real engine) and :class:`BatchResult`;
 - :mod:`feather_env.sim`: :class:`SimBackend`, a cost model fitted to the engine
-  (:mod:`feather_env.calibrate` fits and validates it);
+  (:mod:`feather_env.calibrate` fits and validates it), serving on :mod:`feather_env.engines`,
+  the model of vLLM's scheduler, KV cache and persistent batch (one module per vLLM file);
 - :mod:`feather_env.engine`: the one factory that builds every vLLM engine of the project;
 - :mod:`feather_env.workloads`: requests and the benchmark workloads that produce them.
 

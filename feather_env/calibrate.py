@@ -10,7 +10,7 @@ schedulers (their own answers: :func:`~feather_env.env.play_episode`), records e
 step (its requests in the persistent batch's order and its wall time), and fits
 :class:`~feather_env.step_model.StepCostModel` to them. Admission, prefix caching, eviction,
 chunked prefill and the batch's order are not fitted: the simulator models them exactly
-(:mod:`feather_env.sim_engine`); only the step time is.
+(:mod:`feather_env.engines`); only the step time is.
 
 Validation serves *fresh* episodes (other seeds than the calibration, with and without KV
 pressure, burst and Poisson arrivals, several schedulers) on the real engine and on the

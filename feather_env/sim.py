@@ -1,7 +1,7 @@
 """The simulator backend: the serving loop on a model of vLLM, its steps timed by the fitted step model.
 
 :class:`SimBackend` is :class:`~feather_env.serving.VLLMBackend` with the engine replaced by
-:class:`~feather_env.sim_engine.SimEngine`: vLLM's admission (token budget, ``max_num_seqs``, KV
+:class:`~feather_env.engines.sim_engine.SimEngine`: vLLM's admission (token budget, ``max_num_seqs``, KV
 blocks), block-level prefix cache with LRU eviction, chunked prefill, preemption and the
 persistent batch's order, modelled exactly (``tests/test_sim_engine.py`` checks them against
 vLLM's own scheduler), and each step's time predicted by a
@@ -13,7 +13,7 @@ engine's queue, as ``FeatherScheduler``'s hooks do.
 
 Between two decisions the engine runs up to the next event the core can see (a finish, an
 arrival, a ``max_wait`` deadline); stretches of identical decode steps in between are taken in
-one go (:meth:`~feather_env.sim_engine.SimEngine.advance_decode`), their time summed in closed
+one go (:meth:`~feather_env.engines.sim_engine.SimEngine.advance_decode`), their time summed in closed
 form (a decode step grows linearly with the contexts it reads).
 """
 
@@ -27,9 +27,11 @@ import numpy as np
 
 from feather_env.calibrate import DEFAULT_PROFILE, load_profile
 from feather_env.engine import EngineConfig, EngineError
+from feather_env.engines.sim_config import SimEngineConfig
+from feather_env.engines.sim_engine import SimEngine
+from feather_env.engines.step_result import StepResult
 from feather_env.records import Advance
 from feather_env.serving import ServingBackend
-from feather_env.sim_engine import SimEngine, SimEngineConfig, StepResult
 from feather_env.step_model import StepCostModel, features_from_columns
 from feather_env.workloads import Request
 from scheduler_runtime.decision import EngineView
@@ -76,7 +78,7 @@ class _SimView:
 
 
 class SimBackend(ServingBackend):
-    """The serving loop on :class:`~feather_env.sim_engine.SimEngine` (see the module docstring).
+    """The serving loop on :class:`~feather_env.engines.sim_engine.SimEngine` (see the module docstring).
 
     Args:
         engine: the engine to model (its KV blocks, batch size, token budget, model length).
