@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.backend == "vllm":
-        from feather_env.engine import use_in_process_engine
+        from feather_env.engines.vllm_engine import use_in_process_engine
 
         use_in_process_engine()
     try:

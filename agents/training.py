@@ -275,7 +275,7 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
     text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     (out / "config.yaml").write_text(text)
     if vllm_log is not None:
-        from feather_env.engine import send_vllm_logs_to
+        from feather_env.engines.vllm_engine import send_vllm_logs_to
 
         send_vllm_logs_to(vllm_log)
     if verbose:

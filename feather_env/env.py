@@ -14,7 +14,7 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.envs.registration import EnvSpec
 
-from feather_env.engine import EngineError
+from feather_env.engines.vllm_engine import EngineError
 from feather_env.records import Advance
 from feather_env.scenarios import Scenario, load_scenario
 from feather_env.serving import ServingBackend, env_scheduler_config
@@ -30,9 +30,9 @@ from scheduler_runtime.decision import (
 )
 from scheduler_runtime.plugins import default_policy
 
-__all__ = ["ADD", "REWARDS", "STOP", "FeatherEnv", "InvalidActionError", "NoDecisionError", "ScenarioMix",
-           "play_episode",
-           "scheduler_policy"]
+__all__ = ["ADD", "REWARDS", "REWARD_CLASSES", "STOP", "DecodeThroughputReward", "FeatherEnv",
+           "InvalidActionError", "LatencyReward", "MakespanReward", "NoDecisionError", "Reward",
+           "ScenarioMix", "play_episode", "scheduler_policy"]
 
 #: The scheduler whose decisions the agent answers in the group decision, unless one is named.
 DEFAULT_GROUP_SCHEDULER = "group-cap-3"
@@ -40,11 +40,50 @@ DEFAULT_GROUP_SCHEDULER = "group-cap-3"
 GROUP_COUNT_SCALE = 16.0
 #: How many episodes in a row ``reset()`` may skip for needing no decision before it gives up.
 MAX_EMPTY_EPISODES = 100
-#: The rewards the environment offers (see the manual); the default is the first.
-REWARDS = ("latency", "makespan", "decode_throughput")
-#: Reward units: makespan in seconds, latency in seconds per request (so the return is minus the
-#: mean end-to-end latency), decode throughput in kilotokens/s.
-_UNITS = {"makespan": "s", "latency": "s per request", "decode_throughput": "ktok/s"}
+
+
+class Reward:
+    """A reward: what one advance of the engine (:class:`~feather_env.records.Advance`) is worth
+    (CompilerGym's pattern: rewards are named, swappable classes). ``units`` is its unit."""
+
+    name = ""
+    units = ""
+
+    def __call__(self, adv: Advance, episode_requests: int) -> float:
+        raise NotImplementedError
+
+
+class LatencyReward(Reward):
+    """Minus requests in the system x seconds per request: the return is minus the mean E2E latency."""
+
+    name, units = "latency", "s per request"
+
+    def __call__(self, adv: Advance, episode_requests: int) -> float:
+        return -adv.request_seconds / max(episode_requests, 1)
+
+
+class MakespanReward(Reward):
+    """Minus the seconds that passed: the return is minus the episode's makespan."""
+
+    name, units = "makespan", "s"
+
+    def __call__(self, adv: Advance, episode_requests: int) -> float:
+        return -adv.seconds
+
+
+class DecodeThroughputReward(Reward):
+    """The paper's: decode throughput of the interval's decode-only steps (kilotokens/s; 0 when none)."""
+
+    name, units = "decode_throughput", "ktok/s"
+
+    def __call__(self, adv: Advance, episode_requests: int) -> float:
+        return adv.decode_tokens / adv.decode_seconds * 1e-3 if adv.decode_seconds > 0 else 0.0
+
+
+#: The rewards the environment offers, by name (see the manual); the default is the first.
+REWARD_CLASSES: dict[str, type[Reward]] = {r.name: r for r in (LatencyReward, MakespanReward,
+                                                               DecodeThroughputReward)}
+REWARDS = tuple(REWARD_CLASSES)
 
 
 class NoDecisionError(ConfigError):
@@ -157,7 +196,7 @@ class FeatherEnv(gym.Env):
 
     ## Episode End
     Terminates when every request of the episode has been served, each exactly once with its
-    tokens (checked; a violation raises :class:`~feather_env.engine.EngineError`). An episode
+    tokens (checked; a violation raises :class:`~feather_env.engines.vllm_engine.EngineError`). An episode
     that needs no decision at all (too little traffic to fill the batch; the group decision on a
     workload without shared prefixes) is served to its end inside ``reset()``, which then draws
     the next episode (counted in :attr:`skipped_episodes` and ``info["skipped_episodes"]``; after
@@ -239,6 +278,7 @@ class FeatherEnv(gym.Env):
                               "request decision")
         self.chunk_size = sched.chunk_size
         self.reward_kind = reward
+        self.reward_fn: Reward = REWARD_CLASSES[reward]()
         self.reward_scale = float(reward_scale)
         self.extended_obs = bool(extended_obs)
         self.delta_clip = delta_clip
@@ -421,14 +461,7 @@ class FeatherEnv(gym.Env):
                 return reward
 
     def _reward(self, adv: Advance) -> float:
-        kind = self.reward_kind
-        if kind == "makespan":
-            r = -adv.seconds
-        elif kind == "latency":
-            r = -adv.request_seconds / max(self._episode_requests, 1)
-        else:
-            r = adv.decode_tokens / adv.decode_seconds * 1e-3 if adv.decode_seconds > 0 else 0.0
-        return r * self.reward_scale
+        return self.reward_fn(adv, self._episode_requests) * self.reward_scale
 
     def _observe(self) -> np.ndarray:
         core = self.core
@@ -456,11 +489,11 @@ class FeatherEnv(gym.Env):
         if isinstance(backend, ServingBackend):
             return backend
         if backend == "sim":
-            from feather_env.sim import SimBackend
+            from feather_env.engines.sim_backend import SimBackend
 
             return SimBackend(self.engine_config, profile)
         if backend == "vllm":
-            from feather_env.serving import VLLMBackend
+            from feather_env.engines.vllm_backend import VLLMBackend
 
             return VLLMBackend(self.engine_config, llm=llm)
         raise ConfigError(f"backend must be 'sim', 'vllm' or a ServingBackend, got {backend!r}")
@@ -484,7 +517,7 @@ class FeatherEnv(gym.Env):
     @property
     def units(self) -> str:
         """The reward's unit (before ``reward_scale``)."""
-        return _UNITS[self.reward_kind]
+        return self.reward_fn.units
 
 
 class ScenarioMix(gym.Env):

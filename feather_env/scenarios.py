@@ -15,7 +15,7 @@ A scenario is what the environment trains on, what ``train.py --scenario`` and
       window_s: null     # a timed trace: a window of so many seconds (drawn before the above)
       arrival: burst     # burst | poisson:RATE | trace | trace:FILE[:RATE]; default: the
                          # trace's own timestamps when the pool has them, else burst
-    engine:              # feather_env.engine.EngineConfig: the KV cache, the batch, the token budget
+    engine:              # EngineConfig (feather_env.engines.vllm_engine): KV cache, batch, token budget
       kv_cache_gib: 0.25
       max_num_seqs: 64
     scheduler:           # the batching core's knobs (ScenarioSchedulerConfig)
@@ -50,7 +50,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from feather_env.engine import REPO_ROOT, EngineConfig
+from feather_env.engines.vllm_engine import REPO_ROOT, EngineConfig
 from feather_env.workloads import Workload, WorkloadConfig, load_workload, sample_workload
 from feather_env.workloads.arrivals import TraceFileArrivals, parse_arrival
 from scheduler_runtime.config import ConfigError, check_core_knobs, from_mapping, load_yaml

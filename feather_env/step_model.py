@@ -1,6 +1,6 @@
 """The engine step-time model: what one continuous-batching step costs, from what it schedules.
 
-The simulator (:mod:`feather_env.sim`) predicts each engine step with it, and the calibration
+The simulator (:mod:`feather_env.engines.sim_backend`) predicts each engine step with it, and the calibration
 (:mod:`feather_env.calibrate`) fits it to steps measured on the real engine; both describe a
 step the same way, by :func:`step_features` over the step's scheduled requests in the order of
 vLLM's persistent batch (the order the CPU attention kernel walks them in)::

@@ -2,7 +2,7 @@
 
 Both engines the batching core serves in put it in front of their queue the same way: vLLM's
 scheduler subclass (:mod:`scheduler_runtime.vllm_scheduler`) and the simulator's backend
-(``feather_env.sim``). A new request is *held* (:class:`HeldRequests`) while the core decides;
+(``feather_env.engines.sim_backend``). A new request is *held* (:class:`HeldRequests`) while the core decides;
 the ids a round releases leave the hold in release order, into the engine's own queue (the
 ``enqueue`` callable: vLLM's ``_enqueue_waiting_request``, the simulator's ``add_request``); a
 request the engine frees while held leaves the hold.

@@ -344,7 +344,7 @@ def resolve(name: str, *, async_scheduling: bool = False, **overrides: Any) -> t
 
 
 def engine_overrides(name: str, *, async_scheduling: bool = False, **overrides: Any) -> dict[str, Any]:
-    """Keyword overrides of ``feather_env.engine.build_llm`` that start scheduler ``name``.
+    """Keyword overrides of ``feather_env.engines.vllm_engine.build_llm`` that start scheduler ``name``.
 
     ``build_llm(config, **engine_overrides("svf"))``; note that it sets ``extra`` (merge by
     hand if the engine config already has extra arguments).

@@ -12,7 +12,7 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 import feather_env  # noqa: F401  (registers feather/Batching-v0)
-from feather_env.engine import EngineError
+from feather_env.engines.vllm_engine import EngineError
 from feather_env.env import ADD, STOP, FeatherEnv, InvalidActionError, play_episode
 from scheduler_runtime.config import ConfigError
 from scheduler_runtime.decision import AlwaysAdd
@@ -196,7 +196,7 @@ def test_real_episode_under_kv_pressure_serves_every_request_once(env_backend):
 def test_env_observations_are_what_the_serving_scheduler_sees(env_backend):
     """The environment answers the decisions that FeatherScheduler asks its policy when it serves:
     the same observations and masks, in the same order, for the same arrivals and finishes."""
-    from feather_env.engine import forced_length_params, tokens_prompt
+    from feather_env.engines.vllm_engine import forced_length_params, tokens_prompt
     from scheduler_runtime.schedulers import EXTRA_OUTPUT_LEN
 
     overrides = {"episode": {"groups": 4, "max_per_group": 3}}

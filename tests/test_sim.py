@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from feather_env.calibrate import DEFAULT_PROFILE, PROFILE_VERSION, fit_profile, load_profile, load_steps
+from feather_env.engines.sim_backend import SimBackend, _steps_to_reach
 from feather_env.env import FeatherEnv, play_episode
 from feather_env.records import StepRequest
 from feather_env.reporting import write_json
-from feather_env.sim import SimBackend, _steps_to_reach
 from feather_env.step_model import FEATURE_NAMES, StepCostModel, fit_step_model, step_features
 from scheduler_runtime.config import ConfigError
 

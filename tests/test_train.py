@@ -209,8 +209,8 @@ def resumable(tmp_path):
 
 @pytest.mark.parametrize("pointer, message", [
     (None, "latest.json not found"),
-    ("{not json", "latest.json is not a JSON object"),
-    ('["ucb_150_steps.npz"]', "latest.json is not a JSON object"),
+    ("{not json", "latest.json: malformed JSON"),
+    ('["ucb_150_steps.npz"]', "latest.json: expected a mapping"),
     ('{"num_timesteps": 150}', "'path' must name a checkpoint file in"),
     ('{"path": "/etc/passwd"}', "'path' must name a checkpoint file in"),
     ('{"path": "../config.yaml"}', "'path' must name a checkpoint file in"),

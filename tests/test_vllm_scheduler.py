@@ -17,7 +17,13 @@ import numpy as np
 import prometheus_client
 import pytest
 
-from feather_env.engine import EngineConfig, build_llm, engine_core_of, forced_length_params, tokens_prompt
+from feather_env.engines.vllm_engine import (
+    EngineConfig,
+    build_llm,
+    engine_core_of,
+    forced_length_params,
+    tokens_prompt,
+)
 from scheduler_runtime.decision import BASE_OBS_NAMES, STOP, ObservationSpec
 from scheduler_runtime.policy import ConstantPolicy, HeuristicPolicy, write_policy
 from scheduler_runtime.rules import HeuristicRule

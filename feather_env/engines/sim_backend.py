@@ -1,6 +1,6 @@
 """The simulator backend: the serving loop on a model of vLLM, its steps timed by the fitted step model.
 
-:class:`SimBackend` is :class:`~feather_env.serving.VLLMBackend` with the engine replaced by
+:class:`SimBackend` is :class:`~feather_env.engines.vllm_backend.VLLMBackend` with the engine replaced by
 :class:`~feather_env.engines.sim_engine.SimEngine`: vLLM's admission (token budget, ``max_num_seqs``, KV
 blocks), block-level prefix cache with LRU eviction, chunked prefill, preemption and the
 persistent batch's order, modelled exactly (``tests/test_sim_engine.py`` checks them against
@@ -26,10 +26,10 @@ from pathlib import Path
 import numpy as np
 
 from feather_env.calibrate import DEFAULT_PROFILE, load_profile
-from feather_env.engine import EngineConfig, EngineError
 from feather_env.engines.sim_config import SimEngineConfig
 from feather_env.engines.sim_engine import SimEngine
 from feather_env.engines.step_result import StepResult
+from feather_env.engines.vllm_engine import EngineConfig, EngineError
 from feather_env.records import Advance
 from feather_env.serving import ServingBackend
 from feather_env.step_model import StepCostModel, features_from_columns
