@@ -61,6 +61,7 @@ class EnvSection:
     delta_clip: int = 64
     max_episode_seconds: float | None = None
     obs_max_requests: int | None = None
+    engine_slowdown: float | tuple[float, float] = 1.0
     profile: str | None = None
 
     def __post_init__(self) -> None:

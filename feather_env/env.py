@@ -86,6 +86,19 @@ REWARD_CLASSES: dict[str, type[Reward]] = {r.name: r for r in (LatencyReward, Ma
 REWARDS = tuple(REWARD_CLASSES)
 
 
+def _slowdown_range(value: float | Sequence[float]) -> tuple[float, float]:
+    """``engine_slowdown`` as ``(low, high)``: one factor, or a range drawn per episode."""
+    problem = f"engine_slowdown must be a factor > 0 or a range [low, high] of them, got {value!r}"
+    try:
+        low, high = (value, value) if isinstance(value, int | float) else tuple(value)  # type: ignore[misc]
+        ok = 0 < low <= high < float("inf")
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ConfigError(problem)
+    return float(low), float(high)
+
+
 class NoDecisionError(ConfigError):
     """Episode after episode of the scenario needed no decision (see the manual's Episode End)."""
 
@@ -229,6 +242,8 @@ class FeatherEnv(gym.Env):
     - ``decision``: ``"request"`` (the paper's, default) or ``"group"`` (see Description); ``None``:
       the scheduler's own (``group-cap-K`` names ask the group decision). With ``"group"`` the
       default ``scheduler`` is ``group-cap-3`` (its rule is :func:`scheduler_policy`'s answer).
+    - ``engine_slowdown``: the simulator's step times multiplied by this factor, or by one drawn per
+      episode from a range ``[low, high]`` (a machine whose speed varies; 1: the profile's machine).
     - ``reward`` (:data:`REWARDS`), ``reward_scale``; ``extended_obs``; ``delta_clip`` (chunks);
       ``max_episode_seconds``; ``obs_max_requests``: the bound of ``w`` and ``waiting`` (default: the
       scenario's largest episode; :class:`ScenarioMix` sets one bound for all its scenarios).
@@ -252,6 +267,7 @@ class FeatherEnv(gym.Env):
         profile: str | None = None,
         llm: Any = None,
         obs_max_requests: int | None = None,
+        engine_slowdown: float | Sequence[float] = 1.0,
     ) -> None:
         super().__init__()
         if reward not in REWARDS:
@@ -284,6 +300,7 @@ class FeatherEnv(gym.Env):
         self.delta_clip = delta_clip
         self.max_episode_seconds = max_episode_seconds
         self.engine_config = self.scenario.engine_config()
+        self.engine_slowdown = _slowdown_range(engine_slowdown)
         self._owns_backend = isinstance(backend, str)
         self.backend = self._make_backend(backend, profile, llm)
         if not self.backend.deterministic:
@@ -362,6 +379,12 @@ class FeatherEnv(gym.Env):
         return self._observe(), info
 
     def _start_episode(self, episode_seed: int) -> None:
+        low, high = self.engine_slowdown
+        if high > low or low != 1.0:
+            if not hasattr(self.backend, "time_scale"):
+                raise ConfigError("engine_slowdown applies to the simulator only")
+            # drawn after the episode's seed, so episodes are the same with or without it
+            self.backend.time_scale = low if high == low else float(self.np_random.uniform(low, high))
         episode = self.scenario.episode_workload(episode_seed)
         self.episode_seed = episode_seed
         self._requests = {r.request_id: r for r in episode}

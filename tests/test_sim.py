@@ -149,3 +149,21 @@ def test_bad_profiles_are_clear_errors(tmp_path):
         load_profile(bad)
     with pytest.raises(ConfigError):
         FeatherEnv(SCENARIO, "sim", profile=str(bad))
+
+
+def test_a_slower_engine_stretches_a_burst_episode_by_its_factor():
+    """``engine_slowdown`` multiplies every predicted step: a burst episode (no arrival to wait for)
+    takes exactly that many times longer, with the same decisions; a range draws one per episode."""
+    small = {"episode": {"groups": 3, "max_per_group": 3}}
+    base = play_episode(FeatherEnv("leval-kv-pressure", "sim", scenario_overrides=small), episode_seed=4)
+    slow = play_episode(FeatherEnv("leval-kv-pressure", "sim", scenario_overrides=small, engine_slowdown=2.5),
+                        episode_seed=4)
+    assert slow["duration"] == pytest.approx(2.5 * base["duration"], rel=1e-9)
+    assert slow["decisions"] == base["decisions"] and slow["completed"] == base["completed"]
+    ranged = FeatherEnv("leval-kv-pressure", "sim", scenario_overrides=small, engine_slowdown=[1.0, 3.0])
+    durations = {round(play_episode(ranged, seed=s, episode_seed=4)["duration"] / base["duration"], 6)
+                 for s in range(4)}
+    assert len(durations) > 1 and all(1.0 <= d <= 3.0 for d in durations)
+    for bad in (0, -1.0, [2.0, 1.0], "fast", float("nan")):
+        with pytest.raises(ConfigError, match="engine_slowdown"):
+            FeatherEnv("leval-kv-pressure", "sim", engine_slowdown=bad)

@@ -108,6 +108,9 @@ class SimBackend(ServingBackend):
         self._view = _SimView(self)
         w = self.model.coef
         self._decode_growth = w[3] + w[4]  # seconds per decoding request per further decode step
+        #: Every predicted step time is multiplied by this: a slower (> 1) or faster machine than
+        #: the one the profile was fitted on (the environment's ``engine_slowdown``).
+        self.time_scale = 1.0
 
     # -- the serving loop's hooks ----------------------------------------------------------------
     @property
@@ -182,7 +185,7 @@ class SimBackend(ServingBackend):
         shared = [hit.get(rid, 0) for rid in res.request_ids]  # every column in persistent-batch order
         feats = features_from_columns(res.num_scheduled, res.num_computed, res.first_block, shared,
                                       res.is_prefill, self.model.cache_tokens)
-        return float(self.model.predict_features(feats))
+        return float(self.model.predict_features(feats)) * self.time_scale
 
     def _step(self, adv: Advance) -> bool:
         """One engine step; True when a request finished (the core has news), or, for the group
@@ -221,7 +224,7 @@ class SimBackend(ServingBackend):
         probe = engine.advance_decode(1)
         n = len(probe.request_ids)
         t0 = self._batch_seconds(probe)
-        g = self._decode_growth * n
+        g = self._decode_growth * n * self.time_scale
         self._advance_clock(t0, adv)
         adv.decode_tokens += n
         adv.decode_seconds += t0
