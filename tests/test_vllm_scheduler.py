@@ -311,7 +311,7 @@ def _raise_on_call(fn, n: int):
     return wrapper
 
 
-@pytest.mark.parametrize("stage, target", [("arrive", "arrive"), ("freed", "freed"),
+@pytest.mark.parametrize("stage, target", [("arrive", "arrive"), ("freed", "left_engine"),
                                            ("preempted", "preempted"), ("metrics", "push")])
 def test_a_fault_in_any_hook_is_isolated(sched, feather_llm, monkeypatch, stage, target):
     """Fault injection into each hook of the real scheduler (arrival, free, preemption, metrics)."""
