@@ -17,7 +17,14 @@ defaults below):
 * ``--async-scheduling`` / ``--no-async-scheduling``: the ``AsyncScheduler`` variant of the
   scheduler (and vLLM's async scheduling) or not; default: on when torch sees a CUDA device
   (vLLM's own default there), off on CPU (where vLLM does not support it);
-* ``--print-command``: print the vLLM arguments and exit.
+* ``--print-command``: print the vLLM arguments and exit;
+* ``--replicas N`` (default 1) with ``--router {prefix,pow2}``: N engine replicas behind one endpoint
+  on Ray Serve (:mod:`scheduler_runtime.cluster`, the ``[cluster]`` extra; ``docs/cluster.md``); every
+  other option applies to every replica. ``--replicas 1`` is the plain server, without Ray. Cluster
+  options: ``--ray-address`` (a running Ray cluster; default: a local instance), ``--replica-cores``
+  (semicolon-separated CPU core lists, one per replica of a node; default on a CPU machine: one core
+  each, ``none``: no pinning), ``--replica-cpus``, ``--replica-gpus`` (default 1 with a CUDA device),
+  ``--max-ongoing-requests``.
 
 Everything is checked before vLLM is imported (so before any model loads): the scheduler name,
 every ``--scheduler-config`` key and value (:class:`~scheduler_runtime.schedulers.SchedulerConfig`),
@@ -43,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import importlib.util
 import json
 import os
 import shutil
@@ -51,6 +59,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "configs" / "models" / "tiny-llama"
@@ -82,6 +92,12 @@ def vllm_arguments(argv: Sequence[str] | None = None) -> tuple[list[str], dict[s
     Raises SystemExit (argparse's usage error, status 2) on a bad option, scheduler
     configuration, policy, predictor or ``--additional-config`` (module docstring).
     """
+    args, scheduler_config, _ = _parse(argv)
+    return args, scheduler_config
+
+
+def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], argparse.Namespace]:
+    """:func:`vllm_arguments`, and the cluster options (``--replicas`` ...), checked."""
     from scheduler_runtime.config import ConfigError, load_mapping
     from scheduler_runtime.schedulers import ADDITIONAL_CONFIG_KEY, check_scheduler, resolve
 
@@ -94,7 +110,22 @@ def vllm_arguments(argv: Sequence[str] | None = None) -> tuple[list[str], dict[s
                         help="AsyncScheduler variant (default: on with a CUDA device)")
     parser.add_argument("--print-command", action="store_true", help="print vLLM's arguments and exit")
     parser.add_argument("--additional-config", default=None, help=argparse.SUPPRESS)
+    cluster = parser.add_argument_group("several engine replicas behind one endpoint (Ray Serve)")
+    cluster.add_argument("--replicas", type=int, default=1, help="engine replicas (default 1: no Ray)")
+    cluster.add_argument("--router", choices=("prefix", "pow2"), default="prefix",
+                         help="prefix: prefix affinity bounded by load (ours); pow2: Ray Serve's default")
+    cluster.add_argument("--ray-address", default=None,
+                         help="a running Ray cluster (default: start one here)")
+    cluster.add_argument("--replica-cores", default=None,
+                         help='CPU cores per replica of a node, e.g. "0;1" or "0-3;4-7"; "none": no pinning '
+                              "(default on CPU: one core each)")
+    cluster.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs each replica reserves")
+    cluster.add_argument("--replica-gpus", type=float, default=None, help="Ray GPUs each replica reserves "
+                         "(default: 1 with a CUDA device, else 0)")
+    cluster.add_argument("--max-ongoing-requests", type=int, default=1024,
+                         help="requests in flight per replica at most (the rest wait at the router)")
     ours, rest = parser.parse_known_args(argv)
+    _check_cluster_options(parser, ours)
 
     additional = _additional_config(parser, ours.additional_config, ADDITIONAL_CONFIG_KEY)
     try:
@@ -119,8 +150,53 @@ def vllm_arguments(argv: Sequence[str] | None = None) -> tuple[list[str], dict[s
     args.append("--async-scheduling" if use_async else "--no-async-scheduling")
     if ours.print_command:
         print(" ".join(["python -m vllm.entrypoints.openai.api_server", *map(_quote, args)]))
+        if ours.replicas > 1:
+            print(f"# x {ours.replicas} replicas on Ray Serve, router {ours.router}, cores per replica "
+                  f"{_replica_cores(ours, use_async) or 'not pinned'}")
         raise SystemExit(0)
-    return args, scheduler_config
+    return args, scheduler_config, ours
+
+
+def _check_cluster_options(parser: argparse.ArgumentParser, ours: argparse.Namespace) -> None:
+    if ours.replicas < 1:
+        parser.error(f"--replicas must be >= 1, got {ours.replicas}")
+    if ours.max_ongoing_requests < 1:
+        parser.error(f"--max-ongoing-requests must be >= 1, got {ours.max_ongoing_requests}")
+    if ours.replica_cpus < 0 or (ours.replica_gpus is not None and ours.replica_gpus < 0):
+        parser.error("--replica-cpus and --replica-gpus must be >= 0")
+    if ours.replica_cores not in (None, "none"):
+        for spec in ours.replica_cores.split(";"):
+            try:
+                parse_cores(spec)
+            except ValueError as exc:
+                parser.error(f"--replica-cores: {exc}")
+    if ours.replicas > 1 and importlib.util.find_spec("ray") is None:
+        parser.error("--replicas > 1 needs Ray Serve: pip install 'feather-toolkit[cluster]' "
+                     "(ray[serve]==2.60.*; never ray[llm], which replaces vLLM)")
+
+
+def parse_cores(spec: str) -> list[int]:
+    """``"0"``, ``"2-3"``, ``"0,2,4-5"`` -> core ids (ValueError otherwise)."""
+    cores: list[int] = []
+    for part in spec.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()) or (sep and int(hi) < int(lo)):
+            raise ValueError(f"bad CPU core list {spec!r} (e.g. '0', '2-3', '0,2')")
+        cores += range(int(lo), int(hi if sep else lo) + 1)
+    return cores
+
+
+def _replica_cores(ours: argparse.Namespace, cuda: bool) -> list[str] | None:
+    """The core list of each replica of a node: given, or on a CPU machine one core each."""
+    if ours.replica_cores == "none" or (ours.replica_cores is None and cuda):
+        return None
+    if ours.replica_cores is not None:
+        return [spec.strip() for spec in ours.replica_cores.split(";")]
+    if hasattr(os, "sched_getaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+    else:
+        cores = list(range(os.cpu_count() or 1))
+    return [str(cores[k % len(cores)]) for k in range(ours.replicas)]
 
 
 def _additional_config(parser: argparse.ArgumentParser, text: str | None, own_key: str) -> dict[str, Any]:
@@ -162,9 +238,42 @@ def _prometheus_multiprocess_dir() -> None:
     atexit.register(shutil.rmtree, path, ignore_errors=True)
 
 
+def _flag_value(args: Sequence[str], flag: str, default: str) -> str:
+    value = default
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def _serve_cluster(args: list[str], scheduler_config: dict[str, Any], ours: argparse.Namespace) -> None:
+    """``--replicas N`` > 1: the Ray Serve application (:mod:`scheduler_runtime.cluster`)."""
+    if ours.ray_address is None:
+        # a local Ray instance on the loopback address only: Ray reads this when it is imported
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)  # each replica has its own
+    from scheduler_runtime.cluster import ClusterConfig, run_cluster
+
+    cuda = _cuda_available()
+    gpus = ours.replica_gpus if ours.replica_gpus is not None else (1.0 if cuda else 0.0)
+    config = ClusterConfig(
+        replicas=ours.replicas, router=ours.router, vllm_args=tuple(args),
+        host=_flag_value(args, "--host", "127.0.0.1"), port=int(_flag_value(args, "--port", "8000")),
+        chunk_size=int(scheduler_config.get("chunk_size") or DEFAULT_CHUNK_SIZE),
+        replica_cores=tuple(cores) if (cores := _replica_cores(ours, cuda)) else None,
+        replica_cpus=ours.replica_cpus, replica_gpus=gpus, ray_address=ours.ray_address,
+        max_ongoing_requests=ours.max_ongoing_requests)
+    raise SystemExit(run_cluster(config))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point ``feather-serve``."""
-    args, _ = vllm_arguments(sys.argv[1:] if argv is None else argv)
+    args, scheduler_config, ours = _parse(sys.argv[1:] if argv is None else argv)
+    if ours.replicas > 1:
+        _serve_cluster(args, scheduler_config, ours)
     _prometheus_multiprocess_dir()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from vllm.entrypoints.launchers.api_server.entry import main as vllm_server_main

@@ -1,0 +1,265 @@
+"""N simulated engine replicas behind one router: routing studied at 4-64 replicas on a laptop.
+
+:class:`ClusterSim` serves a workload (its requests, token ids and arrival times) on ``replicas``
+copies of the simulator backend (:class:`~feather_env.sim.SimBackend`: vLLM's admission, prefix
+cache, eviction and persistent batch modelled exactly, steps timed by the calibrated step model),
+each with the Feather scheduler's batching core in front of it as in ``feather-serve``, behind a
+:class:`~scheduler_runtime.router.ReplicaRouter`: the very router code the Ray Serve application
+runs (:mod:`scheduler_runtime.cluster`), fed with what the ingress feeds it there, the request's
+chunked prefix hashes and the requests each replica is serving.
+
+The replicas share one clock. Before each arrival every replica runs up to the arrival's time (a
+replica stops at the first engine step that reaches it, as a real engine finishes its step before
+it sees a new request), the router chooses with the loads of that moment, and the request enters
+that replica's scheduler. After the last arrival every replica runs until it has served all of its
+requests. Each replica's scheduler answers its own ADD/STOP decisions with its policy (Feather's
+heuristic by default), as it does inside vLLM.
+
+Every request is checked to be served exactly once with its tokens
+(:meth:`~feather_env.serving.ServingBackend.check_complete`, per replica).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from feather_env.engine import EngineConfig
+from feather_env.env import scheduler_policy
+from feather_env.serving import env_scheduler_config
+from feather_env.serving_metrics import RequestTimeline, serving_metrics
+from feather_env.sim import SimBackend
+from feather_env.workloads import Request, Workload
+from scheduler_runtime.decision import BatchingPolicy, observation_kind
+from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
+from scheduler_runtime.router import PrefixHasher, ReplicaRouter
+from scheduler_runtime.schedulers import SchedulerConfig
+
+__all__ = ["ClusterResult", "ClusterSim", "ReplicaSim", "distinct_documents"]
+
+
+class ReplicaSim(SimBackend):
+    """One replica: the simulator backend taking requests as the router sends them, on the cluster's clock.
+
+    :meth:`open` starts it with its first request, :meth:`submit` adds the later ones at their
+    arrival, :meth:`run_until` serves up to a time, answering the scheduler's decisions with
+    ``policy``.
+    """
+
+    def __init__(self, name: str, engine: EngineConfig, config: SchedulerConfig, policy: BatchingPolicy,
+                 profile: str | Path | None = None) -> None:
+        super().__init__(engine, profile)
+        self.name = name
+        self.config = config
+        self.policy = policy
+        self.kind = observation_kind(policy)
+        #: The cluster's next event: the engine runs no further than the first step that reaches it.
+        self.horizon = math.inf
+        self.opened = False
+
+    @property
+    def next_arrival(self) -> float:
+        return min(super().next_arrival, self.horizon)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests routed here and not finished (the router's load)."""
+        return len(self._timelines) - self._finished if self.opened else 0
+
+    def open(self, request: Request) -> None:
+        """Start serving (an empty engine, a new core) with ``request``, the first routed here."""
+        reset = getattr(self.policy, "reset", None)
+        if reset is not None:
+            reset()
+        self.start(Workload(f"replica-{self.name}", (request,)), self.config)
+        self.opened = True
+
+    def submit(self, request: Request) -> None:
+        """``request`` arrives now (its ``arrival_time``, the cluster's clock)."""
+        if not self.opened:
+            self.open(request)
+            return
+        if request.request_id in self._timelines:
+            raise ValueError(f"request {request.request_id!r} was routed to {self.name} twice")
+        self._pending.append(request)
+        self._timelines[request.request_id] = RequestTimeline(
+            request.request_id, request.prompt_len, request.output_len, float(request.arrival_time),
+            source=request.source)
+        self._admit_arrivals()  # at once if this replica's last step already ran past the arrival
+
+    def has_work(self) -> bool:
+        runtime = self.runtime
+        return self.opened and (self._engine_busy() or (runtime is not None and len(runtime.core) > 0)
+                                or self._next < len(self._pending))
+
+    def run_until(self, t: float) -> None:
+        """Serve until the clock reaches ``t`` (the step that crosses it included) or nothing is left."""
+        self.horizon = t
+        policy, kind = self.policy, self.kind
+        while self.has_work() and self.clock < t:
+            runtime = self.runtime
+            assert runtime is not None
+            core = runtime.core
+            if not core.round_open:
+                core.begin(self.clock, self.free_slots(), self.view)
+            while core.pending is not None:
+                core.decide(int(policy.act(core.observe(kind), core.pending.mask)))
+            self.release(core.end())
+            if self.done:
+                break
+            self.advance()
+
+    def timelines_if_open(self) -> list[RequestTimeline]:
+        return self.timelines() if self.opened else []
+
+
+@dataclass
+class ClusterResult:
+    """One workload served by the cluster under one router.
+
+    Attributes:
+        router: the router's name; ``replicas``: how many.
+        metrics: :func:`~feather_env.serving_metrics.serving_metrics` over every request
+            (``output_throughput``, ``prefix_hit_rate``, latencies, ...), on the shared clock.
+        requests_per_replica: requests each replica served, replica order.
+        router_state: the router's counters (:meth:`ReplicaRouter.state`).
+        wall_s: how long the simulation took.
+    """
+
+    router: str
+    replicas: int
+    metrics: dict[str, Any]
+    requests_per_replica: list[int]
+    router_state: dict[str, Any] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+    @property
+    def max_over_mean(self) -> float:
+        """The busiest replica's requests over the mean (1.0: perfectly even)."""
+        counts = self.requests_per_replica
+        mean = sum(counts) / len(counts)
+        return max(counts) / mean if mean else math.nan
+
+    def to_dict(self) -> dict[str, Any]:
+        keys = ("output_throughput", "request_throughput", "prefix_hit_rate", "duration", "completed",
+                "failed", "mean_ttft_ms", "p99_ttft_ms", "mean_e2el_ms", "p99_e2el_ms")
+        return {"router": self.router, "replicas": self.replicas,
+                **{k: self.metrics.get(k) for k in keys},
+                "requests_per_replica": self.requests_per_replica, "max_over_mean": self.max_over_mean,
+                "router_state": self.router_state, "wall_s": self.wall_s}
+
+
+class ClusterSim:
+    """``replicas`` simulated engines, each with a Feather scheduler, behind a router (module docstring).
+
+    Args:
+        replicas: how many engine replicas (>= 1).
+        engine: each replica's engine (KV cache, batch size, token budget).
+        scheduler: each replica's scheduler name (:mod:`scheduler_runtime.schedulers`; ``fcfs`` runs
+            as the environment runs it: every arrival released at once, in order).
+        profile: the simulator's calibrated profile (default: the bundled one).
+        scheduler_overrides: :class:`~scheduler_runtime.schedulers.SchedulerConfig` fields
+            (``chunk_size``, ``max_wait``, ...).
+    """
+
+    def __init__(self, replicas: int, engine: EngineConfig, *, scheduler: str = "feather-heuristic",
+                 profile: str | Path | None = None, **scheduler_overrides: Any) -> None:
+        if replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {replicas}")
+        config = env_scheduler_config(scheduler, **scheduler_overrides)
+        self.engine = engine
+        self.config = config
+        self.scheduler = scheduler
+        self.profile = profile
+        self.num_replicas = replicas
+        self.names = [str(i) for i in range(replicas)]
+
+    def _replicas(self) -> list[ReplicaSim]:
+        # a fresh policy object per replica (a stateful policy must not see another replica's decisions)
+        holder = SimpleNamespace(scheduler_config=self.config)
+        return [ReplicaSim(name, self.engine, self.config, scheduler_policy(holder), self.profile)
+                for name in self.names]
+
+    def run(self, workload: Workload | Sequence[Request], router: ReplicaRouter,
+            hasher: PrefixHasher | None = None) -> ClusterResult:
+        """Serve ``workload`` (arrival times as given) through ``router``.
+
+        ``hasher``: the routing key (default: the replicas' CHT chunk size), computed only for a
+        router that reads it.
+
+        Raises:
+            EngineError: a request was not served exactly once with its tokens.
+        """
+        start = time.perf_counter()
+        requests = sorted(workload, key=lambda r: r.arrival_time)  # stable: queue order on ties
+        if hasher is None and router.uses_hashes:
+            hasher = PrefixHasher(self.config.chunk_size or DEFAULT_CHUNK_SIZE)
+        replicas = self._replicas()
+        by_name = {r.name: r for r in replicas}
+        for request in requests:
+            t = float(request.arrival_time)
+            for replica in replicas:
+                replica.run_until(t)
+            loads = {r.name: r.in_flight for r in replicas}
+            hashes = hasher.hash(request.prompt_token_ids) if router.uses_hashes and hasher else None
+            name = router.choose(hashes, loads)
+            router.routed(hashes, name)
+            by_name[name].submit(request)
+        for replica in replicas:
+            replica.run_until(math.inf)
+            if replica.opened:
+                replica.check_complete()
+        timelines = [t for r in replicas for t in r.timelines_if_open()]
+        if len(timelines) != len(requests):
+            raise RuntimeError(f"{len(requests)} requests routed, {len(timelines)} served")
+        return ClusterResult(router=router.name, replicas=len(replicas), metrics=serving_metrics(timelines),
+                             requests_per_replica=[len(r.timelines_if_open()) for r in replicas],
+                             router_state=router.state(), wall_s=time.perf_counter() - start)
+
+
+
+def distinct_documents(pool: Workload, documents: int, seed: int,
+                       max_per_group: int | None = None) -> Workload:
+    """``documents`` prefix groups (documents with their questions) of ``pool``, in a random order.
+
+    First every group of ``pool`` once (drawn at random); past that, copies: copy ``k`` of a document
+    has its second token replaced by a marker of ``k`` (its first chunk, hence every chunk key,
+    differs from the original's), new request ids (``ID#k``) and a new group id. The copies model more
+    documents of the same lengths (another tenant's copy of a contract), to load 64 replicas with
+    L-Eval's 244 documents. ``max_per_group``: at most this many questions per document (drawn).
+    """
+    if documents < 1:
+        raise ValueError(f"documents must be >= 1, got {documents}")
+    groups = list(pool.groups().values())
+    rng = np.random.default_rng(seed)
+    step = max(r.prefix_group for r in pool) + 1
+    picked: list[Request] = []
+    remaining, copy = documents, 0
+    while remaining > 0:
+        order = rng.permutation(len(groups))[:remaining]
+        for g in order:
+            members = groups[g]
+            if max_per_group is not None and len(members) > max_per_group:
+                keep = np.sort(rng.choice(len(members), max_per_group, replace=False))
+                members = tuple(members[i] for i in keep)
+            picked.extend(members if copy == 0 else [_copy(r, copy, step) for r in members])
+        remaining -= len(order)
+        copy += 1
+    picked = [picked[i] for i in rng.permutation(len(picked))]
+    return Workload(f"{pool.name}/documents{documents}@{seed}", tuple(picked))
+
+
+def _copy(request: Request, k: int, step: int) -> Request:
+    ids = np.array(request.prompt_token_ids)
+    pos = min(1, len(ids) - 1)
+    marker = 3 + k % 997
+    ids[pos] = marker if ids[pos] != marker else marker + 1
+    return Request(f"{request.request_id}#{k}", ids, request.prefix_group + k * step, request.output_len,
+                   request.arrival_time, request.source, request.meta)

@@ -1,0 +1,688 @@
+"""``feather-serve --replicas N``: one OpenAI endpoint over N vLLM engines, Feather inside each, on Ray Serve.
+
+One Ray Serve application (``feather``) of two deployments:
+
+* ``FeatherIngress`` (one replica, no CPU reserved) serves the HTTP API: ``/v1/completions`` and
+  ``/v1/chat/completions`` (streaming too), ``/v1/models``, ``/health``, ``/metrics`` and, with
+  ``VLLM_SERVER_DEV_MODE=1``, ``POST /reset_prefix_cache``. It renders each request with vLLM's own
+  renderer (the chat template and the tokenizer run here, once), keys it by the chunked cumulative
+  prefix hashes the scheduler's Chunked Hash Tree uses (:class:`~scheduler_runtime.router.PrefixHasher`)
+  and hands the rendered token ids to an engine replica through a Ray Serve ``DeploymentHandle``.
+* ``FeatherEngine`` (N replicas): vLLM's ``AsyncLLM`` built from the very arguments ``feather-serve``
+  gives vLLM's API server (so every ``feather-serve`` option, ``--scheduler`` included, applies to
+  every replica), with vLLM's OpenAI serving classes answering the pre-rendered request: the
+  responses, streamed or not, are vLLM's. On a CPU machine replica ``k`` of a node (its Ray Serve
+  ``local_rank``) is pinned to the ``k``-th entry of ``--replica-cores`` (default: one core each), its
+  engine's OpenMP threads too (``VLLM_CPU_OMP_THREADS_BIND``).
+
+The router (the engine deployment's ``RequestRouter``, which runs in the ingress process):
+
+* ``--router prefix`` (default): :class:`~scheduler_runtime.ray_router.PrefixRequestRouter`, a Ray
+  Serve ``RequestRouter`` whose ``choose_replicas`` asks
+  :class:`~scheduler_runtime.router.PrefixAffinityRouter` (the code the simulator runs) with the
+  request's prefix hashes and the requests each replica is serving (counted from the router's own
+  routed/completed callbacks); Ray then sends the request to that
+  replica unless its queue is full (``--max-ongoing-requests``), else to the least loaded other one;
+* ``--router pow2``: Ray Serve's default router (power of two choices on queue lengths), untouched.
+
+Faults. When an engine replica's process dies, Ray Serve starts a new one (a new vLLM engine: its
+``__init__`` runs again on the freed core) and routes to it only once it is healthy; until then the
+router no longer lists the dead replica. A request it held gets one retry on another replica if
+nothing had been streamed to the client yet (the ingress waits for the first streamed chunk before
+it answers, and the retry avoids the dead replica); otherwise a clear error: HTTP 503 with vLLM's
+error body, or, mid-stream, an SSE ``error`` event and ``[DONE]``. Nothing is served twice: a retry
+happens only when the first replica died, and its generation died with it. Response headers say
+which replica answered (``x-feather-replica``) and after how many attempts (``x-feather-attempts``).
+
+Metrics (``/metrics``): every engine replica's own exposition (vLLM's ``vllm:*`` series and Feather's
+``feather_scheduler_*``), each sample with a ``replica`` label (the replica's Ray Serve rank), so a
+client that sums a metric over its samples (``evaluate.py --endpoint``) gets the cluster's total; the
+sums themselves under ``cluster:<name>``; and the ingress's own ``feather_cluster_*`` counters
+(requests by replica and outcome, retries, errors, the prefix router's decisions).
+
+Ray runs locally unless ``--ray-address`` names a running cluster: a local instance with
+``num_cpus`` = replicas x ``--replica-cpus``, no dashboard, a 200 MB object store and every Ray
+process on the loopback address (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``: Ray's single-machine
+mode). SIGTERM or SIGINT shuts the application and the local Ray instance down (engines included).
+See ``docs/cluster.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+try:
+    from ray import serve
+except ImportError as exc:  # the optional extra
+    raise ImportError("feather-serve --replicas needs Ray Serve: pip install 'feather-toolkit[cluster]' "
+                      f"(ray[serve]==2.60.*; never ray[llm], which replaces vLLM): {exc}") from exc
+
+from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
+from scheduler_runtime.ray_router import PrefixRequestRouter
+from scheduler_runtime.router import PrefixHasher
+from scheduler_runtime.serve import parse_cores
+
+__all__ = ["APP_NAME", "ROUTER_CHOICES", "ClusterConfig", "EngineReplica", "FeatherIngress",
+           "PrefixRequestRouter",
+           "build_app", "run_cluster"]
+
+APP_NAME = "feather"
+ENGINE_DEPLOYMENT = "FeatherEngine"
+INGRESS_DEPLOYMENT = "FeatherIngress"
+ROUTER_CHOICES = ("prefix", "pow2")
+#: Environment variables the deployments get from the command's environment (when set there).
+FORWARDED_ENV = ("VLLM_SERVER_DEV_MODE", "TOKENIZERS_PARALLELISM", "VLLM_LOGGING_LEVEL", "HF_HUB_OFFLINE")
+#: Exceptions of a request whose replica died (by name: ray is an optional dependency).
+_REPLICA_LOST = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "ReplicaUnavailableError",
+                 "DeploymentUnavailableError")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """What ``feather-serve --replicas N`` deploys (see the module docstring).
+
+    Attributes:
+        replicas: engine replicas (>= 2; 1 is plain ``feather-serve``, without Ray).
+        router: ``"prefix"`` or ``"pow2"``.
+        vllm_args: the vLLM API server arguments every replica is built from (``feather-serve``'s).
+        host, port: where the endpoint listens (vLLM's ``--host`` / ``--port``).
+        chunk_size: tokens per chunk of the routing key (the scheduler's CHT chunk size).
+        replica_cores: per local rank, the CPU cores its engine is pinned to (``None``: no pinning).
+        replica_cpus, replica_gpus: Ray resources each engine replica reserves.
+        ray_address: a running Ray cluster (``auto``, ``HOST:PORT``); ``None``: start one here.
+        max_ongoing_requests: requests Ray sends one engine replica at most (vLLM queues the rest).
+        load_factor, slack: the prefix router's load bound (:class:`PrefixAffinityRouter`).
+        object_store_mb: the local Ray instance's object store.
+    """
+
+    replicas: int
+    router: str = "prefix"
+    vllm_args: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 8000
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    replica_cores: tuple[str, ...] | None = None
+    replica_cpus: float = 1.0
+    replica_gpus: float = 0.0
+    ray_address: str | None = None
+    max_ongoing_requests: int = 1024
+    load_factor: float = 1.25
+    slack: int = 2
+    object_store_mb: int = 200
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
+        if self.router not in ROUTER_CHOICES:
+            raise ValueError(f"--router must be one of {list(ROUTER_CHOICES)}, got {self.router!r}")
+        for spec in self.replica_cores or ():
+            parse_cores(spec)
+
+
+# ------------------------------------------------------------------------------------ the router
+
+#: The prefix routers of this process (the ingress's), so that /metrics can report their decisions.
+LIVE_ROUTERS: list[Any] = []
+
+
+# ------------------------------------------------------------------------------------ vLLM glue
+
+
+def _vllm_namespace(vllm_args: Sequence[str]) -> Any:
+    """vLLM's API-server argument namespace for ``vllm_args`` (its own parser and checks)."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="feather-serve"))
+    args = parser.parse_args(list(vllm_args))
+    validate_parsed_serve_args(args)
+    return args
+
+
+#: The request the engine replica is answering, rendered by the ingress (read by the patched
+#: ``render_*_request`` of vLLM's serving objects, within the request's own task).
+_RENDERED: contextvars.ContextVar[Any] = contextvars.ContextVar("feather_rendered")
+
+
+def _prerendered(serving: Any) -> None:
+    """Make vLLM's serving object take the ingress's rendering instead of rendering again."""
+
+    async def render(request: Any) -> Any:
+        error = await serving._check_model(request)
+        if error is not None:
+            return error
+        serving._preflight(getattr(request, "n", None) or 1)
+        return _RENDERED.get()
+
+    if hasattr(serving, "render_completion_request"):
+        serving.render_completion_request = render
+    if hasattr(serving, "render_chat_request"):
+        serving.render_chat_request = render
+
+
+def _bind_cores(spec: str) -> None:
+    cores = parse_cores(spec)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)
+
+
+def _session_dir() -> str | None:
+    """Ray's session folder on this node (``/tmp/ray/session_*``), where a replica's Prometheus files
+    go (they stay there, beside the logs, when a replica is killed); ``None``: the system's temp folder."""
+    import ray
+
+    try:
+        if not ray.is_initialized():
+            return None
+        context = ray.get_runtime_context()
+        path = os.path.join(context.get_temp_dir(), context.get_session_name())
+    except Exception:  # noqa: BLE001 - a Ray without these: the default folder
+        return None
+    return path if os.path.isdir(path) else None
+
+
+def _metrics_text(multiproc_dir: str, own_registry: bool) -> str:
+    """This process's and its engine core's Prometheus exposition."""
+    from prometheus_client import REGISTRY, CollectorRegistry, generate_latest, multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=multiproc_dir)
+    text = generate_latest(registry).decode()
+    if own_registry:  # prometheus_client was imported before the directory was set: in-process values
+        text = generate_latest(REGISTRY).decode() + text
+    return text
+
+
+class EngineReplica:
+    """One engine replica (the ``FeatherEngine`` deployment's class; see the module docstring)."""
+
+    async def __init__(self, vllm_args: Sequence[str], replica_cores: Sequence[str] | None = None) -> None:
+        context = serve.get_replica_context()
+        self.rank = int(context.rank.rank)
+        self.local_rank = int(context.rank.local_rank)
+        self.replica_id = context.replica_id.unique_id
+        self.cores = None
+        if replica_cores:
+            self.cores = replica_cores[self.local_rank % len(replica_cores)]
+            _bind_cores(self.cores)
+        # Feather's counters live in the engine-core process: share a Prometheus directory with it
+        self._own_registry = "prometheus_client" in sys.modules
+        self._prom_dir = tempfile.mkdtemp(prefix=f"feather-replica{self.rank}-prometheus-",
+                                          dir=_session_dir())
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = self._prom_dir
+        from starlette.datastructures import State
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+
+        args = _vllm_namespace(vllm_args)
+        self._engine_context = build_async_engine_client(args)
+        self.engine = await self._engine_context.__aenter__()
+        self.state = State()
+        await init_app_state(self.engine, self.state, args, await self.engine.get_supported_tasks())
+        for name in ("openai_serving_completion", "openai_serving_chat"):
+            serving = getattr(self.state, name, None)
+            if serving is not None:
+                _prerendered(serving)
+
+    def info(self) -> dict[str, Any]:
+        """Who this replica is (its process, rank and cores)."""
+        return {"replica_id": self.replica_id, "rank": self.rank, "local_rank": self.local_rank,
+                "pid": os.getpid(), "cores": self.cores,
+                "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
+
+    async def generate(self, kind: str, body: dict[str, Any], rendered: Any, route: Any = None,
+                       avoid: Any = None) -> AsyncIterator[Any]:
+        """Serve one request; yields ``{"replica": ...}``, then ``{"status": S, "json": ...}`` (a whole
+        answer) or ``{"status": 200, "stream": True}`` followed by vLLM's SSE strings."""
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        yield {"replica": self.replica_id, "rank": self.rank}
+        if kind == "chat":
+            request, serving = ChatCompletionRequest.model_validate(body), self.state.openai_serving_chat
+            create = serving.create_chat_completion
+        else:
+            request, serving = CompletionRequest.model_validate(body), self.state.openai_serving_completion
+            create = serving.create_completion
+        token = _RENDERED.set(rendered)
+        try:
+            result = await create(request, None)
+        finally:
+            _RENDERED.reset(token)
+        if isinstance(result, ErrorResponse):
+            yield {"status": result.error.code, "json": result.model_dump()}
+        elif hasattr(result, "__aiter__"):
+            yield {"status": 200, "stream": True}
+            async for chunk in result:
+                yield chunk
+        else:
+            yield {"status": 200, "json": result.model_dump()}
+
+    async def metrics(self) -> dict[str, Any]:
+        """This replica's Prometheus exposition (vLLM's and Feather's series)."""
+        return {"replica_id": self.replica_id, "rank": self.rank,
+                "text": _metrics_text(self._prom_dir, self._own_registry)}
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self.engine.reset_prefix_cache())
+
+    async def check_health(self) -> None:
+        """Ray Serve's health check: the engine (its core process included) is alive."""
+        await self.engine.check_health()
+
+    async def __del__(self) -> None:
+        context = getattr(self, "_engine_context", None)
+        if context is not None:
+            self._engine_context = None
+            await context.__aexit__(None, None, None)
+        shutil.rmtree(getattr(self, "_prom_dir", ""), ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------ the ingress
+
+
+def _error_body(message: str, status: int, err_type: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": None, "code": status}}
+
+
+def _replica_lost(exc: BaseException) -> bool:
+    return any(cls.__name__ in _REPLICA_LOST for cls in type(exc).__mro__)
+
+
+#: One exposition's families: ``{name: (type, help, [(sample name, labels, value), ...])}``.
+Families = dict[str, tuple[str, str, list[tuple[str, dict[str, str], float]]]]
+
+
+def _families(text: str, replica: str) -> Families:
+    """One replica's exposition, parsed, a ``replica`` label on every sample."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {f.name: (f.type, f.documentation, [(s.name, {**s.labels, "replica": replica}, s.value)
+                                                for s in f.samples])
+            for f in text_string_to_metric_families(text)}
+
+
+def _exposed(name: str, kind: str) -> str:
+    # the parser names a counter's family without the ``_total`` its samples (and its TYPE line) carry
+    return f"{name}_total" if kind == "counter" else name
+
+
+def _exposition(per_replica: list[Families]) -> str:
+    """Every replica's samples, each family once (its HELP and TYPE, then all replicas' samples)."""
+    merged: Families = {}
+    for families in per_replica:
+        for name, (kind, doc, samples) in families.items():
+            merged.setdefault(name, (kind, doc, []))[2].extend(samples)
+    lines = []
+    for name, (kind, doc, samples) in merged.items():
+        name = _exposed(name, kind)
+        lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}"]
+        lines += [f"{sample}{_labels(labels)} {_number(value)}" for sample, labels, value in samples]
+    return "\n".join(lines)
+
+
+def _labels(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+    body = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+    return "{" + body + "}"
+
+
+def _escape(value: str) -> str:
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _number(value: float) -> str:
+    return repr(float(value)) if value == value else "NaN"
+
+
+def _sums(per_replica: list[Families]) -> str:
+    """``cluster:<name>`` families: every replica's samples summed (info and unknown types left out)."""
+    merged: dict[str, tuple[str, str, dict[tuple[str, tuple], float]]] = {}
+    for families in per_replica:
+        for name, (kind, doc, samples) in families.items():
+            if kind not in ("counter", "gauge", "histogram", "summary") or name.endswith("_info"):
+                continue
+            into = merged.setdefault(name, (kind, doc, {}))[2]
+            for sample, labels, value in samples:
+                key = (sample, tuple(sorted((k, v) for k, v in labels.items() if k != "replica")))
+                into[key] = into.get(key, 0.0) + value
+    lines = []
+    for name, (kind, doc, sums) in merged.items():
+        name = _exposed(name, kind)
+        lines.append(f"# HELP cluster:{name} Sum over the engine replicas of {name}: {doc}")
+        lines.append(f"# TYPE cluster:{name} {kind}")
+        for (sample, labels), value in sums.items():
+            lines.append(f"cluster:{sample}{_labels(dict(labels))} {_number(value)}")
+    return "\n".join(lines)
+
+
+#: The ingress's HTTP API (routes are :class:`FeatherIngress` methods).
+app = FastAPI(title="feather-serve (Ray Serve)")
+
+
+async def _json_body(raw: Request) -> dict[str, Any] | JSONResponse:
+    try:
+        body = await raw.json()
+    except (ValueError, UnicodeDecodeError):
+        return JSONResponse(_error_body("the request body is not JSON", 400, "BadRequestError"),
+                            status_code=400)
+    if not isinstance(body, dict):
+        return JSONResponse(_error_body("the request body must be a JSON object", 400, "BadRequestError"),
+                            status_code=400)
+    return body
+
+
+@serve.ingress(app)
+class FeatherIngress:
+    """The HTTP API (the ``FeatherIngress`` deployment's class; see the module docstring)."""
+
+    async def __init__(self, engine: Any, vllm_args: Sequence[str], chunk_size: int, router: str) -> None:
+        from starlette.datastructures import State
+        from vllm import AsyncEngineArgs, envs
+        from vllm.config import VllmConfig
+        from vllm.entrypoints.launchers.render.app_state import init_render_app_state
+
+        self.engine = engine
+        self.router_name = router
+        self.hasher = PrefixHasher(chunk_size)
+        args = _vllm_namespace(vllm_args)
+        engine_args = AsyncEngineArgs.from_cli_args(args)
+        model_config = engine_args.create_model_config()
+        model_config.quantization = None  # rendering only, as vLLM's render server does
+        envs.VLLM_CPU_KVCACHE_SPACE = 0
+        vllm_config = VllmConfig(model_config=model_config,
+                                 logging_config=engine_args.create_logging_config(),
+                                 structured_outputs_config=engine_args.create_structured_outputs_config())
+        self.state = State()
+        await init_render_app_state(vllm_config, self.state, args)
+        self.dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0")
+        self.counts: Counter[tuple[str, str]] = Counter()  # (replica rank, outcome)
+        self.retries = 0
+        self.errors: Counter[str] = Counter()
+
+    # -- the API ----------------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(self, raw: Request) -> Any:
+        body = await _json_body(raw)
+        return body if isinstance(body, Response) else await self.serve_request("completion", body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, raw: Request) -> Any:
+        body = await _json_body(raw)
+        return body if isinstance(body, Response) else await self.serve_request("chat", body)
+
+    @app.get("/v1/models")
+    async def models(self) -> Any:
+        return (await self.state.openai_serving_models.show_available_models()).model_dump()
+
+    @app.get("/health")
+    async def health(self) -> Any:
+        results = await self.replica_results("check_health")
+        healthy = sum(1 for r in results if not isinstance(r, BaseException))
+        return JSONResponse({"healthy_replicas": healthy, "replicas": len(results)},
+                            status_code=200 if healthy else 503)
+
+    @app.get("/metrics")
+    async def metrics(self) -> Any:
+        return PlainTextResponse(await self.metrics_text(),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(self) -> Any:
+        if not self.dev_mode:
+            return JSONResponse(_error_body("POST /reset_prefix_cache needs VLLM_SERVER_DEV_MODE=1", 404,
+                                            "NotFoundError"), status_code=404)
+        results = await self.replica_results("reset_prefix_cache")
+        return Response(status_code=200 if results and all(r is True for r in results) else 503)
+
+    @app.get("/replicas")
+    async def replicas(self) -> Any:
+        """Every engine replica's identity (rank, process, cores): for operators and the fault test."""
+        return [r for r in await self.replica_results("info") if isinstance(r, dict)]
+
+    # -- requests ---------------------------------------------------------------------------------
+    async def serve_request(self, kind: str, body: dict[str, Any]) -> Any:
+        """Render, route and answer one ``/v1/completions`` (``kind="completion"``) or
+        ``/v1/chat/completions`` (``"chat"``) request (see the module docstring for faults)."""
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        renderer = self.state.online_renderer
+        try:
+            if kind == "chat":
+                rendered = await renderer.render_chat(ChatCompletionRequest.model_validate(body))
+                inputs = None if isinstance(rendered, ErrorResponse) else rendered[1]
+            else:
+                rendered = await renderer.render_completion(CompletionRequest.model_validate(body))
+                inputs = None if isinstance(rendered, ErrorResponse) else rendered
+        except ValueError as exc:  # pydantic's validation errors, vLLM's input errors
+            self.errors["bad_request"] += 1
+            return JSONResponse(_error_body(str(exc), 400, "BadRequestError"), status_code=400)
+        if isinstance(rendered, ErrorResponse):
+            self.errors["bad_request"] += 1
+            return JSONResponse(rendered.model_dump(), status_code=rendered.error.code)
+        route = None
+        first_input = inputs[0] if inputs else None
+        if isinstance(first_input, dict) and first_input.get("prompt_token_ids"):
+            route = self.hasher.hash(np.asarray(first_input["prompt_token_ids"], dtype=np.int64)).tolist()
+        avoid: list[str] = []
+        attempt = 0
+        while True:
+            attempt += 1
+            gen = self.engine.options(stream=True).generate.remote(kind, body, rendered, route=route,
+                                                                   avoid=avoid)
+            header: dict[str, Any] | None = None
+            try:
+                header = await gen.__anext__()
+                first = await gen.__anext__()
+                # a stream is answered once its first chunk (its first token) exists: until then a
+                # failure can still be retried, as the client has seen nothing
+                first_chunk = await anext(gen, None) if first.get("stream") else None
+            except Exception as exc:  # noqa: BLE001 - answered below
+                gen.cancel()
+                lost = _replica_lost(exc)
+                if lost and attempt == 1:
+                    self.retries += 1
+                    if header is not None:
+                        avoid.append(header["replica"])
+                    continue
+                self.errors["replica_lost" if lost else "replica_error"] += 1
+                detail = str(exc).splitlines()[0] if str(exc) else ""
+                message = (f"the engine replica serving this request failed before answering "
+                           f"({type(exc).__name__}{', on the retry too' if attempt > 1 else ''}): {detail}")
+                return JSONResponse(_error_body(message, 503, "ServiceUnavailableError"), status_code=503)
+            break
+        rank = str(header["rank"])
+        headers = {"x-feather-replica": f"{rank}/{header['replica']}", "x-feather-attempts": str(attempt)}
+        if not first.get("stream"):
+            self.counts[(rank, "ok" if first["status"] == 200 else "error_response")] += 1
+            return JSONResponse(first["json"], status_code=first["status"], headers=headers)
+        return StreamingResponse(self._relay(gen, first_chunk, rank), media_type="text/event-stream",
+                                 headers=headers)
+
+    async def _relay(self, gen: Any, first_chunk: str | None, rank: str) -> AsyncIterator[str]:
+        """The replica's SSE stream; a replica lost mid-stream ends it with an error event."""
+        outcome = "ok"
+        try:
+            if first_chunk is not None:
+                yield first_chunk
+            async for chunk in gen:
+                yield chunk
+        except asyncio.CancelledError:  # the client went away: so does the request
+            outcome = "client_gone"
+            gen.cancel()
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported in the stream: tokens were sent already
+            outcome = "failed_mid_stream"
+            self.errors["replica_lost_mid_stream" if _replica_lost(exc) else "replica_error_mid_stream"] += 1
+            message = (f"the engine replica {rank} serving this request failed mid-stream "
+                       f"({type(exc).__name__}); not retried, as it had started answering")
+            yield f"data: {json.dumps(_error_body(message, 503, 'ServiceUnavailableError'))}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            self.counts[(rank, outcome)] += 1
+
+    async def replica_results(self, method: str) -> list[Any]:
+        """``method`` on every engine replica (exceptions in place of the failed ones)."""
+        from ray.serve.exceptions import DeploymentUnavailableError
+
+        try:
+            return await self.engine.broadcast(method).results_async(return_exceptions=True)
+        except DeploymentUnavailableError:
+            return []
+
+    async def metrics_text(self) -> str:
+        """Every replica's exposition with its ``replica`` label, the sums, the ingress's counters."""
+        results = await self.replica_results("metrics")
+        answered = sorted((r for r in results if isinstance(r, dict)), key=lambda r: r["rank"])
+        families = [_families(r["text"], str(r["rank"])) for r in answered]
+        parts = [_exposition(families), _sums(families), self._own_metrics(len(results), len(answered))]
+        return "\n".join(p for p in parts if p) + "\n"
+
+    def _own_metrics(self, replicas: int, answered: int) -> str:
+        def family(name: str, kind: str, doc: str, samples: list[tuple[dict[str, str], float]]) -> list[str]:
+            return [f"# HELP {name} {doc}", f"# TYPE {name} {kind}",
+                    *(f"{name}{_labels(labels)} {_number(v)}" for labels, v in samples)]
+
+        lines = family("feather_cluster_replicas", "gauge", "Engine replicas listed / answering /metrics",
+                       [({"state": "listed"}, replicas), ({"state": "answered"}, answered)])
+        lines += family("feather_cluster_requests_total", "counter",
+                        "Requests answered, by replica rank and outcome",
+                        [({"replica": r, "outcome": o}, n) for (r, o), n in sorted(self.counts.items())])
+        lines += family("feather_cluster_retries_total", "counter",
+                        "Requests retried on another replica (the first died before streaming anything)",
+                        [({}, self.retries)])
+        lines += family("feather_cluster_errors_total", "counter",
+                        "Requests answered with an error, by reason",
+                        [({"reason": k}, n) for k, n in sorted(self.errors.items())])
+        lines += family("feather_cluster_router_info", "gauge", "The router of the engine replicas",
+                        [({"router": self.router_name}, 1)])
+        # this class travels by value (``serve.ingress`` wraps it): the routers are in the real module
+        from scheduler_runtime import cluster as this_module
+
+        for router in this_module.LIVE_ROUTERS:
+            stats = router.stats()
+            lines += family("feather_router_decisions_total", "counter", "Prefix router decisions, by kind",
+                            [({"kind": k}, stats[k]) for k in ("affinity", "spilled", "new")])
+            lines += family("feather_router_decision_seconds_total", "counter",
+                            "Time spent choosing replicas",
+                            [({}, stats["decision_seconds"])])
+            lines += family("feather_router_table_keys", "gauge", "Chunk keys in the prefix router's table",
+                            [({}, stats["table_keys"])])
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ deployment
+
+
+def build_app(config: ClusterConfig) -> Any:
+    """The Ray Serve application for ``config`` (not started)."""
+    from ray.serve.config import RequestRouterConfig
+
+    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+    runtime_env = {"runtime_env": {"env_vars": env}} if env else {}
+    engine_options: dict[str, Any] = {
+        "name": ENGINE_DEPLOYMENT, "num_replicas": config.replicas,
+        "max_ongoing_requests": config.max_ongoing_requests,
+        "ray_actor_options": {"num_cpus": config.replica_cpus, "num_gpus": config.replica_gpus,
+                              **runtime_env},
+        "health_check_period_s": 5.0, "health_check_timeout_s": 30.0, "graceful_shutdown_timeout_s": 10.0,
+    }
+    if config.router == "prefix":
+        engine_options["request_router_config"] = RequestRouterConfig(
+            request_router_class=PrefixRequestRouter,
+            request_router_kwargs={"load_factor": config.load_factor, "slack": config.slack})
+    engine = serve.deployment(EngineReplica, **engine_options)
+    ingress = serve.deployment(FeatherIngress, name=INGRESS_DEPLOYMENT, num_replicas=1,
+                               max_ongoing_requests=max(4096, config.max_ongoing_requests * config.replicas),
+                               ray_actor_options={"num_cpus": 0, **runtime_env})
+    cores = list(config.replica_cores) if config.replica_cores else None
+    return ingress.bind(engine.bind(list(config.vllm_args), cores), list(config.vllm_args), config.chunk_size,
+                        config.router)
+
+
+def _start_ray(config: ClusterConfig) -> None:
+    """Connect to ``config.ray_address`` or start a local instance (loopback only: ``feather-serve``
+    sets ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` before Ray is imported)."""
+    if config.ray_address is None:
+        # an engine replica's vLLM engine-core process dies with it, even when it is killed
+        os.environ.setdefault("RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper", "true")
+    # a loaded machine starts the HTTP proxy slower than Ray's 5 s default readiness check
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    import ray
+
+    if config.ray_address is not None:
+        ray.init(address=config.ray_address, log_to_driver=False)
+        return
+    ray.init(num_cpus=max(1, int(round(config.replicas * config.replica_cpus))),
+             num_gpus=int(round(config.replicas * config.replica_gpus)) or None,
+             include_dashboard=False, object_store_memory=config.object_store_mb << 20, log_to_driver=False)
+
+
+class _Stop(Exception):
+    """SIGTERM or SIGINT arrived."""
+
+
+def _stop(*_: Any) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):  # once: the shutdown itself is not interrupted
+        signal.signal(sig, signal.SIG_IGN)
+    raise _Stop
+
+
+def run_cluster(config: ClusterConfig) -> int:
+    """Deploy ``config`` and serve until SIGTERM or SIGINT; returns the exit status.
+
+    Everything this started (the application; the local Ray instance with its engines) is shut
+    down before it returns, also when the deployment fails or the signal arrives during start-up.
+    """
+    started = time.monotonic()
+    import ray
+
+    status = 0
+    try:
+        _start_ray(config)
+        # after ray.init, which installs handlers of its own (that abort on SIGTERM)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _stop)
+        serve.start(http_options={"host": config.host, "port": config.port})
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+        print(f"feather-serve: {config.replicas} engine replicas behind the {config.router} router, serving "
+              f"on http://{config.host}:{config.port} ({time.monotonic() - started:.0f} s to start)",
+              flush=True)
+        while True:
+            time.sleep(3600)
+    except _Stop:
+        print("feather-serve: stopping (signal)", flush=True)
+    except Exception as exc:  # noqa: BLE001 - reported, then everything is shut down
+        print(f"feather-serve: error: the cluster failed: {exc}", file=sys.stderr, flush=True)
+        status = 1
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        if ray.is_initialized():
+            try:
+                serve.shutdown()
+            finally:
+                ray.shutdown()
+        print(f"feather-serve: stopped ({time.monotonic() - started:.0f} s after start)", flush=True)
+    return status
