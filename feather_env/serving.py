@@ -198,6 +198,33 @@ class ServingBackend(ABC):
     def _advance_engine(self, adv: Advance) -> None:
         """Run the engine (see :meth:`advance`), recording into ``adv`` and the timelines."""
 
+    def submit(self, request: Request) -> None:
+        """One more request for the episode being served, arriving at its ``arrival_time`` (not
+        before the clock): what a router does to a replica (``feather_env.cluster_sim``).
+
+        Raises:
+            ValueError: a request of that id is already in the episode.
+        """
+        if request.request_id in self._timelines:
+            raise ValueError(f"request {request.request_id!r} is already in the episode")
+        self._pending.append(request)
+        self._timelines[request.request_id] = RequestTimeline(
+            request.request_id, request.prompt_len, request.output_len, float(request.arrival_time),
+            source=request.source)
+        self._admit_arrivals()  # at once if the engine's last step already ran past the arrival
+
+    @property
+    def in_system(self) -> int:
+        """Requests of the episode that arrived and have not finished."""
+        return self._in_system
+
+    @property
+    def has_work(self) -> bool:
+        """Whether anything is left to serve: requests in the engine or the core, or to arrive."""
+        runtime = self.runtime
+        return (self._engine_busy() or (runtime is not None and len(runtime.core) > 0)
+                or self._next < len(self._pending))
+
     # -- shared bookkeeping ----------------------------------------------------------------------
     def _admit_arrivals(self) -> None:
         pending, clock = self._pending, self.clock
