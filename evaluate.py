@@ -47,7 +47,12 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from feather_env.engine import EngineConfig, EngineError, send_vllm_logs_to, use_in_process_engine
+from feather_env.engines.vllm_engine import (
+    EngineConfig,
+    EngineError,
+    send_vllm_logs_to,
+    use_in_process_engine,
+)
 
 use_in_process_engine()  # before vLLM is imported
 
@@ -327,7 +332,7 @@ def _where(out: Path, written: Sequence[Path]) -> str:
 
 def run(argv: Sequence[str], backend: Any = None) -> int:
     """``evaluate.py`` without a subcommand (module docstring). ``backend``: an in-process
-    :class:`~feather_env.serving.VLLMBackend` to serve on instead of starting one (tests)."""
+    :class:`~feather_env.engines.vllm_backend.VLLMBackend` to serve on instead of starting one (tests)."""
     args = _parse_args(argv)
     t_all = time.perf_counter()
     # -- everything that can be wrong is checked before an engine starts or a request is sent

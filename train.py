@@ -30,7 +30,8 @@ REPO_ROOT = Path(__file__).resolve().parent
 
 def main(argv: Sequence[str] | None = None):  # -> agents.training.TrainResult
     from agents.registry import TRAINABLE
-    from agents.training import load_config, run
+    from agents.run_config import load_config
+    from agents.training import run
     from feather_env.env import REWARDS
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],

@@ -10,9 +10,9 @@ throughput on the same episodes. What it is for: a policy retrained
 or fine-tuned on the real engine (``train.py --resume --backend vllm``) that changes no decision
 changes nothing a server would see, and needs no new evaluation on the engine.
 
-Both files are read with :func:`scheduler_runtime.policy.load_policy_spec` (a path, or a
+Both files are read with :func:`scheduler_runtime.plugins.load_policy_spec` (a path, or a
 ``py:MODULE:ATTRIBUTE`` plug-in); :func:`compare` also takes loaded policies (the authors'
-:class:`~scheduler_runtime.policy.HeuristicRule`, say). A policy whose observation is the paper's
+:class:`~scheduler_runtime.rules.HeuristicRule`, say). A policy whose observation is the paper's
 three entries gets the first three of the extended observation. ``benchmarks/policy_agreement.py``
 runs it for every shipped file against the heuristic.
 """
@@ -28,8 +28,15 @@ from agents.base import evaluate
 from feather_env.env import FeatherEnv
 from feather_env.reporting import format_table, write_json
 from scheduler_runtime.config import ConfigError
-from scheduler_runtime.decision import BASE_OBS_NAMES, EXTENDED_OBS_NAMES, GROUP_OBS_NAMES, observation_kind
-from scheduler_runtime.policy import ObservationSpec, PolicyFormatError, load_policy_spec
+from scheduler_runtime.decision import (
+    BASE_OBS_NAMES,
+    EXTENDED_OBS_NAMES,
+    GROUP_OBS_NAMES,
+    ObservationSpec,
+    PolicyFormatError,
+    observation_kind,
+)
+from scheduler_runtime.plugins import load_policy_spec
 
 
 def _seed_list(text: str) -> list[int]:
@@ -121,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.backend == "vllm":
-        from feather_env.engine import use_in_process_engine
+        from feather_env.engines.vllm_engine import use_in_process_engine
 
         use_in_process_engine()
     try:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -36,8 +36,9 @@ from typing import Any, ClassVar
 import gymnasium as gym
 import numpy as np
 
-from scheduler_runtime.decision import ADD, GROUP_OBS_NAMES, STOP
-from scheduler_runtime.policy import GroupBins, ObservationSpec, Policy, TableBins, write_policy
+from scheduler_runtime.decision import ADD, GROUP_OBS_NAMES, STOP, ObservationSpec
+from scheduler_runtime.policy import Policy, write_policy
+from scheduler_runtime.rules import GroupBins, TableBins
 
 __all__ = [
     "ADD",
@@ -48,7 +49,6 @@ __all__ = [
     "HELD_OUT_SEED",
     "NotExportableError",
     "evaluate",
-    "observation_spec",
 ]
 
 #: First episode seed of the benchmarks' held-out episodes (``benchmarks/agents.py``,
@@ -60,7 +60,7 @@ HELD_OUT_SEED = 2_000_000
 class TableBinsConfig:
     """The state bins shared by the tabular agents (UCB, Q-learning): for the request decision,
     docs/design.md's ``(min(B//batch_div, batch_max), clip(delta, -delta_clip, delta_clip),
-    min(w//w_div, w_max))``; for the group decision, :class:`~scheduler_runtime.policy.GroupBins`
+    min(w//w_div, w_max))``; for the group decision, :class:`~scheduler_runtime.rules.GroupBins`
     with the ``group_*`` knobs."""
 
     batch_div: int = TableBins.batch_div  # the runtime's defaults, one source for both
@@ -144,19 +144,6 @@ class AgentEnv(gym.Wrapper):
         return self.env.unwrapped.action_masks()
 
 
-def observation_spec(env: Any) -> ObservationSpec:
-    """The raw observation spec of a ``FeatherEnv``, a wrapper of one, or a VecEnv of :class:`AgentEnv`."""
-    if hasattr(env, "get_attr") and hasattr(env, "num_envs"):  # SB3 VecEnv
-        space = env.get_attr("raw_observation_space", [0])[0]
-        scale = env.get_attr("obs_scale", [0])[0]
-        chunk = env.get_attr("chunk_size", [0])[0]
-        names = env.get_attr("obs_names", [0])[0]
-        return ObservationSpec(tuple(names), tuple(float(x) for x in space.low),
-                               tuple(float(x) for x in space.high), tuple(float(x) for x in scale),
-                               int(chunk))
-    return ObservationSpec.from_env(env)
-
-
 class Agent(ABC):
     """A batching policy (see the module docstring). Subclasses set ``name``."""
 
@@ -179,7 +166,7 @@ class Agent(ABC):
 
     def bind(self, env: Any) -> None:
         """Remember the environment's observation spec (needed to export)."""
-        self.obs_spec = observation_spec(env)
+        self.obs_spec = ObservationSpec.from_env(env)
         self.observation_changed()
 
     def observation_changed(self) -> None:  # noqa: B027 - optional hook
@@ -188,6 +175,40 @@ class Agent(ABC):
     def learn(self, env: gym.Env, total_timesteps: int, callback: Any = None,
               reset_num_timesteps: bool = True) -> Agent:
         raise NotImplementedError(f"agent {self.name!r} does not learn")
+
+    # -- how a run trains this kind of agent (agents.training.run asks, whatever the agent) -----
+    @classmethod
+    def training_env(cls, make_env: Callable[[], gym.Env], factories: Callable[[], list[Any]],
+                     n_envs: int, seed: int) -> Any:
+        """The environment a run trains this agent on: one environment (``make_env``), or ``None``
+        with ``n_envs > 1`` (:meth:`train` then steps worker processes of its own)."""
+        return None if n_envs > 1 else make_env()
+
+    @classmethod
+    def resume(cls, path: Path, loaded: Agent, train_env: Any) -> Agent:
+        """The agent a run continues, from its checkpoint at ``path`` (``loaded``: it read and
+        checked before the run started)."""
+        return loaded
+
+    def prepare(self, train_env: Any, eval_env: Any) -> None:
+        """Before training: remember the observation spec (of the evaluation environment, which
+        every kind of training environment shares)."""
+        self.bind(eval_env)
+
+    def train(self, train_env: Any, steps: int, callback: Any, reset_num_timesteps: bool,
+              parallel: Callable[[Agent, Any], None] | None = None) -> None:
+        """Train ``steps`` more (``parallel``: a run's worker processes, when ``train_env`` is None)."""
+        if train_env is None:
+            if parallel is None:
+                raise ValueError(f"agent {self.name!r}: no training environment and no workers")
+            parallel(self, callback)
+        else:
+            self.learn(train_env, steps, callback=callback, reset_num_timesteps=reset_num_timesteps)
+
+    @property
+    def callback_model(self) -> Any:
+        """What SB3's callbacks are initialised with (the agent; PPO: its SB3 model)."""
+        return self
 
     def save(self, path: str | Path) -> Path:
         raise NotImplementedError(f"agent {self.name!r} has no checkpoint")
@@ -347,9 +368,7 @@ class EpisodicAgent(Agent):
         agent.num_timesteps = meta["num_timesteps"]
         agent.rng.bit_generator.state = meta["rng"]
         if meta.get("obs_spec"):
-            d = meta["obs_spec"]
-            agent.obs_spec = ObservationSpec(tuple(d["names"]), tuple(d["low"]), tuple(d["high"]),
-                                             tuple(d["scale"]), d["chunk_size"])
+            agent.obs_spec = ObservationSpec.from_dict(meta["obs_spec"], path)
             agent.observation_changed()
         if env is not None:
             agent.bind(env)

@@ -1,7 +1,7 @@
 """The static batching heuristic of the Feather authors' code, as an agent.
 
 Rule (docs/design.md, "Batching policies"; implemented once, in
-:class:`scheduler_runtime.policy.HeuristicRule`, so the agent and the exported policy agree):
+:class:`scheduler_runtime.rules.HeuristicRule`, so the agent and the exported policy agree):
 ADD when the candidate loses at most ``delta_max`` (5) chunks of shared prefix, or at most
 ``delta_max_shared`` (7) when ``w >= w_shared`` (10) waiting requests share the new depth; each
 such ADD raises a minimum-batch floor by 1 (cap ``floor_cap`` = 10). Any other candidate is
@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from agents.base import EpisodicAgent
-from scheduler_runtime.policy import HeuristicPolicy, HeuristicRule, Policy
+from scheduler_runtime.policy import HeuristicPolicy, Policy
+from scheduler_runtime.rules import HeuristicRule
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,9 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from agents.base import Agent, AgentEnv, observation_spec
-from scheduler_runtime.policy import MLPPolicy, ObservationSpec, Policy
+from agents.base import Agent, AgentEnv
+from scheduler_runtime.decision import ObservationSpec
+from scheduler_runtime.policy import MLPPolicy, Policy
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,27 @@ class PPOAgent(Agent):
             self.model.set_logger(self._logger)
         self.bind(vec)
 
+    @classmethod
+    def training_env(cls, make_env: Any, factories: Any, n_envs: int, seed: int) -> Any:
+        """A vector of environments: in worker processes with ``n_envs > 1``, else this process's."""
+        vec = make_vec_env(factories(), subprocess=True) if n_envs > 1 else make_vec_env([make_env])
+        vec.seed(seed)
+        return vec
+
+    @classmethod
+    def resume(cls, path: Path, loaded: Any, train_env: Any) -> PPOAgent:
+        """Loaded again with the training environment (SB3 binds its model to it)."""
+        agent = cls.load(path, env=train_env)
+        agent.bind(train_env)
+        return agent
+
+    def prepare(self, train_env: Any, eval_env: Any) -> None:
+        """Nothing: the model binds to the training environment when it is built."""
+
+    @property
+    def callback_model(self) -> Any:
+        return self.model
+
     def learn(self, env: Any, total_timesteps: int, callback: Any = None,
               reset_num_timesteps: bool = True) -> PPOAgent:
         vec = self._as_vec_env(env)
@@ -208,9 +230,7 @@ class PPOAgent(Agent):
         if vec is not None:
             agent.bind(vec)
         elif meta.get("obs_spec"):
-            d = meta["obs_spec"]
-            agent.obs_spec = ObservationSpec(tuple(d["names"]), tuple(d["low"]), tuple(d["high"]),
-                                             tuple(d["scale"]), d["chunk_size"])
+            agent.obs_spec = ObservationSpec.from_dict(meta["obs_spec"], path)
             agent._scale = np.asarray(agent.obs_spec.scale, dtype=np.float32)
         return agent
 
@@ -220,4 +240,4 @@ def _sidecar(path: Path) -> Path:
     return zip_path.with_suffix(".json")
 
 
-__all__ = ["PPOAgent", "PPOConfig", "make_vec_env", "observation_spec"]
+__all__ = ["PPOAgent", "PPOConfig", "make_vec_env"]

@@ -12,7 +12,7 @@ Our choices, and why:
   to do with throughput. In the serving loop the targets are noisy (the bins do not say how
   much work is left, which dominates the return to go): on a small leval-kv-pressure episode
   (``tests/test_agents.py``'s setting, 5,000 steps) ``gamma = 0.99`` reached 330.5 tokens/s
-  against always-add's 332.9 and ``gamma = 1`` 298.9-311.2; issue 14's tuning decides per scenario.
+  against always-add's 332.9 and ``gamma = 1`` 298.9-311.2; the per-scenario builds choose.
 - step size ``max(learning_rate, 1 / n(s, a))`` with ``learning_rate = 0.01``: a sample average
   over the first 100 visits of a pair (no bias from the initial 0), then a constant step that
   keeps tracking (the real engine drifts). The targets are very noisy (the bins hide how much
@@ -30,7 +30,7 @@ Our choices, and why:
   the bootstrap takes the max over the next state's *valid* actions.
 
 The deployed (exported) policy is greedy over visited actions, ADD in states never visited
-(:func:`scheduler_runtime.policy.table_decision`, without the bandit's delta == 0 rule).
+(:func:`scheduler_runtime.rules.table_decision`, without the bandit's delta == 0 rule).
 
 Parallel workers merge by count-weighted means: ``Q(s, a)`` is the mean of the workers'
 values weighted by how often each visited ``(s, a)`` since the last merge (unchanged where none
@@ -46,7 +46,8 @@ from typing import Any
 import numpy as np
 
 from agents.base import ADD, STOP, EpisodicAgent, TableBinsConfig
-from scheduler_runtime.policy import GroupBins, Policy, TableBins, TablePolicy, table_decision
+from scheduler_runtime.policy import Policy, TablePolicy
+from scheduler_runtime.rules import GroupBins, TableBins, table_decision
 
 
 @dataclass(frozen=True)

@@ -17,16 +17,19 @@ import gymnasium as gym
 import numpy as np
 
 from agents.base import ADD, STOP, EpisodicAgent, NotExportableError
+from scheduler_runtime.decision import AlwaysAdd
 from scheduler_runtime.policy import ConstantPolicy, Policy
 
 
 class AlwaysAddAgent(EpisodicAgent):
-    """ADD whenever valid."""
+    """:class:`~scheduler_runtime.decision.AlwaysAdd` as an agent (it plays, logs and exports as one);
+    its policy file is the ``constant`` ADD kind."""
 
     name = "always-add"
+    _rule = AlwaysAdd()
 
     def act(self, obs: np.ndarray, mask: np.ndarray) -> int:
-        return ADD if mask[ADD] else STOP
+        return self._rule.act(obs, mask)
 
     def to_policy(self) -> Policy:
         return ConstantPolicy(self._require_spec(), ADD, agent=self.name)

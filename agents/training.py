@@ -44,306 +44,21 @@ their tables (see ``merge`` in each agent).
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
-import multiprocessing as mp
-import os
 import re
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from scheduler_runtime.config import ConfigError, from_mapping, load_yaml
+from agents.parallel import learn_parallel_tabular
+from agents.run_config import ORDERING_REFERENCES, REFERENCES, RunConfig, parse_config
+from scheduler_runtime.config import ConfigError, load_mapping, load_yaml
 
-__all__ = ["REFERENCES", "EnvSection", "RunConfig", "TrainResult", "TrainSection", "comparison_table",
-           "load_config", "make_env", "parse_config", "reference_policy", "run"]
-
-SECTIONS = ("scenario", "env", "agent", "train")
-#: What ``train.compare_with`` accepts: a policy answering the trained agent's own decisions
-#: (``always-add``, ``heuristic``, ``oracle``, ``random``), or a baseline's ordering answered by
-#: always-add (``fcfs``, ``lpm``, ``dfs-weight``, ``svf``, ``sjf``); any other Feather scheduler
-#: name (``feather-heuristic``, ``group-cap-K``, ``group-hold``) serves with its own decision and
-#: its own rule.
-REFERENCES = ("always-add", "heuristic", "oracle", "random", "fcfs", "lpm", "dfs-weight", "svf", "sjf")
-_ORDERING_REFERENCES = ("fcfs", "lpm", "dfs-weight", "svf", "sjf")
-
-
-def _scheduler_reference(name: str) -> bool:
-    """Whether ``name`` is a Feather scheduler that serves as a reference with its own rule."""
-    from scheduler_runtime.schedulers import SchedulerConfig
-
-    try:
-        return SchedulerConfig.for_name(name).ordering == "feather"
-    except ConfigError:
-        return False
-
-
-# -- configuration ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class EnvSection:
-    """``FeatherEnv`` arguments (see its manual); ``profile`` is the simulator's profile JSON.
-
-    Its fields are ``FeatherEnv``'s keyword arguments but those a run sets itself (the scenario and
-    its overrides, the backend, an engine object): ``tests/test_train.py`` holds the two together,
-    so an argument the environment gains is a key the run config accepts. ``scheduler: null`` is
-    the environment's default for the decision (saved as its name)."""
-
-    scheduler: str | None = None
-    reward: str = "latency"
-    reward_scale: float = 1.0
-    extended_obs: bool = False
-    decision: str | None = None
-    delta_clip: int = 64
-    max_episode_seconds: float | None = None
-    obs_max_requests: int | None = None
-    profile: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.scheduler is None:
-            from feather_env.env import DEFAULT_GROUP_SCHEDULER
-
-            default = DEFAULT_GROUP_SCHEDULER if self.decision == "group" else "feather-heuristic"
-            object.__setattr__(self, "scheduler", default)
-        if not (math.isfinite(self.reward_scale) and self.reward_scale > 0):
-            raise ConfigError(f"env.reward_scale must be a finite number > 0, got {self.reward_scale!r} "
-                              "(it multiplies every reward: 0 or NaN leaves nothing to learn)")
-        if self.max_episode_seconds is not None and not (math.isfinite(self.max_episode_seconds)
-                                                         and self.max_episode_seconds > 0):
-            raise ConfigError(f"env.max_episode_seconds must be a finite number > 0 or null, "
-                              f"got {self.max_episode_seconds!r}")
-        if self.obs_max_requests is not None and self.obs_max_requests < 1:
-            raise ConfigError(f"env.obs_max_requests must be >= 1 or null, got {self.obs_max_requests}")
-
-
-@dataclass(frozen=True)
-class TrainSection:
-    """How long and how to train, evaluate and checkpoint.
-
-    Attributes:
-        timesteps: environment steps (decisions) in total, over all environments.
-        seed: seeds the agent and the training environments.
-        backend: ``"sim"`` (the calibrated simulator) or ``"vllm"`` (the real engine).
-        n_envs: environments in separate processes (1: in this process).
-        eval_every: evaluate every this many timesteps (0: only at the end).
-        eval_episodes: held-out episodes per evaluation, episode seeds ``eval_seed + i``.
-        eval_seed: first held-out episode seed.
-        eval_backend: where the held-out evaluation runs (``None``: ``backend``).
-        checkpoint_every: checkpoint every this many timesteps (0: only at the end).
-        sync_every: tabular agents with ``n_envs > 1``: steps per worker between merges.
-        progress_bar: show a progress bar.
-        compare_with: reference agents (:data:`REFERENCES`) evaluated at the end on the same
-            held-out episodes, printed next to the trained agent (``make demo``).
-        confirm_episodes: after a simulator evaluation, also serve the first this many held-out
-            episodes on the real engine with the trained policy and the references (0: no).
-    """
-
-    timesteps: int = 20_000
-    seed: int = 0
-    backend: str = "sim"
-    n_envs: int = 1
-    eval_every: int = 5_000
-    eval_episodes: int = 5
-    eval_seed: int = 1_000_000
-    eval_backend: str | None = None
-    checkpoint_every: int = 10_000
-    sync_every: int = 2_000
-    progress_bar: bool = True
-    compare_with: tuple[str, ...] = ()
-    confirm_episodes: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("backend", "eval_backend"):
-            value = getattr(self, name)
-            if value is not None and value not in ("sim", "vllm"):
-                raise ConfigError(f"train.{name} must be 'sim' or 'vllm', got {value!r}")
-        for name in ("timesteps", "n_envs", "eval_episodes", "sync_every"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("eval_every", "checkpoint_every", "confirm_episodes", "seed", "eval_seed"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
-        if isinstance(self.compare_with, str):
-            object.__setattr__(self, "compare_with", (self.compare_with,))
-        bad = [n for n in self.compare_with if n not in REFERENCES and not _scheduler_reference(n)]
-        if bad:
-            raise ConfigError(f"train.compare_with: {bad} are not reference agents; choose from "
-                              f"{list(REFERENCES)}")
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """A whole run: the validated sections (``scenario`` stays a mapping: a name and overrides)."""
-
-    agent_name: str
-    agent: Any
-    scenario: dict[str, Any]
-    env: EnvSection = field(default_factory=EnvSection)
-    train: TrainSection = field(default_factory=TrainSection)
-    source: str = ""
-
-    @property
-    def scenario_name(self) -> str:
-        """The scenario's name, or the names of a mix joined by ``+``."""
-        name = self.scenario["name"]
-        return "+".join(name) if isinstance(name, list | tuple) else str(name)
-
-    @property
-    def scenario_overrides(self) -> dict[str, Any]:
-        return {k: v for k, v in self.scenario.items() if k != "name"}
-
-    def to_dict(self) -> dict[str, Any]:
-        """The effective config as a YAML-able mapping (the format :func:`load_config` reads)."""
-        agent = {"name": self.agent_name, **(asdict(self.agent) if self.agent is not None else {})}
-        return _plain({"scenario": self.scenario, "env": asdict(self.env), "agent": agent,
-                       "train": asdict(self.train)})
-
-
-def _plain(obj: Any) -> Any:
-    """Tuples -> lists, recursively (YAML/JSON friendly)."""
-    if isinstance(obj, Mapping):
-        return {k: _plain(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_plain(v) for v in obj]
-    return obj
-
-
-def parse_config(data: Mapping[str, Any], agent: str | None = None, *, scenario: str | None = None,
-                 where: str = "config", base_dir: str | Path | None = None) -> RunConfig:
-    """Validate a config mapping; ``agent`` (``--agent``) must match ``agent.name`` if both exist;
-    ``scenario`` (``--scenario``) replaces ``scenario.name``. The scenario itself is loaded and
-    checked here (unknown names and keys fail before any training starts).
-
-    Files the config names (a scenario file, a workload or arrival trace file in the scenario's
-    overrides, ``env.profile``) are relative to ``base_dir`` (the config file's folder; default: the
-    current one), ``--scenario`` to the current folder; the returned config holds them absolute, so
-    its saved copy reads the same from anywhere. Every number must be finite."""
-    from agents.registry import TRAINABLE, config_class
-    from feather_env.scenarios import load_scenario
-
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{where}: expected a mapping")
-    unknown = sorted(set(data) - set(SECTIONS))
-    if unknown:
-        raise ConfigError(f"{where}: unknown section(s) {unknown}; valid sections are {list(SECTIONS)}")
-    agent_section = dict(data.get("agent") or {})
-    name = agent_section.pop("name", None)
-    if agent is not None and name is not None and agent != name:
-        raise ConfigError(f"{where}: --agent {agent} but the config's agent section is for {name!r}")
-    name = agent or name
-    if name is None:
-        raise ConfigError(f"{where}: no agent given (--agent or agent.name); choose from {list(TRAINABLE)}")
-    if name not in TRAINABLE:
-        raise ConfigError(f"{where}: agent {name!r} cannot be trained; choose from {list(TRAINABLE)}")
-    cls = config_class(name)
-    try:
-        agent_cfg = from_mapping(cls, agent_section, where=f"{where}: agent ({name})")
-    except ValueError as exc:  # the config dataclasses' own range checks
-        raise ConfigError(str(exc)) from exc
-    base = Path(base_dir) if base_dir is not None else Path.cwd()
-    env_section = dict(data.get("env") or {}) if isinstance(data.get("env"), Mapping) else data.get("env")
-    if isinstance(env_section, dict) and isinstance(env_section.get("profile"), str):
-        env_section["profile"] = _anchor(env_section["profile"], base)
-    env = from_mapping(EnvSection, env_section, where=f"{where}: env")
-    train = from_mapping(TrainSection, data.get("train"), where=f"{where}: train")
-    _check_numbers(where, {"agent": agent_cfg, "env": env, "train": train})
-    scen = data.get("scenario")
-    if scen is None:
-        scen = {}
-    if isinstance(scen, str):
-        scen = {"name": scen}
-    if not isinstance(scen, Mapping):
-        raise ConfigError(f"{where}: scenario must be a name or a mapping with a 'name'")
-    scen = _anchor_overrides(dict(scen), base)
-    if scenario is not None:
-        scen["name"] = _scenario_names(scenario, Path.cwd())
-    elif "name" in scen:
-        scen["name"] = _scenario_names(scen["name"], base)
-    if "name" not in scen:
-        raise ConfigError(f"{where}: no scenario given (--scenario or scenario.name)")
-    scenarios = scen["name"]
-    for scenario_name in scenarios if isinstance(scenarios, list | tuple) else [scenarios]:
-        load_scenario(scenario_name, {k: v for k, v in scen.items() if k != "name"})
-    return RunConfig(name, agent_cfg, scen, env, train, source=where)
-
-
-def _anchor(path: str, base: Path) -> str:
-    """``path`` made absolute against ``base`` (the folder of the file that names it)."""
-    p = Path(path).expanduser()
-    return str(p if p.is_absolute() else (base / p).resolve())
-
-
-def _looks_like_file(name: str) -> bool:
-    return name.endswith((".yaml", ".yml")) or os.sep in name
-
-
-def _scenario_names(value: Any, base: Path) -> Any:
-    """A scenario name, a scenario file (made absolute against ``base``), or a mix: a list, or names
-    joined by ``+`` (``a+b``; a file whose own name holds a ``+`` is one scenario)."""
-    if isinstance(value, list | tuple):
-        return [_scenario_names(v, base) for v in value]
-    if not isinstance(value, str):
-        raise ConfigError(f"scenario name must be a string or a list of them, got {value!r}")
-    if _looks_like_file(value) and (base / value).expanduser().is_file():
-        return _anchor(value, base)
-    if "+" in value:
-        return [_scenario_names(v, base) for v in value.split("+")]
-    return _anchor(value, base) if _looks_like_file(value) else value
-
-
-def _anchor_overrides(scen: dict[str, Any], base: Path) -> dict[str, Any]:
-    """The files a scenario override names (``workload.path``, ``workload.data_dir``, an episode's
-    ``arrival: trace:FILE[:RATE]``), relative to the config file, made absolute."""
-    workload = scen.get("workload")
-    if isinstance(workload, Mapping):
-        scen["workload"] = {k: _anchor(v, base) if k in ("path", "data_dir") and isinstance(v, str) and v
-                            else v for k, v in workload.items()}
-    episode = scen.get("episode")
-    if isinstance(episode, Mapping) and isinstance(episode.get("arrival"), str):
-        kind, _, rest = episode["arrival"].partition(":")
-        if kind.strip().lower() == "trace" and rest:
-            file, sep, rate = rest.rpartition(":")
-            try:
-                float(rate)
-            except ValueError:
-                file, sep, rate = rest, "", ""
-            if (base / file).expanduser().is_file():
-                scen["episode"] = {**episode, "arrival": f"trace:{_anchor(file, base)}{sep}{rate}"}
-    return scen
-
-
-def _check_numbers(where: str, sections: Mapping[str, Any]) -> None:
-    """Every number of the run's sections finite (NaN and infinity are errors, not values), and a
-    learning rate > 0 (a negative one ascends the loss)."""
-    for section, obj in sections.items():
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            values = value if isinstance(value, list | tuple) else [value]
-            for v in values:
-                if isinstance(v, float) and not math.isfinite(v):
-                    raise ConfigError(f"{where}: {section}.{f.name} must be a finite number, got {v!r}")
-            if f.name == "learning_rate" and isinstance(value, int | float) and not value > 0:
-                raise ConfigError(f"{where}: {section}.learning_rate must be > 0, got {value!r}")
-
-
-def load_config(path: str | Path, agent: str | None = None, *, scenario: str | None = None,
-                reward: str | None = None, profile: str | None = None, **train_overrides: Any) -> RunConfig:
-    """Read and validate a YAML config; ``reward`` and ``profile`` replace ``env.*``, non-``None``
-    ``train_overrides`` replace ``train.*``."""
-    data = load_yaml(path)
-    overrides = {k: v for k, v in train_overrides.items() if v is not None}
-    if overrides:
-        data = {**data, "train": {**(data.get("train") or {}), **overrides}}
-    if reward is not None:
-        data = {**data, "env": {**(data.get("env") or {}), "reward": reward}}
-    if profile is not None:
-        data = {**data, "env": {**(data.get("env") or {}), "profile": str(Path(profile).resolve())}}
-    return parse_config(data, agent, scenario=scenario, where=str(path), base_dir=Path(path).parent)
-
+__all__ = ["TrainResult", "comparison_table", "make_env", "reference_policy", "run"]
 
 # -- environments -------------------------------------------------------------------------------
 def make_env(cfg: RunConfig, backend: Any = None, *, scheduler: str | None = None) -> Any:
@@ -378,7 +93,7 @@ def reference_policy(name: str, env: Any, seed: int = 0) -> Any:
     """The decision-answering object of reference ``name`` (see :data:`REFERENCES`) for ``env``."""
     from agents.registry import make_agent
 
-    if name in _ORDERING_REFERENCES or name == "always-add":
+    if name in ORDERING_REFERENCES or name == "always-add":
         return make_agent("always-add", seed=seed, env=env)
     if name not in REFERENCES:  # a Feather scheduler: its own rule
         from feather_env.env import scheduler_policy
@@ -418,81 +133,6 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = v
     return out
-
-
-# -- parallel tabular workers -------------------------------------------------------------------
-def _tabular_worker(conn: Any, config: dict[str, Any], agent_name: str, rank: int) -> None:
-    """Worker process: own env + agent copy; trains ``steps`` from the state it is sent, returns
-    its state and the infos of the episodes it finished."""
-    from agents.callbacks import InfoCollector
-    from agents.registry import make_agent
-
-    cfg = parse_config(config, agent_name, where="worker config")
-    env = make_env(cfg)
-    agent = make_agent(agent_name, cfg.agent, seed=cfg.train.seed + 1000 * (rank + 1))
-    collector = InfoCollector()
-    try:
-        while True:
-            msg = conn.recv()
-            if msg is None:
-                break
-            state, start, steps, exploration = msg
-            agent.load_state_dict(state)
-            agent.num_timesteps = start
-            if exploration is not None:
-                agent.exploration_timesteps = exploration
-            collector.infos = []
-            agent.learn(env, steps, callback=collector, reset_num_timesteps=False)
-            conn.send((agent.state_dict(), collector.infos))
-    finally:
-        env.close()
-        conn.close()
-
-
-def learn_parallel_tabular(agent: Any, cfg: RunConfig, total: int, callback: Any) -> None:
-    """Independent workers, merged every ``sync_every`` steps each (see the module docstring)."""
-    n = cfg.train.n_envs
-    ctx = mp.get_context("spawn")
-    conns, procs = [], []
-    config = cfg.to_dict()
-    for rank in range(n):
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=_tabular_worker, args=(child, config, cfg.agent_name, rank), daemon=True)
-        p.start()
-        conns.append(parent)
-        procs.append(p)
-    if agent.name == "qlearning" and agent.config.exploration_timesteps is None:
-        agent.exploration_timesteps = max(1, int(agent.config.exploration_fraction * total))
-    try:
-        callback.init_callback(agent)
-        callback.on_training_start({"total_timesteps": total}, {})
-        while agent.num_timesteps < total:
-            per_worker = min(cfg.train.sync_every, max(1, (total - agent.num_timesteps) // n))
-            base = agent.state_dict()
-            exploration = getattr(agent, "exploration_timesteps", None)
-            for conn in conns:
-                conn.send((base, agent.num_timesteps, per_worker, exploration))
-            results = [conn.recv() for conn in conns]
-            agent.load_state_dict(type(agent).merge(base, [state for state, _ in results]))
-            agent.num_timesteps += per_worker * n
-            infos = [info for _, worker_infos in results for info in worker_infos]
-            callback.update_locals({"infos": infos})
-            for key, value in agent.train_metrics().items():
-                agent.logger.record(f"train/{key}", value)
-            if not callback.on_step():
-                break
-            agent.logger.dump(agent.num_timesteps)
-        callback.on_training_end()
-    finally:
-        for conn in conns:
-            try:
-                conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -539,11 +179,9 @@ def _resume_checkpoint(ckpt_dir: Path) -> Path:
     if not latest.is_file():
         raise ConfigError(f"--resume: {latest} not found (no checkpoint to resume from)")
     try:
-        pointer = json.loads(latest.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"--resume: {latest} is not a JSON object: {exc}") from None
-    if not isinstance(pointer, dict):
-        raise ConfigError(f"--resume: {latest} is not a JSON object")
+        pointer = load_mapping(latest)
+    except ConfigError as exc:
+        raise ConfigError(f"--resume: {exc}") from None
     name = pointer.get("path")
     where = f"--resume: {latest}: 'path' must name a checkpoint file in {ckpt_dir}"
     if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name or "\\" in name:
@@ -620,7 +258,6 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     cls = agent_class(cfg.agent_name)
-    ppo = cfg.agent_name == "ppo"
     checkpoint_to_resume = None
     trained_on = None
     resumed_from: dict[str, Any] | None = None
@@ -638,7 +275,7 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
     text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     (out / "config.yaml").write_text(text)
     if vllm_log is not None:
-        from feather_env.engine import send_vllm_logs_to
+        from feather_env.engines.vllm_engine import send_vllm_logs_to
 
         send_vllm_logs_to(vllm_log)
     if verbose:
@@ -668,22 +305,12 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
         eval_env = make_env(cfg, backend=eval_kind)
     ckpt_dir = out / "checkpoints"
 
-    if ppo:
-        from agents.ppo import make_vec_env
-
-        if cfg.train.n_envs > 1:
-            factories = [EnvFactory(cfg.to_dict(), cfg.agent_name) for _ in range(cfg.train.n_envs)]
-            train_env = make_vec_env(factories, subprocess=True)
-        else:
-            train_env = make_vec_env([lambda: make_env(cfg, backend=shared)])
-        train_env.seed(cfg.train.seed)
-    else:
-        train_env = None if cfg.train.n_envs > 1 else make_env(cfg, backend=shared)
-
+    train_env = cls.training_env(lambda: make_env(cfg, backend=shared),
+                                 lambda: [EnvFactory(cfg.to_dict(), cfg.agent_name)
+                                          for _ in range(cfg.train.n_envs)],
+                                 cfg.train.n_envs, cfg.train.seed)
     if checkpoint_to_resume is not None:
-        agent = cls.load(checkpoint_to_resume, env=train_env) if ppo else loaded
-        if ppo:
-            agent.bind(train_env)
+        agent = cls.resume(checkpoint_to_resume, loaded, train_env)
         resumed_from = {"backend": trained_on, "timesteps": int(agent.num_timesteps)}
         if verbose:
             where = ("" if trained_on == cfg.train.backend else
@@ -692,8 +319,7 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
                   flush=True)
     else:
         agent = make_agent(cfg.agent_name, cfg.agent, seed=cfg.train.seed)
-    if not ppo:
-        agent.bind(eval_env)
+    agent.prepare(train_env, eval_env)
     logger = make_logger(out, cfg)
     agent.set_logger(logger)
 
@@ -709,10 +335,8 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
     remaining = cfg.train.timesteps - int(agent.num_timesteps)
     try:
         if remaining > 0:
-            if not ppo and cfg.train.n_envs > 1:
-                learn_parallel_tabular(agent, cfg, cfg.train.timesteps, callback)
-            else:
-                agent.learn(train_env, remaining, callback=callback, reset_num_timesteps=not resume)
+            agent.train(train_env, remaining, callback, not resume,
+                        parallel=lambda a, cb: learn_parallel_tabular(a, cfg, cfg.train.timesteps, cb))
         elif verbose:
             print(f"nothing to train: the checkpoint has {agent.num_timesteps} >= {cfg.train.timesteps} "
                   "timesteps", flush=True)
@@ -720,7 +344,7 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
         if history and history[-1]["timesteps"] == int(agent.num_timesteps):
             final = history[-1]  # the last periodic evaluation saw this very policy
         else:
-            eval_cb.init_callback(agent if not ppo else agent.model)
+            eval_cb.init_callback(agent.callback_model)
             final = eval_cb.run_eval()
             logger.dump(int(agent.num_timesteps))
     finally:
@@ -734,7 +358,7 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
         real_env = make_env(cfg, backend="vllm")
         try:
             real_seeds = seeds[: cfg.train.confirm_episodes]
-            confirmed[cfg.agent_name] = _strip(evaluate(agent, real_env, real_seeds))
+            confirmed[cfg.agent_name] = _without_episodes(evaluate(agent, real_env, real_seeds))
             confirmed.update(_compare(cfg, real_env, real_seeds))
         finally:
             real_env.close()
@@ -788,7 +412,7 @@ def _skipped_episodes(env: Any) -> int | None:
         return None
 
 
-def _strip(result: Mapping[str, Any]) -> dict[str, Any]:
+def _without_episodes(result: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in result.items() if k != "episodes"}
 
 
@@ -800,9 +424,10 @@ def _compare(cfg: RunConfig, env: Any, seeds: Sequence[int]) -> dict[str, dict[s
     # a single environment's engine is shared; a scenario mix builds its own per scenario
     backend = env.backend if hasattr(env, "backend") else cfg.train.backend
     for name in cfg.train.compare_with:
-        own = name in _ORDERING_REFERENCES or name not in REFERENCES
+        own = name in ORDERING_REFERENCES or name not in REFERENCES
         ref_env = make_env(cfg, backend=backend, scheduler=name) if own else env
-        out[name] = _strip(evaluate(reference_policy(name, ref_env, seed=cfg.train.seed), ref_env, seeds))
+        policy = reference_policy(name, ref_env, seed=cfg.train.seed)
+        out[name] = _without_episodes(evaluate(policy, ref_env, seeds))
     return out
 
 

@@ -3,7 +3,7 @@
     python -m agents.tuning --scenario NAME --out policies/heuristic-tuned/NAME.feather
 
 The baseline a learned policy must beat is the best hand-made rule fitted to the workload too:
-``group-cap-K`` (:class:`~scheduler_runtime.policy.GroupCapRule`: cached group first, hold a new
+``group-cap-K`` (:class:`~scheduler_runtime.rules.GroupCapRule`: cached group first, hold a new
 group while work of the groups in flight waits, at most K groups in flight) with K chosen per
 scenario. The search serves each candidate, ``group-hold`` (no cap) then K = :data:`CAPS` from
 the largest down, on the same training episodes of the scenario on the simulator; the best by
@@ -22,7 +22,9 @@ from typing import Any
 
 from agents.base import evaluate
 from feather_env.env import FeatherEnv
-from scheduler_runtime.policy import GroupCapPolicy, GroupCapRule, ObservationSpec, write_policy
+from scheduler_runtime.decision import ObservationSpec
+from scheduler_runtime.policy import GroupCapPolicy, write_policy
+from scheduler_runtime.rules import GroupCapRule
 
 __all__ = ["CAPS", "TUNE_SEED", "main", "tune_group_cap"]
 

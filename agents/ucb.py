@@ -1,6 +1,6 @@
 """The contextual bandit of the Feather authors' code (UCB over binned states).
 
-State bins (:class:`scheduler_runtime.policy.TableBins`): ``(min(B // 4, 10), clip(delta, -5, 5),
+State bins (:class:`scheduler_runtime.rules.TableBins`): ``(min(B // 4, 10), clip(delta, -5, 5),
 min(w // 4, 10))``, 11 x 11 x 11 states, two arms (STOP, ADD) each.
 
 Decisions, in order: the mask (ADD invalid -> STOP); an empty batch -> ADD (never reaches the
@@ -27,7 +27,7 @@ by a mask or by the two rules above are not arms and are not credited.
 rewards, tokens/s for ``episode``); 2.0 by default.
 
 The deployed (exported) policy is greedy: the valid arm of highest mean among visited arms,
-ADD for states never visited (:func:`scheduler_runtime.policy.table_decision`).
+ADD for states never visited (:func:`scheduler_runtime.rules.table_decision`).
 
 Parallel workers (``train.py --n-envs N``) merge exactly: counts add up, means are pooled
 (count-weighted) over what each worker added since the last merge.
@@ -43,7 +43,8 @@ from typing import Any
 import numpy as np
 
 from agents.base import ADD, STOP, EpisodicAgent, TableBinsConfig
-from scheduler_runtime.policy import GroupBins, Policy, TableBins, TablePolicy, table_decision
+from scheduler_runtime.policy import Policy, TablePolicy
+from scheduler_runtime.rules import GroupBins, TableBins, table_decision
 
 CREDITS = ("episode", "return_to_go")
 

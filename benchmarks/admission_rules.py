@@ -26,8 +26,7 @@ from agents.base import evaluate
 from benchmarks import measured
 from feather_env.env import FeatherEnv, scheduler_policy
 from feather_env.reporting import format_table, machine_info, write_json
-from scheduler_runtime.decision import ADD, EXTENDED_OBS_NAMES, STOP
-from scheduler_runtime.policy import ObservationSpec
+from scheduler_runtime.decision import ADD, EXTENDED_OBS_NAMES, STOP, ObservationSpec
 
 SCENARIOS = ("leval-kv-pressure", "leval-kv-pressure-poisson", "leval-high-load")
 BASELINES = ("fcfs", "lpm", "dfs-weight", "feather-heuristic")

@@ -5,7 +5,8 @@ question generating exactly :data:`OUTPUT_TOKENS` tokens, burst arrivals) is ser
 by
 
 1. the in-process evaluation (:func:`feather_env.evaluation.inprocess.serve_one` on one
-   :class:`~feather_env.serving.VLLMBackend`: engine clock, the scheduler deciding in ``schedule()``);
+   :class:`~feather_env.engines.vllm_backend.VLLMBackend`: engine clock, the scheduler deciding
+   in ``schedule()``);
 2. ``feather-serve --scheduler NAME`` on the same engine
    (:class:`~feather_env.evaluation.server.LocalServer`, sized by
    :func:`~feather_env.evaluation.server.server_args`), driven over HTTP by the endpoint client
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import measured
-from feather_env.engine import send_vllm_logs_to, use_in_process_engine  # noqa: E402
+from feather_env.engines.vllm_engine import send_vllm_logs_to, use_in_process_engine  # noqa: E402
 
 use_in_process_engine()
 
@@ -61,13 +62,13 @@ def _pin(core: str) -> None:
 def measure(seed: int, repeats: int, out_dir: Path, progress: bool) -> dict[str, Any]:
     from dataclasses import replace
 
+    from feather_env.engines.vllm_backend import VLLMBackend
     from feather_env.evaluation.endpoint import EndpointConfig, evaluate_endpoint
     from feather_env.evaluation.inprocess import InProcessConfig, scheduler_overrides, serve_one
     from feather_env.evaluation.report import summarize
     from feather_env.evaluation.server import LocalServer
     from feather_env.hostload import wait_for_quiet
     from feather_env.scenarios import load_scenario
-    from feather_env.serving import VLLMBackend
     from scheduler_runtime.schedulers import SchedulerConfig
 
     scenario = load_scenario(SCENARIO, OVERRIDES)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks import measured
-from feather_env.engine import use_in_process_engine
+from feather_env.engines.vllm_engine import use_in_process_engine
 
 use_in_process_engine()
 
@@ -60,7 +60,7 @@ def run(scenario: str, orderings: Sequence[str], sim_episodes: int, real_episode
         env = FeatherEnv(sc, "sim", scheduler=name)
         results["sim"][name] = _aggregate([play_episode(env, episode_seed=s) for s in range(sim_episodes)])
     if real_episodes:
-        from feather_env.serving import VLLMBackend
+        from feather_env.engines.vllm_backend import VLLMBackend
 
         backend = VLLMBackend(sc.engine_config())
         cores = pinned_cores(sc.engine_config().cpu_cores)

@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import measured
-from feather_env.engine import use_in_process_engine  # noqa: E402  (before vLLM is imported)
+from feather_env.engines.vllm_engine import use_in_process_engine  # noqa: E402  (before vLLM is imported)
 
 use_in_process_engine()
 
@@ -237,7 +237,7 @@ def run_scenario(
         + (f" ({', '.join(f'{a} = {b}' for a, (b, _) in same.items())})" if same else ""),
         flush=True,
     )
-    from feather_env.serving import VLLMBackend
+    from feather_env.engines.vllm_backend import VLLMBackend
 
     key = json.dumps(engine.to_dict(), sort_keys=True)
     backend = engines.get(key) if engines is not None else None
@@ -567,7 +567,7 @@ def plot_sweep(sweep: Mapping[str, Any], path: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from feather_env.engine import send_vllm_logs_to
+    from feather_env.engines.vllm_engine import send_vllm_logs_to
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default=str(REPO / "results" / "evaluation.json"))

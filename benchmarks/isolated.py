@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from feather_env.engine import (
+from feather_env.engines.vllm_engine import (
     EngineConfig,
     EngineError,
     ScheduleTap,

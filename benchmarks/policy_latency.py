@@ -19,18 +19,16 @@ from typing import Any
 import numpy as np
 
 from feather_env.reporting import format_table, machine_info, write_json
+from scheduler_runtime.decision import ADD, ObservationSpec
 from scheduler_runtime.policy import (
-    ADD,
     ConstantPolicy,
     HeuristicPolicy,
-    HeuristicRule,
     MLPPolicy,
-    ObservationSpec,
     Policy,
-    TableBins,
     TablePolicy,
     load_policy,
 )
+from scheduler_runtime.rules import HeuristicRule, TableBins
 
 BUDGET_US = 10.0
 SPEC = ObservationSpec(names=("batch_size", "delta", "w"), low=(0.0, -64.0, 0.0), high=(64.0, 64.0, 64.0),

@@ -29,7 +29,7 @@ import numpy as np
 
 from benchmarks import measured
 from benchmarks.isolated import BatchResult, IsolatedBatchRunner
-from feather_env.engine import EngineConfig
+from feather_env.engines.vllm_engine import EngineConfig
 from feather_env.reporting import format_table, machine_info, write_json
 from feather_env.workloads.request import Request
 

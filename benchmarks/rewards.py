@@ -21,9 +21,10 @@ from typing import Any
 
 from agents.base import evaluate
 from agents.registry import make_agent
-from agents.training import load_config, make_env, run
+from agents.run_config import load_config
+from agents.training import make_env, run
 from benchmarks import measured
-from feather_env.engine import REPO_ROOT
+from feather_env.engines.vllm_engine import REPO_ROOT
 from feather_env.env import REWARDS
 from feather_env.reporting import format_table, machine_info, write_json
 from scheduler_runtime.policy import load_policy

@@ -63,7 +63,7 @@ def make_prompts(num: int, prompt_len: int, seed: int) -> list[list[int]]:
 
 
 def measure(llm: Any, waiting: int, args: argparse.Namespace) -> dict[str, Any]:
-    from feather_env.engine import engine_core_of, forced_length_params, tokens_prompt
+    from feather_env.engines.vllm_engine import engine_core_of, forced_length_params, tokens_prompt
 
     engine = llm.llm_engine
     sched = engine_core_of(llm).scheduler
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.waiting, args.steps, args.warmup = [100, 1000], 15, 5
 
-    from feather_env.engine import EngineConfig, build_llm, engine_core_of
+    from feather_env.engines.vllm_engine import EngineConfig, build_llm, engine_core_of
     from scheduler_runtime.schedulers import engine_overrides
 
     engine_config = EngineConfig(kv_cache_gib=2.0, max_num_seqs=args.max_num_seqs, max_model_len=8192,

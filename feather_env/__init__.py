@@ -2,12 +2,17 @@
 
 - :mod:`feather_env.env`: :class:`FeatherEnv`, registered as ``feather/Batching-v0`` (the paper's
   per-request ADD/STOP) and ``feather/GroupAdmission-v0`` (the same serving loop, the decision
-  to open a prefix group);
-- :mod:`feather_env.backends`: :class:`VLLMBackend` (the real engine) and :class:`BatchResult`;
-- :mod:`feather_env.sim`: :class:`SimBackend`, a cost model fitted to the engine
-  (:mod:`feather_env.calibrate` fits and validates it);
-- :mod:`feather_env.engine`: the one factory that builds every vLLM engine of the project;
-- :mod:`feather_env.workloads`: requests and the benchmark workloads that produce them.
+  to open a prefix group), with its reward classes;
+- :mod:`feather_env.serving`: the serving loop an episode runs on (:class:`ServingBackend`);
+- :mod:`feather_env.engines`: its two engines, the real one (``vllm_backend``; ``vllm_engine``
+  builds every vLLM engine of the project) and the simulator (``sim_backend``, serving on the
+  model of vLLM's scheduler, KV cache and persistent batch, one module per vLLM file, with a
+  step-time model that :mod:`feather_env.calibrate` fits and validates);
+- :mod:`feather_env.records`: the loop's records; :mod:`feather_env.serving_metrics`: the
+  ``vllm bench serve`` figures computed from them;
+- :mod:`feather_env.scenarios` and :mod:`feather_env.workloads`: what an episode serves;
+- :mod:`feather_env.evaluation`: schedulers compared in-process, against an endpoint or in the
+  simulator, and the bounds they are measured against.
 
 Heavy modules (vLLM, the environment) are imported lazily, so ``import feather_env`` is cheap.
 """

@@ -5,12 +5,12 @@
     python -m feather_env.calibrate --scenario mine.yaml --out mine-profile.json   # on your workload
 
 Calibration serves episodes of several scenarios on the real engine
-(:class:`~feather_env.serving.VLLMBackend`, the engine pinned to one core) with several
+(:class:`~feather_env.engines.vllm_backend.VLLMBackend`, the engine pinned to one core) with several
 schedulers (their own answers: :func:`~feather_env.env.play_episode`), records every engine
 step (its requests in the persistent batch's order and its wall time), and fits
 :class:`~feather_env.step_model.StepCostModel` to them. Admission, prefix caching, eviction,
 chunked prefill and the batch's order are not fitted: the simulator models them exactly
-(:mod:`feather_env.sim_engine`); only the step time is.
+(:mod:`feather_env.engines`); only the step time is.
 
 Validation serves *fresh* episodes (other seeds than the calibration, with and without KV
 pressure, burst and Poisson arrivals, several schedulers) on the real engine and on the
@@ -44,11 +44,12 @@ from typing import Any
 
 import numpy as np
 
-from feather_env.engine import REPO_ROOT, EngineConfig, use_in_process_engine
+from feather_env.engines.vllm_engine import REPO_ROOT, EngineConfig, use_in_process_engine
 from feather_env.hostload import ForeignLoad, pinned_cores
+from feather_env.records import StepRequest
 from feather_env.reporting import machine_info, write_json
 from feather_env.scenarios import Scenario, load_scenario
-from feather_env.step_model import FEATURE_NAMES, StepCostModel, StepRequest, fit_step_model, step_features
+from feather_env.step_model import FEATURE_NAMES, StepCostModel, fit_step_model, step_features
 
 __all__ = ["CALIBRATION_PLAN", "PROFILE_VERSION", "VALIDATION_PLAN", "EpisodeSpec", "load_profile", "main",
            "scenario_plan"]
@@ -159,7 +160,7 @@ class _Engines:
     def get(self, spec: EpisodeSpec) -> Any:
         """The engine of ``spec``'s scenario; a new one first serves a throw-away episode of it
         (another seed): the first steps after start-up are much slower than steady state."""
-        from feather_env.serving import VLLMBackend
+        from feather_env.engines.vllm_backend import VLLMBackend
 
         if self.shared is not None:
             return self.shared
@@ -199,7 +200,7 @@ def calibrate(plan: Sequence[EpisodeSpec], steps_out: str | Path | None = None, 
     """Serve ``plan`` on the real engine, fit the step model, and return the profile.
 
     ``steps_out``: also write every measured step (JSON: seconds and its requests' columns), for
-    analysis of the fit. ``backend``: a :class:`~feather_env.serving.VLLMBackend` to serve every
+    analysis of the fit. ``backend``: a :class:`~feather_env.engines.vllm_backend.VLLMBackend` to serve every
     episode on (else one engine per engine configuration is started). ``max_foreign``: episodes
     during which other processes used more of the machine are re-run once, then left out.
 
@@ -286,7 +287,7 @@ def validate(profile_path: str | Path, plan: Sequence[EpisodeSpec], *, backend: 
              max_foreign: float = MAX_FOREIGN_LOAD) -> dict[str, Any]:
     """Serve ``plan`` on the real engine and on the simulator; the error figures of the docstring
     (``backend``, ``max_foreign``: as :func:`calibrate`)."""
-    from feather_env.sim import SimBackend
+    from feather_env.engines.sim_backend import SimBackend
 
     load_profile(profile_path)
     engines = _Engines(backend)

@@ -1,8 +1,9 @@
 """N simulated engine replicas behind one router: routing studied at 4-64 replicas on a laptop.
 
 :class:`ClusterSim` serves a workload (its requests, token ids and arrival times) on ``replicas``
-copies of the simulator backend (:class:`~feather_env.sim.SimBackend`: vLLM's admission, prefix
-cache, eviction and persistent batch modelled exactly, steps timed by the calibrated step model),
+copies of the simulator backend (:class:`~feather_env.engines.sim_backend.SimBackend`: vLLM's
+admission, prefix cache, eviction and persistent batch modelled exactly, steps timed by the
+calibrated step model),
 each with the Feather scheduler's batching core in front of it as in ``feather-serve``, behind a
 :class:`~scheduler_runtime.router.ReplicaRouter`: the very router code the Ray Serve application
 runs (:mod:`scheduler_runtime.cluster`), fed with what the ingress feeds it there, the request's
@@ -26,18 +27,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
-from feather_env.engine import EngineConfig
-from feather_env.env import scheduler_policy
+from feather_env.engines.sim_backend import SimBackend
+from feather_env.engines.vllm_engine import EngineConfig
+from feather_env.records import RequestTimeline
 from feather_env.serving import env_scheduler_config
-from feather_env.serving_metrics import RequestTimeline, serving_metrics
-from feather_env.sim import SimBackend
+from feather_env.serving_metrics import serving_metrics
 from feather_env.workloads import Request, Workload
-from scheduler_runtime.decision import BatchingPolicy, observation_kind
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 from scheduler_runtime.router import PrefixHasher, ReplicaRouter
 from scheduler_runtime.schedulers import SchedulerConfig
@@ -53,13 +52,11 @@ class ReplicaSim(SimBackend):
     ``policy``.
     """
 
-    def __init__(self, name: str, engine: EngineConfig, config: SchedulerConfig, policy: BatchingPolicy,
+    def __init__(self, name: str, engine: EngineConfig, config: SchedulerConfig,
                  profile: str | Path | None = None) -> None:
         super().__init__(engine, profile)
         self.name = name
         self.config = config
-        self.policy = policy
-        self.kind = observation_kind(policy)
         #: The cluster's next event: the engine runs no further than the first step that reaches it.
         self.horizon = math.inf
         self.opened = False
@@ -71,47 +68,25 @@ class ReplicaSim(SimBackend):
     @property
     def in_flight(self) -> int:
         """Requests routed here and not finished (the router's load)."""
-        return len(self._timelines) - self._finished if self.opened else 0
+        return self.in_system + (len(self._pending) - self._next) if self.opened else 0
 
-    def open(self, request: Request) -> None:
-        """Start serving (an empty engine, a new core) with ``request``, the first routed here."""
-        reset = getattr(self.policy, "reset", None)
-        if reset is not None:
-            reset()
+    def submit(self, request: Request) -> None:
+        """``request`` arrives now (its ``arrival_time``, the cluster's clock); the first one routed
+        here starts the replica (an empty engine, a new core and policy)."""
+        if self.opened:
+            super().submit(request)
+            return
         self.start(Workload(f"replica-{self.name}", (request,)), self.config)
         self.opened = True
 
-    def submit(self, request: Request) -> None:
-        """``request`` arrives now (its ``arrival_time``, the cluster's clock)."""
-        if not self.opened:
-            self.open(request)
-            return
-        if request.request_id in self._timelines:
-            raise ValueError(f"request {request.request_id!r} was routed to {self.name} twice")
-        self._pending.append(request)
-        self._timelines[request.request_id] = RequestTimeline(
-            request.request_id, request.prompt_len, request.output_len, float(request.arrival_time),
-            source=request.source)
-        self._admit_arrivals()  # at once if this replica's last step already ran past the arrival
-
-    def has_work(self) -> bool:
-        runtime = self.runtime
-        return self.opened and (self._engine_busy() or (runtime is not None and len(runtime.core) > 0)
-                                or self._next < len(self._pending))
-
     def run_until(self, t: float) -> None:
-        """Serve until the clock reaches ``t`` (the step that crosses it included) or nothing is left."""
+        """Serve until the clock reaches ``t`` (the step that crosses it included) or nothing is left:
+        before every engine step the scheduler plans a round with its own policy, as it serves."""
         self.horizon = t
-        policy, kind = self.policy, self.kind
-        while self.has_work() and self.clock < t:
+        while self.opened and self.has_work and self.clock < t:
             runtime = self.runtime
             assert runtime is not None
-            core = runtime.core
-            if not core.round_open:
-                core.begin(self.clock, self.free_slots(), self.view)
-            while core.pending is not None:
-                core.decide(int(policy.act(core.observe(kind), core.pending.mask)))
-            self.release(core.end())
+            self.release(runtime.plan(self.clock, self.free_slots(), self.view))
             if self.done:
                 break
             self.advance()
@@ -182,10 +157,8 @@ class ClusterSim:
         self.names = [str(i) for i in range(replicas)]
 
     def _replicas(self) -> list[ReplicaSim]:
-        # a fresh policy object per replica (a stateful policy must not see another replica's decisions)
-        holder = SimpleNamespace(scheduler_config=self.config)
-        return [ReplicaSim(name, self.engine, self.config, scheduler_policy(holder), self.profile)
-                for name in self.names]
+        # each replica's runtime builds its own policy (a stateful one sees only its replica)
+        return [ReplicaSim(name, self.engine, self.config, self.profile) for name in self.names]
 
     def run(self, workload: Workload | Sequence[Request], router: ReplicaRouter,
             hasher: PrefixHasher | None = None) -> ClusterResult:

@@ -14,9 +14,10 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.envs.registration import EnvSpec
 
-from feather_env.engine import EngineError
+from feather_env.engines.vllm_engine import EngineError
+from feather_env.records import Advance
 from feather_env.scenarios import Scenario, load_scenario
-from feather_env.serving import Advance, ServingBackend, env_scheduler_config
+from feather_env.serving import ServingBackend, env_scheduler_config
 from feather_env.serving_metrics import serving_metrics
 from scheduler_runtime.batching import BatchingCore
 from scheduler_runtime.config import ConfigError
@@ -27,11 +28,11 @@ from scheduler_runtime.decision import (
     observation_kind,
     observation_names,
 )
-from scheduler_runtime.policy import default_policy
+from scheduler_runtime.plugins import default_policy
 
-__all__ = ["ADD", "REWARDS", "STOP", "FeatherEnv", "InvalidActionError", "NoDecisionError", "ScenarioMix",
-           "play_episode",
-           "scheduler_policy"]
+__all__ = ["ADD", "REWARDS", "REWARD_CLASSES", "STOP", "DecodeThroughputReward", "FeatherEnv",
+           "InvalidActionError", "LatencyReward", "MakespanReward", "NoDecisionError", "Reward",
+           "ScenarioMix", "play_episode", "scheduler_policy"]
 
 #: The scheduler whose decisions the agent answers in the group decision, unless one is named.
 DEFAULT_GROUP_SCHEDULER = "group-cap-3"
@@ -39,11 +40,63 @@ DEFAULT_GROUP_SCHEDULER = "group-cap-3"
 GROUP_COUNT_SCALE = 16.0
 #: How many episodes in a row ``reset()`` may skip for needing no decision before it gives up.
 MAX_EMPTY_EPISODES = 100
-#: The rewards the environment offers (see the manual); the default is the first.
-REWARDS = ("latency", "makespan", "decode_throughput")
-#: Reward units: makespan in seconds, latency in seconds per request (so the return is minus the
-#: mean end-to-end latency), decode throughput in kilotokens/s.
-_UNITS = {"makespan": "s", "latency": "s per request", "decode_throughput": "ktok/s"}
+
+
+class Reward:
+    """A reward: what one advance of the engine (:class:`~feather_env.records.Advance`) is worth
+    (CompilerGym's pattern: rewards are named, swappable classes). ``units`` is its unit."""
+
+    name = ""
+    units = ""
+
+    def __call__(self, adv: Advance, episode_requests: int) -> float:
+        raise NotImplementedError
+
+
+class LatencyReward(Reward):
+    """Minus requests in the system x seconds per request: the return is minus the mean E2E latency."""
+
+    name, units = "latency", "s per request"
+
+    def __call__(self, adv: Advance, episode_requests: int) -> float:
+        return -adv.request_seconds / max(episode_requests, 1)
+
+
+class MakespanReward(Reward):
+    """Minus the seconds that passed: the return is minus the episode's makespan."""
+
+    name, units = "makespan", "s"
+
+    def __call__(self, adv: Advance, episode_requests: int) -> float:
+        return -adv.seconds
+
+
+class DecodeThroughputReward(Reward):
+    """The paper's: decode throughput of the interval's decode-only steps (kilotokens/s; 0 when none)."""
+
+    name, units = "decode_throughput", "ktok/s"
+
+    def __call__(self, adv: Advance, episode_requests: int) -> float:
+        return adv.decode_tokens / adv.decode_seconds * 1e-3 if adv.decode_seconds > 0 else 0.0
+
+
+#: The rewards the environment offers, by name (see the manual); the default is the first.
+REWARD_CLASSES: dict[str, type[Reward]] = {r.name: r for r in (LatencyReward, MakespanReward,
+                                                               DecodeThroughputReward)}
+REWARDS = tuple(REWARD_CLASSES)
+
+
+def _slowdown_range(value: float | Sequence[float]) -> tuple[float, float]:
+    """``engine_slowdown`` as ``(low, high)``: one factor, or a range drawn per episode."""
+    problem = f"engine_slowdown must be a factor > 0 or a range [low, high] of them, got {value!r}"
+    try:
+        low, high = (value, value) if isinstance(value, int | float) else tuple(value)  # type: ignore[misc]
+        ok = 0 < low <= high < float("inf")
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ConfigError(problem)
+    return float(low), float(high)
 
 
 class NoDecisionError(ConfigError):
@@ -156,7 +209,7 @@ class FeatherEnv(gym.Env):
 
     ## Episode End
     Terminates when every request of the episode has been served, each exactly once with its
-    tokens (checked; a violation raises :class:`~feather_env.engine.EngineError`). An episode
+    tokens (checked; a violation raises :class:`~feather_env.engines.vllm_engine.EngineError`). An episode
     that needs no decision at all (too little traffic to fill the batch; the group decision on a
     workload without shared prefixes) is served to its end inside ``reset()``, which then draws
     the next episode (counted in :attr:`skipped_episodes` and ``info["skipped_episodes"]``; after
@@ -189,6 +242,8 @@ class FeatherEnv(gym.Env):
     - ``decision``: ``"request"`` (the paper's, default) or ``"group"`` (see Description); ``None``:
       the scheduler's own (``group-cap-K`` names ask the group decision). With ``"group"`` the
       default ``scheduler`` is ``group-cap-3`` (its rule is :func:`scheduler_policy`'s answer).
+    - ``engine_slowdown``: the simulator's step times multiplied by this factor, or by one drawn per
+      episode from a range ``[low, high]`` (a machine whose speed varies; 1: the profile's machine).
     - ``reward`` (:data:`REWARDS`), ``reward_scale``; ``extended_obs``; ``delta_clip`` (chunks);
       ``max_episode_seconds``; ``obs_max_requests``: the bound of ``w`` and ``waiting`` (default: the
       scenario's largest episode; :class:`ScenarioMix` sets one bound for all its scenarios).
@@ -212,6 +267,7 @@ class FeatherEnv(gym.Env):
         profile: str | None = None,
         llm: Any = None,
         obs_max_requests: int | None = None,
+        engine_slowdown: float | Sequence[float] = 1.0,
     ) -> None:
         super().__init__()
         if reward not in REWARDS:
@@ -238,11 +294,13 @@ class FeatherEnv(gym.Env):
                               "request decision")
         self.chunk_size = sched.chunk_size
         self.reward_kind = reward
+        self.reward_fn: Reward = REWARD_CLASSES[reward]()
         self.reward_scale = float(reward_scale)
         self.extended_obs = bool(extended_obs)
         self.delta_clip = delta_clip
         self.max_episode_seconds = max_episode_seconds
         self.engine_config = self.scenario.engine_config()
+        self.engine_slowdown = _slowdown_range(engine_slowdown)
         self._owns_backend = isinstance(backend, str)
         self.backend = self._make_backend(backend, profile, llm)
         if not self.backend.deterministic:
@@ -321,6 +379,12 @@ class FeatherEnv(gym.Env):
         return self._observe(), info
 
     def _start_episode(self, episode_seed: int) -> None:
+        low, high = self.engine_slowdown
+        if high > low or low != 1.0:
+            if not hasattr(self.backend, "time_scale"):
+                raise ConfigError("engine_slowdown applies to the simulator only")
+            # drawn after the episode's seed, so episodes are the same with or without it
+            self.backend.time_scale = low if high == low else float(self.np_random.uniform(low, high))
         episode = self.scenario.episode_workload(episode_seed)
         self.episode_seed = episode_seed
         self._requests = {r.request_id: r for r in episode}
@@ -397,10 +461,10 @@ class FeatherEnv(gym.Env):
         reward = 0.0
         while True:
             if not core.round_open:
-                core.begin(backend.clock, backend.free_slots(), backend.view)
+                core.open_round(backend.clock, backend.free_slots(), backend.view)
             if core.pending is not None:
                 return reward
-            backend.release(core.end())
+            backend.release(core.close_round())
             if backend.done:
                 backend.check_complete()
                 self._terminated = True
@@ -412,22 +476,15 @@ class FeatherEnv(gym.Env):
             reward += self._reward(adv)
             if self.max_episode_seconds is not None and backend.clock >= self.max_episode_seconds:
                 if not core.round_open:
-                    core.begin(backend.clock, backend.free_slots(), backend.view)
+                    core.open_round(backend.clock, backend.free_slots(), backend.view)
                 if core.pending is not None or backend.done:
                     continue
                 # no decision to ask: the truncated episode ends here
-                backend.release(core.end())
+                backend.release(core.close_round())
                 return reward
 
     def _reward(self, adv: Advance) -> float:
-        kind = self.reward_kind
-        if kind == "makespan":
-            r = -adv.seconds
-        elif kind == "latency":
-            r = -adv.request_seconds / max(self._episode_requests, 1)
-        else:
-            r = adv.decode_tokens / adv.decode_seconds * 1e-3 if adv.decode_seconds > 0 else 0.0
-        return r * self.reward_scale
+        return self.reward_fn(adv, self._episode_requests) * self.reward_scale
 
     def _observe(self) -> np.ndarray:
         core = self.core
@@ -455,11 +512,11 @@ class FeatherEnv(gym.Env):
         if isinstance(backend, ServingBackend):
             return backend
         if backend == "sim":
-            from feather_env.sim import SimBackend
+            from feather_env.engines.sim_backend import SimBackend
 
             return SimBackend(self.engine_config, profile)
         if backend == "vllm":
-            from feather_env.serving import VLLMBackend
+            from feather_env.engines.vllm_backend import VLLMBackend
 
             return VLLMBackend(self.engine_config, llm=llm)
         raise ConfigError(f"backend must be 'sim', 'vllm' or a ServingBackend, got {backend!r}")
@@ -483,7 +540,7 @@ class FeatherEnv(gym.Env):
     @property
     def units(self) -> str:
         """The reward's unit (before ``reward_scale``)."""
-        return _UNITS[self.reward_kind]
+        return self.reward_fn.units
 
 
 class ScenarioMix(gym.Env):
@@ -578,7 +635,7 @@ class ScenarioMix(gym.Env):
 
 def scheduler_policy(env: FeatherEnv) -> BatchingPolicy:
     """The policy the environment's scheduler answers with when it serves (a fresh object):
-    :func:`~scheduler_runtime.policy.default_policy` of its configuration."""
+    :func:`~scheduler_runtime.plugins.default_policy` of its configuration."""
     config = env.scheduler_config
     return default_policy(config.ordering, config.policy, config.group_cap)
 

@@ -15,7 +15,7 @@ A scenario is what the environment trains on, what ``train.py --scenario`` and
       window_s: null     # a timed trace: a window of so many seconds (drawn before the above)
       arrival: burst     # burst | poisson:RATE | trace | trace:FILE[:RATE]; default: the
                          # trace's own timestamps when the pool has them, else burst
-    engine:              # feather_env.engine.EngineConfig: the KV cache, the batch, the token budget
+    engine:              # EngineConfig (feather_env.engines.vllm_engine): KV cache, batch, token budget
       kv_cache_gib: 0.25
       max_num_seqs: 64
     scheduler:           # the batching core's knobs (ScenarioSchedulerConfig)
@@ -50,10 +50,10 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from feather_env.engine import REPO_ROOT, EngineConfig
+from feather_env.engines.vllm_engine import REPO_ROOT, EngineConfig
 from feather_env.workloads import Workload, WorkloadConfig, load_workload, sample_workload
 from feather_env.workloads.arrivals import TraceFileArrivals, parse_arrival
-from scheduler_runtime.config import ConfigError, from_mapping, load_yaml
+from scheduler_runtime.config import ConfigError, check_core_knobs, from_mapping, load_yaml
 
 __all__ = [
     "EVALUATED_SCENARIOS",
@@ -109,11 +109,10 @@ class ScenarioSchedulerConfig:
     max_wait: float | None = 60.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.chunk_size, bool) or self.chunk_size < 1:
-            raise ConfigError(f"scheduler.chunk_size must be >= 1, got {self.chunk_size!r}")
-        if self.max_wait is not None and not (math.isfinite(self.max_wait) and self.max_wait >= 0):
-            raise ConfigError(f"scheduler.max_wait must be a finite number >= 0 or null, "
-                              f"got {self.max_wait!r}")
+        try:
+            check_core_knobs(chunk_size=self.chunk_size, max_wait=self.max_wait)
+        except ValueError as exc:
+            raise ConfigError(f"scheduler.{exc}") from None
 
 
 @dataclass(frozen=True)

@@ -18,50 +18,32 @@ the decisions, and the backend moves the engine between them:
 - :meth:`ServingBackend.timelines`: every request's arrival, first scheduling, first token and
   finish on the episode's clock, and its prefix-cache hit.
 
-:meth:`VLLMBackend.serve` serves a whole episode the other way, as in production: the
-scheduler answers its own decisions inside the engine (what ``evaluate.py`` measures).
-
 Every request is checked to be served exactly once with its token count: a request that finishes
-twice, with the wrong number of tokens, or never, is an :class:`~feather_env.engine.EngineError`.
+twice, with the wrong number of tokens, or never, is an
+:class:`~feather_env.engines.vllm_engine.EngineError`.
 
-:class:`VLLMBackend` is the real in-process vLLM engine, running the very
-:class:`~scheduler_runtime.vllm_scheduler.FeatherScheduler` that serves; the simulator is
-:class:`feather_env.sim.SimBackend`.
+The two engines are in :mod:`feather_env.engines`: the real in-process vLLM engine
+(:class:`~feather_env.engines.vllm_backend.VLLMBackend`, running the very
+:class:`~scheduler_runtime.vllm_scheduler.FeatherScheduler` that serves) and the simulator
+(:class:`~feather_env.engines.sim_backend.SimBackend`).
 """
 
 from __future__ import annotations
 
 import math
-import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
-from feather_env.engine import (
-    EngineConfig,
-    EngineError,
-    ScheduleTap,
-    build_llm,
-    engine_core_of,
-    forced_length_params,
-    shutdown_engine,
-    tokens_prompt,
-)
-from feather_env.serving_metrics import RequestTimeline
-from feather_env.step_model import StepRequest
+from feather_env.engines.vllm_engine import EngineError
+from feather_env.records import Advance, MeasuredStep, RequestTimeline
 from feather_env.workloads import Request, Workload
 from scheduler_runtime.decision import EngineView, observation_kind
-from scheduler_runtime.policy import load_policy_spec
-from scheduler_runtime.schedulers import (
-    EXTRA_OUTPUT_LEN,
-    EXTRA_SOURCE,
-    FEATHER_SCHEDULER,
-    FeatherRuntime,
-    SchedulerConfig,
-)
+from scheduler_runtime.plugins import load_policy_spec
+from scheduler_runtime.schedulers import FeatherRuntime, SchedulerConfig
 
-__all__ = ["Advance", "MeasuredStep", "ServingBackend", "VLLMBackend", "env_scheduler_config"]
+__all__ = ["ServingBackend", "env_scheduler_config"]
 
 
 def env_scheduler_config(name: str, **overrides: Any) -> SchedulerConfig:
@@ -80,34 +62,6 @@ def env_scheduler_config(name: str, **overrides: Any) -> SchedulerConfig:
     if config.passthrough:
         config = replace(config, ordering="fcfs", admission="none", svf_seed=False, max_wait=None)
     return config
-
-
-@dataclass
-class Advance:
-    """What one :meth:`ServingBackend.advance` cost.
-
-    Attributes:
-        seconds: clock time that passed (engine steps, and an idle jump to the next arrival).
-        request_seconds: requests in the system (arrived, not finished) x seconds, summed.
-        decode_tokens, decode_seconds: tokens and time of the steps that only decoded.
-        steps: engine steps taken.
-        finished: requests that finished (external ids).
-    """
-
-    seconds: float = 0.0
-    request_seconds: float = 0.0
-    decode_tokens: int = 0
-    decode_seconds: float = 0.0
-    steps: int = 0
-    finished: list[str] = field(default_factory=list)
-
-
-@dataclass
-class MeasuredStep:
-    """One engine step as the calibration sees it: its requests in batch order and its time."""
-
-    batch: list[StepRequest]
-    seconds: float
 
 
 class ServingBackend(ABC):
@@ -244,6 +198,33 @@ class ServingBackend(ABC):
     def _advance_engine(self, adv: Advance) -> None:
         """Run the engine (see :meth:`advance`), recording into ``adv`` and the timelines."""
 
+    def submit(self, request: Request) -> None:
+        """One more request for the episode being served, arriving at its ``arrival_time`` (not
+        before the clock): what a router does to a replica (``feather_env.cluster_sim``).
+
+        Raises:
+            ValueError: a request of that id is already in the episode.
+        """
+        if request.request_id in self._timelines:
+            raise ValueError(f"request {request.request_id!r} is already in the episode")
+        self._pending.append(request)
+        self._timelines[request.request_id] = RequestTimeline(
+            request.request_id, request.prompt_len, request.output_len, float(request.arrival_time),
+            source=request.source)
+        self._admit_arrivals()  # at once if the engine's last step already ran past the arrival
+
+    @property
+    def in_system(self) -> int:
+        """Requests of the episode that arrived and have not finished."""
+        return self._in_system
+
+    @property
+    def has_work(self) -> bool:
+        """Whether anything is left to serve: requests in the engine or the core, or to arrive."""
+        runtime = self.runtime
+        return (self._engine_busy() or (runtime is not None and len(runtime.core) > 0)
+                or self._next < len(self._pending))
+
     # -- shared bookkeeping ----------------------------------------------------------------------
     def _admit_arrivals(self) -> None:
         pending, clock = self._pending, self.clock
@@ -288,159 +269,3 @@ class ServingBackend(ABC):
         if math.isnan(t.first_scheduled):
             t.first_scheduled = now
             t.prefix_hit_tokens = hit_tokens
-
-
-class VLLMBackend(ServingBackend):
-    """The real in-process vLLM engine, with the very ``FeatherScheduler`` that serves in its loop.
-
-    The engine is built once (with the scenario's KV cache, batch size and token budget) and
-    reused by every episode; :meth:`start` aborts what an unfinished episode left, clears the prefix
-    cache and gives the scheduler a new core. Inside an episode the prefix cache persists and
-    evicts as in serving; chunked prefill runs as the engine is configured.
-
-    Args:
-        engine: the engine configuration (``scheduler_cls`` is set to ``FeatherScheduler``).
-        llm: an already built ``vllm.LLM`` whose scheduler is a ``FeatherScheduler`` (tests share
-            one per session).
-    """
-
-    def __init__(self, engine: EngineConfig | None = None, *, llm: Any = None) -> None:
-        super().__init__()
-        self.engine_config = engine or EngineConfig()
-        if llm is None:
-            llm = build_llm(self.engine_config, scheduler_cls=FEATHER_SCHEDULER)
-        self.llm = llm
-        self._engine = llm.llm_engine
-        core = engine_core_of(llm)
-        self.scheduler = core.scheduler
-        if not hasattr(self.scheduler, "feather_configure"):
-            raise EngineError(f"the engine's scheduler is {type(self.scheduler).__name__}, not "
-                              f"FeatherScheduler: build it with scheduler_cls={FEATHER_SCHEDULER!r}")
-        self.scheduler.feather_external_rounds = True
-        self.scheduler.feather_clock = lambda: self.clock
-        self.tap = ScheduleTap.on(self.scheduler)
-        self._model_runner = core.model_executor.driver_worker.worker.model_runner
-        pool = self.scheduler.kv_cache_manager.block_pool
-        self.kv_capacity_tokens = (pool.num_gpu_blocks - 1) * self.scheduler.block_size
-        self._internal: dict[str, str] = {}  # vLLM's request id -> ours
-        self._closed = False
-
-    @property
-    def view(self) -> EngineView:
-        return self.scheduler.feather_view
-
-    def external_id(self, request_id: str) -> str:
-        return self._internal.get(request_id, request_id)
-
-    def free_slots(self) -> int:
-        return self.scheduler.feather_free_slots()
-
-    def release(self, request_ids: Sequence[str]) -> None:
-        if request_ids:
-            self.scheduler.feather_release(list(request_ids))
-
-    def serve(self, episode: Workload, config: SchedulerConfig,
-              on_advance: Callable[[Advance], None] | None = None) -> list[RequestTimeline]:
-        """Serve the whole of ``episode`` as in production, and return :meth:`timelines`.
-
-        The scheduler answers its own decisions in every ``schedule()`` (its policy, ordering and
-        ``max_wait``, on this backend's clock), as ``feather-serve`` runs it; a passthrough
-        ``config`` (``fcfs``) is vLLM's own scheduler. Arrivals, steps, the exactly-once checks and
-        the timelines are :meth:`start`'s and :meth:`advance`'s. ``on_advance`` sees every
-        :class:`Advance` (it may raise to stop the episode; the next :meth:`start` cleans up).
-
-        Raises:
-            EngineError: as :meth:`advance`, or a request not served exactly once with its tokens.
-        """
-        scheduler = self.scheduler
-        scheduler.feather_external_rounds = False
-        try:
-            self.start(episode, config)
-            while not self.done:
-                adv = self.advance()
-                if on_advance is not None:
-                    on_advance(adv)
-            self.check_complete()
-        finally:
-            scheduler.feather_external_rounds = True
-        return self.timelines()
-
-    def _reset_engine(self, config: SchedulerConfig) -> None:
-        if self._closed:
-            raise EngineError("the backend is closed")
-        engine = self._engine
-        leftover = list(self.scheduler.requests)
-        if leftover:  # an unfinished episode (check_env stops mid-episode)
-            engine.abort_request(leftover, internal=True)
-        if engine.has_unfinished_requests():
-            engine.abort_request(list(engine.output_processor.request_states))
-        if not self.llm.reset_prefix_cache():
-            raise EngineError("vLLM could not reset its prefix cache (requests still hold blocks)")
-        self.scheduler.feather_configure(config)
-        self.runtime = self.scheduler.feather
-        self._internal = {}
-        self.tap.record_detail = self.record_steps
-
-    def _engine_busy(self) -> bool:
-        s = self.scheduler
-        return bool(s.running or s.waiting or s.kv_holding_waiting)
-
-    def _arrive(self, request: Request) -> None:
-        extra = {EXTRA_OUTPUT_LEN: int(request.output_len)}
-        if request.source:
-            extra[EXTRA_SOURCE] = request.source
-        rid = self._engine.add_request(request.request_id, tokens_prompt(request.prompt_token_ids),
-                                       forced_length_params(request.output_len, extra_args=extra, delta=True))
-        internal = rid if isinstance(rid, str) else request.request_id
-        self._internal[internal] = request.request_id
-
-    def _advance_engine(self, adv: Advance) -> None:
-        tap, internal = self.tap, self._internal
-        tap.reset()
-        in_system = self._in_system
-        t0 = time.perf_counter()
-        outputs = self._engine.step()
-        dt = time.perf_counter() - t0
-        self.clock += dt
-        now = self.clock
-        adv.seconds += dt
-        adv.request_seconds += in_system * dt
-        adv.steps += 1
-        if tap.called:
-            start = now - dt
-            for rid, hit in tap.new:
-                self._record_scheduled(internal[rid], hit, start)
-            if tap.decode_only:
-                adv.decode_tokens += tap.scheduled_reqs
-                adv.decode_seconds += dt
-            if self.record_steps and tap.num_scheduled:
-                self._record_step(dt)
-        for out in outputs:
-            ext = internal.get(out.request_id, out.request_id)
-            new = sum(len(c.token_ids) for c in out.outputs)
-            self._record_tokens(ext, new, bool(out.finished), now, adv)
-
-    def _record_step(self, dt: float) -> None:
-        tap = self.tap
-        hits = {self._internal[r]: self._timelines[self._internal[r]].prefix_hit_tokens
-                for r in tap.num_scheduled}
-        batch = []
-        for rid in self._model_runner.input_batch.req_ids:
-            n = tap.num_scheduled.get(rid)
-            if n is None:
-                continue
-            computed, first_block, prompt = tap.detail[rid]
-            batch.append(StepRequest(num_tokens=n, num_computed=computed, group=first_block,
-                                     shared_tokens=hits[self._internal[rid]],
-                                     is_prefill=computed < prompt))
-        self.measured_steps.append(MeasuredStep(batch, dt))
-
-    def persistent_order(self) -> list[str]:
-        """The engine's persistent batch after the last step, by slot (our request ids)."""
-        return [self._internal.get(r, r) for r in self._model_runner.input_batch.req_ids if r is not None]
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        shutdown_engine(self.llm)

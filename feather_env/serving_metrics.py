@@ -30,55 +30,16 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-__all__ = ["GOODPUT_SLOS", "RequestTimeline", "parse_goodput", "serving_metrics"]
+from feather_env.records import RequestTimeline
+
+__all__ = ["GOODPUT_SLOS", "parse_goodput", "serving_metrics"]
 
 #: The SLOs ``--goodput`` takes (vLLM's names), each in milliseconds.
 GOODPUT_SLOS = ("ttft", "tpot", "e2el")
-
-
-@dataclass
-class RequestTimeline:
-    """One request's life on one clock (seconds; NaN where it never happened)."""
-
-    request_id: str
-    prompt_len: int
-    output_len: int
-    arrival: float
-    first_scheduled: float = math.nan
-    first_token: float = math.nan
-    finish: float = math.nan
-    tokens: int = 0
-    prefix_hit_tokens: int = 0
-    finished_count: int = 0
-    source: str = ""
-    #: Seconds between successive outputs after the first (one per output that carried tokens).
-    itl: list[float] = field(default_factory=list)
-    #: When the latest output came (NaN before the first).
-    last_output: float = math.nan
-
-    @property
-    def completed(self) -> bool:
-        return self.finished_count == 1 and self.tokens == self.output_len
-
-    @property
-    def e2el(self) -> float:
-        return self.finish - self.arrival
-
-    @property
-    def ttft(self) -> float:
-        return self.first_token - self.arrival
-
-    @property
-    def tpot(self) -> float:
-        """Seconds per output token after the first (0 for a request of one token, as vLLM)."""
-        if self.tokens <= 1:
-            return 0.0
-        return (self.finish - self.first_token) / (self.tokens - 1)
 
 
 def _stats(name: str, seconds: Sequence[float], percentiles: Sequence[float]) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """The engine step-time model: what one continuous-batching step costs, from what it schedules.
 
-The simulator (:mod:`feather_env.sim`) predicts each engine step with it, and the calibration
+The simulator (:mod:`feather_env.engines.sim_backend`) predicts each engine step with it, and the calibration
 (:mod:`feather_env.calibrate`) fits it to steps measured on the real engine; both describe a
 step the same way, by :func:`step_features` over the step's scheduled requests in the order of
 vLLM's persistent batch (the order the CPU attention kernel walks them in)::
@@ -31,31 +31,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FEATURE_NAMES", "StepCostModel", "StepRequest", "features_from_columns", "fit_step_model",
+from feather_env.records import StepRequest
+
+__all__ = ["FEATURE_NAMES", "StepCostModel", "features_from_columns", "fit_step_model",
            "step_features"]
 
 FEATURE_NAMES = ("const", "requests", "tokens", "decode_kv", "decode_kv_miss", "prefill_attn")
 #: Cache sizes (tokens) the calibration tries for the locality term (10**9: no misses of shared KV).
 CACHE_CANDIDATES = tuple(int(x) for x in np.geomspace(4096, 262144, 13)) + (10**9,)
-
-
-@dataclass(frozen=True)
-class StepRequest:
-    """One scheduled request of a step, as the step model sees it.
-
-    Attributes:
-        num_tokens: tokens computed this step (1 for a decode).
-        num_computed: tokens already in its KV cache before this step.
-        group: its first KV block (requests with the same first block share their prefix).
-        shared_tokens: tokens of its prompt that came from the prefix cache (whole blocks).
-        is_prefill: computing prompt tokens (or a resumed request's) rather than one decode token.
-    """
-
-    num_tokens: int
-    num_computed: int
-    group: int
-    shared_tokens: int
-    is_prefill: bool
 
 
 def step_features(batch: Sequence[StepRequest], cache_tokens: float) -> np.ndarray:

@@ -18,10 +18,14 @@ from scheduler_runtime.radix import RadixTree
 def __getattr__(name: str):
     # The policy loader and the vLLM scheduler classes are imported on first use, so that
     # `import scheduler_runtime` stays cheap and free of vLLM.
-    if name in ("load_policy", "PolicyFormatError", "ObservationSpec"):
-        from scheduler_runtime import policy
+    if name == "load_policy":
+        from scheduler_runtime.policy import load_policy
 
-        return getattr(policy, name)
+        return load_policy
+    if name in ("PolicyFormatError", "ObservationSpec"):
+        from scheduler_runtime import decision
+
+        return getattr(decision, name)
     if name in ("FeatherScheduler", "FeatherAsyncScheduler"):
         from scheduler_runtime import vllm_scheduler
 

@@ -21,8 +21,8 @@ formed". Requests are tracked by:
   prompt tokens (the CHT's missing chunks, at most its prompt) plus, with SVF's peak check,
   its output length estimate; the charge returns when it leaves.
 
-A *round* of decisions (once per engine step; :meth:`BatchingCore.begin` opens it with the
-free batch slots, :meth:`BatchingCore.end` closes it and returns what was released, in order):
+A *round* of decisions (once per engine step; :meth:`BatchingCore.open_round` opens it with the
+free batch slots, :meth:`BatchingCore.close_round` closes it and returns what was released, in order):
 
 1. anti-starvation: a request that has waited ``max_wait`` seconds is released before
    anything else, oldest first, whatever the policy says; if it does not fit the KV budget,
@@ -40,7 +40,7 @@ free batch slots, :meth:`BatchingCore.end` closes it and returns what was releas
 :meth:`BatchingCore.plan` is that loop with a policy answering each decision: what the vLLM
 scheduler calls. The baselines answer with :class:`~scheduler_runtime.decision.AlwaysAdd`
 (their order does the work); Feather with its policy (default: the authors' heuristic,
-:class:`~scheduler_runtime.policy.HeuristicRule`). The environment answers with the agent.
+:class:`~scheduler_runtime.rules.HeuristicRule`). The environment answers with the agent.
 
 A STOP with nothing changed since (no arrival, release, finish or abort) is not asked again:
 the policy would see the same batch and candidate, so a deterministic policy would answer the
@@ -49,7 +49,6 @@ same; this keeps a long STOP cheap (``skipped_decisions``), in serving and in th
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -59,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from scheduler_runtime.cht import ChunkedHashTree
+from scheduler_runtime.config import check_core_knobs
 from scheduler_runtime.decision import (
     ADD,
     STOP,
@@ -68,7 +68,8 @@ from scheduler_runtime.decision import (
     observation_kind,
 )
 from scheduler_runtime.groups import PrefixGroups
-from scheduler_runtime.policy import default_policy
+from scheduler_runtime.orderings import ORDERINGS, OrderingName, make_ordering
+from scheduler_runtime.plugins import default_policy
 from scheduler_runtime.prefix_index import (
     DEFAULT_CHUNK_SIZE,
     Candidate,
@@ -76,24 +77,18 @@ from scheduler_runtime.prefix_index import (
     UnknownRequestError,
     num_chunks,
 )
-from scheduler_runtime.radix import RadixTree
 from scheduler_runtime.svf import KeyQueue, KVBudget, volume
 
 __all__ = [
     "ADMISSIONS",
     "DECISIONS",
-    "ORDERINGS",
     "RELEASE_REASONS",
     "BatchingCore",
     "CoreConfig",
     "CoreStats",
     "Decision",
-    "Ordering",
-    "make_ordering",
 ]
 
-#: How the next candidate is chosen: Feather (CHT + policy) or a baseline's order.
-ORDERINGS = ("feather", "fcfs", "sjf", "svf", "lpm", "dfs-weight")
 #: What the policy decides: ADD/STOP on every candidate (the paper's decision), or only on a
 #: candidate that would open a prefix group that is not in flight (``scheduler_runtime.groups``).
 DECISIONS = ("request", "group")
@@ -126,7 +121,7 @@ class CoreConfig:
             the largest group's last of all).
     """
 
-    ordering: str = "feather"
+    ordering: str = OrderingName.FEATHER
     admission: str = "peak"
     svf_seed: bool = True
     chunk_size: int = DEFAULT_CHUNK_SIZE
@@ -137,23 +132,18 @@ class CoreConfig:
     retain_held_prefixes: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.ordering, OrderingName):  # a plain string in dumps and comparisons
+            object.__setattr__(self, "ordering", self.ordering.value)
         if self.decision not in DECISIONS:
             raise ValueError(f"decision must be one of {DECISIONS}, got {self.decision!r}")
-        if self.decision == "group" and self.ordering != "feather":
+        if self.decision == "group" and self.ordering != OrderingName.FEATHER:
             raise ValueError(f"the group decision needs the feather ordering, not {self.ordering!r}")
-        chunks = self.group_chunks
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"group_chunks must be an int >= 1, got {self.group_chunks!r}")
         if self.ordering not in ORDERINGS:
             raise ValueError(f"ordering must be one of {ORDERINGS}, got {self.ordering!r}")
         if self.admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {ADMISSIONS}, got {self.admission!r}")
-        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
-            raise ValueError(f"chunk_size must be an int >= 1, got {self.chunk_size!r}")
-        if self.max_wait is not None and not (math.isfinite(self.max_wait) and self.max_wait >= 0):
-            raise ValueError(f"max_wait must be finite seconds >= 0 or None, got {self.max_wait}")
-        if self.lpm_fcfs_fallback is not None and self.lpm_fcfs_fallback < 0:
-            raise ValueError(f"lpm_fcfs_fallback must be >= 0 or None, got {self.lpm_fcfs_fallback}")
+        check_core_knobs(chunk_size=self.chunk_size, max_wait=self.max_wait,
+                         lpm_fcfs_fallback=self.lpm_fcfs_fallback, group_chunks=self.group_chunks)
 
 
 @dataclass
@@ -210,178 +200,6 @@ class Decision:
     mask: np.ndarray
 
 
-# ---------------------------------------------------------------------------------- orderings
-
-
-class Ordering:
-    """How an ordering picks the candidates of a round (vLLM's ``request_queue.py`` pattern: one
-    small class per policy). The core tells it about every change; :meth:`next_candidate` is asked
-    for the next waiting request of the current round after each release."""
-
-    name = ""
-
-    def __init__(self, core: BatchingCore) -> None:
-        self.core = core
-
-    def arrive(self, entry: _Entry, tokens: np.ndarray) -> None:  # noqa: B027 - optional hook
-        """A request arrived (it is waiting)."""
-
-    def release(self, request_id: str) -> None:  # noqa: B027 - optional hook
-        """A waiting request was released into the batch."""
-
-    def finish(self, request_id: str) -> None:  # noqa: B027 - optional hook
-        """An active request left the batch (finished or aborted)."""
-
-    def remove(self, request_id: str) -> None:  # noqa: B027 - optional hook
-        """A waiting request was aborted."""
-
-    def begin_round(self) -> None:  # noqa: B027 - optional hook
-        """A round of decisions starts (orderings that sort once per round sort here)."""
-
-    def next_candidate(self) -> str | None:
-        """The next waiting request of this round (None when none waits)."""
-        raise NotImplementedError
-
-
-class FeatherOrdering(Ordering):
-    """The CHT's best candidate: the waiting request that misses the fewest prefix chunks."""
-
-    name = "feather"
-
-    def next_candidate(self) -> str | None:
-        cand = self.core.cht.best_candidate()
-        if cand is None:
-            return None
-        self.core._candidate_cache = cand  # the decision's observation reuses it
-        return cand.request_id
-
-
-class GroupOrdering(FeatherOrdering):
-    """The group decision's order: requests of groups in flight first (the CHT's best when it is
-    one), then the waiting group whose prefix the engine's cache holds most (cached-first), then
-    the CHT's best."""
-
-    name = "feather"
-
-    def next_candidate(self) -> str | None:
-        core = self.core
-        cand = core.cht.best_candidate()
-        if cand is None:
-            return None
-        groups = core.groups
-        if groups.in_flight(cand.request_id):
-            core._candidate_cache = cand
-            return cand.request_id
-        joining = groups.first_waiting_in_flight()
-        if joining is not None:
-            return joining
-        engine, limit = core._engine, core.group_tokens
-        best, best_hit = cand.request_id, 0
-        for _, rid in groups.waiting_groups_out_of_flight():
-            hit = engine.cached_prefix_tokens(rid, limit)
-            if hit > best_hit:
-                best, best_hit = rid, hit
-        if best == cand.request_id:
-            core._candidate_cache = cand
-        return best
-
-
-class FCFSOrdering(Ordering):
-    """Arrival order."""
-
-    name = "fcfs"
-
-    def next_candidate(self) -> str | None:
-        entry = self.core._oldest_waiting()
-        return None if entry is None else entry.request_id
-
-
-class KeyOrdering(Ordering):
-    """Ascending key, earliest arrival among ties: output length (``sjf``) or SVF volume (``svf``)."""
-
-    def __init__(self, core: BatchingCore, name: str) -> None:
-        super().__init__(core)
-        self.name = name
-        self.queue = KeyQueue()
-
-    def arrive(self, entry: _Entry, tokens: np.ndarray) -> None:
-        key = entry.output_len if self.name == "sjf" else volume(entry.prompt_len, entry.output_len)
-        self.queue.push(entry.request_id, key)
-
-    def release(self, request_id: str) -> None:
-        self.queue.discard(request_id)
-
-    remove = release
-
-    def next_candidate(self) -> str | None:
-        return self.queue.peek()
-
-
-class RadixOrdering(Ordering):
-    """SGLang's LPM or DFS-weight over a token radix tree of the batch, sorted once per round.
-
-    SGLang sorts its waiting queue once per scheduling round (``calc_priority``) and then admits
-    in that order; so does this, so a round matches every waiting request once, not once per
-    admission.
-    """
-
-    def __init__(self, core: BatchingCore, name: str) -> None:
-        super().__init__(core)
-        self.name = name
-        self.radix = RadixTree(name, core.chunk_size, core.config.lpm_fcfs_fallback)  # type: ignore[arg-type]
-        self._order: list[str] = []
-        self._pos = 0
-
-    def arrive(self, entry: _Entry, tokens: np.ndarray) -> None:
-        self.radix.insert(entry.request_id, tokens)
-
-    def release(self, request_id: str) -> None:
-        self.radix.activate(request_id)
-
-    def finish(self, request_id: str) -> None:
-        self.radix.finish(request_id)
-
-    def remove(self, request_id: str) -> None:
-        self.radix.remove(request_id)
-
-    def begin_round(self) -> None:
-        radix = self.radix
-        if self.name == "dfs-weight":
-            self._order = radix.dfs_weight_order()
-        else:
-            waiting = radix.waiting_ids()  # insertion (arrival) order
-            fallback = self.core.config.lpm_fcfs_fallback
-            if fallback is not None and len(waiting) > fallback:
-                self._order = waiting  # SGLang: no prefix matching above the threshold
-            else:
-                matched = {rid: radix.match_length(rid) for rid in waiting}
-                self._order = sorted(waiting, key=lambda rid: -matched[rid])  # stable: FCFS ties
-        self._pos = 0
-
-    def next_candidate(self) -> str | None:
-        order, waiting = self._order, self.core._waiting
-        while self._pos < len(order):
-            rid = order[self._pos]
-            if rid in waiting:
-                return rid
-            self._pos += 1  # released earlier in this round (as overdue or seed)
-        return None
-
-
-def make_ordering(core: BatchingCore) -> Ordering:
-    """The :class:`Ordering` of ``core.config.ordering``."""
-    name = core.config.ordering
-    if name == "feather":
-        return GroupOrdering(core) if core.config.decision == "group" else FeatherOrdering(core)
-    if name == "fcfs":
-        return FCFSOrdering(core)
-    if name in ("sjf", "svf"):
-        return KeyOrdering(core, name)
-    if name in ("lpm", "dfs-weight"):
-        return RadixOrdering(core, name)
-    raise ValueError(f"ordering must be one of {ORDERINGS}, got {name!r}")
-
-
 # ---------------------------------------------------------------------------------- the core
 
 
@@ -431,7 +249,7 @@ class BatchingCore:
         self._version = 0  # bumped by every change a policy could observe
         self._stop_version = -1  # _version at the last STOP
         self.ordering = make_ordering(self)
-        self._add_reason = "policy" if cfg.ordering == "feather" else "order"
+        self._add_reason = "policy" if cfg.ordering == OrderingName.FEATHER else "order"
         # the open round: free slots left, released ids, the pending decision
         self._round_open = False
         self._free = 0
@@ -457,7 +275,7 @@ class BatchingCore:
 
         Args:
             token_ids: its prompt.
-            arrival: its arrival time (the clock of ``begin``'s ``now``, seconds).
+            arrival: its arrival time (the clock of ``open_round``'s ``now``, seconds).
             output_len: the output length estimate its scheduler uses (predicted, 1-bit proxy
                 or true): the SJF key, the volume's ``o`` and the peak check's output.
             prompt_hashes: the prompt's ``self.cht.hash_prompt(token_ids)``, when the caller
@@ -542,7 +360,7 @@ class BatchingCore:
 
     # ------------------------------------------------------------------ a round of decisions
 
-    def begin(self, now: float, free_slots: int, engine: EngineView | None = None) -> None:
+    def open_round(self, now: float, free_slots: int, engine: EngineView | None = None) -> None:
         """Open a round: release the overdue and the seed, then stop at the first decision.
 
         Args:
@@ -555,7 +373,7 @@ class BatchingCore:
             RuntimeError: a round is already open.
         """
         if self._round_open:
-            raise RuntimeError("a round is already open: end() it first")
+            raise RuntimeError("a round is already open: close_round() it first")
         self._round_open = True
         self._now = float(now)
         self._free = max(0, int(free_slots))
@@ -583,7 +401,7 @@ class BatchingCore:
 
     @property
     def pending(self) -> Decision | None:
-        """The decision the open round waits for (None: the round is over, call :meth:`end`)."""
+        """The decision the open round waits for (None: the round is over, call :meth:`close_round`)."""
         return self._pending
 
     @property
@@ -679,7 +497,7 @@ class BatchingCore:
         else:
             self.stop()
 
-    def end(self) -> list[str]:
+    def close_round(self) -> list[str]:
         """Close the round; the ids it released, in release order (a pending decision is dropped,
         as a STOP that is asked again next round)."""
         if not self._round_open:
@@ -701,11 +519,11 @@ class BatchingCore:
     def plan(self, now: float, free_slots: int, engine: EngineView | None = None) -> list[str]:
         """One round answered by :attr:`policy`: the ids to release now, in release order.
 
-        Args: as :meth:`begin`.
+        Args: as :meth:`open_round`.
         """
         start = time.perf_counter()
         try:
-            self.begin(now, free_slots, engine)
+            self.open_round(now, free_slots, engine)
             policy, kind = self.policy, self.policy_obs_kind
             observes = self._policy_observes
             while (pending := self._pending) is not None:
@@ -717,10 +535,10 @@ class BatchingCore:
                     self.stop()
                 else:
                     raise ValueError(f"the policy answered {action!r}, not STOP ({STOP}) or ADD ({ADD})")
-            return self.end()
+            return self.close_round()
         finally:
             if self._round_open:  # the policy raised: leave no half-open round behind
-                self.end()
+                self.close_round()
             elapsed = time.perf_counter() - start
             stats = self.stats
             stats.plan_calls += 1

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 import types
 import typing
 from collections.abc import Mapping
@@ -22,6 +24,21 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A configuration file or mapping is invalid (unknown key, wrong type, bad value)."""
+
+
+def is_number(x: Any) -> bool:
+    """A finite real number that is not a bool (JSON ``true`` is not a weight)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def all_numbers(x: Any) -> bool:
+    """Every leaf of nested lists is a finite number (:func:`is_number`)."""
+    return all(all_numbers(v) for v in x) if isinstance(x, list) else is_number(x)
+
+
+def is_count(x: Any, low: int = 0) -> bool:
+    """An int (not a bool) >= ``low``."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= low
 
 
 def _coerce(value: Any, annotation: Any, where: str) -> Any:
@@ -119,3 +136,29 @@ def _load_file(path: Path, kind: str, parse: Any, error: type[Exception]) -> dic
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at top level, got {type(data).__name__}")
     return data
+
+
+_UNSET: Any = object()
+
+
+def check_core_knobs(*, chunk_size: Any = _UNSET, max_wait: Any = _UNSET, lpm_fcfs_fallback: Any = _UNSET,
+                     group_chunks: Any = _UNSET) -> None:
+    """The one check of the core's numeric knobs, wherever they are set (the batching core's
+    ``CoreConfig``, the scheduler's configuration, a scenario's ``scheduler`` section); only the
+    given ones are checked.
+
+    Raises:
+        ValueError: naming the knob and the value.
+    """
+    for name, value in (("chunk_size", chunk_size), ("group_chunks", group_chunks)):
+        if value is not _UNSET and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be >= 1 (an integer), got {value!r}")
+    if max_wait is not _UNSET and max_wait is not None and not (
+            isinstance(max_wait, int | float) and not isinstance(max_wait, bool)
+            and math.isfinite(max_wait) and max_wait >= 0):
+        raise ValueError(f"max_wait must be a finite number of seconds >= 0 (or null: no anti-starvation), "
+                         f"got {max_wait!r}")
+    fallback = lpm_fcfs_fallback
+    if fallback is not _UNSET and fallback is not None and (
+            isinstance(fallback, bool) or not isinstance(fallback, int) or fallback < 0):
+        raise ValueError(f"lpm_fcfs_fallback must be >= 0 or null, got {fallback!r}")

@@ -45,10 +45,14 @@ A policy asks for the group decision by naming :data:`GROUP_OBS_NAMES` in its ob
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+
+from scheduler_runtime.config import is_count, is_number
 
 __all__ = [
     "ACTION_NAMES",
@@ -58,10 +62,13 @@ __all__ = [
     "GROUP_OBS_NAMES",
     "OBSERVATION_KINDS",
     "STOP",
+    "ActionSpec",
     "AlwaysAdd",
     "BatchingPolicy",
     "EngineView",
     "NoEngine",
+    "ObservationSpec",
+    "PolicyFormatError",
     "observation_kind",
     "observation_names",
 ]
@@ -160,3 +167,104 @@ class NoEngine:
 
     def retain_prefixes(self, request_ids: Sequence[str]) -> int:
         return 0
+
+
+# -- what a policy observes and answers (a policy file states both) ---------------------------------
+class PolicyFormatError(ValueError):
+    """A policy file cannot be used: names the file and what is wrong with it."""
+
+    def __init__(self, path: str | os.PathLike[str] | None, problem: str) -> None:
+        self.path = None if path is None else str(path)
+        self.problem = problem
+        where = "policy" if path is None else f"policy file {str(path)!r}"
+        super().__init__(f"{where}: {problem}")
+
+
+@dataclass(frozen=True)
+class ObservationSpec:
+    """What the policy's observation means: names (in order), bounds and scale, delta's unit."""
+
+    names: tuple[str, ...] = BASE_OBS_NAMES
+    low: tuple[float, ...] = ()
+    high: tuple[float, ...] = ()
+    scale: tuple[float, ...] = ()
+    chunk_size: int | None = None
+
+    @classmethod
+    def from_env(cls, env: Any) -> ObservationSpec:
+        """The spec of a ``FeatherEnv``, any wrapper of one, or a vectorized env of them (SB3's
+        ``VecEnv``: read from its first env's ``raw_observation_space``, ``obs_scale``,
+        ``obs_names`` and ``chunk_size``)."""
+        if hasattr(env, "get_attr") and hasattr(env, "num_envs"):
+            space, scale, names, chunk = (env.get_attr(a, [0])[0] for a in (
+                "raw_observation_space", "obs_scale", "obs_names", "chunk_size"))
+        else:
+            env = getattr(env, "unwrapped", env)
+            space, scale, names, chunk = env.observation_space, env.obs_scale, env.obs_names, env.chunk_size
+        return cls(names=tuple(names), low=tuple(float(x) for x in space.low),
+                   high=tuple(float(x) for x in space.high), scale=tuple(float(x) for x in scale),
+                   chunk_size=int(chunk))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"names": list(self.names), "low": list(self.low), "high": list(self.high),
+                "scale": list(self.scale), "chunk_size": self.chunk_size}
+
+    @classmethod
+    def from_dict(cls, data: Any, path: Any = None) -> ObservationSpec:
+        if not isinstance(data, Mapping):
+            raise PolicyFormatError(path, "'observation' must be a mapping")
+        unknown = set(data) - {"names", "low", "high", "scale", "chunk_size"}
+        if unknown:
+            raise PolicyFormatError(path, f"'observation' has unknown keys {sorted(unknown)}")
+        names = data.get("names")
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+            raise PolicyFormatError(path, "'observation.names' must be a non-empty list of strings")
+        if tuple(names) not in OBSERVATION_KINDS.values():
+            known = "; ".join(f"{kind} {list(v)}" for kind, v in OBSERVATION_KINDS.items())
+            raise PolicyFormatError(path, f"observation names {names} are none of the environment's: {known}")
+        n = len(names)
+        vectors = {}
+        for key in ("low", "high", "scale"):
+            v = data.get(key)
+            if not isinstance(v, list) or len(v) != n or not all(is_number(x) for x in v):
+                raise PolicyFormatError(path, f"'observation.{key}' must be {n} finite numbers, got {v!r}")
+            vectors[key] = tuple(float(x) for x in v)
+        if any(s <= 0 for s in vectors["scale"]):
+            raise PolicyFormatError(path, f"'observation.scale' must be > 0, got {list(vectors['scale'])}")
+        if any(lo > hi for lo, hi in zip(vectors["low"], vectors["high"], strict=True)):
+            raise PolicyFormatError(path, "'observation.low' exceeds 'observation.high'")
+        chunk = data.get("chunk_size")
+        if chunk is not None and not is_count(chunk, 1):
+            raise PolicyFormatError(path, f"'observation.chunk_size' must be a positive int, got {chunk!r}")
+        return cls(tuple(names), vectors["low"], vectors["high"], vectors["scale"], chunk)
+
+    def mismatch(self, expected: ObservationSpec) -> str | None:
+        """Why this spec differs from ``expected`` (``None`` when compatible).
+
+        Names must be equal; ``scale`` and ``chunk_size`` too when ``expected`` states them
+        (a policy trained with other scales or chunk sizes reads its inputs wrongly).
+        """
+        if self.names != expected.names:
+            return f"observation names {list(self.names)} != expected {list(expected.names)}"
+        if expected.scale and not np.allclose(self.scale, expected.scale, rtol=1e-6, atol=0):
+            return f"observation scale {list(self.scale)} != expected {list(expected.scale)}"
+        if expected.chunk_size is not None and self.chunk_size != expected.chunk_size:
+            return f"delta is in chunks of {self.chunk_size} tokens, expected {expected.chunk_size}"
+        return None
+
+
+@dataclass(frozen=True)
+class ActionSpec:
+    """The action space: index -> name. Only ``("STOP", "ADD")`` exists in format version 1."""
+
+    names: tuple[str, ...] = ACTION_NAMES
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"names": list(self.names)}
+
+    @classmethod
+    def from_dict(cls, data: Any, path: Any = None) -> ActionSpec:
+        if not isinstance(data, Mapping) or tuple(data.get("names") or ()) != ACTION_NAMES:
+            raise PolicyFormatError(path, f"action spec must be {{'names': {list(ACTION_NAMES)}}}, "
+                                          f"got {data!r}")
+        return cls()

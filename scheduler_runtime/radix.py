@@ -110,10 +110,13 @@ from scheduler_runtime.prefix_index import (
 __all__ = [
     "IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD",
     "IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD",
+    "RADIX_ORDERINGS",
     "RadixTree",
 ]
 
 Ordering = Literal["lpm", "dfs-weight"]
+#: The orderings this tree computes (the names of :class:`scheduler_runtime.orderings.OrderingName`).
+RADIX_ORDERINGS: tuple[Ordering, Ordering] = ("lpm", "dfs-weight")
 
 #: SGLang's defaults (``managers/schedule_policy.py``, both overridable there by environment
 #: variables of the same name): a waiting request whose cache match is at most this many tokens
@@ -390,8 +393,8 @@ class RadixTree:
         in_batch_check_threshold: int = IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD,
         in_batch_deprioritize_threshold: int = IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD,
     ) -> None:
-        if ordering not in ("lpm", "dfs-weight"):
-            raise ValueError(f"ordering must be 'lpm' or 'dfs-weight', got {ordering!r}")
+        if ordering not in RADIX_ORDERINGS:
+            raise ValueError(f"ordering must be one of {RADIX_ORDERINGS}, got {ordering!r}")
         if lpm_fcfs_fallback is not None and lpm_fcfs_fallback < 0:
             raise ValueError(f"lpm_fcfs_fallback must be >= 0 or None, got {lpm_fcfs_fallback}")
         if cache_tokens is not None:
@@ -461,7 +464,7 @@ class RadixTree:
         """
         if self.lpm_fcfs_fallback is not None and len(self._waiting) > self.lpm_fcfs_fallback:
             return list(self._waiting)
-        stamp = self._tick()
+        stamp = self._access_time()
         root = self._root
         check = self.lpm_in_batch_check and self.in_batch_check_threshold >= 0
         queue_root = _Node([], None)
@@ -492,7 +495,7 @@ class RadixTree:
         if req is None:
             raise UnknownRequestError(self._state_message(request_id, "waiting"))
         _discard(self._waiting_root, req.tokens)
-        self._tree_tokens += _add(self._root, req.tokens, self._tick())
+        self._tree_tokens += _add(self._root, req.tokens, self._access_time())
         self._active[request_id] = req
         self._shared = None
         if self.cache_tokens is not None and self._tree_tokens > self.cache_tokens:
@@ -507,7 +510,7 @@ class RadixTree:
         if req is None:
             raise UnknownRequestError(self._state_message(request_id, "active"))
         if self.cache_finished:
-            _release_to_cache(self._root, req.tokens, self._tick())
+            _release_to_cache(self._root, req.tokens, self._access_time())
         else:
             self._tree_tokens -= _discard(self._root, req.tokens)
         self._shared = None
@@ -583,7 +586,7 @@ class RadixTree:
 
     # ------------------------------------------------------------------ internals
 
-    def _tick(self) -> int | None:
+    def _access_time(self) -> int | None:
         """A new access time for LRU, or None when nothing is ever evicted."""
         if self.cache_tokens is None:
             return None
@@ -592,7 +595,7 @@ class RadixTree:
 
     def _lpm_choice(self) -> tuple[_Request, int, _Node]:
         fallback = self.lpm_fcfs_fallback
-        stamp = self._tick()
+        stamp = self._access_time()
         if fallback is not None and len(self._waiting) > fallback:
             req = next(iter(self._waiting.values()))
             return req, *_match(self._root, req.tokens, stamp)
@@ -641,7 +644,7 @@ class RadixTree:
         reqs = list(self._waiting.values())
         last_nodes: list[_Node] = []
         matched_lens: list[int] = []
-        stamp = self._tick()
+        stamp = self._access_time()
         for req in reqs:
             matched, node = _match(self._root, req.tokens, stamp)
             matched_lens.append(matched)

@@ -61,9 +61,10 @@ from typing import Any
 import numpy as np
 
 from scheduler_runtime.batching import BatchingCore, CoreConfig
-from scheduler_runtime.config import ConfigError, checked_fields, load_mapping
+from scheduler_runtime.config import ConfigError, check_core_knobs, checked_fields, load_mapping
 from scheduler_runtime.decision import BatchingPolicy, EngineView, observation_kind
-from scheduler_runtime.policy import default_policy
+from scheduler_runtime.orderings import KEY_ORDERINGS, OrderingName
+from scheduler_runtime.plugins import default_policy
 from scheduler_runtime.predictor import OutputLengthPredictor, load_predictor
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 
@@ -97,13 +98,13 @@ FEATHER_ASYNC_SCHEDULER = "scheduler_runtime.vllm_scheduler.FeatherAsyncSchedule
 
 #: name -> (ordering, output lengths, admission) of every baseline but fcfs.
 _BASELINES: dict[str, tuple[str, str, str]] = {
-    "sjf": ("sjf", "predicted", "prompt"),
-    "oracle-sjf": ("sjf", "oracle", "prompt"),
-    "svf": ("svf", "predicted", "peak"),
-    "svf-1bit": ("svf", "1bit", "peak"),
-    "oracle-svf": ("svf", "oracle", "peak"),
-    "lpm": ("lpm", "predicted", "prompt"),
-    "dfs-weight": ("dfs-weight", "predicted", "prompt"),
+    "sjf": (OrderingName.SJF, "predicted", "prompt"),
+    "oracle-sjf": (OrderingName.SJF, "oracle", "prompt"),
+    "svf": (OrderingName.SVF, "predicted", "peak"),
+    "svf-1bit": (OrderingName.SVF, "1bit", "peak"),
+    "oracle-svf": (OrderingName.SVF, "oracle", "peak"),
+    "lpm": (OrderingName.LPM, "predicted", "prompt"),
+    "dfs-weight": (OrderingName.DFS_WEIGHT, "predicted", "prompt"),
 }
 BASELINE_NAMES = ("fcfs", *_BASELINES)
 #: "+svf" suffixes of a Feather name -> the output lengths of its SVF admission.
@@ -156,7 +157,7 @@ class SchedulerConfig:
     """
 
     name: str = DEFAULT_NAME
-    ordering: str | None = "feather"
+    ordering: str | None = OrderingName.FEATHER
     policy: str | None = None
     lengths: str = "predicted"
     admission: str = "peak"
@@ -175,22 +176,23 @@ class SchedulerConfig:
     retain_held_prefixes: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.ordering, OrderingName):  # a plain string in dumps and comparisons
+            object.__setattr__(self, "ordering", self.ordering.value)
         # types first (a value built in code skips from_mapping), then ranges
         checked_fields(SchedulerConfig, {f.name: getattr(self, f.name) for f in fields(self)},
                        where="scheduler")
         if self.lengths not in LENGTH_SOURCES:
             raise ConfigError(f"scheduler.lengths must be one of {LENGTH_SOURCES}, got {self.lengths!r}")
-        if self.max_wait is not None and not (math.isfinite(self.max_wait) and self.max_wait >= 0):
-            raise ConfigError(f"scheduler.max_wait must be a finite number of seconds >= 0 (or null: "
-                              f"no anti-starvation), got {self.max_wait}")
-        for name, low in (("chunk_size", 1), ("kv_capacity_tokens", 1), ("lpm_fcfs_fallback", 0)):
-            value = getattr(self, name)
-            if value is not None and value < low:
-                raise ConfigError(f"scheduler.{name} must be >= {low}, got {value}")
+        try:
+            knobs = {"max_wait": self.max_wait, "lpm_fcfs_fallback": self.lpm_fcfs_fallback,
+                     "group_chunks": self.group_chunks}
+            check_core_knobs(**knobs, **({} if self.chunk_size is None else {"chunk_size": self.chunk_size}))
+        except ValueError as exc:
+            raise ConfigError(f"scheduler.{exc}") from None
+        if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
+            raise ConfigError(f"scheduler.kv_capacity_tokens must be >= 1, got {self.kv_capacity_tokens}")
         if self.max_faults < 1:
             raise ConfigError(f"scheduler.max_faults must be >= 1, got {self.max_faults}")
-        if self.group_chunks < 1:
-            raise ConfigError(f"scheduler.group_chunks must be >= 1, got {self.group_chunks}")
         if self.group_cap is not None and self.group_cap < 0:
             raise ConfigError(f"scheduler.group_cap must be >= 0 (0: no cap) or null, got {self.group_cap}")
         if self.ordering is not None:
@@ -217,8 +219,8 @@ class SchedulerConfig:
     @property
     def uses_lengths(self) -> bool:
         """Whether output lengths matter (a key, a volume or the peak check reads them)."""
-        return self.ordering in ("sjf", "svf") or self.admission == "peak" or (
-            self.ordering == "feather" and self.svf_seed)
+        return self.ordering in KEY_ORDERINGS or self.admission == "peak" or (
+            self.ordering == OrderingName.FEATHER and self.svf_seed)
 
     def core_config(self, chunk_size: int, decision: str | None = None) -> CoreConfig:
         """The batching core's configuration (``decision`` overrides this one's: the policy's)."""
@@ -248,7 +250,7 @@ def _defaults_for(name: str) -> SchedulerConfig:
             break
     group = _group_rule(base)
     if group is not None:
-        return SchedulerConfig(name=name, ordering="feather", decision="group", group_cap=group,
+        return SchedulerConfig(name=name, ordering=OrderingName.FEATHER, decision="group", group_cap=group,
                                admission="peak" if lengths else "prompt", svf_seed=lengths is not None,
                                lengths=lengths or "predicted")
     if base == "feather-heuristic":
@@ -261,9 +263,9 @@ def _defaults_for(name: str) -> SchedulerConfig:
             f"'group-cap-K' (K = 1..{MAX_GROUP_CAP}), 'group-hold', 'feather:<checkpoint>', each Feather "
             f"name optionally + one of {list(_SVF_SUFFIXES)}")
     if lengths is None:  # Feather alone: the engine's admission test, made at release time
-        return SchedulerConfig(name=name, ordering="feather", policy=policy, admission="prompt",
+        return SchedulerConfig(name=name, ordering=OrderingName.FEATHER, policy=policy, admission="prompt",
                                svf_seed=False)
-    return SchedulerConfig(name=name, ordering="feather", policy=policy, lengths=lengths,
+    return SchedulerConfig(name=name, ordering=OrderingName.FEATHER, policy=policy, lengths=lengths,
                            admission="peak", svf_seed=True)
 
 
@@ -342,7 +344,7 @@ def resolve(name: str, *, async_scheduling: bool = False, **overrides: Any) -> t
 
 
 def engine_overrides(name: str, *, async_scheduling: bool = False, **overrides: Any) -> dict[str, Any]:
-    """Keyword overrides of ``feather_env.engine.build_llm`` that start scheduler ``name``.
+    """Keyword overrides of ``feather_env.engines.vllm_engine.build_llm`` that start scheduler ``name``.
 
     ``build_llm(config, **engine_overrides("svf"))``; note that it sets ``extra`` (merge by
     hand if the engine config already has extra arguments).
@@ -526,7 +528,7 @@ class FeatherRuntime:
         """Ids to release to the engine now, in order (see :meth:`BatchingCore.plan`)."""
         return self.core.plan(now, free_slots, engine)
 
-    def freed(self, request_id: str, aborted: bool) -> None:
+    def left_engine(self, request_id: str, aborted: bool) -> None:
         """The engine freed a request it knew (finished, or aborted/errored)."""
         core = self.core
         if aborted or not core.is_active(request_id):

@@ -5,11 +5,13 @@ Select one with ``LLM(scheduler_cls=...)`` / ``--scheduler-cls`` (see
 the engine-free :class:`~scheduler_runtime.schedulers.FeatherRuntime`; the subclass only
 moves requests between vLLM's queues:
 
-* a new request is *held* in ``_feather_held`` (outside ``self.waiting``) and handed to the
-  runtime (CHT insert, length prediction);
-* before each ``schedule()``, the requests the runtime releases are appended to
-  ``self.waiting``, and vLLM's own ``schedule()`` admits from there as usual (token budget,
-  KV blocks, preemption), so a released request may wait there a few steps;
+* a new request is *held* in :attr:`~_FeatherMixin.feather_held` (outside ``self.waiting``;
+  :class:`~scheduler_runtime.frontend.HeldRequests`) and handed to the runtime (CHT insert,
+  length prediction);
+* at each ``schedule()``, the scheduler's planner answers a round (the runtime's policy), the
+  requests it releases are appended to ``self.waiting``, and vLLM's own ``schedule()`` admits
+  from there as usual (token budget, KV blocks, preemption), so a released request may wait
+  there a few steps;
 * freeing a request (finished, aborted) and preempting one are reported to the runtime.
 
 Held requests are counted by :meth:`get_request_counts` (so ``has_requests()`` and the
@@ -36,10 +38,11 @@ On CUDA, vLLM schedules asynchronously by default: use :class:`FeatherAsyncSched
 (``vllm/platforms/cpu.py``), so on CPU the class runs in a synchronously stepped engine.
 
 The environment (``feather_env.env``, real-engine backend) runs this very class in its loop. It
-sets ``feather_clock`` to the episode's engine clock and ``feather_external_rounds``: then
-``schedule()`` does not ask the policy; the environment opens each round of the core before the
-engine step (with :meth:`~_FeatherMixin.feather_free_slots` and :attr:`~_FeatherMixin.feather_view`),
-lets the agent answer its decisions, and hands the released ids to :meth:`~_FeatherMixin.feather_release`.
+sets ``feather_clock`` to the episode's engine clock and :attr:`~_FeatherMixin.feather_planner` to
+an :class:`~scheduler_runtime.frontend.AnsweredRounds`: the environment opens each round of the core
+between engine steps (with :meth:`~_FeatherMixin.feather_free_slots` and
+:attr:`~_FeatherMixin.feather_view`), lets the agent answer its decisions, and pushes the released
+ids there; ``schedule()`` hands them to vLLM as it hands the policy's (``scheduler_runtime.frontend``).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from scheduler_runtime.decision import BatchingPolicy
+from scheduler_runtime.frontend import HeldRequests, Planner, free_slots
 from scheduler_runtime.metrics import SchedulerMetrics
 from scheduler_runtime.schedulers import (
     DEFAULT_NAME,
@@ -94,7 +98,7 @@ class _EngineView:
         return float(self.scheduler.kv_cache_manager.usage)
 
     def cached_prefix_tokens(self, request_id: str, limit: int | None = None) -> int:
-        request = self.scheduler._feather_held.get(request_id)
+        request = self.scheduler.feather_held.get(request_id)
         if request is None:
             return 0
         manager = self.scheduler.kv_cache_manager
@@ -115,7 +119,7 @@ class _EngineView:
         # vLLM's block pool: a free block (ref_cnt 0) moved from its place in the free queue to
         # the end, which is evicted last (BlockPool.touch's remove, then free_blocks' append)
         pool = self.scheduler.kv_cache_manager.block_pool
-        queue, held = pool.free_block_queue, self.scheduler._feather_held
+        queue, held = pool.free_block_queue, self.scheduler.feather_held
         moved = 0
         for rid in request_ids:
             request = held.get(rid)
@@ -143,12 +147,14 @@ class _FeatherMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # Before vLLM's __init__, so every hook works whenever vLLM calls it.
-        self._feather_held: dict[str, Request] = {}
+        #: The requests held back from vLLM's queue while the core decides.
+        self.feather_held: HeldRequests[Request] = HeldRequests(super()._enqueue_waiting_request)
         self.feather: FeatherRuntime | None = None
         #: The clock of arrivals and of max_wait (the environment sets its engine clock).
         self.feather_clock: Callable[[], float] = time.monotonic
-        #: The environment answers the core's decisions itself (see the module docstring).
-        self.feather_external_rounds = False
+        #: Who answers a round at each ``schedule()``: ``None`` is the runtime (its policy); the
+        #: environment sets an :class:`~scheduler_runtime.frontend.AnsweredRounds`.
+        self.feather_planner: Planner | None = None
         self.feather_view = _EngineView(self)
         self._feather_policy: BatchingPolicy | None = None
         self._feather_faults: dict[str, int] = {}
@@ -200,7 +206,7 @@ class _FeatherMixin:
             out = self.feather.snapshot()
         else:
             out = {"scheduler": self.feather_config.name, **self._feather_last_stats,
-                   "held": len(self._feather_held)}
+                   "held": len(self.feather_held)}
         out["faults"] = dict(self._feather_faults)
         out["disabled"] = self._feather_disabled
         out["handed_to_vllm"] = self._feather_handed
@@ -226,7 +232,7 @@ class _FeatherMixin:
         then = ("running as vLLM's fcfs scheduler until the engine restarts" if self._feather_disabled
                 else f"restarting Feather (fault {total} of max_faults={self.feather_config.max_faults})")
         logger.error("Feather scheduler %r: %s in %s; %d held request(s) go to vLLM's queue; %s",
-                     self.feather_config.name, type(exc).__name__, stage, len(self._feather_held), then,
+                     self.feather_config.name, type(exc).__name__, stage, len(self.feather_held), then,
                      exc_info=exc)
         self._feather_handover_pending = True
 
@@ -234,8 +240,8 @@ class _FeatherMixin:
         """Give every held request to vLLM's waiting queue (arrival order), then restart Feather
         unless the last fault switched it off. Only where vLLM's queues may change."""
         self._feather_handover_pending = False
-        held, self._feather_held = self._feather_held, {}
-        for request in held.values():
+        held = self.feather_held.take_all()
+        for request in held:
             if not request.is_finished():
                 super()._enqueue_waiting_request(request)  # type: ignore[misc]
         self._feather_handed += len(held)
@@ -282,7 +288,7 @@ class _FeatherMixin:
                 self._feather_hand_over()
                 super()._enqueue_waiting_request(request)  # type: ignore[misc]
                 return
-            self._feather_held[request.request_id] = request
+            self.feather_held.hold(request.request_id, request)
             return
         super()._enqueue_waiting_request(request)  # type: ignore[misc]
 
@@ -295,10 +301,11 @@ class _FeatherMixin:
         core = runtime.core
         start, planned = time.perf_counter(), core.stats.decision_seconds
         unpaused = self._pause_state == PauseState.UNPAUSED
-        if self._feather_held and unpaused and not self.feather_external_rounds:
+        if self.feather_held and unpaused:
             try:
-                released = runtime.plan(self.feather_clock(), self.feather_free_slots(), self.feather_view)
-                self.feather_release(released)
+                planner = self.feather_planner or runtime
+                released = planner.plan(self.feather_clock(), self.feather_free_slots(), self.feather_view)
+                self.feather_held.release(released)
             except Exception as exc:  # fault isolation (module docstring)
                 self._feather_fault("plan", exc)
                 self._feather_hand_over()
@@ -316,17 +323,10 @@ class _FeatherMixin:
         return output
 
     def feather_free_slots(self) -> int:
-        """How many more requests the batch can take: vLLM's running limit minus the requests
-        already in the engine (running, or released and waiting in vLLM's queues)."""
-        in_engine = len(self.running) + len(self.waiting) + len(self.kv_holding_waiting)
-        return self.max_num_active_reqs - in_engine
-
-    def feather_release(self, request_ids: list[str]) -> None:
-        """Hand released requests (in release order) from the hold to vLLM's waiting queue,
-        through vLLM's own enqueue (as a request it never held)."""
-        held = self._feather_held
-        for request_id in request_ids:
-            super()._enqueue_waiting_request(held.pop(request_id))  # type: ignore[misc]
+        """How many more requests the batch can take (:func:`~scheduler_runtime.frontend.free_slots`
+        of vLLM's running limit and the requests in its queues)."""
+        return free_slots(self.max_num_active_reqs,
+                          len(self.running) + len(self.waiting) + len(self.kv_holding_waiting))
 
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
         super()._preempt_request(request, *args, **kwargs)  # type: ignore[misc]
@@ -339,13 +339,13 @@ class _FeatherMixin:
 
     def _free_request(self, request: Request, *args: Any, **kwargs: Any) -> Any:
         result = super()._free_request(request, *args, **kwargs)  # type: ignore[misc]
-        self._feather_held.pop(request.request_id, None)  # a held request was aborted
+        self.feather_held.drop(request.request_id)  # a held request was aborted
         runtime = self.feather
         if runtime is not None and request.request_id in runtime:
             start = time.perf_counter()
             try:
                 # Anything but a normal end (stop string/EOS, length) counts as an abort.
-                runtime.freed(request.request_id, aborted=request.status not in _COMPLETED)
+                runtime.left_engine(request.request_id, aborted=request.status not in _COMPLETED)
             except Exception as exc:  # fault isolation (module docstring)
                 self._feather_fault("freed", exc)
             runtime.stats.hook_seconds += time.perf_counter() - start
@@ -353,7 +353,7 @@ class _FeatherMixin:
 
     def get_request_counts(self) -> tuple[int, int]:
         num_running, num_waiting = super().get_request_counts()  # type: ignore[misc]
-        return num_running, num_waiting + len(self._feather_held)
+        return num_running, num_waiting + len(self.feather_held)
 
 
 class FeatherScheduler(_FeatherMixin, Scheduler):

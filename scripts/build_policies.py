@@ -129,7 +129,7 @@ def main() -> int:
 def references(out: Path, records: dict[str, Any]) -> None:
     """Every shipped file and the baselines on each scenario's validation episodes (the runs')."""
     from agents.base import evaluate
-    from agents.training import load_config
+    from agents.run_config import load_config
     from feather_env.env import FeatherEnv, scheduler_policy
     from scheduler_runtime.decision import AlwaysAdd
     from scheduler_runtime.policy import load_policy

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from feather_env.engine import use_in_process_engine
+from feather_env.engines.vllm_engine import use_in_process_engine
 
 use_in_process_engine()
 
@@ -28,7 +28,7 @@ def data_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def engine_config():
-    from feather_env.engine import EngineConfig
+    from feather_env.engines.vllm_engine import EngineConfig
 
     return EngineConfig(**TEST_ENGINE)
 
@@ -36,7 +36,7 @@ def engine_config():
 @pytest.fixture(scope="session")
 def llm(engine_config):
     """One in-process vLLM engine for the whole session."""
-    from feather_env.engine import build_llm
+    from feather_env.engines.vllm_engine import build_llm
 
     engine = build_llm(engine_config)
     yield engine
@@ -46,8 +46,8 @@ def llm(engine_config):
 def env_backend():
     """The environment's real engine for the whole session: leval-kv-pressure's (0.25 GiB of KV),
     with FeatherScheduler in its loop."""
+    from feather_env.engines.vllm_backend import VLLMBackend
     from feather_env.scenarios import load_scenario
-    from feather_env.serving import VLLMBackend
 
     return VLLMBackend(load_scenario("leval-kv-pressure").engine_config())
 

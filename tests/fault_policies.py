@@ -1,6 +1,6 @@
 """Plug-in policies for the fault-isolation tests, loaded as ``feather:py:fault_policies:NAME``.
 
-They are what a user's own policy module looks like (see ``scheduler_runtime.policy.load_policy_spec``):
+They are what a user's own policy module looks like (see ``scheduler_runtime.plugins.load_policy_spec``):
 an importable module with a class whose instances have ``act(obs, mask)``. The test server finds
 this module through ``PYTHONPATH`` (the tests folder), as a user's package would be found.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from scheduler_runtime.policy import HeuristicRule
+from scheduler_runtime.rules import HeuristicRule
 
 
 class PolicyFault(RuntimeError):

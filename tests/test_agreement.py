@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from agents import agreement
-from scheduler_runtime.decision import ADD, BASE_OBS_NAMES, STOP
-from scheduler_runtime.policy import ConstantPolicy, HeuristicRule, ObservationSpec, write_policy
+from scheduler_runtime.decision import ADD, BASE_OBS_NAMES, STOP, ObservationSpec
+from scheduler_runtime.policy import ConstantPolicy, write_policy
+from scheduler_runtime.rules import GroupCapRule, HeuristicRule
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -39,16 +40,23 @@ def test_policies_that_differ_are_counted_and_served_on_their_own(tmp_path, caps
 
 
 def test_a_loaded_rule_is_compared_too():
-    """The authors' rule as an object, against the file that holds the same constants."""
-    tuned = str(REPO / "policies" / "heuristic-tuned" / "leval-summaries.feather")
-    res = agreement.compare(HeuristicRule(), tuned, "leval-summaries", episodes=1)
+    """The hand-made rule as an object, against the file that holds the same cap."""
+    tuned = str(REPO / "policies" / "heuristic-tuned" / "leval-kv-pressure-poisson.feather")
+    res = agreement.compare(GroupCapRule(cap=3), tuned, "leval-kv-pressure-poisson", episodes=1)
     assert res["decisions"] > 0 and res["differ"] == 0
+    other = agreement.compare(GroupCapRule(cap=1), tuned, "leval-kv-pressure-poisson", episodes=1)
+    assert 0 < other["differ"] <= other["decisions"]
+
+
+def test_a_group_policy_and_a_request_policy_are_not_compared():
+    with pytest.raises(ValueError, match="group decision"):
+        agreement.compare(HeuristicRule(), GroupCapRule(), "leval-kv-pressure-poisson", episodes=1)
 
 
 def test_the_benchmark_compares_every_pair_on_both_sets_of_episodes():
     from benchmarks.policy_agreement import PAIRS, run
 
-    res = run("leval-summaries", 1, REPO / "policies")
+    res = run("leval-kv-pressure-poisson", 1, REPO / "policies")
     assert set(res) == {f"{a} / {b}" for a, b in PAIRS}
     for r in res.values():
         for where in ("held_out", "evaluation_episode"):

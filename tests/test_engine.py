@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from benchmarks.isolated import IsolatedBatchRunner, common_prefixes
-from feather_env.engine import EngineConfig, kv_bytes_per_token
+from feather_env.engines.vllm_engine import EngineConfig, kv_bytes_per_token
 from feather_env.workloads.request import Request
 from scheduler_runtime.config import ConfigError, load_mapping
 

@@ -12,11 +12,11 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 import feather_env  # noqa: F401  (registers feather/Batching-v0)
-from feather_env.engine import EngineError
+from feather_env.engines.vllm_engine import EngineError
 from feather_env.env import ADD, STOP, FeatherEnv, InvalidActionError, play_episode
 from scheduler_runtime.config import ConfigError
 from scheduler_runtime.decision import AlwaysAdd
-from scheduler_runtime.policy import HeuristicRule
+from scheduler_runtime.rules import HeuristicRule
 
 SCENARIO = "leval-kv-pressure"
 #: A small episode of the scenario, still under KV pressure: 10 documents of up to 8K tokens
@@ -116,7 +116,7 @@ def test_truncation_after_max_episode_seconds():
 
 def test_reference_orderings_rank_as_the_real_engine_did():
     """Under KV pressure the prefix-aware orderings prefill each document about once: fcfs
-    interleaves documents and prefills them again (issue 11's real-engine measurement)."""
+    interleaves documents and prefills them again (as measured on the real engine)."""
     tput = {}
     for scheduler in ("fcfs", "lpm", "feather-heuristic"):
         env = FeatherEnv(SCENARIO, "sim", scheduler=scheduler)
@@ -196,7 +196,7 @@ def test_real_episode_under_kv_pressure_serves_every_request_once(env_backend):
 def test_env_observations_are_what_the_serving_scheduler_sees(env_backend):
     """The environment answers the decisions that FeatherScheduler asks its policy when it serves:
     the same observations and masks, in the same order, for the same arrivals and finishes."""
-    from feather_env.engine import forced_length_params, tokens_prompt
+    from feather_env.engines.vllm_engine import forced_length_params, tokens_prompt
     from scheduler_runtime.schedulers import EXTRA_OUTPUT_LEN
 
     overrides = {"episode": {"groups": 4, "max_per_group": 3}}
@@ -210,7 +210,7 @@ def test_env_observations_are_what_the_serving_scheduler_sees(env_backend):
     assert not engine.has_unfinished_requests() and env_backend.llm.reset_prefix_cache()
     serving = Recorder(HeuristicRule())
     sched.feather_configure(env.scheduler_config, policy=serving)
-    sched.feather_external_rounds = False
+    answered, sched.feather_planner = sched.feather_planner, None  # the policy answers, as it serves
     try:
         for r in sorted(episode, key=lambda r: r.arrival_time):
             params = forced_length_params(r.output_len, extra_args={EXTRA_OUTPUT_LEN: r.output_len})
@@ -218,7 +218,7 @@ def test_env_observations_are_what_the_serving_scheduler_sees(env_backend):
         while engine.has_unfinished_requests():
             engine.step()
     finally:
-        sched.feather_external_rounds = True
+        sched.feather_planner = answered
     assert in_env.calls, "no decision was asked"
     assert serving.calls == in_env.calls
 

@@ -24,7 +24,7 @@ import pytest
 import evaluate
 from feather_env.evaluation import endpoint, inprocess, report
 from feather_env.evaluation.server import LocalServer, free_port
-from feather_env.serving_metrics import RequestTimeline
+from feather_env.records import RequestTimeline
 from feather_env.workloads import synthetic_workload
 
 REPO = Path(__file__).resolve().parent.parent
@@ -264,7 +264,8 @@ def test_bad_input_is_a_clear_error_before_anything_starts(argv, message, tmp_pa
 
 @pytest.fixture
 def policy_256(tmp_path) -> Path:
-    from scheduler_runtime.policy import BASE_OBS_NAMES, ConstantPolicy, ObservationSpec, write_policy
+    from scheduler_runtime.decision import BASE_OBS_NAMES, ObservationSpec
+    from scheduler_runtime.policy import ConstantPolicy, write_policy
 
     spec = ObservationSpec(names=BASE_OBS_NAMES, low=(0, -64, 0), high=(64, 64, 64), scale=(64, 64, 64),
                            chunk_size=256)
@@ -280,7 +281,7 @@ def policy_256(tmp_path) -> Path:
 ])
 def test_bad_knobs_are_errors_before_the_first_engine(tmp_path, capsys, monkeypatch, policy_256, args,
                                                       message):
-    """Issue 12, M4: these failed when that scheduler's engine started, after the earlier ones ran."""
+    """These once failed when that scheduler's engine started, after the earlier ones ran."""
     def no_engine(*a, **kw):
         raise AssertionError("an engine was started")
 

@@ -13,18 +13,18 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from scheduler_runtime.batching import BatchingCore, CoreConfig
 from scheduler_runtime.config import ConfigError
-from scheduler_runtime.decision import ADD, GROUP_OBS_NAMES, STOP, AlwaysAdd, observation_kind
-from scheduler_runtime.groups import PrefixGroups
-from scheduler_runtime.policy import (
-    GroupBins,
-    GroupCapRule,
+from scheduler_runtime.decision import (
+    ADD,
+    GROUP_OBS_NAMES,
+    STOP,
+    AlwaysAdd,
     ObservationSpec,
     PolicyFormatError,
-    TableBins,
-    TablePolicy,
-    load_policy,
-    write_policy,
+    observation_kind,
 )
+from scheduler_runtime.groups import PrefixGroups
+from scheduler_runtime.policy import TablePolicy, load_policy, write_policy
+from scheduler_runtime.rules import GroupBins, GroupCapRule, TableBins
 from scheduler_runtime.schedulers import FeatherRuntime, SchedulerConfig
 
 CHUNK = 8
@@ -149,12 +149,12 @@ def test_requests_of_a_group_in_flight_join_without_a_decision():
     core = group_core(AlwaysAdd())
     for rid, tokens in documents(3, 4):
         core.arrive(rid, tokens, arrival=0.0, output_len=5)
-    core.begin(0.0, 64)
+    core.open_round(0.0, 64)
     asked = []
     while core.pending is not None:
         asked.append(core.pending.request_id)
         core.add()
-    released = core.end()
+    released = core.close_round()
     assert len(released) == 12
     # one decision per group opened after the seed: the seed's group joins freely
     opened = {a.split("-")[0] for a in asked} | {released[0].split("-")[0]}
@@ -195,7 +195,7 @@ def test_cached_first_order_and_the_hold():
     others = sorted({r.split("-")[0] for r, _ in reqs} - {first})
     # the engine caches the last of the other documents: it is the next candidate
     engine = FakeEngine(cached={others[-1]}, queued=3)
-    core.begin(1.0, 64, engine)
+    core.open_round(1.0, 64, engine)
     # the in-flight document's other question joined first, then the cached document is asked
     assert core.pending is not None and core.pending.request_id.startswith(others[-1])
     obs = core.observe("group")
@@ -206,7 +206,7 @@ def test_cached_first_order_and_the_hold():
     assert core.observe("group")[OBS["cached_fraction"]] == 0.0
     assert GroupCapRule(cap=8).act(core.observe("group"), core.pending.mask) == STOP  # held: not cached
     core.stop()
-    assert {r.split("-")[0] for r in core.end()} == {first, others[-1]}
+    assert {r.split("-")[0] for r in core.close_round()} == {first, others[-1]}
     core.check_consistency()
 
 
@@ -223,7 +223,7 @@ def test_the_group_observation():
     core = group_core(AlwaysAdd())
     for rid, tokens in documents(4, 2):
         core.arrive(rid, tokens, arrival=0.0, output_len=5)
-    core.begin(3.0, 64, FakeEngine(queued=2))
+    core.open_round(3.0, 64, FakeEngine(queued=2))
     obs = core.observe("group")
     assert obs.shape == (len(GROUP_OBS_NAMES),)
     assert obs[OBS["batch_size"]] == 2  # the seed and its document's other question
@@ -232,7 +232,7 @@ def test_the_group_observation():
     assert obs[OBS["waiting_in_flight"]] == 2
     assert obs[OBS["kv_usage"]] == 0.5
     assert obs[OBS["oldest_wait"]] == 3.0
-    core.end()
+    core.close_round()
 
 
 def test_a_policy_of_one_decision_is_refused_by_the_other():

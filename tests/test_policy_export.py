@@ -14,14 +14,8 @@ import pytest
 from agents.base import NotExportableError
 from agents.registry import make_agent
 from feather_env.env import FeatherEnv
-from scheduler_runtime.policy import (
-    FORMAT_VERSION,
-    ObservationSpec,
-    PolicyFormatError,
-    TablePolicy,
-    load_policy,
-    write_policy,
-)
+from scheduler_runtime.decision import ObservationSpec, PolicyFormatError
+from scheduler_runtime.policy import FORMAT_VERSION, TablePolicy, load_policy, write_policy
 
 REPO = Path(__file__).resolve().parent.parent
 #: A small leval-kv-pressure episode on the simulator (milliseconds per episode).
@@ -263,7 +257,7 @@ def test_bad_parameters(good_file):
 ])
 def test_resigned_heuristic_with_bad_param_types_fails_at_load_not_at_the_first_decision(
         trained, tmp_path, edit, message):
-    """Issue 12, H2: ``HeuristicRule(**params)`` checked no types, so such a file loaded and the
+    """``HeuristicRule(**params)`` once checked no types, so such a file loaded and the
     scheduler raised at its first decision, inside the engine's busy loop."""
     path = trained["heuristic"].export(tmp_path / "h.feather")
     _rewrite(path, lambda d: edit(d["params"]))

@@ -17,12 +17,13 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from scheduler_runtime.batching import ORDERINGS, BatchingCore, CoreConfig
+from scheduler_runtime.batching import BatchingCore, CoreConfig
 from scheduler_runtime.config import ConfigError
 from scheduler_runtime.decision import ADD, STOP
-from scheduler_runtime.policy import HeuristicRule
+from scheduler_runtime.orderings import ORDERINGS
 from scheduler_runtime.predictor import OutputLengthPredictor, load_predictor
 from scheduler_runtime.prefix_index import DuplicateRequestError, UnknownRequestError
+from scheduler_runtime.rules import HeuristicRule
 from scheduler_runtime.schedulers import (
     ADDITIONAL_CONFIG_KEY,
     CONFIG_ENV,
@@ -252,10 +253,10 @@ def stepped(core: BatchingCore, policy, kind: str = "base"):
     """A planner that answers each pending decision from outside, as the environment does."""
 
     def plan(now: float, slots: int, engine=None) -> list[str]:
-        core.begin(now, slots, engine)
+        core.open_round(now, slots, engine)
         while (pending := core.pending) is not None:
             core.decide(policy.act(core.observe(kind), pending.mask))
-        return core.end()
+        return core.close_round()
 
     return plan
 
@@ -296,9 +297,9 @@ def test_pending_decision_observation_mask_and_answers():
     with pytest.raises(RuntimeError, match="no decision"):
         core.add()
     engine = FakeEngine(0.25, {reqs[2].rid: 40})
-    core.begin(0.0, 3, engine)
+    core.open_round(0.0, 3, engine)
     with pytest.raises(RuntimeError, match="already open"):
-        core.begin(0.0, 3)
+        core.open_round(0.0, 3)
     seed = core.active_ids()
     assert len(seed) == 1 and core.pending is not None  # the seed needed no decision
     pending = core.pending
@@ -316,18 +317,18 @@ def test_pending_decision_observation_mask_and_answers():
     assert core.num_active == 2 and core.pending is not None
     core.stop()
     assert core.pending is None and core.round_open
-    released = core.end()
+    released = core.close_round()
     assert released == seed + [pending.request_id] and not core.round_open
     # nothing changed since the STOP: the next round asks nothing, until a request arrives
-    core.begin(1.0, 3)
-    assert core.pending is None and core.end() == []
+    core.open_round(1.0, 3)
+    assert core.pending is None and core.close_round() == []
     assert core.stats.skipped_decisions == 1
     core.arrive("new", np.arange(3, 30), arrival=1.0, output_len=3)
-    core.begin(1.0, 3)
+    core.open_round(1.0, 3)
     assert core.pending is not None
-    core.end()  # a pending decision left unanswered is simply asked again next round
-    core.begin(2.0, 1)
-    assert core.pending is not None and core.end() == []
+    core.close_round()  # a pending decision left unanswered is simply asked again next round
+    core.open_round(2.0, 1)
+    assert core.pending is not None and core.close_round() == []
     core.check_consistency()
 
 
@@ -336,7 +337,7 @@ def test_baseline_candidates_are_observed_like_feathers():
     core = BatchingCore(CoreConfig(ordering="fcfs", chunk_size=CHUNK, admission="none", svf_seed=False))
     for r in reqs:
         core.arrive(r.rid, r.tokens, arrival=0.0, output_len=r.output_len)
-    core.begin(0.0, 4)
+    core.open_round(0.0, 4)
     assert core.active_ids() == [reqs[0].rid]  # fcfs seeds with the oldest
     assert core.pending.request_id == reqs[1].rid  # and asks about the next oldest
     obs = core.observe()
@@ -558,7 +559,7 @@ class CoreMachine(RuleBasedStateMachine):
         self.now += dt
         self.round_active = set(self.core.active_ids())
         self.round_slots = slots
-        self.core.begin(self.now, slots)
+        self.core.open_round(self.now, slots)
 
     @precondition(lambda self: self.core.pending is not None)
     @rule(action=st.sampled_from([ADD, STOP]))
@@ -583,7 +584,7 @@ class CoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.core.round_open)
     @rule()
     def end(self):
-        released = self.core.end()
+        released = self.core.close_round()
         assert len(released) == len(set(released)) <= self.round_slots
         assert not set(released) & self.round_active and not set(released) & self.gone
         assert all(self.core.is_active(r) for r in released)
@@ -686,16 +687,17 @@ def test_runtime_output_lengths_per_mode():
     assert lpm.predictor is None
     lpm.arrive("a", tokens, now=0.0, max_tokens=5)
     assert lpm.stats.predictions == 0 and lpm.core.num_waiting == 1
-    lpm.freed("a", aborted=True)
+    lpm.left_engine("a", aborted=True)
     assert len(lpm.core) == 0
 
 
 def test_feather_checkpoint_loads_through_load_policy(tmp_path):
-    from scheduler_runtime import policy as policy_mod
+    from scheduler_runtime.decision import BASE_OBS_NAMES, ObservationSpec
+    from scheduler_runtime.policy import ConstantPolicy, write_policy
 
-    spec = policy_mod.ObservationSpec(names=policy_mod.BASE_OBS_NAMES, low=(0, -64, 0), high=(64, 64, 64),
-                                      scale=(64, 64, 64), chunk_size=256)
-    path = policy_mod.write_policy(tmp_path / "stop.feather", policy_mod.ConstantPolicy(spec, STOP))
+    spec = ObservationSpec(names=BASE_OBS_NAMES, low=(0, -64, 0), high=(64, 64, 64), scale=(64, 64, 64),
+                           chunk_size=256)
+    path = write_policy(tmp_path / "stop.feather", ConstantPolicy(spec, STOP))
     runtime = FeatherRuntime(SchedulerConfig.for_name(f"feather:{path}+svf"), 100_000)
     assert runtime.chunk_size == 256  # delta in the policy's chunks
     assert type(runtime.core.policy).__name__ == "ConstantPolicy"

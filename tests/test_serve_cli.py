@@ -1,7 +1,7 @@
 """``feather-serve``'s own checks: a bad option is a usage error (exit 2, one line naming the
 problem) before vLLM is imported, so no model loads for a command line that cannot work.
 
-Issue 12, M3: an unknown ``--scheduler-config`` key and ``max_wait: "10"`` were raw TypeErrors,
+An unknown ``--scheduler-config`` key and ``max_wait: "10"`` were raw TypeErrors,
 a bad ``feather:PATH`` was found only at engine-core init (after the model had loaded), and a
 bad ``--additional-config`` was a raw JSONDecodeError. No engine starts here.
 """
@@ -36,7 +36,8 @@ def usage_error(argv: list[str], capsys) -> str:
 @pytest.fixture
 def files(tmp_path):
     """Config, policy and predictor files, good and bad."""
-    from scheduler_runtime.policy import BASE_OBS_NAMES, ConstantPolicy, ObservationSpec, write_policy
+    from scheduler_runtime.decision import BASE_OBS_NAMES, ObservationSpec
+    from scheduler_runtime.policy import ConstantPolicy, write_policy
 
     spec = ObservationSpec(names=BASE_OBS_NAMES, low=(0, -64, 0), high=(64, 64, 64), scale=(64, 64, 64),
                            chunk_size=256)

@@ -1,5 +1,5 @@
 """Fault injection against the real server on loopback: nothing a client sends, and no fault in
-the scheduler's own code, takes ``feather-serve`` down (issue 12, "What must be shown").
+the scheduler's own code, takes ``feather-serve`` down.
 
 The server is the installed ``feather-serve`` console script with
 ``feather:py:fault_policies:RaisesOnFiftiethDecision+oracle-svf`` (a plug-in policy, loaded from

@@ -11,7 +11,8 @@ import math
 import numpy as np
 import pytest
 
-from feather_env.serving_metrics import RequestTimeline, parse_goodput, serving_metrics
+from feather_env.records import RequestTimeline
+from feather_env.serving_metrics import parse_goodput, serving_metrics
 
 PERCENTILES = (50, 90, 99)
 

@@ -11,10 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from feather_env.calibrate import DEFAULT_PROFILE, PROFILE_VERSION, fit_profile, load_profile, load_steps
+from feather_env.engines.sim_backend import SimBackend, _steps_to_reach
 from feather_env.env import FeatherEnv, play_episode
+from feather_env.records import StepRequest
 from feather_env.reporting import write_json
-from feather_env.sim import SimBackend, _steps_to_reach
-from feather_env.step_model import FEATURE_NAMES, StepCostModel, StepRequest, fit_step_model, step_features
+from feather_env.step_model import FEATURE_NAMES, StepCostModel, fit_step_model, step_features
 from scheduler_runtime.config import ConfigError
 
 SCENARIO = "leval-kv-pressure"
@@ -148,3 +149,21 @@ def test_bad_profiles_are_clear_errors(tmp_path):
         load_profile(bad)
     with pytest.raises(ConfigError):
         FeatherEnv(SCENARIO, "sim", profile=str(bad))
+
+
+def test_a_slower_engine_stretches_a_burst_episode_by_its_factor():
+    """``engine_slowdown`` multiplies every predicted step: a burst episode (no arrival to wait for)
+    takes exactly that many times longer, with the same decisions; a range draws one per episode."""
+    small = {"episode": {"groups": 3, "max_per_group": 3}}
+    base = play_episode(FeatherEnv("leval-kv-pressure", "sim", scenario_overrides=small), episode_seed=4)
+    slow = play_episode(FeatherEnv("leval-kv-pressure", "sim", scenario_overrides=small, engine_slowdown=2.5),
+                        episode_seed=4)
+    assert slow["duration"] == pytest.approx(2.5 * base["duration"], rel=1e-9)
+    assert slow["decisions"] == base["decisions"] and slow["completed"] == base["completed"]
+    ranged = FeatherEnv("leval-kv-pressure", "sim", scenario_overrides=small, engine_slowdown=[1.0, 3.0])
+    durations = {round(play_episode(ranged, seed=s, episode_seed=4)["duration"] / base["duration"], 6)
+                 for s in range(4)}
+    assert len(durations) > 1 and all(1.0 <= d <= 3.0 for d in durations)
+    for bad in (0, -1.0, [2.0, 1.0], "fast", float("nan")):
+        with pytest.raises(ConfigError, match="engine_slowdown"):
+            FeatherEnv("leval-kv-pressure", "sim", engine_slowdown=bad)

@@ -1,7 +1,7 @@
 """SimEngine against vLLM's own scheduler, run in-process with no model.
 
 Every lockstep test feeds the same requests (same arrival steps, same aborts) to
-``feather_env.sim_engine.SimEngine`` and to a real ``vllm.v1.core.sched.scheduler.Scheduler``
+``feather_env.engines.sim_engine.SimEngine`` and to a real ``vllm.v1.core.sched.scheduler.Scheduler``
 stepped with a fake ``ModelRunnerOutput`` (one sampled token for every request whose prefill or
 decode completes in the step), and after every step compares: the scheduled requests and token
 counts in scheduling order, admissions with their prefix-cache hits, preemptions, finishes,
@@ -23,7 +23,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from feather_env.sim_engine import SimEngine, SimEngineConfig, shared_document_episode
+from benchmarks.sim_engine_speed import shared_document_episode
+from feather_env.engines.sim_config import SimEngineConfig
+from feather_env.engines.sim_engine import SimEngine
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 

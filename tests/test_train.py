@@ -18,7 +18,8 @@ import pytest
 import yaml
 
 import train
-from agents.training import EnvSection, load_config, parse_config, run
+from agents.run_config import EnvSection, load_config, parse_config
+from agents.training import run
 from agents.ucb import UCBConfig
 from scheduler_runtime.config import ConfigError
 from scheduler_runtime.policy import load_policy
@@ -208,15 +209,15 @@ def resumable(tmp_path):
 
 @pytest.mark.parametrize("pointer, message", [
     (None, "latest.json not found"),
-    ("{not json", "latest.json is not a JSON object"),
-    ('["ucb_150_steps.npz"]', "latest.json is not a JSON object"),
+    ("{not json", "latest.json: malformed JSON"),
+    ('["ucb_150_steps.npz"]', "latest.json: expected a mapping"),
     ('{"num_timesteps": 150}', "'path' must name a checkpoint file in"),
     ('{"path": "/etc/passwd"}', "'path' must name a checkpoint file in"),
     ('{"path": "../config.yaml"}', "'path' must name a checkpoint file in"),
     ('{"path": "ucb_999_steps.npz"}', "ucb_999_steps.npz does not exist"),
 ])
 def test_resume_refuses_a_bad_pointer_before_loading_anything(resumable, capsys, pointer, message):
-    """Issue 12: --resume followed pointer["path"] unchecked into the agent's loader (SB3's
+    """--resume once followed pointer["path"] unchecked into the agent's loader (SB3's
     cloudpickle for PPO), absolute paths and ../ included; a missing latest.json was a traceback."""
     cfg_path, out = resumable
     latest = out / "checkpoints" / "latest.json"

@@ -1,8 +1,8 @@
 """Bad input never reaches the engine's busy loop: scheduler config values, client hints, policy
 and predictor files are checked when they are read, with errors that say what is wrong.
 
-Engine-free (issue 12, H1, H2, M2, M3 and the Low findings): every check here runs on the
-runtime the vLLM scheduler delegates to, before anything starts.
+Engine-free: every check here runs on the runtime the vLLM scheduler delegates to, before
+anything starts.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from scheduler_runtime.batching import CoreConfig
 from scheduler_runtime.config import ConfigError, load_mapping
-from scheduler_runtime.policy import PolicyFormatError, load_policy_spec
+from scheduler_runtime.decision import PolicyFormatError
+from scheduler_runtime.plugins import load_policy_spec
 from scheduler_runtime.predictor import DEFAULT_PREDICTOR_PATH, OutputLengthPredictor, load_predictor
 from scheduler_runtime.schedulers import (
     BASELINE_NAMES,
@@ -37,7 +38,7 @@ if str(HERE) not in sys.path:  # the plug-in policies of these tests (tests/faul
 
 TOKENS = np.arange(3, 300)
 MAX_MODEL_LEN = 4096
-#: The malformed hints of issue 12 (H1), as a client can send them in ``vllm_xargs``.
+#: Malformed hints, as a client can send them in ``vllm_xargs``.
 MALFORMED = ["abc", [1], "nan", "inf", -5, 1e12]
 
 

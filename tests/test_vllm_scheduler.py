@@ -17,8 +17,16 @@ import numpy as np
 import prometheus_client
 import pytest
 
-from feather_env.engine import EngineConfig, build_llm, engine_core_of, forced_length_params, tokens_prompt
-from scheduler_runtime import policy
+from feather_env.engines.vllm_engine import (
+    EngineConfig,
+    build_llm,
+    engine_core_of,
+    forced_length_params,
+    tokens_prompt,
+)
+from scheduler_runtime.decision import BASE_OBS_NAMES, STOP, ObservationSpec
+from scheduler_runtime.policy import ConstantPolicy, HeuristicPolicy, write_policy
+from scheduler_runtime.rules import HeuristicRule
 from scheduler_runtime.schedulers import EXTRA_OUTPUT_LEN, EXTRA_SOURCE, engine_overrides
 
 HERE = Path(__file__).resolve().parent
@@ -49,7 +57,7 @@ def sched(feather_llm):
     yield scheduler
     # leave the engine empty and consistent for the next test
     assert not feather_llm.llm_engine.has_unfinished_requests()
-    assert not scheduler._feather_held and not scheduler.requests
+    assert not scheduler.feather_held and not scheduler.requests
     if scheduler.feather is not None:
         core = scheduler.feather.core
         core.check_consistency()
@@ -99,10 +107,10 @@ def fault_count(name: str, stage: str) -> float:
 def test_every_scheduler_serves_each_request_once_with_its_tokens(sched, feather_llm, name, tmp_path):
     overrides = {}
     if name.startswith("feather:"):
-        spec = policy.ObservationSpec(names=policy.BASE_OBS_NAMES, low=(0, -64, 0), high=(64, 64, 64),
+        spec = ObservationSpec(names=BASE_OBS_NAMES, low=(0, -64, 0), high=(64, 64, 64),
                                       scale=(64, 64, 64), chunk_size=TEST_CHUNK)
-        rule = policy.HeuristicPolicy(spec, policy.HeuristicRule())
-        name = name.replace("CKPT", str(policy.write_policy(tmp_path / "heuristic.feather", rule)))
+        rule = HeuristicPolicy(spec, HeuristicRule())
+        name = name.replace("CKPT", str(write_policy(tmp_path / "heuristic.feather", rule)))
     elif name.startswith(("feather", "group")):
         overrides["chunk_size"] = TEST_CHUNK
     sched.feather_configure({"name": name, **overrides})
@@ -130,7 +138,7 @@ def test_stop_holds_requests_and_they_still_count_as_waiting(sched, feather_llm)
     for rid, prompt, out in reqs:
         add(engine, rid, prompt, out)
     engine.step()
-    held = len(sched._feather_held)
+    held = len(sched.feather_held)
     assert held > 0, "the heuristic should STOP before other documents"
     running, waiting = sched.get_request_counts()
     assert running + waiting == len(reqs)  # no request finishes in one step
@@ -156,7 +164,7 @@ def test_group_cap_keeps_its_documents_in_flight_inside_vllm(sched, feather_llm)
     def check() -> None:
         seen.append(core.groups.num_in_flight)
         assert view.num_queued() == len(sched.waiting) + len(sched.kv_holding_waiting)
-        for rid in list(sched._feather_held)[:3]:
+        for rid in list(sched.feather_held)[:3]:
             full = view.cached_prefix_tokens(rid)
             assert view.cached_prefix_tokens(rid, 256) == min(full, 256)
 
@@ -175,7 +183,7 @@ def test_retention_moves_a_held_documents_cached_blocks_to_the_end_of_vllms_evic
     queue = sched.kv_cache_manager.block_pool.free_block_queue
     later = prompt[:640] + [7] * 20  # a later question of the same document, held
     add(engine, "keep-later", later, 3)
-    (held,) = sched._feather_held  # vLLM's own id for it
+    (held,) = sched.feather_held  # vLLM's own id for it
     doc_blocks = sched.feather_view.cached_prefix_tokens(held) // sched.block_size
     assert doc_blocks == 640 // sched.block_size
     moved = sched.feather_view.retain_prefixes([held])
@@ -183,7 +191,7 @@ def test_retention_moves_a_held_documents_cached_blocks_to_the_end_of_vllms_evic
     tail = queue.get_all_free_blocks()[-moved:]
     assert [b.block_hash is not None for b in tail] == [True] * moved
     # the document's first block is the very last to be evicted
-    first_hash = sched._feather_held[held].block_hashes[0]
+    first_hash = sched.feather_held[held].block_hashes[0]
     assert tail[-1] is sched.kv_cache_manager.block_pool.get_cached_block(first_hash, [0])[0]
     add(engine, other[0], other[1], other[2])
     assert len(drain(engine, sched)) == 2
@@ -208,7 +216,7 @@ def test_preemption_keeps_the_state_consistent(sched, feather_llm, name):
         in_engine = {r.request_id for r in sched.running} | {r.request_id for r in sched.waiting}
         # the formed batch is exactly what vLLM runs or queues (preempted ones included)
         assert set(core.active_ids()) == in_engine
-        assert set(core.waiting_ids()) == set(sched._feather_held)
+        assert set(core.waiting_ids()) == set(sched.feather_held)
 
     done = drain(engine, sched, on_step=consistent)
     assert done == {rid: out for rid, _, out in reqs}
@@ -224,7 +232,7 @@ def test_aborts_leave_nothing_behind(sched, feather_llm):
     for _ in range(3):
         engine.step()
     # the scheduler sees vLLM's internal ids (the caller's id + a suffix)
-    held = list(sched._feather_held)[:2]
+    held = list(sched.feather_held)[:2]
     running = [r.request_id for r in sched.running][:2]
     aborted = set(held + running)
     assert len(held) == 2 and len(running) == 2
@@ -244,9 +252,9 @@ def test_max_wait_releases_what_the_policy_holds(sched, feather_llm, tmp_path):
     The bound itself (no wait beyond max_wait plus one batch) is a property of the core, checked
     on a simulated clock in test_scheduler_core; here: the engine really runs those releases.
     """
-    spec = policy.ObservationSpec(names=policy.BASE_OBS_NAMES, low=(0, -64, 0), high=(64, 64, 64),
+    spec = ObservationSpec(names=BASE_OBS_NAMES, low=(0, -64, 0), high=(64, 64, 64),
                                   scale=(64, 64, 64), chunk_size=TEST_CHUNK)
-    path = policy.write_policy(tmp_path / "stop.feather", policy.ConstantPolicy(spec, policy.STOP))
+    path = write_policy(tmp_path / "stop.feather", ConstantPolicy(spec, STOP))
     sched.feather_configure({"name": f"feather:{path}", "max_wait": 0.3})
     engine = feather_llm.llm_engine
     reqs = workload("wait", groups=4, per_group=3, prefix=300, out=(40, 40), seed=5)
@@ -269,7 +277,7 @@ FAULTY = "feather:py:fault_policies:RaisesOnFiftiethDecision"
 
 
 def test_a_policy_fault_hands_every_held_request_to_vllm_and_serves_on_as_fcfs(sched, feather_llm):
-    """Issue 12, H2: an exception in the policy used to end the engine and every request in it."""
+    """An exception in the policy used to end the engine and every request in it."""
     sched.feather_configure({"name": FAULTY, "chunk_size": TEST_CHUNK})
     engine = feather_llm.llm_engine
     reqs = workload("fault", groups=8, per_group=10, prefix=600, out=(2, 8), seed=6)
@@ -303,7 +311,7 @@ def _raise_on_call(fn, n: int):
     return wrapper
 
 
-@pytest.mark.parametrize("stage, target", [("arrive", "arrive"), ("freed", "freed"),
+@pytest.mark.parametrize("stage, target", [("arrive", "arrive"), ("freed", "left_engine"),
                                            ("preempted", "preempted"), ("metrics", "push")])
 def test_a_fault_in_any_hook_is_isolated(sched, feather_llm, monkeypatch, stage, target):
     """Fault injection into each hook of the real scheduler (arrival, free, preemption, metrics)."""
@@ -353,7 +361,7 @@ def test_max_faults_restarts_feather_until_the_last_fault(sched, feather_llm):
 
 
 def test_malformed_hints_from_trusted_clients_are_served_with_the_fallback(sched, feather_llm):
-    """Issue 12, H1: ``"abc"`` or ``[1]`` in feather_output_len raised in the engine's busy loop
+    """``"abc"`` or ``[1]`` in feather_output_len raised in the engine's busy loop
     (the engine died) and ``"nan"`` poisoned the KV budget."""
     sched.feather_configure({"name": "oracle-svf", "trust_client_hints": True})
     engine = feather_llm.llm_engine

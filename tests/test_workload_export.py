@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from feather_env.engine import DEFAULT_MODEL_DIR
+from feather_env.engines.vllm_engine import DEFAULT_MODEL_DIR
 from feather_env.scenarios import load_scenario
 from feather_env.workloads import BOS_ID, load_tokenizer
 from feather_env.workloads.__main__ import main as workloads_main

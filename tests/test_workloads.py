@@ -574,7 +574,7 @@ def test_sample_groups_keeps_groups_whole(w: Workload, data, seed: int) -> None:
 
 
 def test_files_that_are_not_utf8_are_workload_errors_naming_them(tmp_path: Path) -> None:
-    """Issue 12: a non-UTF-8 file raised a raw UnicodeDecodeError in every reader."""
+    """A non-UTF-8 file once raised a raw UnicodeDecodeError in every reader."""
     from feather_env.workloads.longbench import read_lengths, read_max_new_tokens
     from feather_env.workloads.traces import read_trace
 

@@ -1,7 +1,7 @@
 """Evaluating schedulers: one workload served in-process or by any running server, reported alike.
 
 - :mod:`~feather_env.evaluation.inprocess`: each scheduler on the real in-process vLLM engine
-  (:meth:`feather_env.serving.VLLMBackend.serve`, the scheduler deciding as in production);
+  (:meth:`feather_env.engines.vllm_backend.VLLMBackend.serve`, the scheduler deciding as in production);
 - :mod:`~feather_env.evaluation.endpoint`: any OpenAI-compatible completions server over HTTP
   (``feather-serve``, vLLM's own server), streamed and timed at the client;
 - :mod:`~feather_env.evaluation.simulated`: each scheduler on a scenario's episodes in the simulator;

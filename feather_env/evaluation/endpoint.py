@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from feather_env.evaluation.report import ENDPOINT, Run
-from feather_env.serving_metrics import RequestTimeline
+from feather_env.records import RequestTimeline
 from feather_env.workloads import Request, Workload
 from scheduler_runtime.config import ConfigError
 

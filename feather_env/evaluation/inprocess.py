@@ -1,12 +1,12 @@
 """Schedulers on the real in-process engine: one workload served once per scheduler, as in production.
 
-One :class:`~feather_env.serving.VLLMBackend` (vLLM with the Feather scheduler class) is started for
-the evaluation, warmed up with a throw-away batch, and serves the same episode (the same requests,
-token ids and arrival times) once per scheduler name with :meth:`VLLMBackend.serve
-<feather_env.serving.VLLMBackend.serve>`: the scheduler answers its own decisions in every
-``schedule()``, as under ``feather-serve``, and ``fcfs`` is vLLM's own scheduler (the passthrough
-configuration: nothing of Feather decides). Between schedulers the backend empties the engine and
-clears its prefix cache.
+One :class:`~feather_env.engines.vllm_backend.VLLMBackend` (vLLM with the Feather scheduler class)
+is started for the evaluation, warmed up with a throw-away batch, and serves the same episode (the
+same requests, token ids and arrival times) once per scheduler name with :meth:`VLLMBackend.serve
+<feather_env.engines.vllm_backend.VLLMBackend.serve>`: the scheduler answers its own decisions in
+every ``schedule()``, as under ``feather-serve``, and ``fcfs`` is vLLM's own scheduler (the
+passthrough configuration: nothing of Feather decides). Between schedulers the backend empties the
+engine and clears its prefix cache.
 
 Time is the engine clock (the sum of measured step times; an idle engine jumps to the next
 arrival): arrivals, ``max_wait`` and every latency are on it, so nothing sleeps and the Python
@@ -14,7 +14,7 @@ bookkeeping between steps is not counted. Requests carry their true length and s
 ``SamplingParams.extra_args``, which the schedulers read because the evaluation trusts its own
 clients (``trust_client_hints``, :func:`scheduler_overrides`), and generate exactly their
 ``output_len`` tokens. A request that is not served exactly once with its tokens stops the
-evaluation (:class:`~feather_env.engine.EngineError`).
+evaluation (:class:`~feather_env.engines.vllm_engine.EngineError`).
 
 Per run, besides the timelines (:mod:`feather_env.evaluation.report`), :attr:`Run.extra
 <feather_env.evaluation.report.Run>` holds ``decode_tok_s`` (decode-only steps), ``mean_running_batch``,
@@ -38,9 +38,10 @@ from typing import Any
 
 import numpy as np
 
-from feather_env.engine import EngineConfig, EngineError
-from feather_env.evaluation.report import IN_PROCESS, Run, StepSample
+from feather_env.engines.vllm_engine import EngineConfig, EngineError
+from feather_env.evaluation.report import IN_PROCESS, Run
 from feather_env.hostload import ForeignLoad, pinned_cores, wait_for_quiet
+from feather_env.records import StepSample
 from feather_env.serving_metrics import serving_metrics
 from feather_env.workloads import Request, Workload
 from scheduler_runtime.config import ConfigError
@@ -104,7 +105,7 @@ def validate_schedulers(names: Sequence[str], chunk_size: int | None = None,
     Raises:
         ConfigError: naming the bad entry and the known names.
     """
-    from scheduler_runtime.policy import PLUGIN_PREFIX
+    from scheduler_runtime.plugins import PLUGIN_PREFIX
     from scheduler_runtime.schedulers import check_scheduler
 
     names = tuple(n.strip() for n in names if n.strip())
@@ -214,7 +215,7 @@ def evaluate_in_process(
     Returns the runs (one per scheduler, in order) and what the evaluation measured beside them
     (``engine_start_s``, ``isolated``). ``retry_until``: a ``time.monotonic()`` deadline after
     which runs under foreign load are no longer re-run. ``backend``: a
-    :class:`~feather_env.serving.VLLMBackend` to reuse (else one is started and closed).
+    :class:`~feather_env.engines.vllm_backend.VLLMBackend` to reuse (else one is started and closed).
 
     Raises:
         ConfigError: a bad scheduler name (before the engine starts).
@@ -228,7 +229,7 @@ def evaluate_in_process(
     info: dict[str, Any] = {}
     own = backend is None
     if own:
-        from feather_env.serving import VLLMBackend
+        from feather_env.engines.vllm_backend import VLLMBackend
 
         t0 = time.perf_counter()
         backend = VLLMBackend(config.engine)

@@ -31,8 +31,9 @@ from typing import Any
 
 import numpy as np
 
+from feather_env.records import RequestTimeline, StepSample
 from feather_env.reporting import format_table, machine_info, write_json
-from feather_env.serving_metrics import RequestTimeline, serving_metrics
+from feather_env.serving_metrics import serving_metrics
 
 __all__ = [
     "DEFINITIONS",
@@ -41,7 +42,6 @@ __all__ = [
     "PERCENTILES",
     "SIMULATOR",
     "Run",
-    "StepSample",
     "compare",
     "metrics_tables",
     "read_runs",
@@ -75,17 +75,6 @@ DEFINITIONS = {
     "max_slowdown": "max over requests of e2el / its isolated estimate (alone, cold cache)",
     "foreign_cpu": "other processes' CPU time / (cores x run wall time)",
 }
-
-
-@dataclass
-class StepSample:
-    """One engine step of an in-process run: when it started (run clock), how long, what ran."""
-
-    start: float
-    seconds: float
-    running: int
-    scheduled: int
-    decode_only: bool
 
 
 @dataclass

@@ -5,7 +5,7 @@ scheduler or ``fcfs``) or vLLM's own server with no Feather in it (``python -m
 vllm.entrypoints.launchers.api_server.entry``, what ``vllm serve`` runs) on a free loopback port,
 with its engine core in a process of its own as in production, waits until ``/health`` answers,
 and stops it (SIGINT, then SIGKILL of its process group) on exit. Both get the engine of an
-:class:`~feather_env.engine.EngineConfig` (:func:`server_args`: the bundled model with random
+:class:`~feather_env.engines.vllm_engine.EngineConfig` (:func:`server_args`: the bundled model with random
 weights, the KV cache, batch and token budget, block size, eager mode), so that a server and the
 in-process evaluation serve on the same engine; the engine's ``cpu_cores`` pins the server's engine
 threads (``VLLM_CPU_OMP_THREADS_BIND``), and ``other_cores`` the rest of the server (its API server
@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-from feather_env.engine import GIB, EngineConfig
+from feather_env.engines.vllm_engine import GIB, EngineConfig
 from feather_env.hostload import pinned_cores
 
 __all__ = ["LocalServer", "free_port", "server_args"]
@@ -44,7 +44,8 @@ def free_port() -> int:
 
 
 def server_args(engine: EngineConfig) -> list[str]:
-    """vLLM server flags for the engine :func:`~feather_env.engine.build_llm` builds from ``engine``.
+    """vLLM server flags for the engine that :func:`~feather_env.engines.vllm_engine.build_llm`
+    builds from ``engine``.
 
     Text in and out (the server loads the model's tokenizer: it detokenizes its answers), which
     costs the API server some CPU that an in-process engine does not spend.

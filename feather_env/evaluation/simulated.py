@@ -1,13 +1,14 @@
 """Schedulers on the simulator: a scenario's episodes served by each scheduler, reported as on the engine.
 
 ``evaluate.py --backend sim`` serves the same episodes (the same requests, token ids and arrival
-times) with every scheduler on :class:`~feather_env.sim.SimBackend`, each scheduler answering its own
-decisions as it does when serving (:func:`feather_env.env.play_episode`: ``fcfs`` admits every
-arrival in order, a ``feather:PATH`` policy file answers the Chunked Hash Tree's candidates,
-``lpm``/``dfs-weight``/``svf`` order the queue and admit), on the simulator's clock. A run is a
-:class:`~feather_env.evaluation.report.Run` of kind :data:`SIMULATOR`, so its metrics, tables and
-results folder are the in-process evaluation's (:mod:`feather_env.evaluation.report`), and
-``evaluate.py compare`` merges it with real-engine folders.
+times) with every scheduler on :class:`~feather_env.engines.sim_backend.SimBackend`, each
+scheduler answering its own decisions as it does when serving
+(:func:`feather_env.env.play_episode`: ``fcfs`` admits every arrival in order, a ``feather:PATH``
+policy file answers the Chunked Hash Tree's candidates, ``lpm``/``dfs-weight``/``svf`` order the
+queue and admit), on the simulator's clock. A run is a :class:`~feather_env.evaluation.report.Run`
+of kind :data:`SIMULATOR`, so its metrics, tables and results folder are the in-process
+evaluation's (:mod:`feather_env.evaluation.report`), and ``evaluate.py compare`` merges it with
+real-engine folders.
 
 Several episodes (``seeds``) are served back to back: each episode's timeline is shifted to start
 when the previous one ended and its request ids get the episode seed as a prefix, so
@@ -33,8 +34,8 @@ from typing import Any
 import numpy as np
 
 from feather_env.evaluation.report import SIMULATOR, Run
+from feather_env.records import RequestTimeline
 from feather_env.scenarios import Scenario
-from feather_env.serving_metrics import RequestTimeline
 from feather_env.workloads import Workload
 from scheduler_runtime.config import ConfigError
 

@@ -52,6 +52,7 @@ from feather_env.workloads.datadir import require_file
 from feather_env.workloads.request import Request
 from feather_env.workloads.tokenizer import DEFAULT_MODEL_DIR, load_tokenizer
 from feather_env.workloads.workload import Workload, WorkloadError, iter_jsonl_objects, not_utf8
+from scheduler_runtime.config import ConfigError, load_mapping
 
 __all__ = ["CUSTOM_FORMATS", "GROUP_KEY_TOKENS", "ModelInfo", "load_custom", "model_info", "render_chat"]
 
@@ -116,12 +117,9 @@ def _read_json(path: Path, missing_ok: bool = False) -> dict[str, Any]:
     if missing_ok and not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise WorkloadError(f"{path}: cannot read the model's JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise WorkloadError(f"{path}: expected a JSON object")
-    return data
+        return load_mapping(path)
+    except ConfigError as exc:
+        raise WorkloadError(f"the model's configuration: {exc}") from None
 
 
 @functools.lru_cache(maxsize=4)

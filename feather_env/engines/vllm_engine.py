@@ -28,7 +28,7 @@ from typing import Any
 
 from scheduler_runtime.config import ConfigError, from_mapping, load_yaml
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 #: The process environment every in-process engine of the project runs with (set before vLLM
 #: is imported): scheduler and model in the calling process, so ``step()`` is synchronous and
 #: the scheduler object is reachable; no tokenizer threads competing with the engine's.
@@ -320,7 +320,7 @@ def engine_core_of(llm: Any) -> Any:
     if core is None:
         raise EngineError(
             "the vLLM engine runs in a separate process; set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
-            "before vLLM is imported (feather_env.engine.use_in_process_engine does this)"
+            "before vLLM is imported (feather_env.engines.vllm_engine.use_in_process_engine does this)"
         )
     return core
 

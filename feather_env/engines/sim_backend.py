@@ -1,7 +1,7 @@
 """The simulator backend: the serving loop on a model of vLLM, its steps timed by the fitted step model.
 
-:class:`SimBackend` is :class:`~feather_env.serving.VLLMBackend` with the engine replaced by
-:class:`~feather_env.sim_engine.SimEngine`: vLLM's admission (token budget, ``max_num_seqs``, KV
+:class:`SimBackend` is :class:`~feather_env.engines.vllm_backend.VLLMBackend` with the engine replaced by
+:class:`~feather_env.engines.sim_engine.SimEngine`: vLLM's admission (token budget, ``max_num_seqs``, KV
 blocks), block-level prefix cache with LRU eviction, chunked prefill, preemption and the
 persistent batch's order, modelled exactly (``tests/test_sim_engine.py`` checks them against
 vLLM's own scheduler), and each step's time predicted by a
@@ -13,7 +13,7 @@ engine's queue, as ``FeatherScheduler``'s hooks do.
 
 Between two decisions the engine runs up to the next event the core can see (a finish, an
 arrival, a ``max_wait`` deadline); stretches of identical decode steps in between are taken in
-one go (:meth:`~feather_env.sim_engine.SimEngine.advance_decode`), their time summed in closed
+one go (:meth:`~feather_env.engines.sim_engine.SimEngine.advance_decode`), their time summed in closed
 form (a decode step grows linearly with the contexts it reads).
 """
 
@@ -26,12 +26,16 @@ from pathlib import Path
 import numpy as np
 
 from feather_env.calibrate import DEFAULT_PROFILE, load_profile
-from feather_env.engine import EngineConfig, EngineError
-from feather_env.serving import Advance, ServingBackend
-from feather_env.sim_engine import SimEngine, SimEngineConfig, StepResult
+from feather_env.engines.sim_config import SimEngineConfig
+from feather_env.engines.sim_engine import SimEngine
+from feather_env.engines.step_result import StepResult
+from feather_env.engines.vllm_engine import EngineConfig, EngineError
+from feather_env.records import Advance
+from feather_env.serving import ServingBackend
 from feather_env.step_model import StepCostModel, features_from_columns
 from feather_env.workloads import Request
 from scheduler_runtime.decision import EngineView
+from scheduler_runtime.frontend import HeldRequests, free_slots
 from scheduler_runtime.schedulers import EXTRA_OUTPUT_LEN, FeatherRuntime, SchedulerConfig
 
 __all__ = ["SimBackend"]
@@ -48,7 +52,7 @@ class _SimView:
 
     def cached_prefix_tokens(self, request_id: str, limit: int | None = None) -> int:
         backend = self.backend
-        request = backend._held.get(request_id)
+        request = backend.held.get(request_id)
         if request is None:
             return 0
         engine = backend.engine
@@ -65,7 +69,7 @@ class _SimView:
         backend = self.backend
         prefixes = []
         for rid in request_ids:
-            request = backend._held.get(rid)
+            request = backend.held.get(rid)
             if request is None:
                 continue
             self.cached_prefix_tokens(rid, 0)  # keeps the prompt's block hashes
@@ -74,7 +78,7 @@ class _SimView:
 
 
 class SimBackend(ServingBackend):
-    """The serving loop on :class:`~feather_env.sim_engine.SimEngine` (see the module docstring).
+    """The serving loop on :class:`~feather_env.engines.sim_engine.SimEngine` (see the module docstring).
 
     Args:
         engine: the engine to model (its KV blocks, batch size, token budget, model length).
@@ -96,13 +100,17 @@ class SimBackend(ServingBackend):
                                           max_model_len=e.max_model_len)
         self.kv_capacity_tokens = e.usable_kv_tokens
         self.engine = SimEngine(self.sim_config)
-        self._held: dict[str, Request] = {}
+        #: The requests the core holds, released into the engine's queue (scheduler_runtime.frontend).
+        self.held: HeldRequests[Request] = HeldRequests(self._enqueue)
         self._hit: dict[str, int] = {}
         self._hashes: dict[tuple[str, int], tuple[Request, np.ndarray]] = {}
         self._block_hashes: dict[str, tuple[Request, list[int]]] = {}
         self._view = _SimView(self)
         w = self.model.coef
         self._decode_growth = w[3] + w[4]  # seconds per decoding request per further decode step
+        #: Every predicted step time is multiplied by this: a slower (> 1) or faster machine than
+        #: the one the profile was fitted on (the environment's ``engine_slowdown``).
+        self.time_scale = 1.0
 
     # -- the serving loop's hooks ----------------------------------------------------------------
     @property
@@ -111,19 +119,19 @@ class SimBackend(ServingBackend):
 
     def free_slots(self) -> int:
         engine = self.engine
-        return self.sim_config.max_num_seqs - engine.num_running - engine.num_waiting
+        return free_slots(self.sim_config.max_num_seqs, engine.num_running + engine.num_waiting)
 
     def release(self, request_ids: Sequence[str]) -> None:
-        held, engine = self._held, self.engine
-        for rid in request_ids:
-            r = held.pop(rid)
-            engine.add_request(rid, r.prompt_token_ids, r.output_len)
+        self.held.release(request_ids)
+
+    def _enqueue(self, request: Request) -> None:
+        self.engine.add_request(request.request_id, request.prompt_token_ids, request.output_len)
 
     def _reset_engine(self, config: SchedulerConfig) -> None:
         self.engine = SimEngine(self.sim_config)
         self.runtime = FeatherRuntime(config, self.kv_capacity_tokens,
                                       max_model_len=self.sim_config.max_model_len)
-        self._held = {}
+        self.held = HeldRequests(self._enqueue)
         self._hit = {}
 
     def _engine_busy(self) -> bool:
@@ -144,7 +152,7 @@ class SimBackend(ServingBackend):
         runtime.arrive(request.request_id, request.prompt_token_ids, now=self.clock,
                        max_tokens=request.output_len,
                        extra_args={EXTRA_OUTPUT_LEN: request.output_len}, prompt_hashes=cached[1])
-        self._held[request.request_id] = request
+        self.held.hold(request.request_id, request)
 
     def _deadline(self) -> float:
         """The clock of the next event the core sees: an arrival, or its oldest request's max_wait."""
@@ -177,7 +185,7 @@ class SimBackend(ServingBackend):
         shared = [hit.get(rid, 0) for rid in res.request_ids]  # every column in persistent-batch order
         feats = features_from_columns(res.num_scheduled, res.num_computed, res.first_block, shared,
                                       res.is_prefill, self.model.cache_tokens)
-        return float(self.model.predict_features(feats))
+        return float(self.model.predict_features(feats)) * self.time_scale
 
     def _step(self, adv: Advance) -> bool:
         """One engine step; True when a request finished (the core has news), or, for the group
@@ -191,7 +199,7 @@ class SimBackend(ServingBackend):
             self._hit[rid] = hit
             self._record_scheduled(rid, hit, start)
         dt = self._batch_seconds(res)
-        self._tick(dt, adv)
+        self._advance_clock(dt, adv)
         now = self.clock
         if not res.admitted and not any(res.is_prefill):
             adv.decode_tokens += n
@@ -205,7 +213,7 @@ class SimBackend(ServingBackend):
         for rid in res.finished:
             t = self._timelines[rid]
             self._record_tokens(rid, t.output_len - t.tokens, True, now, adv)
-            runtime.freed(rid, aborted=False)
+            runtime.left_engine(rid, aborted=False)
             self._hit.pop(rid, None)
         return bool(res.finished) or (bool(res.admitted) and runtime.core.config.decision == "group")
 
@@ -216,8 +224,8 @@ class SimBackend(ServingBackend):
         probe = engine.advance_decode(1)
         n = len(probe.request_ids)
         t0 = self._batch_seconds(probe)
-        g = self._decode_growth * n
-        self._tick(t0, adv)
+        g = self._decode_growth * n * self.time_scale
+        self._advance_clock(t0, adv)
         adv.decode_tokens += n
         adv.decode_seconds += t0
         if k > 1 and self.clock < deadline:
@@ -226,11 +234,11 @@ class SimBackend(ServingBackend):
             m = _steps_to_reach(room, t1, g, k - 1)
             engine.advance_decode(m)
             dt = m * t1 + g * m * (m - 1) / 2.0
-            self._tick(dt, adv, m)
+            self._advance_clock(dt, adv, m)
             adv.decode_tokens += m * n
             adv.decode_seconds += dt
 
-    def _tick(self, dt: float, adv: Advance, steps: int = 1) -> None:
+    def _advance_clock(self, dt: float, adv: Advance, steps: int = 1) -> None:
         self.clock += dt
         adv.seconds += dt
         adv.request_seconds += self._in_system * dt

@@ -1,0 +1,114 @@
+"""The records of the serving loop: plain data the engines, the environment and the evaluation pass around.
+
+- :class:`RequestTimeline`: one request's life on one clock (arrival, first scheduled, first token,
+  finish, tokens, prefix hit), from which every ``vllm bench serve`` figure is computed
+  (:mod:`feather_env.serving_metrics`);
+- :class:`Advance`: what one advance of an engine cost (the environment's rewards come from it);
+- :class:`StepRequest` and :class:`MeasuredStep`: a measured engine step, as the step-time model
+  is fitted on it (:mod:`feather_env.step_model`, :mod:`feather_env.calibrate`);
+- :class:`StepSample`: an engine step of an in-process evaluation run (its timeline plots).
+
+The simulator's own step records (``StepResult``, ``ScheduledEntry``) mirror vLLM's scheduler
+output and live with the simulator.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+__all__ = ["Advance", "MeasuredStep", "RequestTimeline", "StepRequest", "StepSample"]
+
+
+@dataclass
+class RequestTimeline:
+    """One request's life on one clock (seconds; NaN where it never happened)."""
+
+    request_id: str
+    prompt_len: int
+    output_len: int
+    arrival: float
+    first_scheduled: float = math.nan
+    first_token: float = math.nan
+    finish: float = math.nan
+    tokens: int = 0
+    prefix_hit_tokens: int = 0
+    finished_count: int = 0
+    source: str = ""
+    #: Seconds between successive outputs after the first (one per output that carried tokens).
+    itl: list[float] = field(default_factory=list)
+    #: When the latest output came (NaN before the first).
+    last_output: float = math.nan
+
+    @property
+    def completed(self) -> bool:
+        return self.finished_count == 1 and self.tokens == self.output_len
+
+    @property
+    def e2el(self) -> float:
+        return self.finish - self.arrival
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> float:
+        """Seconds per output token after the first (0 for a request of one token, as vLLM)."""
+        if self.tokens <= 1:
+            return 0.0
+        return (self.finish - self.first_token) / (self.tokens - 1)
+
+@dataclass
+class Advance:
+    """What one :meth:`ServingBackend.advance` cost.
+
+    Attributes:
+        seconds: clock time that passed (engine steps, and an idle jump to the next arrival).
+        request_seconds: requests in the system (arrived, not finished) x seconds, summed.
+        decode_tokens, decode_seconds: tokens and time of the steps that only decoded.
+        steps: engine steps taken.
+        finished: requests that finished (external ids).
+    """
+
+    seconds: float = 0.0
+    request_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    steps: int = 0
+    finished: list[str] = field(default_factory=list)
+
+@dataclass(frozen=True)
+class StepRequest:
+    """One scheduled request of a step, as the step model sees it.
+
+    Attributes:
+        num_tokens: tokens computed this step (1 for a decode).
+        num_computed: tokens already in its KV cache before this step.
+        group: its first KV block (requests with the same first block share their prefix).
+        shared_tokens: tokens of its prompt that came from the prefix cache (whole blocks).
+        is_prefill: computing prompt tokens (or a resumed request's) rather than one decode token.
+    """
+
+    num_tokens: int
+    num_computed: int
+    group: int
+    shared_tokens: int
+    is_prefill: bool
+
+@dataclass
+class MeasuredStep:
+    """One engine step as the calibration sees it: its requests in batch order and its time."""
+
+    batch: list[StepRequest]
+    seconds: float
+
+@dataclass
+class StepSample:
+    """One engine step of an in-process run: when it started (run clock), how long, what ran."""
+
+    start: float
+    seconds: float
+    running: int
+    scheduled: int
+    decode_only: bool
