@@ -244,8 +244,20 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
     Every input is checked before anything is written: the output folder, the environment (built
     on the simulator: the scenario, its pool, the environment's arguments, and that its episodes
     ask decisions at all) and, with ``resume``, the saved config and the checkpoint (loaded). Only
-    then is ``OUT`` created, ``OUT/config.yaml`` written and an engine started.
+    then is ``OUT`` created, ``OUT/config.yaml`` written and an engine started. vLLM's logging is
+    given back as it was when the run ends, however it ends.
     """
+    try:
+        return _run(cfg, out, resume=resume, backend=backend, verbose=verbose, vllm_log=vllm_log)
+    finally:
+        if vllm_log is not None:
+            from feather_env.engines.vllm_engine import send_vllm_logs_to
+
+            send_vllm_logs_to(None)
+
+
+def _run(cfg: RunConfig, out: str | Path, *, resume: bool, backend: Any, verbose: bool,
+         vllm_log: str | Path | None) -> TrainResult:
     from agents.registry import agent_class, make_agent
     from feather_env.reporting import check_output_dir
 

@@ -105,9 +105,22 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("cluster")
     template = root / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
-    with ClusterServer(2, "prefix", [*SERVER_ARGS, "--chat-template", str(template)],
-                       log_path=root / "server.log") as running:
+    # the session's in-process engine pins this process to one core, and a launched server inherits
+    # that: launch it with every core of the machine, as a user's shell would
+    pinned = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    if pinned is not None:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    try:
+        cluster = ClusterServer(2, "prefix", [*SERVER_ARGS, "--chat-template", str(template)],
+                                log_path=root / "server.log")
+        running = cluster.__enter__()
+    finally:
+        if pinned is not None:
+            os.sched_setaffinity(0, pinned)
+    try:
         yield running
+    finally:
+        cluster.__exit__(None, None, None)
 
 
 def post(url: str, body: dict, timeout: float = 300.0):
