@@ -4,27 +4,36 @@ Each file is served as ``feather:policies/...`` on the session engine (leval-kv-
 GiB of KV) over a small episode of its own scenario's kind: the scheduler answers its own
 decisions with the policy, as under ``feather-serve``. Every request must be served once with its
 tokens (``VLLMBackend.serve`` checks it), the policy must have been asked, and no fault may have
-switched it off. Files with the same bytes (a scenario that ships ``general.feather``) are served
-once.
+switched it off. One file of each form is served (a table, an MLP, a cap, the hold rule: files of
+one form run the same code with other numbers); every file is loaded and checked against its
+scenario.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import pytest
 
 from feather_env.scenarios import load_scenario
+from scheduler_runtime.decision import observation_kind
 from scheduler_runtime.policy import load_policy
 from scheduler_runtime.schedulers import SchedulerConfig
 
 REPO = Path(__file__).resolve().parent.parent
 POLICIES = REPO / "policies"
 SHIPPED = sorted(POLICIES.rglob("*.feather"))
-#: One path per distinct file content.
-DISTINCT = list({hashlib.sha256(p.read_bytes()).hexdigest(): p for p in reversed(SHIPPED)}.values())[::-1]
+
+
+def _form(path: Path) -> tuple[str, ...]:
+    policy = load_policy(path)
+    params = policy.params() if policy.kind == "group-cap" else {}
+    return (policy.kind, observation_kind(policy), str(params.get("cap") is None))
+
+
+#: One path per form of policy file.
+SERVED = list({_form(p): p for p in reversed(SHIPPED)}.values())[::-1]
 #: A small episode that still has choices to make: 4 documents x 3 questions, short answers.
 EPISODE = {"episode": {"groups": 4, "max_per_group": 3}, "workload": {"max_output_tokens": 8}}
 
@@ -41,7 +50,14 @@ def test_every_scenario_has_its_shipped_files():
         assert path.name in readme, f"{path} is not described in policies/README.md"
 
 
-@pytest.mark.parametrize("path", DISTINCT, ids=[str(p.relative_to(POLICIES)) for p in DISTINCT])
+@pytest.mark.parametrize("path", SHIPPED, ids=[str(p.relative_to(POLICIES)) for p in SHIPPED])
+def test_every_shipped_file_loads_for_its_scenario(path):
+    policy = load_policy(path)  # a corrupted or unversioned file fails here, with its name
+    if path.stem != "general":
+        assert policy.obs_spec.chunk_size == load_scenario(path.stem).scheduler.chunk_size
+
+
+@pytest.mark.parametrize("path", SERVED, ids=[str(p.relative_to(POLICIES)) for p in SERVED])
 def test_shipped_policy_serves_through_the_real_scheduler(env_backend, path):
     policy = load_policy(path)  # a corrupted or unversioned file fails here, with its name
     scenario = load_scenario("leval-kv-pressure", EPISODE)
