@@ -138,6 +138,8 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
                      "back to back (default 1)")
     how.add_argument("--profile", default=None, help="sim: the simulator's calibrated profile (default: the "
                      "shipped one; make one with python -m feather_env.calibrate)")
+    how.add_argument("--engine-slowdown", type=float, default=1.0, help="sim: multiply the simulator's step "
+                     "times by this factor (a machine slower than the profile's; default 1)")
 
     eng = p.add_argument_group("in-process engine (default: the scenario's; --workload: 4 GiB, 64, 8192)")
     eng.add_argument("--kv-cache-gib", type=float, default=None)
@@ -293,7 +295,8 @@ def _simulated_scenario(args: argparse.Namespace) -> tuple[Scenario, SimConfig]:
 
         load_profile(args.profile)
     names = tuple(n.strip() for n in (args.schedulers or DEFAULT_SCHEDULERS).split(",") if n.strip())
-    config = SimConfig(names, tuple(range(args.seed, args.seed + args.episodes)), args.profile, args.label)
+    config = SimConfig(names, tuple(range(args.seed, args.seed + args.episodes)), args.profile, args.label,
+                       args.engine_slowdown)
     validate_schedulers(config.schedulers, scenario.scheduler.chunk_size, scenario.scheduler.max_wait)
     return scenario, config
 
@@ -341,9 +344,10 @@ def run(argv: Sequence[str], backend: Any = None) -> int:
                           "a server runs its own scheduler")
     goodput = parse_goodput(args.goodput) if args.goodput else None
     percentiles = _percentiles(args.percentiles)
-    if args.backend != "sim" and (args.episodes != 1 or args.profile is not None):
-        raise ConfigError("--episodes and --profile are for --backend sim (the real engine serves one "
-                          "episode, --seed)")
+    sim_only = args.episodes != 1 or args.profile is not None or args.engine_slowdown != 1.0
+    if args.backend != "sim" and sim_only:
+        raise ConfigError("--episodes, --profile and --engine-slowdown are for --backend sim (the real "
+                          "engine serves one episode, --seed)")
     out = Path(args.out or f"runs/eval-{dt.datetime.now():%Y%m%d-%H%M%S}")
     check_output_dir(out, "--out")
     if args.backend == "sim":

@@ -502,6 +502,14 @@ def render_headline(res: Mapping[str, Any]) -> str:
     return "\n".join(out)
 
 
+def render_comparisons(res: Mapping[str, Any]) -> str:
+    """The README's ratios: :func:`comparisons_table` of the scenarios evaluated, with when and where."""
+    if not res.get("comparisons"):
+        return "_Not measured yet: `python -m benchmarks.evaluation` writes `results/evaluation.json`._"
+    return "\n".join([f"Ratios of the runs above, per scenario ({measured(res)}; output tok/s unless named):",
+                      "", comparisons_table(res["comparisons"])])
+
+
 # ------------------------------------------------------------------------------------ the sweep
 
 

@@ -86,7 +86,7 @@ REWARD_CLASSES: dict[str, type[Reward]] = {r.name: r for r in (LatencyReward, Ma
 REWARDS = tuple(REWARD_CLASSES)
 
 
-def _slowdown_range(value: float | Sequence[float]) -> tuple[float, float]:
+def slowdown_range(value: float | Sequence[float]) -> tuple[float, float]:
     """``engine_slowdown`` as ``(low, high)``: one factor, or a range drawn per episode."""
     problem = f"engine_slowdown must be a factor > 0 or a range [low, high] of them, got {value!r}"
     try:
@@ -300,7 +300,7 @@ class FeatherEnv(gym.Env):
         self.delta_clip = delta_clip
         self.max_episode_seconds = max_episode_seconds
         self.engine_config = self.scenario.engine_config()
-        self.engine_slowdown = _slowdown_range(engine_slowdown)
+        self.engine_slowdown = slowdown_range(engine_slowdown)
         self._owns_backend = isinstance(backend, str)
         self.backend = self._make_backend(backend, profile, llm)
         if not self.backend.deterministic:

@@ -235,6 +235,8 @@ def _result(name: str, module: str | None = None) -> Block:
 #: Block name -> where it goes and what renders it.
 BLOCKS: dict[str, Block] = {
     "headline": Block("README.md", from_json("evaluation.json", "benchmarks.evaluation", "render_headline")),
+    "comparisons": Block("README.md", from_json("evaluation.json", "benchmarks.evaluation",
+                                                "render_comparisons")),
     **{name: _result(name) for name in (
         "prefix_homogeneity", "env_orderings", "sim_validation", "env_speed", "rewards", "agents",
         "admission_rules", "group_admission", "cht_overhead", "scheduler_overhead")},

@@ -82,6 +82,19 @@ def test_policy_files_and_several_episodes_in_the_simulator(exported_policies, t
 SIM = ["--scenario", "leval-kv-pressure", "--backend", "sim"]
 
 
+def test_a_slower_machine_in_the_simulator(tmp_path):
+    """``--engine-slowdown 2``: every step takes twice as long, so the same episode (all requests
+    present at once) takes about twice as long and serves every request all the same."""
+    common = [*SIM, "--schedulers", "feather-heuristic", "--num-groups", "3", "--no-plots"]
+    runs = {}
+    for factor in ("1", "2"):
+        assert evaluate.main([*common, "--engine-slowdown", factor, "--out", str(tmp_path / factor)]) == 0
+        payload = json.loads((tmp_path / factor / "results.json").read_text())
+        runs[factor] = payload["runs"]["feather-heuristic"]
+    assert runs["1"]["completed"] == runs["2"]["completed"] == runs["1"]["submitted"]
+    assert 1.8 < runs["2"]["duration"] / runs["1"]["duration"] < 2.2
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--workload", "leval", "--backend", "sim"], "--backend sim serves a scenario's episodes"),
     ([*SIM, "--episodes", "0"], "--episodes must be >= 1"),
@@ -90,6 +103,9 @@ SIM = ["--scenario", "leval-kv-pressure", "--backend", "sim"]
     ([*SIM, "--profile", "nope.json"], "profile not found"),
     (["--scenario", "leval-kv-pressure", "--episodes", "2"], "are for --backend sim"),
     ([*SIM, "--kv-cache-gib", "nan"], "kv_cache_gib"),
+    ([*SIM, "--engine-slowdown", "0"], "engine_slowdown must be a factor > 0"),
+    ([*SIM, "--engine-slowdown", "nan"], "engine_slowdown must be a factor > 0"),
+    (["--scenario", "leval-kv-pressure", "--engine-slowdown", "2"], "are for --backend sim"),
 ])
 def test_bad_simulator_input_is_one_line_before_anything_is_written(argv, message, tmp_path, capsys):
     assert evaluate.main([*argv, "--out", str(tmp_path / "o")]) == 2

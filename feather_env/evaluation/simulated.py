@@ -56,14 +56,20 @@ class SimConfig:
         seeds: the scenario's episode seeds, served back to back by every scheduler.
         profile: the simulator's calibrated profile (``None``: the shipped one).
         label: prefix of the run labels (``LABEL/scheduler``).
+        engine_slowdown: the simulator's step times multiplied by this factor (a machine slower than the
+            one its profile was fitted on; the environment's ``engine_slowdown``).
     """
 
     schedulers: tuple[str, ...]
     seeds: tuple[int, ...] = (0,)
     profile: str | None = None
     label: str | None = None
+    engine_slowdown: float = 1.0
 
     def __post_init__(self) -> None:
+        from feather_env.env import slowdown_range
+
+        slowdown_range(self.engine_slowdown)  # one factor > 0, or a clear error
         if not self.seeds:
             raise ConfigError("the simulated evaluation needs at least one episode")
         if any(s < 0 for s in self.seeds):
@@ -110,7 +116,8 @@ def evaluate_simulated(scenario: Scenario, config: SimConfig, *, log: Callable[[
     from feather_env.evaluation.inprocess import validate_schedulers
 
     names = validate_schedulers(config.schedulers, scenario.scheduler.chunk_size, scenario.scheduler.max_wait)
-    envs = {name: FeatherEnv(scenario, "sim", scheduler=name, profile=config.profile) for name in names}
+    envs = {name: FeatherEnv(scenario, "sim", scheduler=name, profile=config.profile,
+                                 engine_slowdown=config.engine_slowdown) for name in names}
     multi = len(config.seeds) > 1
     runs = []
     for name, env in envs.items():
