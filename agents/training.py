@@ -244,8 +244,8 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
     Every input is checked before anything is written: the output folder, the environment (built
     on the simulator: the scenario, its pool, the environment's arguments, and that its episodes
     ask decisions at all) and, with ``resume``, the saved config and the checkpoint (loaded). Only
-    then is ``OUT`` created, ``OUT/config.yaml`` written and an engine started. vLLM's logging is
-    given back as it was when the run ends, however it ends.
+    then is ``OUT`` created, ``OUT/config.yaml`` written and an engine started. With ``vllm_log``,
+    vLLM's own logging configuration is put back when the run ends, however it ends.
     """
     try:
         return _run(cfg, out, resume=resume, backend=backend, verbose=verbose, vllm_log=vllm_log)

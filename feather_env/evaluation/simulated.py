@@ -117,7 +117,7 @@ def evaluate_simulated(scenario: Scenario, config: SimConfig, *, log: Callable[[
 
     names = validate_schedulers(config.schedulers, scenario.scheduler.chunk_size, scenario.scheduler.max_wait)
     envs = {name: FeatherEnv(scenario, "sim", scheduler=name, profile=config.profile,
-                                 engine_slowdown=config.engine_slowdown) for name in names}
+                             engine_slowdown=config.engine_slowdown) for name in names}
     multi = len(config.seeds) > 1
     runs = []
     for name, env in envs.items():
