@@ -246,6 +246,9 @@ class BatchingCore:
         self._waiting: dict[str, _Entry] = {}
         self._active: dict[str, _Entry] = {}
         self._arrivals: deque[_Entry] = deque()  # arrival order, stale entries skipped lazily
+        # the shortest prompt and output estimate that ever arrived: floors under every waiting
+        # request's (:meth:`nothing_fits`)
+        self._shortest_prompt, self._shortest_output = float("inf"), float("inf")
         self._version = 0  # bumped by every change a policy could observe
         self._stop_version = -1  # _version at the last STOP
         self.ordering = make_ordering(self)
@@ -300,6 +303,8 @@ class BatchingCore:
             self._volume_q.push(request_id, volume(entry.prompt_len, entry.output_len))
         self._waiting[request_id] = entry
         self._arrivals.append(entry)
+        self._shortest_prompt = min(self._shortest_prompt, entry.prompt_len)
+        self._shortest_output = min(self._shortest_output, entry.output_len)
         self._changed()
         self.stats.arrived += 1
 
@@ -591,12 +596,31 @@ class BatchingCore:
 
     def _footprint(self, request_id: str) -> float:
         """KV tokens the request adds to the batch at its peak (0 with admission 'none')."""
+        if self.config.admission == "none":
+            return 0.0
+        entry = self._waiting[request_id]
+        return self._footprint_of(self.cht.missing_count(request_id), entry.prompt_len, entry.output_len)
+
+    def _footprint_of(self, missing: int, prompt_len: float, output_len: float) -> float:
+        """The footprint of a request that misses ``missing`` chunks of the batch's prefixes;
+        it never decreases when an argument grows."""
         admission = self.config.admission
         if admission == "none":
             return 0.0
-        entry = self._waiting[request_id]
-        unshared = min(self.cht.missing_count(request_id) * self.chunk_size, entry.prompt_len)
-        return float(unshared) + (entry.output_len if admission == "peak" else 0.0)
+        unshared = min(missing * self.chunk_size, prompt_len)
+        return float(unshared) + (output_len if admission == "peak" else 0.0)
+
+    def nothing_fits(self, fewest_missing: int) -> bool:
+        """Whether no waiting request fits the KV budget, when ``fewest_missing`` is the fewest
+        chunks a waiting request misses (the CHT's best candidate's): then no ordering can find
+        one that does, and the round ends at the budget whichever candidate it names (an
+        ordering that searches its candidate asks this first). Decided from a floor under
+        every waiting request's footprint: that many missing chunks, the shortest prompt and
+        output estimate that ever arrived."""
+        if self.config.admission == "none":
+            return False
+        return not self.budget.fits(self._footprint_of(fewest_missing, self._shortest_prompt,
+                                                       self._shortest_output))
 
     def _release(self, request_id: str, reason: str) -> None:
         footprint = self._footprint(request_id)  # before activation: against the batch without it

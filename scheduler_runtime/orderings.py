@@ -116,6 +116,25 @@ class GroupOrdering(FeatherOrdering):
 
     name = "feather"
 
+    def __init__(self, core: BatchingCore) -> None:
+        super().__init__(core)
+        #: The engine's cached prefix of each group's oldest waiting request, as looked up in this
+        #: round: the engine does not change while a round is open, and an arrival or a finish,
+        #: which may change the answer or the round, clears it.
+        self._hits: dict[str, int] = {}
+
+    def arrive(self, entry: _Entry, tokens: np.ndarray) -> None:
+        self._hits.clear()
+
+    def finish(self, request_id: str) -> None:
+        self._hits.clear()
+
+    def remove(self, request_id: str) -> None:
+        self._hits.clear()
+
+    def begin_round(self) -> None:
+        self._hits.clear()
+
     def next_candidate(self) -> str | None:
         core = self.core
         cand = core.cht.best_candidate()
@@ -128,12 +147,19 @@ class GroupOrdering(FeatherOrdering):
         joining = groups.first_waiting_in_flight()
         if joining is not None:
             return joining
-        engine, limit = core._engine, core.group_tokens
+        if core.nothing_fits(core.cht.missing_count(cand.request_id)):
+            core._candidate_cache = cand  # the round ends at the budget: no search
+            return cand.request_id
+        engine, limit, hits = core._engine, core.group_tokens, self._hits
         best, best_hit = cand.request_id, 0
         for _, rid in groups.waiting_groups_out_of_flight():
-            hit = engine.cached_prefix_tokens(rid, limit)
+            hit = hits.get(rid)
+            if hit is None:
+                hit = hits[rid] = engine.cached_prefix_tokens(rid, limit)
             if hit > best_hit:
                 best, best_hit = rid, hit
+                if hit >= limit:  # a lookup stops at ``limit``: no later group can hit more
+                    break
         if best == cand.request_id:
             core._candidate_cache = cand
         return best

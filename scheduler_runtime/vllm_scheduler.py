@@ -52,6 +52,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from vllm.logger import init_logger
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -93,15 +94,57 @@ class _EngineView:
 
     def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler
+        #: Whether a miss on a prompt's first block settles a lookup (None: not known yet).
+        self._first_block_settles: bool | None = None
+        #: Each held request's first block as vLLM's cached-block map keys it, with the request.
+        self._first_keys: dict[str, tuple[Request, Any]] = {}
 
     def kv_usage(self) -> float:
         return float(self.scheduler.kv_cache_manager.usage)
+
+    def _first_block_decides(self) -> bool:
+        """Whether a prompt whose first block is not cached has no cache hit at all: one
+        full-attention KV cache group, whose hit is a run of blocks from the prompt's start
+        (vLLM's ``FullAttentionManager.find_longest_cache_hit``). The cached-first scan asks this
+        engine about every waiting group at every round; one dictionary lookup answers most."""
+        if self._first_block_settles is None:
+            from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
+            from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+            coordinator = self.scheduler.kv_cache_manager.coordinator
+            self._first_block_settles = (
+                type(coordinator) is UnitaryKVCacheCoordinator
+                and type(coordinator.single_type_managers[0]) is FullAttentionManager
+                and coordinator.dcp_world_size == 1
+                and coordinator.pcp_world_size == 1
+            )
+        return self._first_block_settles
+
+    def _first_block_key(self, request_id: str, request: Request) -> Any:
+        """The request's first block's key in vLLM's cached-block map (``BlockPool.get_cached_block``'s
+        lookup), kept while the request is held; None for a prompt shorter than a block."""
+        keys = self._first_keys
+        known = keys.get(request_id)
+        if known is not None and known[0] is request:
+            return known[1]
+        if not request.block_hashes:
+            return None
+        held = self.scheduler.feather_held
+        if len(keys) > 2 * len(held) + 64:  # forget the requests no longer held
+            keys = self._first_keys = {rid: kv for rid, kv in keys.items() if held.get(rid) is kv[0]}
+        key = make_block_hash_with_group_id(request.block_hashes[0], 0)
+        keys[request_id] = (request, key)
+        return key
 
     def cached_prefix_tokens(self, request_id: str, limit: int | None = None) -> int:
         request = self.scheduler.feather_held.get(request_id)
         if request is None:
             return 0
         manager = self.scheduler.kv_cache_manager
+        if self._first_block_decides():
+            key = self._first_block_key(request_id, request)
+            if key is not None and manager.block_pool.cached_block_hash_to_block.get_one_block(key) is None:
+                return 0
         if limit is None:
             # vLLM's own admission lookup (no side effects): full blocks, at most prompt - 1 tokens
             return int(manager.get_computed_blocks(request)[1])

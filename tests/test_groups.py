@@ -7,7 +7,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -208,6 +208,44 @@ def test_cached_first_order_and_the_hold():
     core.stop()
     assert {r.split("-")[0] for r in core.close_round()} == {first, others[-1]}
     core.check_consistency()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_the_search_skipped_when_nothing_fits_the_budget_changes_no_round(data):
+    """The cached-first search is skipped when no waiting request fits the KV budget
+    (``BatchingCore.nothing_fits``): every round releases what the full search releases, and
+    whenever the floor says nothing fits, no waiting request does."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 10_000)))
+    capacity = data.draw(st.integers(CHUNK, 24 * CHUNK))
+    cap = data.draw(st.integers(1, 4))
+    cores = [BatchingCore(CoreConfig(chunk_size=CHUNK, decision="group", max_wait=None),
+                          GroupCapRule(cap=cap), kv_capacity_tokens=capacity) for _ in range(2)]
+    cores[1].nothing_fits = lambda fewest_missing: False  # the full search, every time
+    reqs = documents(data.draw(st.integers(2, 6)), data.draw(st.integers(1, 4)),
+                     doc_len=int(rng.choice([2 * CHUNK, 4 * CHUNK])), seed=int(rng.integers(1000)))
+    floored = 0
+    for step in range(12):
+        for rid, tokens in reqs[step * 3:step * 3 + 3]:
+            cut = int(rng.integers(CHUNK // 2, tokens.size + 1))
+            out = int(rng.integers(1, 3 * CHUNK))
+            for core in cores:
+                core.arrive(rid, tokens[:cut], arrival=float(step), output_len=out)
+        engine = FakeEngine(cached={f"d{i}" for i in range(6) if rng.random() < 0.3})
+        core = cores[0]
+        best = core.cht.best_candidate()
+        if best is not None and core.nothing_fits(core.cht.missing_count(best.request_id)):
+            floored += 1
+            assert not any(core.budget.fits(core._footprint(r)) for r in core.waiting_ids())
+        slots = int(rng.integers(1, 8))
+        assert cores[0].plan(float(step), slots, engine) == cores[1].plan(float(step), slots, engine)
+        done = [r for r in cores[0].active_ids() if rng.random() < 0.4]
+        for core in cores:
+            for rid in done:
+                core.finish(rid)
+    assert cores[0].stats.capacity_stops == cores[1].stats.capacity_stops
+    cores[0].check_consistency()
+    event("the floor ended a round" if floored else "the floor never ended a round")
 
 
 def test_requests_that_share_nothing_are_never_held():

@@ -165,7 +165,10 @@ def test_group_cap_keeps_its_documents_in_flight_inside_vllm(sched, feather_llm)
         seen.append(core.groups.num_in_flight)
         assert view.num_queued() == len(sched.waiting) + len(sched.kv_holding_waiting)
         for rid in list(sched.feather_held)[:3]:
+            request = sched.feather_held[rid]
             full = view.cached_prefix_tokens(rid)
+            # the view's first-block shortcut answers as vLLM's own admission lookup
+            assert full == sched.kv_cache_manager.get_computed_blocks(request)[1]
             assert view.cached_prefix_tokens(rid, 256) == min(full, 256)
 
     assert drain(engine, sched, on_step=check) == {rid: out for rid, _, out in reqs}
@@ -186,6 +189,10 @@ def test_retention_moves_a_held_documents_cached_blocks_to_the_end_of_vllms_evic
     (held,) = sched.feather_held  # vLLM's own id for it
     doc_blocks = sched.feather_view.cached_prefix_tokens(held) // sched.block_size
     assert doc_blocks == 640 // sched.block_size
+    # a hit, answered as vLLM's own admission lookup answers it
+    hit = sched.kv_cache_manager.get_computed_blocks(sched.feather_held[held])[1]
+    assert sched.feather_view.cached_prefix_tokens(held) == hit
+    assert sched.feather_view.cached_prefix_tokens(held, 256) == 256
     moved = sched.feather_view.retain_prefixes([held])
     assert moved == doc_blocks
     tail = queue.get_all_free_blocks()[-moved:]
