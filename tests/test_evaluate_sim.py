@@ -16,8 +16,8 @@ from feather_env.evaluation.simulated import _NOT_MEASURED
 REPO = Path(__file__).resolve().parent.parent
 #: The README's real-engine evaluation of leval-kv-pressure, episode 0 (benchmarks/evaluation.py).
 REAL = REPO / "results" / "eval" / "leval-kv-pressure"
-#: What benchmarks/evaluation.py adds to an in-process run (the engine bound, the repeats).
-BENCHMARK_ONLY = {"vs_bound", "repeats"}
+#: What benchmarks/evaluation.py adds to an in-process run (the bounds, the repeats).
+BENCHMARK_ONLY = {"vs_bound", "vs_bound_episode", "vs_bound_arrival", "repeats"}
 
 
 @pytest.fixture(scope="module")
