@@ -596,8 +596,6 @@ class BatchingCore:
 
     def _footprint(self, request_id: str) -> float:
         """KV tokens the request adds to the batch at its peak (0 with admission 'none')."""
-        if self.config.admission == "none":
-            return 0.0
         entry = self._waiting[request_id]
         return self._footprint_of(self.cht.missing_count(request_id), entry.prompt_len, entry.output_len)
 
@@ -616,9 +614,8 @@ class BatchingCore:
         one that does, and the round ends at the budget whichever candidate it names (an
         ordering that searches its candidate asks this first). Decided from a floor under
         every waiting request's footprint: that many missing chunks, the shortest prompt and
-        output estimate that ever arrived."""
-        if self.config.admission == "none":
-            return False
+        output estimate that ever arrived. With admission 'none' the budget has no capacity and
+        everything fits."""
         return not self.budget.fits(self._footprint_of(fewest_missing, self._shortest_prompt,
                                                        self._shortest_output))
 
