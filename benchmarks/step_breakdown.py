@@ -55,13 +55,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     from feather_env.engines.vllm_backend import VLLMBackend
     from feather_env.engines.vllm_engine import engine_core_of
-    from feather_env.evaluation.inprocess import (
-        InProcessConfig,
-        random_requests,
-        scheduler_config,
-        serve_one,
-        validate_schedulers,
-    )
+    from feather_env.evaluation.inprocess import InProcessConfig, serve_one, validate_schedulers, warm_up
     from feather_env.scenarios import load_scenario
     from feather_env.serving_metrics import serving_metrics
 
@@ -81,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             setattr(target, method, _timed(getattr(target, method), seconds, label))
     runs: list[dict[str, Any]] = []
     try:
-        backend.serve(random_requests("warmup-", [512] * 8, 8, 12345), scheduler_config("fcfs"))
+        warm_up(backend, engine.max_model_len)
         for repeat in range(args.repeats):
             for name in names:
                 seconds.clear()

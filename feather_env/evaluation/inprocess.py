@@ -189,6 +189,13 @@ def _passthrough() -> SchedulerConfig:
     return SchedulerConfig.for_name("fcfs")
 
 
+def warm_up(backend: Any, max_model_len: int) -> None:
+    """Serve a throw-away batch (8 random prompts of up to 512 tokens): the first steps after an
+    engine starts are much slower than the steady state."""
+    prompt = min(512, max_model_len - 9)
+    backend.serve(random_requests("warmup-", [prompt] * 8, 8, 12345), _passthrough())
+
+
 def measure_isolated(backend: Any, max_prompt_len: int, output_tokens: int = 9) -> IsolatedModel:
     """Serve one lone request (cold cache, vLLM's own scheduler) at three prompt lengths."""
     lens = sorted({max(1, min(256, max_prompt_len)), max(1, max_prompt_len // 2), max(1, max_prompt_len)})
@@ -235,9 +242,8 @@ def evaluate_in_process(
         backend = VLLMBackend(config.engine)
         info["engine_start_s"] = time.perf_counter() - t0
     try:
-        if config.warmup:  # the first steps after start-up are much slower than the steady state
-            prompt = min(512, config.engine.max_model_len - 9)
-            backend.serve(random_requests("warmup-", [prompt] * 8, 8, 12345), _passthrough())
+        if config.warmup:
+            warm_up(backend, config.engine.max_model_len)
         isolated = None
         if config.isolated_probes:
             isolated = measure_isolated(backend, max(r.prompt_len for r in workload))
