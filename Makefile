@@ -66,6 +66,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.endpoint_agreement --json results/endpoint_agreement.json
 	$(BIN)/python -m benchmarks.routing --json results/routing.json
 	$(BIN)/python -m benchmarks.evaluation --json results/evaluation.json
+	$(BIN)/python -m benchmarks.load_matched --json results/load_matched.json
 	$(BIN)/python scripts/update_docs.py
 
 # A smaller version of every table (under 10 minutes here): smoke-checks the benchmarks themselves.
