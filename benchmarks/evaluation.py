@@ -67,7 +67,7 @@ from feather_env.scenarios import EVALUATED_SCENARIOS as SCENARIOS  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
-__all__ = ["SCENARIOS", "comparisons", "main", "run_scenario", "scheduler_set"]
+__all__ = ["SCENARIOS", "comparisons", "engine_key", "main", "run_scenario", "scheduler_set"]
 
 EPISODE_SEED = 0
 REPEATS = 3
@@ -189,6 +189,11 @@ def _quick_overrides(scenario: Any) -> dict[str, Any]:
             "workload": {"max_output_tokens": cap}}
 
 
+def engine_key(engine: Any) -> str:
+    """The key of :func:`run_scenario`'s ``engines``: one engine per distinct configuration."""
+    return json.dumps(engine.to_dict(), sort_keys=True)
+
+
 def run_scenario(
     name: str,
     *,
@@ -239,7 +244,7 @@ def run_scenario(
     )
     from feather_env.engines.vllm_backend import VLLMBackend
 
-    key = json.dumps(engine.to_dict(), sort_keys=True)
+    key = engine_key(engine)
     backend = engines.get(key) if engines is not None else None
     if backend is None:
         backend = VLLMBackend(engine)

@@ -28,7 +28,6 @@ README and ``docs/results.md``. Run it under ``flock /tmp/feather-engine.lock`` 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -46,10 +45,12 @@ from benchmarks.evaluation import (  # noqa: E402
     _bounds,
     comparisons,
     comparisons_table,
+    engine_key,
     run_scenario,
     summary_table,
 )
-from feather_env.reporting import machine_info, write_json  # noqa: E402
+from feather_env.reporting import format_table, machine_info, write_json  # noqa: E402
+from scheduler_runtime.config import ConfigError  # noqa: E402
 
 __all__ = ["SCHEDULERS", "machine_slowdown", "main", "render", "render_headline"]
 
@@ -60,22 +61,22 @@ SCHEDULERS = ("fcfs", "lpm", "dfs-weight", "feather-heuristic", "heuristic-tuned
 MIN_PROBE_TOKENS = 1024
 
 
-def machine_slowdown(isolated: Mapping[str, Any], engine: Any) -> dict[str, Any]:
+def machine_slowdown(isolated: Mapping[str, Any], profile: str | Path | None = None) -> dict[str, Any]:
     """How many times slower this engine runs than the simulator's profile predicts.
 
-    ``isolated``: the isolated probes (``IsolatedModel.to_dict()``); ``engine``: the engine's
-    configuration. Each probe's TTFT against the profile's lone-prefill step of the same prompt
-    (:func:`~feather_env.step_model.features_from_columns`); the median over the probes of at least
+    ``isolated``: the isolated probes (``IsolatedModel.to_dict()``); ``profile``: the simulator's
+    profile (default: the shipped one). Each probe's TTFT against the profile's step model for one
+    lone prefill of the same prompt; the median over the probes of at least
     :data:`MIN_PROBE_TOKENS` tokens (all of them when none is that long).
     """
-    from feather_env.engines.sim_backend import SimBackend
-    from feather_env.step_model import features_from_columns
+    from feather_env.calibrate import load_profile
+    from feather_env.records import StepRequest
+    from feather_env.step_model import StepCostModel
 
-    model = SimBackend(engine).model
+    model = StepCostModel.from_dict(load_profile(profile)["step_model"])
     probes = []
     for p, ttft in zip(isolated["prompt_lens"], isolated["ttft_s"], strict=True):
-        predicted = float(model.predict_features(features_from_columns([p], [0], [0], [0], [True],
-                                                                       model.cache_tokens)))
+        predicted = model.predict([StepRequest(int(p), 0, 0, 0, True)])
         probes.append({"prompt_tokens": int(p), "engine_ttft_s": float(ttft), "profile_prefill_s": predicted,
                        "ratio": float(ttft) / predicted})
     long = [q["ratio"] for q in probes if q["prompt_tokens"] >= MIN_PROBE_TOKENS]
@@ -84,10 +85,15 @@ def machine_slowdown(isolated: Mapping[str, Any], engine: Any) -> dict[str, Any]
 
 
 def _poisson_rate(arrival: str) -> float:
-    kind, _, rate = str(arrival).partition(":")
-    if kind != "poisson" or not rate:
+    from feather_env.workloads.arrivals import PoissonArrivals, parse_arrival
+
+    try:
+        process = parse_arrival(arrival)
+    except ConfigError:
+        process = None
+    if not isinstance(process, PoissonArrivals):
         raise SystemExit(f"the scenario's arrivals are {arrival!r}; this benchmark rescales poisson:RATE")
-    return float(rate)
+    return process.rate
 
 
 def simulated(scenario: str, arrival: str, slowdown: float, aliases: Mapping[str, str]) -> dict[str, Any]:
@@ -135,11 +141,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine = scenario.engine_config()
     workload = scenario.episode_workload(EPISODE_SEED)
     backend = VLLMBackend(engine)
-    engines = {json.dumps(engine.to_dict(), sort_keys=True): backend}  # run_scenario's key
+    engines = {engine_key(engine): backend}
     try:
         warm_up(backend, engine.max_model_len)
         isolated = measure_isolated(backend, max(r.prompt_len for r in workload))
-        speed = machine_slowdown(isolated.to_dict(), engine)
+        speed = machine_slowdown(isolated.to_dict())
         rate = args.rate if args.rate is not None else stated / speed["slowdown"]
         arrival = f"poisson:{rate:.3g}"
         print(f"machine slowdown {speed['slowdown']:.2f} (isolated probes / the profile's prefill): "
@@ -197,8 +203,6 @@ def render(res: Mapping[str, Any]) -> str:
     head = ["", *res["simulator"]]
     row_e = ["engine", *(_tput(payload["runs"].get(a)) for a in res["simulator"])]
     row_s = ["simulator", *(f"{m['output_throughput']:.1f}" for m in res["simulator"].values())]
-    from feather_env.reporting import format_table
-
     lines.append(format_table(head, [row_e, row_s]))
     return "\n".join(lines)
 

@@ -22,7 +22,7 @@ def test_an_engine_k_times_slower_than_the_profile_measures_k(k: float) -> None:
     lens = [256, 4096, 8192]
     # the short probe is off by another factor: its time is the step's fixed cost, not the prefill
     ttft = [3.0 * k * _profile_prefill(engine, lens[0])] + [k * _profile_prefill(engine, p) for p in lens[1:]]
-    speed = machine_slowdown({"prompt_lens": lens, "ttft_s": ttft}, engine)
+    speed = machine_slowdown({"prompt_lens": lens, "ttft_s": ttft})
     assert speed["slowdown"] == pytest.approx(k)
     assert [q["prompt_tokens"] for q in speed["probes"]] == lens
     assert speed["probes"][0]["ratio"] == pytest.approx(3.0 * k)
@@ -32,7 +32,7 @@ def test_with_only_short_probes_every_probe_counts() -> None:
     engine = load_scenario("leval-kv-pressure-poisson").engine_config()
     lens = [64, 128, MIN_PROBE_TOKENS // 2]
     ttft = [2.0 * _profile_prefill(engine, p) for p in lens]
-    assert machine_slowdown({"prompt_lens": lens, "ttft_s": ttft}, engine)["slowdown"] == pytest.approx(2.0)
+    assert machine_slowdown({"prompt_lens": lens, "ttft_s": ttft})["slowdown"] == pytest.approx(2.0)
 
 
 def test_only_poisson_arrivals_are_rescaled() -> None:
