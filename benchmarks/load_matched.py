@@ -1,7 +1,7 @@
 """A Poisson scenario served at the load it was written for, on a machine that runs at another speed.
 
     python -m benchmarks.load_matched [--scenario leval-kv-pressure-poisson] [--repeats 3]
-                                      [--rate R] [--json results/load_matched.json]
+                                      [--rate R] [--json results/load_matched.json] [--merge]
 
 A scenario's Poisson rate is in requests per second, so how loaded it leaves the engine depends on
 the machine: on an engine ``k`` times slower than the one the simulator's profile was fitted on,
@@ -21,13 +21,17 @@ policies were trained for:
 3. the simulator told the machine is ``k`` times slower, on the same episode at the same rate
    (``evaluate.py --backend sim --engine-slowdown k --arrival poisson:R/k``): what it predicted.
 
-It prints the scenario's table and the evaluation's ratios, and :func:`render` is the block of the
-README and ``docs/results.md``. Run it under ``flock /tmp/feather-engine.lock`` on a shared machine.
+It prints the scenario's table and the evaluation's ratios. The JSON holds a list of such runs:
+``--merge`` keeps the runs of an existing ``--json`` made on other machines or at other rates (a run of
+the same machine and rate is replaced), so one file can show how the figures move with the machine's
+speed; :func:`render` (``docs/results.md``) and :func:`render_headline` (the README) show every run.
+Run it under ``flock /tmp/feather-engine.lock`` on a shared machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -52,7 +56,7 @@ from benchmarks.evaluation import (  # noqa: E402
 from feather_env.reporting import format_table, machine_info, write_json  # noqa: E402
 from scheduler_runtime.config import ConfigError  # noqa: E402
 
-__all__ = ["SCHEDULERS", "machine_slowdown", "main", "render", "render_headline"]
+__all__ = ["SCHEDULERS", "machine_slowdown", "main", "merge_runs", "render", "render_headline"]
 
 SCENARIO = "leval-kv-pressure-poisson"
 #: The evaluation's schedulers without the SVF ones (the question here is the group decision).
@@ -127,6 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="serve at this rate instead of the scenario's divided by the measured slowdown")
     p.add_argument("--json", default=str(REPO / "results" / "load_matched.json"))
     p.add_argument("--out", default=None, help="the run folder (default: results/eval beside --json)")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the runs of an existing --json of other machines or rates")
     args = p.parse_args(argv)
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
@@ -152,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"serving {args.scenario} at {arrival} (stated poisson:{stated:g})", flush=True)
         payload = run_scenario(args.scenario, policies=REPO / "policies", repeats=args.repeats, quick=False,
                                out_root=out_root, overrides={"episode": {"arrival": arrival}},
-                               only=SCHEDULERS, label=f"{args.scenario}-load-matched", engines=engines)
+                               only=SCHEDULERS, label=f"{args.scenario}-rate-{rate:.3g}", engines=engines)
     finally:
         backend.close()
     sim = simulated(args.scenario, arrival, speed["slowdown"], payload["schedulers"])
@@ -168,25 +174,59 @@ def main(argv: Sequence[str] | None = None) -> int:
         "simulator": sim,
         "wall_s": time.perf_counter() - t0,
         "machine": machine_info(),
-        "command": "python -m benchmarks.load_matched" + (f" --rate {args.rate:g}" if args.rate else ""),
+        "command": "python -m benchmarks.load_matched" + (f" --rate {args.rate:g}" if args.rate else "")
+                   + (" --merge" if args.merge else ""),
     }
-    print("\n" + render(result))
-    write_json(json_path, result)
+    print("\n" + _render_run(result))
+    earlier = runs_of(json.loads(json_path.read_text())) if args.merge and json_path.is_file() else []
+    write_json(json_path, {"benchmark": "load_matched", "runs": merge_runs(earlier, result)})
     return 0
 
 
-def render(res: Mapping[str, Any]) -> str:
-    """The load-matched run in markdown: the slowdown and rate, the scenario's table, the ratios,
-    and the simulator's prediction beside the engine's figures."""
+def _run_key(run: Mapping[str, Any]) -> tuple[str, str, str]:
+    return run["scenario"], run["machine"].get("cpu", "?"), run["arrival"]
+
+
+def runs_of(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The runs of a results JSON (``{"runs": [...]}``, or one run as the first version wrote it)."""
+    return [dict(r) for r in doc["runs"]] if "runs" in doc else [dict(doc)]
+
+
+def merge_runs(earlier: Sequence[Mapping[str, Any]], run: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """``earlier`` without any run of ``run``'s scenario, machine (CPU model) and rate, then ``run``;
+    in the order they were measured."""
+    kept = [dict(r) for r in earlier if _run_key(r) != _run_key(run)]
+    return sorted([*kept, dict(run)], key=lambda r: r["machine"].get("date", ""))
+
+
+def render(doc: Mapping[str, Any]) -> str:
+    """Every run of the JSON in markdown (:func:`_render_run`), the one measured first first."""
+    return "\n\n".join(_render_run(r) for r in runs_of(doc))
+
+
+def _speed(slowdown: float) -> str:
+    if slowdown >= 1:
+        return f"{slowdown:.2f}x slower than the simulator's profile"
+    return f"{1 / slowdown:.2f}x faster than the simulator's profile"
+
+
+def _render_run(res: Mapping[str, Any]) -> str:
+    """One load-matched run: the slowdown and rate, the scenario's table, the ratios, and the
+    simulator's prediction beside the engine's figures."""
     payload, speed = res["payload"], res["speed"]
     probes = ", ".join(f"{q['prompt_tokens']:,} tokens {q['engine_ttft_s']:.2f} s vs "
                        f"{q['profile_prefill_s']:.2f} s" for q in speed["probes"])
     w = payload["workload"]
+    why = ("the rate given with `--rate`" if "--rate" in res["command"] else
+           f"the stated rate divided by the slowdown ({speed['slowdown']:.2f}), the load the policies were "
+           "trained for")
     lines = [
-        f"`{res['scenario']}` at `{res['arrival']}` instead of `{res['stated_arrival']}` "
-        f"({measured(res)}; `{res['command']}`): this machine ran {speed['slowdown']:.2f}x slower than the "
-        f"simulator's profile (lone prefills on the idle engine against the profile's: {probes}), so the "
-        f"stated rate divided by that is the load the policies were trained for. Episode {EPISODE_SEED}: "
+        f"`{res['scenario']}` at `{res['arrival']}`"
+        + (f" instead of `{res['stated_arrival']}` " if res["arrival"] != res["stated_arrival"]
+           else ", its stated rate ")
+        + f"({measured(res)}; `{res['command']}`): this machine ran {_speed(speed['slowdown'])} "
+        f"(lone prefills on the idle engine against the profile's: {probes}); served at {why}. "
+        f"Episode {EPISODE_SEED}: "
         f"{w.get('requests', '?')} requests; the run with the median output throughput of "
         f"{payload['inprocess']['repeats']} alternating runs per scheduler.",
         "",
@@ -196,8 +236,8 @@ def render(res: Mapping[str, Any]) -> str:
         "",
         comparisons_table({res["scenario"]: res["comparisons"]}),
         "",
-        "The simulator on the same episode at the same rate, told the machine is "
-        f"{speed['slowdown']:.2f}x slower (output tok/s, engine / simulator):",
+        "The simulator on the same episode at the same rate, its step times multiplied by "
+        f"{speed['slowdown']:.2f} (output tok/s, engine / simulator):",
         "",
     ]
     head = ["", *res["simulator"]]
@@ -207,15 +247,24 @@ def render(res: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def render_headline(res: Mapping[str, Any]) -> str:
-    """The README's block: the evaluation's ratios for the scenario at the load-matched rate."""
+def render_headline(doc: Mapping[str, Any]) -> str:
+    """The README's block: the evaluation's ratios at each run's rate, a row per run."""
+    runs = runs_of(doc)
+    rows = {f"{r['scenario']} at `{r['arrival']}`, {_cpu(r)} ({_speed(r['speed']['slowdown'])})":
+            r["comparisons"] for r in runs}
+    dates = sorted(r["machine"].get("date", "?") for r in runs)
     return "\n".join([
-        f"`{res['scenario']}` at `{res['arrival']}`, the load the policies were trained for on a machine "
-        f"{res['speed']['slowdown']:.2f}x slower than the simulator's profile ({measured(res)}; "
-        f"`{res['command']}`; the figures: [docs/results.md](docs/results.md#load-matched)):",
+        "The Poisson scenario at other rates (`python -m benchmarks.load_matched [--rate R] --merge`, "
+        f"measured {dates[0]} to {dates[-1]} on {', '.join(dict.fromkeys(_cpu(r) for r in runs))}; each "
+        "run's command and figures: [docs/results.md](docs/results.md#load-matched)). Without `--rate`, the "
+        "stated rate over the machine's measured slowdown: the load the policies were trained for.",
         "",
-        comparisons_table({res["scenario"]: res["comparisons"]}),
+        comparisons_table(rows),
     ])
+
+
+def _cpu(run: Mapping[str, Any]) -> str:
+    return " ".join(run["machine"].get("cpu", "?").replace("(R)", "").replace(" Processor", "").split())
 
 
 def _tput(m: Mapping[str, Any] | None) -> str:

@@ -1,13 +1,27 @@
-"""The load-matched benchmark's speed estimate: the engine's lone prefills against the simulator's."""
+"""The load-matched benchmark: its speed estimate (the engine's lone prefills against the simulator's) and
+its results file of several runs."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from benchmarks.load_matched import MIN_PROBE_TOKENS, _poisson_rate, machine_slowdown
+from benchmarks.load_matched import (
+    MIN_PROBE_TOKENS,
+    _poisson_rate,
+    machine_slowdown,
+    merge_runs,
+    render,
+    render_headline,
+    runs_of,
+)
 from feather_env.engines.sim_backend import SimBackend
 from feather_env.scenarios import load_scenario
 from feather_env.step_model import features_from_columns
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _profile_prefill(engine: object, prompt: int) -> float:
@@ -40,3 +54,34 @@ def test_only_poisson_arrivals_are_rescaled() -> None:
     for arrival in ("burst", "trace:data/x.csv:2", "poisson"):
         with pytest.raises(SystemExit, match="poisson:RATE"):
             _poisson_rate(arrival)
+
+
+def _run(cpu: str, arrival: str, date: str, tput: float) -> dict:
+    return {"scenario": "leval-kv-pressure-poisson", "arrival": arrival,
+            "machine": {"cpu": cpu, "date": date}, "tput": tput}
+
+
+def test_merging_replaces_the_run_of_the_same_machine_and_rate_and_keeps_the_others() -> None:
+    earlier = [_run("AMD EPYC", "poisson:1.33", "2026-12-02 08:25 UTC", 1.0),
+               _run("AMD EPYC", "poisson:1.5", "2026-12-02 09:44 UTC", 2.0)]
+    merged = merge_runs(earlier, _run("AMD EPYC", "poisson:1.33", "2026-12-02 12:00 UTC", 3.0))
+    assert [(r["arrival"], r["tput"]) for r in merged] == [("poisson:1.5", 2.0), ("poisson:1.33", 3.0)]
+    merged = merge_runs(merged, _run("Intel Xeon", "poisson:1.33", "2026-12-02 13:00 UTC", 4.0))
+    assert [(r["machine"]["cpu"], r["tput"]) for r in merged] == [
+        ("AMD EPYC", 2.0), ("AMD EPYC", 3.0), ("Intel Xeon", 4.0)]
+
+
+def test_a_results_file_of_the_first_version_is_one_run() -> None:
+    one = _run("AMD EPYC", "poisson:1.33", "2026-12-02 08:25 UTC", 1.0)
+    assert runs_of(one) == [one]
+    assert runs_of({"benchmark": "load_matched", "runs": [one, one]}) == [one, one]
+
+
+def test_the_shipped_results_render_a_row_per_run() -> None:
+    doc = json.loads((REPO / "results" / "load_matched.json").read_text())
+    runs = runs_of(doc)
+    table = [line for line in render_headline(doc).splitlines() if line.startswith("| leval-")]
+    assert len(table) == len(runs) >= 2
+    for run, row in zip(runs, table, strict=True):
+        assert f"`{run['arrival']}`" in row and run["machine"]["cpu"].split("(")[0].split()[0] in row
+    assert render(doc).count("Episode 0:") == len(runs)
