@@ -55,6 +55,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.agents --json results/agents.json --plot results/agents_learning.png
 	$(BIN)/python -m benchmarks.admission_rules --json results/admission_rules.json
 	$(BIN)/python -m benchmarks.group_admission --json results/group_admission.json
+	$(BIN)/python -m benchmarks.rollout_gain --json results/rollout_gain.json
 	$(BIN)/python -m benchmarks.policy_agreement --json results/policy_agreement.json
 	$(BIN)/python -m benchmarks.cht_overhead --json results/cht_overhead.json --budget-s 2 \
 		--structures cht radix-lpm radix-lpm-nocheck radix-dfs-weight
@@ -66,7 +67,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.endpoint_agreement --json results/endpoint_agreement.json
 	$(BIN)/python -m benchmarks.routing --json results/routing.json
 	$(BIN)/python -m benchmarks.evaluation --json results/evaluation.json
-	$(BIN)/python -m benchmarks.load_matched --json results/load_matched.json
+	$(BIN)/python -m benchmarks.load_matched --merge --json results/load_matched.json
 	$(BIN)/python scripts/update_docs.py
 
 # A smaller version of every table (under 10 minutes here): smoke-checks the benchmarks themselves.
@@ -81,6 +82,8 @@ bench-quick: $(STAMP)
 	$(BIN)/python -m benchmarks.policy_agreement --json results/quick/policy_agreement.json --episodes 2
 	$(BIN)/python -m benchmarks.group_admission --json results/quick/group_admission.json --episodes 2 \
 		--trace-episodes 2
+	$(BIN)/python -m benchmarks.rollout_gain --json results/quick/rollout_gain.json --scenarios leval-kv-pressure-poisson \
+		--episodes 1 --train-episodes 2
 	$(BIN)/python -m benchmarks.evaluation --quick --json results/quick/evaluation.json
 
 lint: $(STAMP)

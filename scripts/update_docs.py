@@ -239,7 +239,7 @@ BLOCKS: dict[str, Block] = {
                                                 "render_comparisons")),
     **{name: _result(name) for name in (
         "prefix_homogeneity", "env_orderings", "sim_validation", "env_speed", "rewards", "agents",
-        "admission_rules", "group_admission", "cht_overhead", "scheduler_overhead")},
+        "admission_rules", "group_admission", "rollout_gain", "cht_overhead", "scheduler_overhead")},
     "scheduler_overhead_group": _result("scheduler_overhead_group", "scheduler_overhead"),
     "scheduler_overhead_retain": _result("scheduler_overhead_retain", "scheduler_overhead"),
     **{name: _result(name) for name in ("endpoint_agreement", "evaluation", "load_matched",

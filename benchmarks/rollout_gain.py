@@ -1,0 +1,151 @@
+"""What can a group decision add to the best constant cap? A lookahead over the cap, on the simulator.
+
+    python -m benchmarks.rollout_gain [--episodes 8] [--train-episodes 24] [--json results/rollout_gain.json]
+
+The shipped policies match the scenario's best constant cap (``heuristic-tuned``) and no more. Is
+that the learners' fault, or is there little to win over the cap? For each scenario with arrivals
+over time, on the same held-out episodes (seeds ``HELD_OUT_SEED + i``) of the simulator, this
+serves (:mod:`agents.rollout`):
+
+- the scenario's tuned cap (``policies/heuristic-tuned/<scenario>.feather``), the reference;
+- the **clairvoyant lookahead** over it: at every owned group decision, the rest of the episode
+  served on a copy of the simulator after each action, the cap answering later, and the action
+  whose copy ends sooner taken. It knows the episode's future arrivals, so it is not deployable:
+  it says what better answers to the decisions, one at a time, could win on the episode;
+- the **distilled table**: one step of approximate policy iteration. The advantages of ADD over
+  STOP along the cap's own trajectories on the tuning episodes (:data:`agents.tuning.TUNE_SEED`
+  on), averaged per state bin of the tabular agents; the cap's answer except in bins where the
+  mean advantage disagrees by more than two standard errors. Deployable: what the agents'
+  features let a learner win over the cap, measured without a learner's noise;
+- the shipped policy (``policies/<scenario>.feather``) beside them.
+
+Each row: output tok/s over all episodes, its ratio to the cap, the smallest, median and largest
+per-episode ratio, mean E2E latency; the lookahead's share of owned decisions it answered otherwise
+than the cap; the distilled table's bins that deviate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from agents.base import HELD_OUT_SEED
+from agents.rollout import advantages, distill, lookahead_episode
+from agents.tuning import TUNE_SEED
+from benchmarks import measured
+from feather_env.env import FeatherEnv, play_episode
+from feather_env.reporting import format_table, machine_info, write_json
+from scheduler_runtime.policy import load_policy
+
+__all__ = ["SCENARIOS", "main", "render", "run_scenario"]
+
+SCENARIOS = ("leval-kv-pressure-poisson", "leval-trace")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _row(eps: Sequence[dict[str, Any]], ref: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    tokens = sum(e["total_output_tokens"] for e in eps)
+    duration = sum(e["duration"] for e in eps)
+    requests = sum(e["completed"] for e in eps)
+    ratios = [e["output_throughput"] / r["output_throughput"] for e, r in zip(eps, ref, strict=True)]
+    return {
+        "output_throughput": tokens / duration,
+        "vs_cap": (tokens / duration) / (sum(r["total_output_tokens"] for r in ref)
+                                         / sum(r["duration"] for r in ref)),
+        "episode_ratios": ratios,
+        "mean_e2el_s": sum(e["mean_e2el_ms"] * e["completed"] for e in eps) / 1000.0 / max(requests, 1),
+    }
+
+
+def run_scenario(scenario: str, episodes: int, train_episodes: int, z: float = 2.0,
+                 log: Any = print) -> dict[str, Any]:
+    """The cap, the lookahead over it, the distilled table and the shipped policy on ``scenario``."""
+    t0 = time.perf_counter()
+    cap = load_policy(REPO / "policies" / "heuristic-tuned" / f"{scenario}.feather")
+    shipped = load_policy(REPO / "policies" / f"{scenario}.feather")
+    env = FeatherEnv(scenario, "sim", decision="group")
+    seeds = [HELD_OUT_SEED + i for i in range(episodes)]
+    base_eps = [play_episode(env, cap, episode_seed=s) for s in seeds]
+    look_eps = [lookahead_episode(env, cap, s) for s in seeds]
+    log(f"{scenario}: lookahead served ({time.perf_counter() - t0:.0f} s)")
+    train_seeds = [TUNE_SEED + i for i in range(train_episodes)]
+    table, bins = distill(advantages(env, cap, train_seeds), cap, z=z)
+    log(f"{scenario}: advantages of {train_episodes} tuning episodes ({time.perf_counter() - t0:.0f} s)")
+    dist_eps = [play_episode(env, table, episode_seed=s) for s in seeds]
+    ship_eps = [play_episode(env, shipped, episode_seed=s) for s in seeds]
+    env.close()
+    owned = sum(e["decisions_owned"] for e in look_eps)
+    return {
+        "scenario": scenario,
+        "cap": cap.meta.get("search", {}).get("best", "heuristic-tuned"),
+        "held_out_seeds": seeds,
+        "train_seeds": [train_seeds[0], train_seeds[-1]],
+        "z": z,
+        "rows": {"cap": _row(base_eps, base_eps), "lookahead": _row(look_eps, base_eps),
+                 "distilled": _row(dist_eps, base_eps), "shipped": _row(ship_eps, base_eps)},
+        "lookahead_owned": owned,
+        "lookahead_changed": sum(e["changed"] for e in look_eps),
+        "distilled_bins": bins,
+        "distilled_deviations": sum(b["policy"] != b["base"] for b in bins),
+        "wall_s": time.perf_counter() - t0,
+    }
+
+
+def render(res: dict[str, Any]) -> str:
+    """The JSON as markdown: a table per scenario and what the lookahead and the table changed."""
+    scenarios = list(res["scenarios"].values())
+    out = [f"`{res['command']}` ({measured(res)}; {len(scenarios[0]['held_out_seeds'])} held-out "
+           "episodes per scenario, identical for every row; ratios are to the tuned cap):", ""]
+    names = {"cap": "the tuned cap ({cap})",
+             "lookahead": "clairvoyant lookahead over the cap (not deployable)",
+             "distilled": "distilled table (the cap + significant bins)", "shipped": "shipped policy"}
+    for sc in scenarios:
+        rows = []
+        for key, r in sc["rows"].items():
+            ratios = r["episode_ratios"]
+            rows.append([names[key].format(cap=sc["cap"]), f"{r['output_throughput']:.1f}",
+                         f"{r['vs_cap']:.3f}",
+                         f"{min(ratios):.3f} / {statistics.median(ratios):.3f} / {max(ratios):.3f}",
+                         f"{r['mean_e2el_s']:.2f}"])
+        train = sc["train_seeds"][1] - sc["train_seeds"][0] + 1
+        out += [f"**{sc['scenario']}**", "",
+                format_table(["variant", "output tok/s", "vs cap", "per episode: min / median / max",
+                              "mean E2E s"], rows), "",
+                f"The lookahead answered {sc['lookahead_changed']} of {sc['lookahead_owned']} owned "
+                "decisions otherwise than the cap; the distilled table deviates from it in "
+                f"{sc['distilled_deviations']} of {len(sc['distilled_bins'])} visited bins (advantages "
+                f"from {train} tuning episodes, z = {sc['z']:g}).", ""]
+    return "\n".join(out).rstrip("\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--episodes", type=int, default=8, help="held-out episodes per scenario")
+    p.add_argument("--train-episodes", type=int, default=24,
+                   help="tuning episodes the table's advantages come from")
+    p.add_argument("--json", default="results/rollout_gain.json")
+    args = p.parse_args(argv)
+    if args.episodes < 1 or args.train_episodes < 2:
+        raise SystemExit("--episodes must be >= 1 and --train-episodes >= 2")
+    t0 = time.perf_counter()
+    payload = {
+        "benchmark": "rollout_gain",
+        "scenarios": {sc: run_scenario(sc, args.episodes, args.train_episodes)
+                      for sc in args.scenarios.split(",")},
+        "machine": machine_info(),
+        "command": f"python -m benchmarks.rollout_gain --episodes {args.episodes} "
+                   f"--train-episodes {args.train_episodes}",
+    }
+    payload["wall_s"] = time.perf_counter() - t0
+    print(render(payload))
+    write_json(args.json, payload)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
