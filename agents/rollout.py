@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,29 +64,41 @@ def _durations(env: FeatherEnv, base: Any, kind: str) -> dict[int, float]:
     return out
 
 
-def lookahead_episode(env: FeatherEnv, base: Any, episode_seed: int) -> dict[str, Any]:
-    """Serve episode ``episode_seed`` answering each owned decision with the action whose copy ends
-    the episode sooner, ``base`` answering the rest (ties: ``base``'s action). ``env``: a simulated
-    group-decision environment. Returns the episode's metrics with ``decisions_owned`` and
-    ``changed`` (owned decisions answered otherwise than ``base``)."""
+def _serve(env: FeatherEnv, base: Any, episode_seed: int,
+           answer: Callable[[Sequence[float], int, dict[int, float]], int]) -> None:
+    """Serve episode ``episode_seed`` with ``base``; at each owned decision, ``answer(obs, base's
+    action, the durations after each action)`` gives the action taken."""
     kind = observation_kind(base)
     env.reset(options={"episode_seed": int(episode_seed)})
-    owned = changed = 0
     while not env.terminated:
         core = env.core
         assert core is not None and core.pending is not None
         obs, mask = core.observe(kind), core.pending.mask
         action = int(base.act(obs, mask))
         if _open_choice(obs, mask):
-            d = _durations(env, base, kind)
-            other = 1 - action
-            owned += 1
-            if d[other] < d[action] - 1e-9:
-                action, changed = other, changed + 1
+            action = answer(obs, action, _durations(env, base, kind))
         _, _, terminated, truncated, _ = env.step(action)
         if terminated or truncated:
             break
-    return {**env.episode_metrics(), "decisions_owned": owned, "changed": changed}
+
+
+def lookahead_episode(env: FeatherEnv, base: Any, episode_seed: int) -> dict[str, Any]:
+    """Serve episode ``episode_seed`` answering each owned decision with the action whose copy ends
+    the episode sooner, ``base`` answering the rest (ties: ``base``'s action). ``env``: a simulated
+    group-decision environment. Returns the episode's metrics with ``decisions_owned`` and
+    ``changed`` (owned decisions answered otherwise than ``base``)."""
+    counts = {"decisions_owned": 0, "changed": 0}
+
+    def sooner(obs: Sequence[float], action: int, durations: dict[int, float]) -> int:
+        counts["decisions_owned"] += 1
+        other = 1 - action
+        if durations[other] < durations[action] - 1e-9:
+            counts["changed"] += 1
+            return other
+        return action
+
+    _serve(env, base, episode_seed, sooner)
+    return {**env.episode_metrics(), **counts}
 
 
 @dataclass
@@ -107,20 +119,13 @@ def advantages(env: FeatherEnv, base: Any, seeds: Sequence[int], bins: GroupBins
     """Along ``base``'s own trajectory on each episode of ``seeds``: at every owned decision, the
     duration after STOP minus the duration after ADD (positive: ADD ends sooner), per bin."""
     out = Advantages(bins or GroupBins())
-    kind = observation_kind(base)
+
+    def record(obs: Sequence[float], action: int, durations: dict[int, float]) -> int:
+        out.add(obs, durations[STOP] - durations[ADD], action)
+        return action
+
     for seed in seeds:
-        env.reset(options={"episode_seed": int(seed)})
-        while not env.terminated:
-            core = env.core
-            assert core is not None and core.pending is not None
-            obs, mask = core.observe(kind), core.pending.mask
-            action = int(base.act(obs, mask))
-            if _open_choice(obs, mask):
-                d = _durations(env, base, kind)
-                out.add(obs, d[STOP] - d[ADD], action)
-            _, _, terminated, truncated, _ = env.step(action)
-            if terminated or truncated:
-                break
+        _serve(env, base, seed, record)
     return out
 
 

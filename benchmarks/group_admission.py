@@ -38,7 +38,7 @@ from feather_env.env import FeatherEnv, play_episode
 from feather_env.reporting import format_table, machine_info, write_json
 from scheduler_runtime.decision import AlwaysAdd
 
-__all__ = ["main", "render", "run"]
+__all__ = ["episodes_row", "main", "render", "run"]
 
 STUDY_SCENARIO = "leval-kv-pressure-poisson"
 OTHER_SCENARIOS = ("leval-kv-pressure", "leval-high-load", "sharegpt")
@@ -54,7 +54,9 @@ def _episodes(env: FeatherEnv, seeds: Sequence[int], policy: Any = None) -> list
     return [play_episode(env, policy, episode_seed=s) for s in seeds]
 
 
-def _row(eps: list[dict[str, Any]], ref: list[dict[str, Any]]) -> dict[str, Any]:
+def episodes_row(eps: Sequence[dict[str, Any]], ref: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The figures of one variant's episodes ``eps`` against a reference's on the same seeds ``ref``:
+    output tok/s over all of them, per-episode ratios, wins, latency, hit rate, preemptions."""
     tokens = sum(e["total_output_tokens"] for e in eps)
     duration = sum(e["duration"] for e in eps)
     prompt = sum(e["total_input_tokens"] for e in eps)
@@ -63,6 +65,7 @@ def _row(eps: list[dict[str, Any]], ref: list[dict[str, Any]]) -> dict[str, Any]
     return {
         "output_throughput": tokens / duration,
         "episode_throughput": [e["output_throughput"] for e in eps],
+        "episode_ratios": ratios,
         "wins": sum(x > 1.0 + 1e-9 for x in ratios),
         "min_ratio": min(ratios),
         "prefix_hit_rate": sum(e["prefix_hit_rate"] * e["total_input_tokens"] for e in eps) / prompt,
@@ -81,7 +84,7 @@ def compare(scenario: str, names: Sequence[str], seeds: Sequence[int],
     for label, (env, policy) in (extra or {}).items():
         runs[label] = _episodes(env, seeds, policy)
     ref = runs["feather-heuristic"]
-    rows = {label: _row(eps, ref) for label, eps in runs.items()}
+    rows = {label: episodes_row(eps, ref) for label, eps in runs.items()}
     base = rows["feather-heuristic"]["output_throughput"]
     for r in rows.values():
         r["vs_heuristic"] = r["output_throughput"] / base

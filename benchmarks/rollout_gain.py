@@ -37,6 +37,7 @@ from agents.base import HELD_OUT_SEED
 from agents.rollout import advantages, distill, lookahead_episode
 from agents.tuning import TUNE_SEED
 from benchmarks import measured
+from benchmarks.group_admission import episodes_row
 from feather_env.env import FeatherEnv, play_episode
 from feather_env.reporting import format_table, machine_info, write_json
 from scheduler_runtime.policy import load_policy
@@ -48,17 +49,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _row(eps: Sequence[dict[str, Any]], ref: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    tokens = sum(e["total_output_tokens"] for e in eps)
-    duration = sum(e["duration"] for e in eps)
-    requests = sum(e["completed"] for e in eps)
-    ratios = [e["output_throughput"] / r["output_throughput"] for e, r in zip(eps, ref, strict=True)]
-    return {
-        "output_throughput": tokens / duration,
-        "vs_cap": (tokens / duration) / (sum(r["total_output_tokens"] for r in ref)
-                                         / sum(r["duration"] for r in ref)),
-        "episode_ratios": ratios,
-        "mean_e2el_s": sum(e["mean_e2el_ms"] * e["completed"] for e in eps) / 1000.0 / max(requests, 1),
-    }
+    row = episodes_row(eps, ref)
+    row["vs_cap"] = row["output_throughput"] / episodes_row(ref, ref)["output_throughput"]
+    return row
 
 
 def run_scenario(scenario: str, episodes: int, train_episodes: int, z: float = 2.0,
