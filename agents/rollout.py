@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from agents.base import ADD, STOP
-from feather_env.env import FeatherEnv, observation_kind
+from feather_env.env import FeatherEnv, finish_episode, play_episode
 from scheduler_runtime.rules import GroupBins
 
 __all__ = ["DeviationPolicy", "advantages", "distill", "lookahead_episode"]
@@ -43,43 +43,38 @@ def _open_choice(obs: Sequence[float], mask: Sequence[bool]) -> bool:
     return bool(mask[ADD]) and bool(mask[STOP]) and obs[0] > 0
 
 
-def _finish(env: FeatherEnv, base: Any, kind: str) -> float:
-    """Serve the rest of ``env``'s episode with ``base``; the episode's duration (s)."""
-    while not env.terminated:
-        core = env.core
-        assert core is not None and core.pending is not None
-        _, _, terminated, truncated, _ = env.step(int(base.act(core.observe(kind), core.pending.mask)))
-        if terminated or truncated:
-            break
-    return float(env.episode_metrics()["duration"])
-
-
-def _durations(env: FeatherEnv, base: Any, kind: str) -> dict[int, float]:
+def _durations(env: FeatherEnv, base: Any) -> dict[int, float]:
     """The episode's duration after each action now, then ``base``, each on a copy of ``env``."""
     out = {}
     for action in (STOP, ADD):
         branch = copy.deepcopy(env)
         branch.step(action)
-        out[action] = _finish(branch, base, kind)
+        finish_episode(branch, base)
+        out[action] = float(branch.episode_metrics()["duration"])
     return out
 
 
-def _serve(env: FeatherEnv, base: Any, episode_seed: int,
-           answer: Callable[[Sequence[float], int, dict[int, float]], int]) -> None:
-    """Serve episode ``episode_seed`` with ``base``; at each owned decision, ``answer(obs, base's
-    action, the durations after each action)`` gives the action taken."""
-    kind = observation_kind(base)
-    env.reset(options={"episode_seed": int(episode_seed)})
-    while not env.terminated:
-        core = env.core
-        assert core is not None and core.pending is not None
-        obs, mask = core.observe(kind), core.pending.mask
-        action = int(base.act(obs, mask))
+class _Answering:
+    """``base``'s answers, except at an owned decision: ``answer(obs, base's action, the durations
+    after each action on copies of env)``."""
+
+    def __init__(self, env: FeatherEnv, base: Any,
+                 answer: Callable[[Sequence[float], int, dict[int, float]], int]) -> None:
+        self.env, self.base, self.answer = env, base, answer
+        self.obs_spec = base.obs_spec
+
+    def act(self, obs: Sequence[float], mask: Sequence[bool]) -> int:
+        action = int(self.base.act(obs, mask))
         if _open_choice(obs, mask):
-            action = answer(obs, action, _durations(env, base, kind))
-        _, _, terminated, truncated, _ = env.step(action)
-        if terminated or truncated:
-            break
+            action = self.answer(obs, action, _durations(self.env, self.base))
+        return action
+
+
+def _serve(env: FeatherEnv, base: Any, episode_seed: int,
+           answer: Callable[[Sequence[float], int, dict[int, float]], int]) -> dict[str, Any]:
+    """Serve episode ``episode_seed`` with ``base`` answering, except at owned decisions
+    (:class:`_Answering`); the episode's metrics."""
+    return play_episode(env, _Answering(env, base, answer), episode_seed=episode_seed)
 
 
 def lookahead_episode(env: FeatherEnv, base: Any, episode_seed: int) -> dict[str, Any]:
@@ -97,8 +92,7 @@ def lookahead_episode(env: FeatherEnv, base: Any, episode_seed: int) -> dict[str
             return other
         return action
 
-    _serve(env, base, episode_seed, sooner)
-    return {**env.episode_metrics(), **counts}
+    return {**_serve(env, base, episode_seed, sooner), **counts}
 
 
 @dataclass

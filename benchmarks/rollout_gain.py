@@ -45,13 +45,7 @@ from scheduler_runtime.policy import load_policy
 __all__ = ["SCENARIOS", "main", "render", "run_scenario"]
 
 SCENARIOS = ("leval-kv-pressure-poisson", "leval-trace")
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _row(eps: Sequence[dict[str, Any]], ref: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    row = episodes_row(eps, ref)
-    row["vs_cap"] = row["output_throughput"] / episodes_row(ref, ref)["output_throughput"]
-    return row
+REPO = Path(__file__).resolve().parent.parent
 
 
 def run_scenario(scenario: str, episodes: int, train_episodes: int, z: float = 2.0,
@@ -72,14 +66,17 @@ def run_scenario(scenario: str, episodes: int, train_episodes: int, z: float = 2
     ship_eps = [play_episode(env, shipped, episode_seed=s) for s in seeds]
     env.close()
     owned = sum(e["decisions_owned"] for e in look_eps)
+    rows = {key: episodes_row(eps, base_eps) for key, eps in
+            (("cap", base_eps), ("lookahead", look_eps), ("distilled", dist_eps), ("shipped", ship_eps))}
+    for row in rows.values():
+        row["vs_cap"] = row["output_throughput"] / rows["cap"]["output_throughput"]
     return {
         "scenario": scenario,
         "cap": cap.meta.get("search", {}).get("best", "heuristic-tuned"),
         "held_out_seeds": seeds,
         "train_seeds": [train_seeds[0], train_seeds[-1]],
         "z": z,
-        "rows": {"cap": _row(base_eps, base_eps), "lookahead": _row(look_eps, base_eps),
-                 "distilled": _row(dist_eps, base_eps), "shipped": _row(ship_eps, base_eps)},
+        "rows": rows,
         "lookahead_owned": owned,
         "lookahead_changed": sum(e["changed"] for e in look_eps),
         "distilled_bins": bins,

@@ -32,7 +32,7 @@ from scheduler_runtime.plugins import default_policy
 
 __all__ = ["ADD", "REWARDS", "REWARD_CLASSES", "STOP", "DecodeThroughputReward", "FeatherEnv",
            "InvalidActionError", "LatencyReward", "MakespanReward", "NoDecisionError", "Reward",
-           "ScenarioMix", "play_episode", "scheduler_policy"]
+           "ScenarioMix", "finish_episode", "play_episode", "scheduler_policy"]
 
 #: The scheduler whose decisions the agent answers in the group decision, unless one is named.
 DEFAULT_GROUP_SCHEDULER = "group-cap-3"
@@ -652,18 +652,25 @@ def play_episode(env: FeatherEnv, policy: BatchingPolicy | None = None, *, seed:
     reset = getattr(policy, "reset", None)
     if reset is not None:
         reset()
-    kind = observation_kind(policy)
     options = {"episode_seed": episode_seed} if episode_seed is not None else None
     env.reset(seed=seed, options=options)
+    total = finish_episode(env, policy)
+    out = dict(env.episode_metrics())
+    out["return"] = total
+    return out
+
+
+def finish_episode(env: FeatherEnv, policy: BatchingPolicy) -> float:
+    """Serve the rest of ``env``'s episode (from wherever it stands) answering every decision with
+    ``policy`` on the core's raw observation (:func:`play_episode`); the rewards summed."""
+    kind = observation_kind(policy)
     total = 0.0
     while not env.terminated:
         core = env.core
         assert core is not None and core.pending is not None
         action = int(policy.act(core.observe(kind), core.pending.mask))
-        _, reward, terminated, truncated, info = env.step(action)
+        _, reward, terminated, truncated, _ = env.step(action)
         total += reward
         if terminated or truncated:
             break
-    out = dict(env.episode_metrics())
-    out["return"] = total
-    return out
+    return total
