@@ -32,6 +32,22 @@ Our choices, and why:
 The deployed (exported) policy is greedy over visited actions, ADD in states never visited
 (:func:`scheduler_runtime.rules.table_decision`, without the bandit's delta == 0 rule).
 
+``baseline`` (the group decision): a hand-made rule the table departs from only where its own
+estimates say the departure is real (safe policy improvement with baseline bootstrapping). Each
+value's standard error comes from the targets' variance, tracked with the value's own step size
+(``var <- (1 - a) (var + a td^2)``; the error is ``sqrt(var / n)`` while the step is ``1/n``,
+``sqrt(var a / (2 - a))`` once it is constant); a state whose two values are not ``baseline_z``
+standard errors apart, or where either action has fewer than ``baseline_min_visits`` visits, gets
+the rule's answer (:func:`scheduler_runtime.rules.trusted_states`). ``"group-cap-K"`` and
+``"group-hold"`` name the rule; ``"tuned"`` searches the caps on the evaluation environment before
+training (:func:`agents.tuning.search_caps`, the training episodes ``python -m agents.tuning`` uses).
+Why: a table's greedy answer between two values that differ by noise is arbitrary. The Poisson
+table shipped on 2026-12-01 held cached documents at one and two groups in flight on values
+0.001-0.004 apart over 800-1,900 visits each, where the tuned cap opens them; the simulator scored
+the two alike, and the real engine put the table 0.3-9% behind the cap at and below its trained-for
+load (docs/design.md, "On a faster machine"). Exploration and the
+values are the same with or without a baseline: only the answers that are exported change.
+
 Parallel workers merge by count-weighted means: ``Q(s, a)`` is the mean of the workers'
 values weighted by how often each visited ``(s, a)`` since the last merge (unchanged where none
 did); visit counts add up.
@@ -46,8 +62,10 @@ from typing import Any
 import numpy as np
 
 from agents.base import ADD, STOP, EpisodicAgent, TableBinsConfig
+from scheduler_runtime.config import ConfigError
 from scheduler_runtime.policy import Policy, TablePolicy
-from scheduler_runtime.rules import GroupBins, TableBins, table_decision
+from scheduler_runtime.rules import GroupBins, GroupCapRule, TableBins, table_decision, trusted_states
+from scheduler_runtime.schedulers import group_rule_cap
 
 
 @dataclass(frozen=True)
@@ -61,8 +79,24 @@ class QLearningConfig(TableBinsConfig):
     epsilon_end: float = 0.05
     exploration_fraction: float = 0.8
     exploration_timesteps: int | None = None
+    baseline: str | None = None
+    baseline_z: float = 2.0
+    baseline_min_visits: int = 30
 
     def __post_init__(self) -> None:
+        if self.baseline is not None and self.baseline != "tuned":
+            try:
+                ok = group_rule_cap(str(self.baseline)) is not None
+            except ValueError as exc:
+                raise ValueError(f"qlearning.baseline: {exc}") from exc
+            if not ok:
+                raise ValueError(f"qlearning.baseline must be 'group-cap-K', 'group-hold', 'tuned' or null, "
+                                 f"got {self.baseline!r}")
+        if not (isinstance(self.baseline_z, int | float) and self.baseline_z >= 0):
+            raise ValueError(f"qlearning.baseline_z must be >= 0, got {self.baseline_z!r}")
+        if not (isinstance(self.baseline_min_visits, int) and self.baseline_min_visits >= 1):
+            raise ValueError(f"qlearning.baseline_min_visits must be an integer >= 1, got "
+                             f"{self.baseline_min_visits!r}")
         if not 0 < self.learning_rate <= 1:
             raise ValueError(f"qlearning.learning_rate must be in (0, 1], got {self.learning_rate}")
         if not 0 <= self.gamma <= 1:
@@ -84,12 +118,18 @@ class QLearningAgent(EpisodicAgent):
         #: Steps the epsilon schedule spans; set from the training length by ``learn``.
         self.exploration_timesteps = self.config.exploration_timesteps
         self._td: list[float] = []
+        #: The rule the exported table falls back on (``config.baseline``, resolved by ``prepare``).
+        self.baseline_rule: GroupCapRule | None = None
+        if self.config.baseline not in (None, "tuned"):
+            cap = group_rule_cap(self.config.baseline)
+            self.baseline_rule = GroupCapRule(cap=cap or None)
 
     def _use_bins(self, bins: TableBins | GroupBins) -> None:
         self.bins = bins
         n = bins.num_states
         self.q = np.zeros((n, 2), dtype=np.float64)
         self.visits = np.zeros((n, 2), dtype=np.int64)
+        self.var = np.zeros((n, 2), dtype=np.float64)
 
     def observation_changed(self) -> None:
         bins = self.config.bins_for(self.obs_spec)
@@ -98,6 +138,15 @@ class QLearningAgent(EpisodicAgent):
                 raise ValueError(f"agent {self.name!r} learned on other bins ({self.bins}) than this "
                                  f"observation's ({bins})")
             self._use_bins(bins)
+        if self.config.baseline is not None and not isinstance(bins, GroupBins):
+            raise ConfigError("qlearning.baseline is a group-decision rule: train with env.decision: group")
+
+    def prepare(self, train_env: Any, eval_env: Any) -> None:
+        super().prepare(train_env, eval_env)
+        if self.config.baseline == "tuned" and self.baseline_rule is None:
+            from agents.tuning import TUNE_SEED, search_caps
+
+            self.baseline_rule, _ = search_caps(eval_env, [TUNE_SEED + i for i in range(8)])
 
     @property
     def epsilon(self) -> float:
@@ -118,7 +167,23 @@ class QLearningAgent(EpisodicAgent):
 
     # -- decisions -----------------------------------------------------------------------------
     def act(self, obs: np.ndarray, mask: np.ndarray) -> int:
-        return table_decision(self.bins, self.q.ravel(), self.visits.ravel(), False, obs, mask)
+        trusted = self._trusted() if self.baseline_rule is not None else None
+        return table_decision(self.bins, self.q.ravel(), self.visits.ravel(), False, obs, mask,
+                              self.baseline_rule, trusted)
+
+    def stderr(self) -> np.ndarray:
+        """Each value's standard error (see the module docstring), 0 where never visited."""
+        n = np.maximum(self.visits, 1)
+        lr = self.config.learning_rate
+        frac = np.full(self.q.shape, lr / (2 - lr))
+        if self.config.average_first:
+            frac = np.where(1.0 / n >= lr, 1.0 / n, frac)
+        return np.where(self.visits > 0, np.sqrt(self.var * frac), 0.0)
+
+    def _trusted(self) -> list[bool]:
+        return trusted_states(self.q.ravel().tolist(), self.visits.ravel().tolist(),
+                              self.stderr().ravel().tolist(), self.config.baseline_z,
+                              self.config.baseline_min_visits)
 
     def _greedy(self, s: int, mask: np.ndarray) -> int:
         if not mask[ADD]:
@@ -149,6 +214,7 @@ class QLearningAgent(EpisodicAgent):
         if self.config.average_first:  # a sample average for the first 1/learning_rate visits
             lr = max(lr, 1.0 / self.visits[s, action])
         self.q[s, action] += lr * td
+        self.var[s, action] = (1 - lr) * (self.var[s, action] + lr * td * td)
         self._td.append(abs(td))
 
     def train_metrics(self) -> dict[str, float]:
@@ -160,33 +226,51 @@ class QLearningAgent(EpisodicAgent):
 
     # -- export, checkpoints, merging ----------------------------------------------------------
     def to_policy(self) -> Policy:
+        meta: dict[str, Any] = {"gamma": self.config.gamma, "learning_rate": self.config.learning_rate}
+        extra: dict[str, Any] = {}
+        if self.baseline_rule is not None:
+            trusted = self._trusted()
+            meta.update(baseline=self.config.baseline, trusted_states=sum(trusted),
+                        visited_states=int((self.visits.min(axis=1) > 0).sum()))
+            extra = dict(baseline=self.baseline_rule, stderr=self.stderr().ravel().tolist(),
+                         z=self.config.baseline_z, min_visits=self.config.baseline_min_visits)
         return TablePolicy(self._require_spec(), self.bins, self.q.ravel().tolist(),
-                           self.visits.ravel().tolist(), False, agent=self.name,
-                           meta={"gamma": self.config.gamma, "learning_rate": self.config.learning_rate})
+                           self.visits.ravel().tolist(), False, agent=self.name, meta=meta, **extra)
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        return {"q": self.q.copy(), "visits": self.visits.copy(),
-                "exploration_timesteps": np.array(self.exploration_timesteps or 0)}
+        out = {"q": self.q.copy(), "visits": self.visits.copy(), "var": self.var.copy(),
+               "exploration_timesteps": np.array(self.exploration_timesteps or 0)}
+        if self.baseline_rule is not None:  # a tuned rule is kept for the resumed run's export
+            out["baseline_cap"] = np.array(self.baseline_rule.cap or 0)
+        return out
 
     def load_state_dict(self, arrays: dict[str, np.ndarray]) -> None:
         if arrays["q"].shape != self.q.shape:
             raise ValueError(f"table shape {arrays['q'].shape} != {self.q.shape} of these bins")
         self.q = arrays["q"].astype(np.float64)
         self.visits = arrays["visits"].astype(np.int64)
+        self.var = arrays["var"].astype(np.float64) if "var" in arrays else np.zeros_like(self.q)
+        if "baseline_cap" in arrays:
+            self.baseline_rule = GroupCapRule(cap=int(arrays["baseline_cap"]) or None)
         self.exploration_timesteps = int(arrays["exploration_timesteps"]) or None
 
     @classmethod
     def merge(cls, base: dict[str, np.ndarray], workers: Sequence[dict[str, np.ndarray]]
               ) -> dict[str, np.ndarray]:
-        """Count-weighted mean of the workers' Q-values (weights: visits since ``base``)."""
+        """Count-weighted mean of the workers' Q-values and target variances (weights: visits since
+        ``base``)."""
         q0, v0 = base["q"], base["visits"]
+        var0 = base.get("var", np.zeros_like(q0))
         weight = np.zeros_like(q0)
         acc = np.zeros_like(q0)
+        acc_var = np.zeros_like(q0)
         visits = v0.copy()
         for w in workers:
             dv = (w["visits"] - v0).astype(np.float64)
             acc += dv * w["q"]
+            acc_var += dv * w.get("var", var0)
             weight += dv
             visits += w["visits"] - v0
         q = np.where(weight > 0, acc / np.maximum(weight, 1e-12), q0)
-        return {"q": q, "visits": visits, "exploration_timesteps": base["exploration_timesteps"]}
+        var = np.where(weight > 0, acc_var / np.maximum(weight, 1e-12), var0)
+        return {**base, "q": q, "visits": visits, "var": var}

@@ -33,7 +33,7 @@ import numpy as np
 
 from agents.base import ADD, STOP
 from feather_env.env import FeatherEnv, finish_episode, play_episode
-from scheduler_runtime.rules import GroupBins
+from scheduler_runtime.rules import GroupBins, trusted_states
 
 __all__ = ["DeviationPolicy", "advantages", "distill", "lookahead_episode"]
 
@@ -150,7 +150,9 @@ def distill(adv: Advantages, base: Any, z: float = 2.0) -> tuple[DeviationPolicy
         se = float(xs.std(ddof=1) / math.sqrt(len(xs))) if len(xs) > 1 else math.inf
         base_action = ADD if 2 * sum(adv.base_actions[s]) >= len(adv.base_actions[s]) else STOP
         better = ADD if mean > 0 else STOP
-        action = better if abs(mean) > z * se else base_action
+        # the advantage as a two-valued table (STOP 0, ADD the mean): the tables' significance rule
+        significant = trusted_states([0.0, mean], [len(xs), len(xs)], [0.0, se], z, 2)[0]
+        action = better if significant else base_action
         if action != base_action:
             deviations[s] = action
         report.append({"bin": [int(i) for i in np.unravel_index(s, adv.bins.shape)], "samples": len(xs),

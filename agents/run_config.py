@@ -18,6 +18,7 @@ from typing import Any
 
 from scheduler_runtime.config import ConfigError, from_mapping, load_yaml
 from scheduler_runtime.orderings import BASELINE_ORDERINGS, OrderingName
+from scheduler_runtime.schedulers import group_rule_cap
 
 __all__ = ["ORDERING_REFERENCES", "REFERENCES", "SECTIONS", "EnvSection", "RunConfig", "TrainSection",
            "load_config", "parse_config"]
@@ -212,6 +213,11 @@ def parse_config(data: Mapping[str, Any], agent: str | None = None, *, scenario:
     env = from_mapping(EnvSection, env_section, where=f"{where}: env")
     train = from_mapping(TrainSection, data.get("train"), where=f"{where}: train")
     _check_numbers(where, {"agent": agent_cfg, "env": env, "train": train})
+    group = env.decision == "group" or (env.decision is None
+                                        and group_rule_cap(str(env.scheduler).split("+")[0]) is not None)
+    if getattr(agent_cfg, "baseline", None) is not None and not group:
+        raise ConfigError(f"{where}: agent.baseline is a rule of the group decision; set env.decision: group "
+                          f"or remove it")
     scen = data.get("scenario")
     if scen is None:
         scen = {}

@@ -26,18 +26,17 @@ from scheduler_runtime.decision import ObservationSpec
 from scheduler_runtime.policy import GroupCapPolicy, write_policy
 from scheduler_runtime.rules import GroupCapRule
 
-__all__ = ["CAPS", "TUNE_SEED", "main", "tune_group_cap"]
+__all__ = ["CAPS", "TUNE_SEED", "main", "search_caps", "tune_group_cap"]
 
 TUNE_SEED = 4_000_000
 #: The caps tried after ``group-hold``, least restrictive first.
 CAPS = (8, 6, 5, 4, 3, 2, 1)
 
 
-def tune_group_cap(scenario: str, episodes: int = 8, profile: str | None = None,
-                   log: Any = print) -> tuple[GroupCapRule, dict[str, Any]]:
-    """The best cap on ``episodes`` training episodes of ``scenario`` (simulator), and the search."""
-    env = FeatherEnv(scenario, "sim", profile=profile, decision="group")
-    seeds = [TUNE_SEED + i for i in range(episodes)]
+def search_caps(env: Any, seeds: Sequence[int]) -> tuple[GroupCapRule, list[dict[str, Any]]]:
+    """The best of ``group-hold`` and :data:`CAPS` on ``env``'s episodes ``seeds`` (a group-decision
+    environment), by end-to-end output throughput (ties: the earlier, least restrictive), and
+    every candidate's figure."""
     tried: list[dict[str, Any]] = []
     best: tuple[float, GroupCapRule] | None = None
     for cap in (None, *CAPS):
@@ -47,11 +46,22 @@ def tune_group_cap(scenario: str, episodes: int = 8, profile: str | None = None,
         if best is None or tput > best[0] + 1e-9:
             best = (tput, rule)
     assert best is not None
-    env.close()
-    name = "group-hold" if best[1].cap is None else f"group-cap-{best[1].cap}"
-    log(f"{scenario}: best of {len(tried)} rules {name} -> {best[0]:.1f} tok/s")
-    return best[1], {"scenario": scenario, "episodes": seeds, "tried": tried, "best": name,
-                     "best_output_throughput": best[0]}
+    return best[1], tried
+
+
+def tune_group_cap(scenario: str, episodes: int = 8, profile: str | None = None,
+                   log: Any = print) -> tuple[GroupCapRule, dict[str, Any]]:
+    """The best cap on ``episodes`` training episodes of ``scenario`` (simulator), and the search."""
+    env = FeatherEnv(scenario, "sim", profile=profile, decision="group")
+    seeds = [TUNE_SEED + i for i in range(episodes)]
+    try:
+        rule, tried = search_caps(env, seeds)
+    finally:
+        env.close()
+    best = max(t["output_throughput"] for t in tried)
+    log(f"{scenario}: best of {len(tried)} rules {rule.name} -> {best:.1f} tok/s")
+    return rule, {"scenario": scenario, "episodes": seeds, "tried": tried, "best": rule.name,
+                  "best_output_throughput": best}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -126,25 +126,31 @@ def scheduler_set(scenario: str, policies: Path) -> tuple[dict[str, str], dict[s
                                       "serves it alike")
             continue
         names[alias] = f"feather:{rel}"
-    tuned_cap = _cap_of(files.get("heuristic-tuned"))
+    tuned = _rule_of(files.get("heuristic-tuned"))
+    shipped = names.get("shipped")
+    for alias in ("shipped", "general"):
+        if alias in names and tuned is not None and _rule_of(files[alias]) == tuned:
+            del names[alias]
+            same[alias] = ("heuristic-tuned", f"{alias} answers as heuristic-tuned ({tuned.name}) in every "
+                                              "state: its table trusts itself nowhere against that rule")
+    tuned_cap = tuned.cap if tuned is not None else None
     for k in CAPS_BY_SCENARIO.get(scenario, ()):
         if k == tuned_cap:
             same[f"group-cap-{k}"] = ("heuristic-tuned", f"heuristic-tuned is group-cap-{k}")
         else:
             names[f"group-cap-{k}"] = f"group-cap-{k}"
-    if "shipped" in names:
-        names["shipped+svf"] = f"{names['shipped']}+svf"
+    if shipped is not None:
+        names["shipped+svf"] = f"{shipped}+svf"
     return names, same
 
 
-def _cap_of(path: Path | None) -> int | None:
-    """The cap of a ``group-cap`` policy file (None for another kind or no cap)."""
+def _rule_of(path: Path | None) -> Any:
+    """The ``group-cap`` rule a policy file answers exactly as (:func:`answers_as_rule`), if any."""
     if path is None:
         return None
-    from scheduler_runtime.policy import GroupCapPolicy, load_policy
+    from scheduler_runtime.policy import answers_as_rule, load_policy
 
-    policy = load_policy(path)
-    return policy.rule.cap if isinstance(policy, GroupCapPolicy) else None
+    return answers_as_rule(load_policy(path))
 
 
 # ------------------------------------------------------------------------------------ the bound

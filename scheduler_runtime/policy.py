@@ -35,7 +35,10 @@ Kinds and their ``params``:
   its observation is the group one.
 - ``table``: a value per (state bin, action) and its visit count, with the bins
   ``(min(B // batch_div, batch_max), clip(delta, -delta_clip, delta_clip), min(w // w_div, w_max))``
-  (see :func:`table_decision`); used by the UCB bandit and Q-learning.
+  (see :func:`table_decision`); used by the UCB bandit and Q-learning. Optionally ``baseline``
+  (a ``group-cap`` rule's parameters), ``stderr`` (each value's standard error), ``z`` and
+  ``min_visits``: the rule answers wherever the table's two values are not ``z`` standard errors
+  apart over ``min_visits`` visits each (Q-learning's ``baseline``, :mod:`agents.qlearning`).
 - ``mlp``: ``{"activation": "tanh", "layers": [{"weight": [[...]], "bias": [...]}, ...]}``,
   ``weight`` shaped ``(out, in)`` as in torch; the last layer outputs the logits of
   ``[STOP, ADD]``; the input is the clipped observation divided by ``scale``.
@@ -78,6 +81,7 @@ from scheduler_runtime.rules import (
     TableBins,
     bins_from_dict,
     table_decision,
+    trusted_states,
 )
 
 __all__ = [
@@ -90,6 +94,7 @@ __all__ = [
     "MLPPolicy",
     "Policy",
     "TablePolicy",
+    "answers_as_rule",
     "load_policy",
     "policy_from_document",
     "write_policy",
@@ -191,26 +196,60 @@ class GroupCapPolicy(Policy):
 
 
 class TablePolicy(Policy):
-    """Greedy action over a (state bin, action) table, see :func:`table_decision`."""
+    """Greedy action over a (state bin, action) table, see :func:`table_decision`; with a
+    ``baseline`` rule (the group decision), the rule's answer wherever the table's two values are
+    not ``z`` standard errors (``stderr``) apart over at least ``min_visits`` visits each
+    (:func:`trusted_states`)."""
 
     kind = "table"
 
     def __init__(self, obs_spec: ObservationSpec, bins: TableBins | GroupBins, values: Sequence[float],
-                 visits: Sequence[int], add_if_delta_zero: bool, **kw: Any) -> None:
+                 visits: Sequence[int], add_if_delta_zero: bool, *, baseline: GroupCapRule | None = None,
+                 stderr: Sequence[float] | None = None, z: float = 2.0, min_visits: int = 30,
+                 **kw: Any) -> None:
         super().__init__(obs_spec, **kw)
         self.bins = bins
         # Plain lists: indexing a list is several times cheaper than indexing a numpy array.
         self.values = [float(v) for v in values]
         self.visits = [int(v) for v in visits]
         self.add_if_delta_zero = add_if_delta_zero
+        self.baseline = baseline
+        self.stderr = [float(v) for v in stderr] if stderr is not None else [0.0] * len(self.values)
+        self.z = float(z)
+        self.min_visits = int(min_visits)
+        self.trusted = (trusted_states(self.values, self.visits, self.stderr, self.z, self.min_visits)
+                        if baseline is not None else None)
 
     def act(self, obs: Sequence[float], mask: Sequence[bool]) -> int:
         return table_decision(self.bins, self.values, self.visits, self.add_if_delta_zero,
-                              self._clip(obs), mask)
+                              self._clip(obs), mask, self.baseline, self.trusted)
+
+    def departures(self) -> list[int] | None:
+        """With a baseline: the states where the table answers otherwise than its baseline (trusted,
+        and the greedy answer differs); ``[]``: the policy answers exactly as the baseline. None
+        without a baseline, or when a bin holds states the baseline answers differently (a cap above
+        the bins' ``in_flight_max``), so that no bin has one baseline answer to compare with."""
+        if self.baseline is None or self.trusted is None or not isinstance(self.bins, GroupBins):
+            return None
+        if self.baseline.cap is not None and self.baseline.cap > self.bins.in_flight_max:
+            return None
+        both = [True, True]
+        out = []
+        for state, trusted in enumerate(self.trusted):
+            if trusted:
+                obs = self.bins.representative(state)
+                if table_decision(self.bins, self.values, self.visits, False, obs, both) != \
+                        self.baseline.act(obs, both):
+                    out.append(state)
+        return out
 
     def params(self) -> dict[str, Any]:
-        return {"bins": self.bins.to_dict(), "values": self.values, "visits": self.visits,
-                "add_if_delta_zero": self.add_if_delta_zero}
+        out: dict[str, Any] = {"bins": self.bins.to_dict(), "values": self.values, "visits": self.visits,
+                               "add_if_delta_zero": self.add_if_delta_zero}
+        if self.baseline is not None:
+            out.update(baseline=self.baseline.params(), stderr=self.stderr, z=self.z,
+                       min_visits=self.min_visits)
+        return out
 
 
 class MLPPolicy(Policy):
@@ -280,6 +319,16 @@ class MLPPolicy(Policy):
     def params(self) -> dict[str, Any]:
         return {"activation": self.activation,
                 "layers": [{"weight": w.tolist(), "bias": b.tolist()} for w, b in self.layers]}
+
+
+def answers_as_rule(policy: Policy) -> GroupCapRule | None:
+    """The ``group-cap`` rule ``policy`` answers exactly as in every state: a ``group-cap`` policy's
+    own, or a table's baseline when it departs from it nowhere (:meth:`TablePolicy.departures`)."""
+    if isinstance(policy, GroupCapPolicy):
+        return policy.rule
+    if isinstance(policy, TablePolicy) and policy.departures() == []:
+        return policy.baseline
+    return None
 
 
 # -- file I/O -------------------------------------------------------------------------------------
@@ -406,13 +455,34 @@ def _table_from_params(spec: ObservationSpec, params: dict[str, Any], common: di
         raise ValueError("'values' must be finite numbers")
     if not all(is_count(v) for v in visits):
         raise ValueError("'visits' must be non-negative integers")
-    extra = set(params) - {"bins", "values", "visits", "add_if_delta_zero"}
+    extra = set(params) - {"bins", "values", "visits", "add_if_delta_zero", *_BASELINE_KEYS}
     if extra:
         raise ValueError(f"unknown keys {sorted(extra)}")
     add_if_delta_zero = params.get("add_if_delta_zero", False)
     if not isinstance(add_if_delta_zero, bool):
         raise ValueError(f"'add_if_delta_zero' must be true or false, got {add_if_delta_zero!r}")
-    return TablePolicy(spec, bins, values, visits, add_if_delta_zero, **common)
+    if "baseline" not in params:
+        if set(params) & set(_BASELINE_KEYS):
+            raise ValueError(f"{sorted(set(params) & set(_BASELINE_KEYS))} go with a 'baseline' rule")
+        return TablePolicy(spec, bins, values, visits, add_if_delta_zero, **common)
+    if not isinstance(bins, GroupBins):
+        raise ValueError("a 'baseline' rule answers the group decision: it needs group bins")
+    if not isinstance(params["baseline"], dict):
+        raise ValueError("'baseline' must be a mapping of group-cap parameters")
+    stderr, z, min_visits = params.get("stderr"), params.get("z", 2.0), params.get("min_visits", 30)
+    if not isinstance(stderr, list) or len(stderr) != n or not all(is_number(v) and v >= 0 for v in stderr):
+        raise ValueError(f"'stderr' must hold {n} finite numbers >= 0")
+    if not (is_number(z) and z >= 0):
+        raise ValueError(f"'z' must be a finite number >= 0, got {z!r}")
+    if not is_count(min_visits, 1):
+        raise ValueError(f"'min_visits' must be an integer >= 1, got {min_visits!r}")
+    return TablePolicy(spec, bins, values, visits, add_if_delta_zero,
+                       baseline=GroupCapRule(**params["baseline"]), stderr=stderr, z=z, min_visits=min_visits,
+                       **common)
+
+
+#: The ``table`` parameters of a baseline rule (:class:`TablePolicy`).
+_BASELINE_KEYS = ("baseline", "stderr", "z", "min_visits")
 
 
 def _mlp_from_params(spec: ObservationSpec, params: dict[str, Any], common: dict[str, Any]) -> MLPPolicy:

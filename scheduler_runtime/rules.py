@@ -4,13 +4,15 @@
 - :class:`GroupCapRule`: ``group-cap-K``, the group decision's hand-made rule;
 - the tabular agents' state bins, :class:`TableBins` (the request decision, the authors' bins) and
   :class:`GroupBins` (the group decision), and :func:`table_decision`, the greedy answer of a
-  value table over them.
+  value table over them, or its baseline rule's where the table cannot tell its two answers apart
+  (:func:`trusted_states`).
 
 Engine-free and file-free: :mod:`scheduler_runtime.policy` writes and reads them as policy files.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -20,7 +22,8 @@ import numpy as np
 from scheduler_runtime.config import is_count, is_number
 from scheduler_runtime.decision import ADD, GROUP_OBS_NAMES, STOP, ObservationSpec
 
-__all__ = ["GroupBins", "GroupCapRule", "HeuristicRule", "TableBins", "bins_from_dict", "table_decision"]
+__all__ = ["GroupBins", "GroupCapRule", "HeuristicRule", "TableBins", "bins_from_dict", "table_decision",
+           "trusted_states"]
 
 
 @dataclass
@@ -115,6 +118,11 @@ class GroupCapRule:
 
     def params(self) -> dict[str, Any]:
         return {"cap": self.cap, "hold": self.hold, "cached_min": self.cached_min}
+
+    @property
+    def name(self) -> str:
+        """``group-cap-K`` or ``group-hold`` (the scheduler names of the rule with the default hold)."""
+        return "group-hold" if self.cap is None else f"group-cap-{self.cap}"
 
     def act(self, obs: Sequence[float], mask: Sequence[bool]) -> int:
         if not mask[ADD]:
@@ -216,6 +224,16 @@ class GroupBins:
         kv = min(max(int(obs[_KV_USAGE] * self.kv_levels), 0), self.kv_levels - 1)
         return int(np.ravel_multi_index((g, wf, c, wg, kv), self.shape))
 
+    def representative(self, state: int) -> list[float]:
+        """A raw group observation (a batch under way) that falls in flat state ``state``."""
+        g, wf, c, wg, kv = (int(i) for i in np.unravel_index(state, self.shape))
+        obs = [0.0] * len(GROUP_OBS_NAMES)
+        obs[0] = 1.0
+        obs[_GROUPS_IN_FLIGHT], obs[_WAITING_IN_FLIGHT], obs[_CACHED_FRACTION] = g, wf, float(c)
+        obs[_WAITING_GROUPS] = wg * self.waiting_groups_div
+        obs[_KV_USAGE] = kv / self.kv_levels
+        return obs
+
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "in_flight_max": self.in_flight_max,
                 "waiting_in_flight_max": self.waiting_in_flight_max,
@@ -232,20 +250,45 @@ def bins_from_dict(data: Mapping[str, Any]) -> TableBins | GroupBins:
     return TableBins(**data)
 
 
+def trusted_states(values: Sequence[float], visits: Sequence[int], stderr: Sequence[float], z: float,
+                   min_visits: int) -> list[bool]:
+    """Per state, whether a value table's greedy answer is trusted over its baseline rule: both
+    actions visited at least ``min_visits`` times and their values more than ``z`` standard errors
+    of the difference apart (``stderr``: of each value, flat ``2 * state + action`` like
+    ``values``). Elsewhere :func:`table_decision` answers as the baseline does: a table departs
+    from the rule it is measured against only where its own estimates say the departure is real
+    (safe policy improvement with baseline bootstrapping, Laroche et al., ICML 2019, with the
+    values' standard errors added to its visit threshold)."""
+    out = []
+    for s in range(0, len(values), 2):
+        seen = visits[s] >= min_visits and visits[s + 1] >= min_visits
+        out.append(bool(seen and abs(values[s] - values[s + 1]) > z * math.hypot(stderr[s], stderr[s + 1])))
+    return out
+
+
 def table_decision(bins: TableBins | GroupBins, values: Sequence[float], visits: Sequence[int],
-                   add_if_delta_zero: bool, obs: Sequence[float], mask: Sequence[bool]) -> int:
+                   add_if_delta_zero: bool, obs: Sequence[float], mask: Sequence[bool],
+                   baseline: GroupCapRule | None = None, trusted: Sequence[bool] | None = None) -> int:
     """Greedy action of a tabular policy (``values``/``visits`` flat, ``2 * state + action``).
 
     Order of the rules: masks; an empty batch ADDs; ``add_if_delta_zero`` (the bandit's rule)
-    ADDs when the candidate loses no shared prefix; otherwise the visited valid action of
-    highest value, ties and never-visited states going to ADD (what a batch-maximizing
-    scheduler would do, i.e. the baseline the policy must improve on).
+    ADDs when the candidate loses no shared prefix; otherwise the visited valid action of highest
+    value, ties and never-visited states going to ADD (what a batch-maximizing scheduler would
+    do, i.e. the baseline the policy must improve on).
+
+    With a ``baseline`` rule the table answers only the choices that are open (both actions valid,
+    a batch under way) in the states it ``trusts`` (:func:`trusted_states`), by value; the rule
+    answers everything else, so that a table whose trusted states all agree with the rule answers
+    exactly as the rule does.
     """
-    if not mask[ADD]:
+    if baseline is not None:
+        if not (mask[ADD] and mask[STOP] and obs[0] > 0 and trusted is not None and trusted[bins.index(obs)]):
+            return baseline.act(obs, mask)
+    elif not mask[ADD]:
         return STOP
-    if not mask[STOP] or obs[0] <= 0:
+    elif not mask[STOP] or obs[0] <= 0:
         return ADD
-    if add_if_delta_zero and int(obs[1]) == 0:
+    elif add_if_delta_zero and int(obs[1]) == 0:
         return ADD
     s = 2 * bins.index(obs)
     if visits[s] > 0 and (visits[s + 1] <= 0 or values[s] > values[s + 1]):

@@ -248,7 +248,7 @@ def _defaults_for(name: str) -> SchedulerConfig:
         if name.endswith(suffix):
             base, lengths = name[: -len(suffix)], source
             break
-    group = _group_rule(base)
+    group = group_rule_cap(base)
     if group is not None:
         return SchedulerConfig(name=name, ordering=OrderingName.FEATHER, decision="group", group_cap=group,
                                admission="peak" if lengths else "prompt", svf_seed=lengths is not None,
@@ -273,7 +273,7 @@ def _defaults_for(name: str) -> SchedulerConfig:
 MAX_GROUP_CAP = 64
 
 
-def _group_rule(base: str) -> int | None:
+def group_rule_cap(base: str) -> int | None:
     """The cap of a ``group-cap-K`` / ``group-hold`` base name (0: no cap), None for other names."""
     if base == "group-hold":
         return 0
