@@ -12,16 +12,24 @@ __all__ = ["measured", "num"]
 
 def measured(payload: Mapping[str, Any]) -> str:
     """``measured DATE on CPU, N cores`` from a benchmark JSON's ``machine``; a JSON merged from runs of
-    several dates (the evaluation, one scenario at a time) gives its first date to its last."""
+    several dates (the evaluation, one scenario at a time) gives its first date to its last, and
+    one whose scenarios ran on several machines names each machine's scenarios."""
     m = payload.get("machine") or {}
     if isinstance(m, str):
         return m
     date = m.get("date") or payload.get("date", "?")
-    scenarios = [p for p in (payload.get("scenarios") or {}).values() if isinstance(p, Mapping)]
-    parts = sorted({(p.get("machine") or {}).get("date", "") for p in scenarios} - {""})
+    scenarios = {name: p for name, p in (payload.get("scenarios") or {}).items() if isinstance(p, Mapping)}
+    parts = sorted({(p.get("machine") or {}).get("date", "") for p in scenarios.values()} - {""})
     if len(parts) > 1:
         date = f"{parts[0]} to {max(parts[-1], date)}"
-    return f"measured {date} on {m.get('cpu', '?')}, {m.get('cores') or m.get('cpus', '?')} cores"
+    where = f"{m.get('cpu', '?')}, {m.get('cores') or m.get('cpus', '?')} cores"
+    by_cpu: dict[str, list[str]] = {}
+    for name, p in scenarios.items():
+        by_cpu.setdefault((p.get("machine") or {}).get("cpu") or m.get("cpu", "?"), []).append(name)
+    if len(by_cpu) > 1:
+        where = " and ".join(f"{cpu} ({', '.join(names)})" for cpu, names in by_cpu.items())
+        where += f", {m.get('cores') or m.get('cpus', '?')} cores"
+    return f"measured {date} on {where}"
 
 
 def num(value: float | None, fmt: str = "{:.2f}") -> str:

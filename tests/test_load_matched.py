@@ -85,3 +85,18 @@ def test_the_shipped_results_render_a_row_per_run() -> None:
     for run, row in zip(runs, table, strict=True):
         assert f"`{run['arrival']}`" in row and run["machine"]["cpu"].split("(")[0].split()[0] in row
     assert render(doc).count("Episode 0:") == len(runs)
+
+
+def test_a_results_file_of_several_machines_names_each_machines_scenarios() -> None:
+    """The evaluation merges one scenario at a time; when the scenarios ran on different hosts, the
+    tables' caption must say which ran where (ratios are per scenario, so per host)."""
+    from benchmarks import measured
+
+    amd = {"date": "2026-12-02 09:04 UTC", "cpu": "AMD EPYC", "cores": 2}
+    intel = {"date": "2026-12-02 15:00 UTC", "cpu": "Intel Xeon", "cores": 2}
+    one = {"machine": amd, "scenarios": {"a": {"machine": amd}, "b": {"machine": amd}}}
+    assert measured(one) == "measured 2026-12-02 09:04 UTC on AMD EPYC, 2 cores"
+    two = {"machine": intel,
+           "scenarios": {"a": {"machine": intel}, "b": {"machine": amd}, "c": {"machine": intel}}}
+    assert measured(two) == ("measured 2026-12-02 09:04 UTC to 2026-12-02 15:00 UTC on Intel Xeon (a, c) and "
+                             "AMD EPYC (b), 2 cores")
