@@ -151,13 +151,27 @@ def references(out: Path, records: dict[str, Any]) -> None:
         rec["references"] = refs
 
 
+def answers(path: Path) -> str:
+    """What a shipped file answers as: a ``group-cap`` rule in every state (a table that departs from
+    its baseline nowhere), or how many states it departs from its baseline in."""
+    from scheduler_runtime.policy import TablePolicy, answers_as_rule, load_policy
+
+    policy = load_policy(path)
+    rule = answers_as_rule(policy)
+    if rule is not None:
+        return f"`{rule.name}`"
+    if isinstance(policy, TablePolicy) and policy.baseline is not None:
+        return f"`{policy.baseline.name}` but in {len(policy.departures() or [])} states"
+    return "its own"
+
+
 def write_readme(out: Path, records: dict[str, Any]) -> None:
     names = records["runs"]
     rows = []
     for scenario, rec in records["scenarios"].items():
         r = rec["references"]
         runs = rec.get("runs") or {}
-        rows.append([f"`{scenario}.feather`", rec["shipped"],
+        rows.append([f"`{scenario}.feather`", rec["shipped"], answers(out / f"{scenario}.feather"),
                      *(f"{runs[n]['output_throughput']:.1f}" if n in runs else "-" for n in names),
                      *(f"{r[x]:.1f}" for x in REFERENCES)])
     lines = [
@@ -177,6 +191,10 @@ def write_readme(out: Path, records: dict[str, Any]) -> None:
         "- `<scenario>.feather`: the best of the runs (UCB, Q-learning with two seeds, PPO) on the",
         "  scenario's validation episodes; a scenario that never asks the group decision (nothing",
         "  shares a prefix) ships `general.feather`, which serves it as any group policy does.",
+        "  Q-learning's table answers as the scenario's tuned cap except in the states where its two",
+        "  values are two standard errors apart (`baseline: tuned`, `agents/qlearning.py`); where no",
+        "  such state departs from the cap, the file answers exactly as `heuristic-tuned` (column",
+        "  `answers as`) and the evaluation serves it once, under that name.",
         "- `heuristic-tuned/<scenario>.feather`: the best constant cap `group-cap-K` on the scenario",
         "  (`python -m agents.tuning`), the baseline a learned policy must match.",
         "- `general.feather`: the best of the same runs on the mix of every scenario, for a user who",
@@ -185,7 +203,7 @@ def write_readme(out: Path, records: dict[str, Any]) -> None:
         "Columns: each run's validation output tokens/s, then the references on the same episodes",
         "(`always-add`: the group decision answered ADD, every new document opens at once).",
         "",
-        format_table(["file", "shipped", *names, *REFERENCES], rows),
+        format_table(["file", "shipped", "answers as", *names, *REFERENCES], rows),
         "",
         "Commands (run from the repository root):",
         "",
@@ -195,7 +213,8 @@ def write_readme(out: Path, records: dict[str, Any]) -> None:
                else "`general.feather` (the scenario never asks the group decision)")
         lines += [f"- `{scenario}.feather`: {how}; tuned cap: `{rec['tuned_command']}`"]
     g = records["general"]
-    lines += [f"- `general.feather`: `{g['command']}`", "",
+    general = answers(out / "general.feather")
+    lines += [f"- `general.feather` (answers as {general} on the mix): `{g['command']}`", "",
               "Configs: `configs/runs/ucb.yaml`, `configs/runs/qlearning.yaml`, `configs/runs/ppo.yaml`; "
               "scenarios: `configs/scenarios/`. `build.json` has every figure."]
     (out / "README.md").write_text("\n".join(lines) + "\n")
