@@ -65,7 +65,6 @@ from agents.base import ADD, STOP, EpisodicAgent, TableBinsConfig
 from scheduler_runtime.config import ConfigError
 from scheduler_runtime.policy import Policy, TablePolicy
 from scheduler_runtime.rules import GroupBins, GroupCapRule, TableBins, table_decision, trusted_states
-from scheduler_runtime.schedulers import group_rule_cap
 
 
 @dataclass(frozen=True)
@@ -86,7 +85,7 @@ class QLearningConfig(TableBinsConfig):
     def __post_init__(self) -> None:
         if self.baseline is not None and self.baseline != "tuned":
             try:
-                ok = group_rule_cap(str(self.baseline)) is not None
+                ok = GroupCapRule.from_name(str(self.baseline)) is not None
             except ValueError as exc:
                 raise ValueError(f"qlearning.baseline: {exc}") from exc
             if not ok:
@@ -121,8 +120,7 @@ class QLearningAgent(EpisodicAgent):
         #: The rule the exported table falls back on (``config.baseline``, resolved by ``prepare``).
         self.baseline_rule: GroupCapRule | None = None
         if self.config.baseline not in (None, "tuned"):
-            cap = group_rule_cap(self.config.baseline)
-            self.baseline_rule = GroupCapRule(cap=cap or None)
+            self.baseline_rule = GroupCapRule.from_name(self.config.baseline)
 
     def _use_bins(self, bins: TableBins | GroupBins) -> None:
         self.bins = bins
@@ -130,6 +128,7 @@ class QLearningAgent(EpisodicAgent):
         self.q = np.zeros((n, 2), dtype=np.float64)
         self.visits = np.zeros((n, 2), dtype=np.int64)
         self.var = np.zeros((n, 2), dtype=np.float64)
+        self._trusted_cache: list[bool] | None = None
 
     def observation_changed(self) -> None:
         bins = self.config.bins_for(self.obs_spec)
@@ -181,6 +180,12 @@ class QLearningAgent(EpisodicAgent):
         return np.where(self.visits > 0, np.sqrt(self.var * frac), 0.0)
 
     def _trusted(self) -> list[bool]:
+        """:func:`trusted_states` of the table, computed once per table (every update clears it)."""
+        if self._trusted_cache is None:
+            self._trusted_cache = self._compute_trusted()
+        return self._trusted_cache
+
+    def _compute_trusted(self) -> list[bool]:
         return trusted_states(self.q.ravel().tolist(), self.visits.ravel().tolist(),
                               self.stderr().ravel().tolist(), self.config.baseline_z,
                               self.config.baseline_min_visits)
@@ -215,6 +220,7 @@ class QLearningAgent(EpisodicAgent):
             lr = max(lr, 1.0 / self.visits[s, action])
         self.q[s, action] += lr * td
         self.var[s, action] = (1 - lr) * (self.var[s, action] + lr * td * td)
+        self._trusted_cache = None
         self._td.append(abs(td))
 
     def train_metrics(self) -> dict[str, float]:
@@ -250,6 +256,7 @@ class QLearningAgent(EpisodicAgent):
         self.q = arrays["q"].astype(np.float64)
         self.visits = arrays["visits"].astype(np.int64)
         self.var = arrays["var"].astype(np.float64) if "var" in arrays else np.zeros_like(self.q)
+        self._trusted_cache = None
         if "baseline_cap" in arrays:
             self.baseline_rule = GroupCapRule(cap=int(arrays["baseline_cap"]) or None)
         self.exploration_timesteps = int(arrays["exploration_timesteps"]) or None

@@ -33,14 +33,9 @@ import numpy as np
 
 from agents.base import ADD, STOP
 from feather_env.env import FeatherEnv, finish_episode, play_episode
-from scheduler_runtime.rules import GroupBins, trusted_states
+from scheduler_runtime.rules import GroupBins, open_choice, trusted_states
 
 __all__ = ["DeviationPolicy", "advantages", "distill", "lookahead_episode"]
-
-
-def _open_choice(obs: Sequence[float], mask: Sequence[bool]) -> bool:
-    """A decision the policy owns: both actions valid and a batch under way (as in ``table_decision``)."""
-    return bool(mask[ADD]) and bool(mask[STOP]) and obs[0] > 0
 
 
 def _durations(env: FeatherEnv, base: Any) -> dict[int, float]:
@@ -65,7 +60,7 @@ class _Answering:
 
     def act(self, obs: Sequence[float], mask: Sequence[bool]) -> int:
         action = int(self.base.act(obs, mask))
-        if _open_choice(obs, mask):
+        if open_choice(obs, mask, self.base):
             action = self.answer(obs, action, _durations(self.env, self.base))
         return action
 
@@ -131,7 +126,7 @@ class DeviationPolicy:
         self.obs_spec = base.obs_spec
 
     def act(self, obs: Sequence[float], mask: Sequence[bool]) -> int:
-        if _open_choice(obs, mask):
+        if open_choice(obs, mask, self.base):
             action = self.deviations.get(self.bins.index(obs))
             if action is not None:
                 return action

@@ -18,7 +18,7 @@ from typing import Any
 
 from scheduler_runtime.config import ConfigError, from_mapping, load_yaml
 from scheduler_runtime.orderings import BASELINE_ORDERINGS, OrderingName
-from scheduler_runtime.schedulers import group_rule_cap
+from scheduler_runtime.rules import group_rule_cap
 
 __all__ = ["ORDERING_REFERENCES", "REFERENCES", "SECTIONS", "EnvSection", "RunConfig", "TrainSection",
            "load_config", "parse_config"]

@@ -171,7 +171,7 @@ class FeatherEnv(gym.Env):
     | 4 | cached_fraction | the candidate's prompt share the engine's prefix cache holds now | 0 | 1 |
     | 5 | waiting_in_flight | requests of groups in flight that wait (held or queued) | 0 | episode requests |
     | 6 | waiting_groups | prefix groups with a held request (candidate's included) | 0 | episode requests |
-    | 7 | kv_usage | the engine's KV blocks in use | 0 | 1 |
+    | 7 | kv_usage | the engine's KV cache in use or promised to the released requests' prompts | 0 | 1 |
     | 8 | oldest_wait | seconds the longest-held request has waited | 0 | max_wait (120 without) |
 
     ## Rewards

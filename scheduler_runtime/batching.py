@@ -463,11 +463,21 @@ class BatchingCore:
                 engine.cached_prefix_tokens(rid) / entry.prompt_len,
                 groups.waiting_in_flight() + engine.num_queued(),
                 groups.num_waiting_groups,
-                engine.kv_usage(),
+                self.kv_committed(),
                 max(0.0, self._now - oldest.arrival) if oldest is not None else 0.0,
             ],
             dtype=np.float32,
         )
+
+    def kv_committed(self) -> float:
+        """The KV cache's share in use or promised (the group observation's ``kv_usage``): the
+        larger of the engine's blocks in use and the admitted requests' footprints over the
+        admission budget's capacity. The engine's usage lags a release by a step or more (a
+        released prompt holds no block until it is prefilled); the footprints count it at once."""
+        usage = self._engine.kv_usage()
+        if self.budget.capacity is None:
+            return usage
+        return max(usage, min(1.0, self.budget.used / self.budget.capacity))
 
     def add(self) -> None:
         """Answer the pending decision with ADD: release its candidate."""

@@ -35,7 +35,9 @@ index  name                   meaning
 5      ``waiting_in_flight``  requests of groups in flight that wait: held by the scheduler or
                               queued in the engine (released, not yet running)
 6      ``waiting_groups``     prefix groups with a held request (the candidate's included)
-7      ``kv_usage``           fraction of the engine's KV cache blocks in use
+7      ``kv_usage``           fraction of the engine's KV cache in use or promised: the larger of
+                              its blocks in use and the admitted requests' footprints over the
+                              KV capacity (``BatchingCore.kv_committed``)
 8      ``oldest_wait``        seconds the longest-held request has waited
 =====  =====================  ==================================================================
 

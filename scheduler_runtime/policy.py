@@ -236,8 +236,8 @@ class TablePolicy(Policy):
         both = [True, True]
         out = []
         for state, trusted in enumerate(self.trusted):
-            if trusted:
-                obs = self.bins.representative(state)
+            obs = self.bins.representative(state, self.baseline.kv_min)
+            if trusted and self.baseline.pressured(obs):  # below kv_min the rule answers the whole bin
                 if table_decision(self.bins, self.values, self.visits, False, obs, both) != \
                         self.baseline.act(obs, both):
                     out.append(state)
@@ -429,7 +429,7 @@ def policy_from_document(doc: Any, *, path: str | os.PathLike[str] | None = None
         if kind == "group-cap":
             if spec.names != GROUP_OBS_NAMES:
                 raise ValueError("a group-cap rule reads the group observation")
-            return GroupCapPolicy(spec, GroupCapRule(**params), **common)
+            return GroupCapPolicy(spec, _group_rule(params), **common)
         if kind == "table":
             return _table_from_params(spec, params, common)
         if kind == "mlp":
@@ -477,8 +477,14 @@ def _table_from_params(spec: ObservationSpec, params: dict[str, Any], common: di
     if not is_count(min_visits, 1):
         raise ValueError(f"'min_visits' must be an integer >= 1, got {min_visits!r}")
     return TablePolicy(spec, bins, values, visits, add_if_delta_zero,
-                       baseline=GroupCapRule(**params["baseline"]), stderr=stderr, z=z, min_visits=min_visits,
+                       baseline=_group_rule(params["baseline"]), stderr=stderr, z=z, min_visits=min_visits,
                        **common)
+
+
+def _group_rule(params: Mapping[str, Any]) -> GroupCapRule:
+    """A file's ``group-cap`` rule. A file written before ``kv_min`` existed keeps the meaning it
+    was written with: its rule holds at any KV usage (``kv_min = 0``)."""
+    return GroupCapRule(**{"kv_min": 0.0, **params})
 
 
 #: The ``table`` parameters of a baseline rule (:class:`TablePolicy`).

@@ -19,11 +19,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from scheduler_runtime.config import is_count, is_number
+from scheduler_runtime.config import ConfigError, is_count, is_number
 from scheduler_runtime.decision import ADD, GROUP_OBS_NAMES, STOP, ObservationSpec
 
-__all__ = ["GroupBins", "GroupCapRule", "HeuristicRule", "TableBins", "bins_from_dict", "table_decision",
-           "trusted_states"]
+__all__ = ["MAX_GROUP_CAP", "GroupBins", "GroupCapRule", "HeuristicRule", "TableBins", "bins_from_dict",
+           "group_rule_cap", "open_choice", "table_decision", "trusted_states"]
 
 
 @dataclass
@@ -94,6 +94,21 @@ class HeuristicRule:
         return ADD if b < self.floor else STOP
 
 
+MAX_GROUP_CAP = 64
+
+
+def group_rule_cap(base: str) -> int | None:
+    """The cap of a ``group-cap-K`` / ``group-hold`` base name (0: no cap), None for other names."""
+    if base == "group-hold":
+        return 0
+    if base.startswith("group-cap-"):
+        k = base[len("group-cap-"):]
+        if k.isdigit() and 1 <= int(k) <= MAX_GROUP_CAP and k == str(int(k)):
+            return int(k)
+        raise ConfigError(f"scheduler {base!r}: K of group-cap-K must be an integer 1..{MAX_GROUP_CAP}")
+    return None
+
+
 @dataclass
 class GroupCapRule:
     """``group-cap-K``: the hand-made rule of the group decision (cached-first order + hold + cap).
@@ -103,11 +118,20 @@ class GroupCapRule:
     ``cap`` groups are in flight already, or, with ``hold``, when the candidate's prefix is not
     cached (less than ``cached_min`` of its prompt) while requests of the groups in flight still
     wait; otherwise ADD. ``cap=None`` never caps (cached-first + hold alone).
+
+    Both hold the new group back to keep the cached prefixes of the groups in flight from being
+    evicted. While less than ``kv_min`` of the KV cache is in use or promised (the observation's
+    ``kv_usage``: ``BatchingCore.kv_committed``) there is nothing to evict, so the rule ADDs: on
+    a cache that holds every prompt (``leval-summaries``) a cap would only cut concurrency, which
+    the engine measured at -12% for a cap of 5. On the simulator ``kv_min = 0.2`` turns every cap
+    into ``group-hold`` on ``leval-summaries`` and leaves the tuned cap of every other scenario
+    as it was (docs/design.md).
     """
 
     cap: int | None = 3
     hold: bool = True
     cached_min: float = 0.5
+    kv_min: float = 0.2
     obs_spec: ClassVar[ObservationSpec] = ObservationSpec(names=GROUP_OBS_NAMES)  # the group decision's
 
     def __post_init__(self) -> None:
@@ -115,19 +139,32 @@ class GroupCapRule:
             raise ValueError(f"cap must be an integer >= 1 or None, got {self.cap!r}")
         if not (is_number(self.cached_min) and 0 <= self.cached_min <= 1):
             raise ValueError(f"cached_min must be in [0, 1], got {self.cached_min!r}")
+        if not (is_number(self.kv_min) and 0 <= self.kv_min <= 1):
+            raise ValueError(f"kv_min must be in [0, 1], got {self.kv_min!r}")
+
+    @classmethod
+    def from_name(cls, name: str) -> GroupCapRule | None:
+        """The rule a scheduler name ``group-cap-K`` / ``group-hold`` stands for (defaults
+        otherwise), None for any other name; a malformed K is a ``ConfigError``."""
+        cap = group_rule_cap(name)
+        return None if cap is None else cls(cap=cap or None)
 
     def params(self) -> dict[str, Any]:
-        return {"cap": self.cap, "hold": self.hold, "cached_min": self.cached_min}
+        return {"cap": self.cap, "hold": self.hold, "cached_min": self.cached_min, "kv_min": self.kv_min}
 
     @property
     def name(self) -> str:
         """``group-cap-K`` or ``group-hold`` (the scheduler names of the rule with the default hold)."""
         return "group-hold" if self.cap is None else f"group-cap-{self.cap}"
 
+    def pressured(self, obs: Sequence[float]) -> bool:
+        """Whether the KV cache is in use enough (``kv_min``) for holding a group back to matter."""
+        return bool(obs[_KV_USAGE] >= self.kv_min)
+
     def act(self, obs: Sequence[float], mask: Sequence[bool]) -> int:
         if not mask[ADD]:
             return STOP
-        if not mask[STOP]:
+        if not mask[STOP] or not self.pressured(obs):
             return ADD
         if self.cap is not None and obs[_GROUPS_IN_FLIGHT] >= self.cap:
             return STOP
@@ -224,14 +261,17 @@ class GroupBins:
         kv = min(max(int(obs[_KV_USAGE] * self.kv_levels), 0), self.kv_levels - 1)
         return int(np.ravel_multi_index((g, wf, c, wg, kv), self.shape))
 
-    def representative(self, state: int) -> list[float]:
-        """A raw group observation (a batch under way) that falls in flat state ``state``."""
+    def representative(self, state: int, kv_min: float = 0.0) -> list[float]:
+        """A raw group observation (a batch under way) that falls in flat state ``state``: its KV
+        usage is the bin's least at or above ``kv_min`` where the bin reaches that, else the least."""
         g, wf, c, wg, kv = (int(i) for i in np.unravel_index(state, self.shape))
         obs = [0.0] * len(GROUP_OBS_NAMES)
         obs[0] = 1.0
         obs[_GROUPS_IN_FLIGHT], obs[_WAITING_IN_FLIGHT], obs[_CACHED_FRACTION] = g, wf, float(c)
         obs[_WAITING_GROUPS] = wg * self.waiting_groups_div
-        obs[_KV_USAGE] = kv / self.kv_levels
+        low, high = kv / self.kv_levels, (kv + 1) / self.kv_levels
+        reaches = kv_min < high or kv == self.kv_levels - 1  # the last bin holds usage 1.0
+        obs[_KV_USAGE] = max(low, kv_min) if reaches else low
         return obs
 
     def to_dict(self) -> dict[str, Any]:
@@ -266,6 +306,14 @@ def trusted_states(values: Sequence[float], visits: Sequence[int], stderr: Seque
     return out
 
 
+def open_choice(obs: Sequence[float], mask: Sequence[bool], baseline: GroupCapRule | None = None) -> bool:
+    """A choice a learned answer may take from ``baseline``: both actions valid, a batch under way
+    and, with a baseline, the KV cache in use enough for the rule to hold
+    (:meth:`GroupCapRule.pressured`); the rule answers every other."""
+    pressured = baseline is None or baseline.pressured(obs)
+    return bool(mask[ADD]) and bool(mask[STOP]) and obs[0] > 0 and pressured
+
+
 def table_decision(bins: TableBins | GroupBins, values: Sequence[float], visits: Sequence[int],
                    add_if_delta_zero: bool, obs: Sequence[float], mask: Sequence[bool],
                    baseline: GroupCapRule | None = None, trusted: Sequence[bool] | None = None) -> int:
@@ -277,12 +325,12 @@ def table_decision(bins: TableBins | GroupBins, values: Sequence[float], visits:
     do, i.e. the baseline the policy must improve on).
 
     With a ``baseline`` rule the table answers only the choices that are open (both actions valid,
-    a batch under way) in the states it ``trusts`` (:func:`trusted_states`), by value; the rule
-    answers everything else, so that a table whose trusted states all agree with the rule answers
-    exactly as the rule does.
+    a batch under way, the KV cache in use enough for the rule to hold: ``GroupCapRule.pressured``)
+    in the states it ``trusts`` (:func:`trusted_states`), by value; the rule answers everything
+    else, so that a table whose trusted states all agree with the rule answers exactly as the rule.
     """
     if baseline is not None:
-        if not (mask[ADD] and mask[STOP] and obs[0] > 0 and trusted is not None and trusted[bins.index(obs)]):
+        if not (open_choice(obs, mask, baseline) and trusted is not None and trusted[bins.index(obs)]):
             return baseline.act(obs, mask)
     elif not mask[ADD]:
         return STOP

@@ -67,6 +67,7 @@ from scheduler_runtime.orderings import KEY_ORDERINGS, OrderingName
 from scheduler_runtime.plugins import default_policy
 from scheduler_runtime.predictor import OutputLengthPredictor, load_predictor
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
+from scheduler_runtime.rules import MAX_GROUP_CAP, group_rule_cap
 
 __all__ = [
     "ADDITIONAL_CONFIG_KEY",
@@ -270,21 +271,6 @@ def _defaults_for(name: str) -> SchedulerConfig:
 
 
 #: The largest K of a ``group-cap-K`` name.
-MAX_GROUP_CAP = 64
-
-
-def group_rule_cap(base: str) -> int | None:
-    """The cap of a ``group-cap-K`` / ``group-hold`` base name (0: no cap), None for other names."""
-    if base == "group-hold":
-        return 0
-    if base.startswith("group-cap-"):
-        k = base[len("group-cap-"):]
-        if k.isdigit() and 1 <= int(k) <= MAX_GROUP_CAP and k == str(int(k)):
-            return int(k)
-        raise ConfigError(f"scheduler {base!r}: K of group-cap-K must be an integer 1..{MAX_GROUP_CAP}")
-    return None
-
-
 def load_scheduler_config(
     additional_config: Mapping[str, Any] | None = None,
     default_name: str = DEFAULT_NAME,

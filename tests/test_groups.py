@@ -164,7 +164,7 @@ def test_requests_of_a_group_in_flight_join_without_a_decision():
 
 
 def test_group_cap_holds_new_groups_and_lets_groups_in_flight_flow():
-    core = group_core(GroupCapRule(cap=2, hold=False))
+    core = group_core(GroupCapRule(cap=2, hold=False, kv_min=0.0))  # holds at any KV usage
     reqs = documents(5, 3)
     for rid, tokens in reqs:
         core.arrive(rid, tokens, arrival=0.0, output_len=5)
@@ -273,6 +273,23 @@ def test_the_group_observation():
     core.close_round()
 
 
+@pytest.mark.parametrize("kv_min, docs", [(0.0, 1), (0.2, 2), (0.35, 4)])
+def test_the_cap_holds_once_kv_min_of_the_cache_is_in_use_or_promised(kv_min, docs):
+    """A released prompt counts in ``kv_usage`` at once (its footprint over the capacity), before
+    the engine holds a block of it: a burst cannot slip past the cap while the cache fills."""
+    reqs = documents(6, 2, doc_len=4 * CHUNK - 3)  # two questions of 4 chunks on each document
+    capacity = 10 * 5 * CHUNK  # a document promises a tenth of the cache: its 4 chunks, then 1
+    core = BatchingCore(CoreConfig(chunk_size=CHUNK, decision="group", max_wait=None, admission="prompt"),
+                        GroupCapRule(cap=1, hold=False, kv_min=kv_min), kv_capacity_tokens=capacity)
+    for rid, tokens in reqs:
+        core.arrive(rid, tokens, arrival=0.0, output_len=5)
+    released = core.plan(0.0, 64)  # no engine: nothing is in use, all is promised
+    assert len(released) == 2 * docs
+    assert core.kv_committed() == pytest.approx(docs / 10)
+    assert core.stats.stops == 1  # then the cap held the next document
+    core.check_consistency()
+
+
 def test_a_policy_of_one_decision_is_refused_by_the_other():
     with pytest.raises(ValueError, match="group"):
         BatchingCore(CoreConfig(chunk_size=CHUNK), GroupCapRule())
@@ -326,6 +343,8 @@ def test_the_group_cap_rule():
     obs = np.zeros(len(GROUP_OBS_NAMES), dtype=np.float32)
     mask = np.array([True, True])
     obs[OBS["groups_in_flight"]] = 3
+    assert rule.act(obs, mask) == ADD  # an empty cache: nothing to keep, nothing held
+    obs[OBS["kv_usage"]] = rule.kv_min
     assert rule.act(obs, mask) == STOP
     obs[OBS["groups_in_flight"]] = 2
     assert rule.act(obs, mask) == ADD

@@ -26,7 +26,7 @@ def env() -> FeatherEnv:
 
 @pytest.mark.parametrize("cap", [1, 3])
 def test_the_lookahead_never_ends_an_episode_later_than_its_base_rule(env: FeatherEnv, cap: int) -> None:
-    base = GroupCapRule(cap=cap)
+    base = GroupCapRule(cap=cap, kv_min=0.0)  # holds at any KV usage: decisions to own
     for seed in SEEDS:
         ref = play_episode(env, base, episode_seed=seed)
         look = lookahead_episode(env, base, seed)
@@ -38,7 +38,7 @@ def test_the_lookahead_never_ends_an_episode_later_than_its_base_rule(env: Feath
 
 
 def test_a_cap_of_one_leaves_the_lookahead_something_to_change(env: FeatherEnv) -> None:
-    base = GroupCapRule(cap=1)
+    base = GroupCapRule(cap=1, kv_min=0.0)
     looks = [lookahead_episode(env, base, s) for s in SEEDS]
     refs = [play_episode(env, base, episode_seed=s) for s in SEEDS]
     assert sum(look["changed"] for look in looks) > 0
@@ -46,7 +46,7 @@ def test_a_cap_of_one_leaves_the_lookahead_something_to_change(env: FeatherEnv) 
 
 
 def test_advantages_are_collected_on_the_base_rules_own_trajectory(env: FeatherEnv) -> None:
-    base = GroupCapRule(cap=2)
+    base = GroupCapRule(cap=2, kv_min=0.0)
     adv = advantages(env, base, SEEDS[:1])
     ref = play_episode(env, base, episode_seed=SEEDS[0])
     owned = sum(len(v) for v in adv.samples.values())
@@ -72,6 +72,7 @@ def _obs(groups: int, waiting: int, cached: float) -> list[float]:
     obs[GROUP_OBS_NAMES.index("groups_in_flight")] = groups
     obs[GROUP_OBS_NAMES.index("waiting_in_flight")] = waiting
     obs[GROUP_OBS_NAMES.index("cached_fraction")] = cached
+    obs[GROUP_OBS_NAMES.index("kv_usage")] = 0.5  # a cache in use: the rule's holds apply
     return obs
 
 

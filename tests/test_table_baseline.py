@@ -49,9 +49,11 @@ def test_a_state_is_trusted_exactly_when_both_values_are_seen_and_apart(states, 
         assert t == (min(n0, n1) >= min_visits and abs(v0 - v1) > z * math.hypot(e0, e1))
 
 
-def _group_obs(groups: int, waiting_in_flight: int, cached: float, batch: int = 2) -> list[float]:
+def _group_obs(groups: int, waiting_in_flight: int, cached: float, batch: int = 2,
+               kv: float = 0.5) -> list[float]:
     obs = [0.0] * len(GROUP_OBS_NAMES)
     obs[0] = batch
+    obs[OBS["kv_usage"]] = kv
     obs[OBS["groups_in_flight"]] = groups
     obs[OBS["waiting_in_flight"]] = waiting_in_flight
     obs[OBS["cached_fraction"]] = cached
@@ -60,18 +62,21 @@ def _group_obs(groups: int, waiting_in_flight: int, cached: float, batch: int = 
 
 @settings(max_examples=200, deadline=None)
 @given(st.integers(0, 10), st.integers(0, 4), st.sampled_from([0.0, 1.0]), st.integers(0, 4),
-       st.lists(st.booleans(), min_size=2, max_size=2), st.integers(0, 2**31 - 1))
+       st.lists(st.booleans(), min_size=2, max_size=2), st.integers(0, 2**31 - 1),
+       st.sampled_from([0.0, 0.05, 0.1, 0.5, 1.0]))
 def test_untrusted_states_answer_as_the_baseline_and_trusted_ones_by_value(groups, waiting, cached, batch,
-                                                                           mask, seed):
+                                                                           mask, seed, kv):
     bins = GroupBins()
     rng = np.random.default_rng(seed)
     values = rng.normal(size=2 * bins.num_states).tolist()
     visits = rng.integers(1, 5, size=2 * bins.num_states).tolist()
     trusted = rng.random(bins.num_states) < 0.5
     rule = GroupCapRule(cap=3)
-    obs = _group_obs(groups, waiting, cached, batch)
+    obs = _group_obs(groups, waiting, cached, batch, kv)
     got = table_decision(bins, values, visits, False, obs, mask, rule, trusted.tolist())
-    if trusted[bins.index(obs)] and all(mask) and batch > 0:  # an open choice the table trusts itself on
+    if kv < rule.kv_min and mask[ADD]:  # nothing to evict: the rule admits, and so does its table
+        assert got == ADD
+    elif trusted[bins.index(obs)] and all(mask) and batch > 0:  # an open choice the table trusts itself on
         assert got == table_decision(bins, values, visits, False, obs, mask)
     else:
         assert got == rule.act(obs, mask)
@@ -136,7 +141,17 @@ def test_the_file_carries_the_baseline_and_refuses_bad_ones(tmp_path):
     broken(lambda p: p.update(z=-1), "'z' must be")
     broken(lambda p: p.update(min_visits=0), "'min_visits' must be")
     broken(lambda p: p["baseline"].update(cap=0), "cap must be")
+    broken(lambda p: p["baseline"].update(kv_min=1.5), "kv_min must be")
     broken(lambda p: p.pop("baseline"), "go with a 'baseline' rule")
+
+    # a file written before kv_min existed keeps its meaning: the rule holds at any KV usage
+    doc = json.loads(path.read_text())
+    assert doc["params"]["baseline"]["kv_min"] == GroupCapRule().kv_min
+    del doc["params"]["baseline"]["kv_min"]
+    doc.pop("sha256")
+    doc["sha256"] = hashlib.sha256(_canonical(doc)).hexdigest()
+    (tmp_path / "old.feather").write_text(json.dumps(doc))
+    assert load_policy(tmp_path / "old.feather").baseline == GroupCapRule(cap=1, kv_min=0.0)
 
 
 def test_qlearning_tracks_each_values_standard_error():
@@ -206,6 +221,55 @@ def test_every_state_has_a_representative_observation(in_flight_max, waiting_max
                      kv_levels=kv_levels)
     states = range(bins.num_states)
     assert [bins.index(bins.representative(s)) for s in states] == list(states)
+    for kv_min in (0.0, 0.1, 0.3, 1.0):
+        reps = [bins.representative(s, kv_min) for s in states]
+        assert [bins.index(r) for r in reps] == list(states)
+        # the KV entry reaches kv_min wherever the state's bin does
+        kv = GROUP_OBS_NAMES.index("kv_usage")
+        for s, r in zip(states, reps, strict=True):
+            level = int(np.unravel_index(s, bins.shape)[-1])
+            reaches = kv_min < (level + 1) / kv_levels or level == kv_levels - 1
+            assert (r[kv] >= kv_min) == reaches
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([None, 1, 2, 3, 5, 8]), st.integers(0, 10), st.integers(0, 4), st.floats(0, 1),
+       st.integers(1, 6), st.floats(0, 1), st.floats(0, 1))
+def test_below_kv_min_the_rule_admits_and_above_it_kv_usage_changes_nothing(cap, groups, waiting, cached,
+                                                                            batch, kv, kv_min):
+    rule = GroupCapRule(cap=cap, kv_min=kv_min)
+    both = [True, True]
+    got = rule.act(_group_obs(groups, waiting, cached, batch, kv), both)
+    if kv < kv_min:
+        assert got == ADD
+    else:  # the rule of kv_min = 0, whatever the usage
+        full = _group_obs(groups, waiting, cached, batch, 1.0)
+        assert got == GroupCapRule(cap=cap, kv_min=0.0).act(full, both)
+    no_add = [True, True]
+    no_add[ADD] = False
+    assert rule.act(_group_obs(groups, waiting, cached, batch, kv), no_add) == STOP  # masks win
+
+
+def test_a_rule_by_name():
+    assert GroupCapRule.from_name("group-cap-4") == GroupCapRule(cap=4)
+    assert GroupCapRule.from_name("group-hold") == GroupCapRule(cap=None)
+    assert GroupCapRule.from_name("lpm") is None
+    with pytest.raises(ConfigError, match="K of group-cap-K"):
+        GroupCapRule.from_name("group-cap-0")
+
+
+def test_a_trusted_hold_is_no_departure_where_the_cache_is_nearly_empty():
+    """Below ``kv_min`` the baseline admits whatever the table says; a bin wholly below it has no
+    departure, a bin that reaches it is compared where it does."""
+    bins = GroupBins(kv_levels=4)
+    low = _group_obs(groups=0, waiting_in_flight=0, cached=1.0, kv=0.05)  # cap 1 opens here
+    high = _group_obs(groups=0, waiting_in_flight=0, cached=1.0, kv=0.6)
+    for obs, departs in ((low, False), (high, True)):
+        table = _table(bins, bins.index(obs), gap=-0.5, se=0.1)  # STOP trusted where the cap opens
+        for kv_min, expect in ((0.0, True), (0.3, departs)):
+            table.baseline = GroupCapRule(cap=1, kv_min=kv_min)
+            assert (table.departures() == [bins.index(obs)]) == expect
+            assert (table.act(obs, [True, True]) == STOP) == expect
 
 
 def test_departures_are_the_trusted_states_answered_otherwise_than_the_baseline(env):
