@@ -24,9 +24,9 @@ from feather_env.engines.vllm_engine import (
     forced_length_params,
     tokens_prompt,
 )
-from scheduler_runtime.decision import BASE_OBS_NAMES, STOP, ObservationSpec
-from scheduler_runtime.policy import ConstantPolicy, HeuristicPolicy, write_policy
-from scheduler_runtime.rules import HeuristicRule
+from scheduler_runtime.decision import BASE_OBS_NAMES, GROUP_OBS_NAMES, STOP, ObservationSpec
+from scheduler_runtime.policy import ConstantPolicy, GroupCapPolicy, HeuristicPolicy, write_policy
+from scheduler_runtime.rules import GroupCapRule, HeuristicRule
 from scheduler_runtime.schedulers import EXTRA_OUTPUT_LEN, EXTRA_SOURCE, engine_overrides
 
 HERE = Path(__file__).resolve().parent
@@ -148,11 +148,20 @@ def test_stop_holds_requests_and_they_still_count_as_waiting(sched, feather_llm)
     assert drain(engine, sched) == {rid: out for rid, _, out in reqs}
 
 
-def test_group_cap_keeps_its_documents_in_flight_inside_vllm(sched, feather_llm):
+def cap_one_at_any_kv_usage(tmp_path: Path) -> str:
+    """``group-cap-1`` holding at any KV usage (``kv_min = 0``), as a policy file's scheduler name:
+    this test engine's cache is never a fifth full, where the named rule would admit."""
+    spec = ObservationSpec(names=GROUP_OBS_NAMES, low=(0.0,) * 9, high=(1e6,) * 9, scale=(1.0,) * 9,
+                           chunk_size=TEST_CHUNK)
+    path = write_policy(tmp_path / "cap1.feather", GroupCapPolicy(spec, GroupCapRule(cap=1, kv_min=0.0)))
+    return f"feather:{path}"
+
+
+def test_group_cap_keeps_its_documents_in_flight_inside_vllm(sched, feather_llm, tmp_path):
     """group-cap-1: one document in flight at every step, its questions flowing; what the core
     reads of vLLM (cached prefix, queue) agrees with vLLM's own state."""
-    sched.feather_configure({"name": "group-cap-1", "chunk_size": TEST_CHUNK, "max_wait": None,
-                             "retain_held_prefixes": True})
+    sched.feather_configure({"name": cap_one_at_any_kv_usage(tmp_path), "chunk_size": TEST_CHUNK,
+                             "max_wait": None, "retain_held_prefixes": True})
     engine = feather_llm.llm_engine
     reqs = workload("grp", groups=4, per_group=4, prefix=640, out=(3, 6), seed=5)
     for rid, prompt, out in reqs:
@@ -177,8 +186,9 @@ def test_group_cap_keeps_its_documents_in_flight_inside_vllm(sched, feather_llm)
 
 
 def test_retention_moves_a_held_documents_cached_blocks_to_the_end_of_vllms_eviction_order(
-        sched, feather_llm):
-    sched.feather_configure({"name": "group-cap-1", "chunk_size": TEST_CHUNK, "max_wait": None})
+        sched, feather_llm, tmp_path):
+    sched.feather_configure({"name": cap_one_at_any_kv_usage(tmp_path), "chunk_size": TEST_CHUNK,
+                             "max_wait": None})
     engine = feather_llm.llm_engine
     (first, prompt, out), other = workload("keep", groups=2, per_group=1, prefix=640, out=(3, 3), seed=6)
     add(engine, first, prompt, out)
