@@ -182,13 +182,10 @@ class QLearningAgent(EpisodicAgent):
     def _trusted(self) -> list[bool]:
         """:func:`trusted_states` of the table, computed once per table (every update clears it)."""
         if self._trusted_cache is None:
-            self._trusted_cache = self._compute_trusted()
+            self._trusted_cache = trusted_states(self.q.ravel().tolist(), self.visits.ravel().tolist(),
+                                                 self.stderr().ravel().tolist(), self.config.baseline_z,
+                                                 self.config.baseline_min_visits)
         return self._trusted_cache
-
-    def _compute_trusted(self) -> list[bool]:
-        return trusted_states(self.q.ravel().tolist(), self.visits.ravel().tolist(),
-                              self.stderr().ravel().tolist(), self.config.baseline_z,
-                              self.config.baseline_min_visits)
 
     def _greedy(self, s: int, mask: np.ndarray) -> int:
         if not mask[ADD]:
@@ -258,7 +255,7 @@ class QLearningAgent(EpisodicAgent):
         self.var = arrays["var"].astype(np.float64) if "var" in arrays else np.zeros_like(self.q)
         self._trusted_cache = None
         if "baseline_cap" in arrays:
-            self.baseline_rule = GroupCapRule(cap=int(arrays["baseline_cap"]) or None)
+            self.baseline_rule = GroupCapRule.from_cap(int(arrays["baseline_cap"]))
         self.exploration_timesteps = int(arrays["exploration_timesteps"]) or None
 
     @classmethod

@@ -86,5 +86,5 @@ def default_policy(ordering: str | None, policy: str | None = None, group_cap: i
     if policy:
         return load_policy_spec(policy)
     if group_cap is not None:
-        return GroupCapRule(cap=group_cap or None)
+        return GroupCapRule.from_cap(group_cap)
     return HeuristicRule()

@@ -236,11 +236,13 @@ class TablePolicy(Policy):
         both = [True, True]
         out = []
         for state, trusted in enumerate(self.trusted):
+            if not trusted:
+                continue
             obs = self.bins.representative(state, self.baseline.kv_min)
-            if trusted and self.baseline.pressured(obs):  # below kv_min the rule answers the whole bin
-                if table_decision(self.bins, self.values, self.visits, False, obs, both) != \
-                        self.baseline.act(obs, both):
-                    out.append(state)
+            if self.baseline.pressured(obs) and (  # below kv_min the rule answers the whole bin
+                    table_decision(self.bins, self.values, self.visits, False, obs, both)
+                    != self.baseline.act(obs, both)):
+                out.append(state)
         return out
 
     def params(self) -> dict[str, Any]:

@@ -94,6 +94,7 @@ class HeuristicRule:
         return ADD if b < self.floor else STOP
 
 
+#: The largest K of a ``group-cap-K`` name.
 MAX_GROUP_CAP = 64
 
 
@@ -147,7 +148,12 @@ class GroupCapRule:
         """The rule a scheduler name ``group-cap-K`` / ``group-hold`` stands for (defaults
         otherwise), None for any other name; a malformed K is a ``ConfigError``."""
         cap = group_rule_cap(name)
-        return None if cap is None else cls(cap=cap or None)
+        return None if cap is None else cls.from_cap(cap)
+
+    @classmethod
+    def from_cap(cls, cap: int) -> GroupCapRule:
+        """The rule of a cap as scheduler configs and checkpoints count it (0: no cap, ``group-hold``)."""
+        return cls(cap=cap or None)
 
     def params(self) -> dict[str, Any]:
         return {"cap": self.cap, "hold": self.hold, "cached_min": self.cached_min, "kv_min": self.kv_min}

@@ -270,7 +270,6 @@ def _defaults_for(name: str) -> SchedulerConfig:
                            admission="peak", svf_seed=True)
 
 
-#: The largest K of a ``group-cap-K`` name.
 def load_scheduler_config(
     additional_config: Mapping[str, Any] | None = None,
     default_name: str = DEFAULT_NAME,
