@@ -12,13 +12,16 @@ with:
   order alone: every new group opens), ``group-hold`` (cached-first + hold: a new group whose
   prefix is not cached waits while requests of the groups in flight wait) and ``group-cap-K``
   (the same, at most K groups in flight), K = 1..8;
+- ``group-cap-K`` for K = 3, 5, 8 without the KV-pressure guard (``kv_min`` 0: the cap holds at
+  any KV usage), on every scenario, the figures behind the guard's default;
 - a reference that is not a lever: ``feather-heuristic`` with twice the KV cache.
 
 Each row: output tok/s over all episodes, its ratio to ``feather-heuristic``, on how many episodes
 it beat ``feather-heuristic`` and its smallest per-episode ratio, the prefix hit rate, mean and
 P99 E2E latency, preemptions per episode. The same rows on the burst scenario
-(``leval-kv-pressure``), on ``leval-high-load`` and on ``sharegpt`` (where nothing shares: the
-group decision is never asked, so no cap can throttle it) show where the lever matters.
+(``leval-kv-pressure``), on ``leval-high-load``, on ``leval-summaries`` (a cache that holds every
+prompt: nothing to evict) and on ``sharegpt`` (where nothing shares: the group decision is never
+asked, so no cap can throttle it) show where the lever matters.
 
 Then the trace-arrival scenario (``leval-trace``: L-Eval documents arriving with the Splitwise
 conversation trace's gaps): every constant K per episode, the best constant K over all episodes
@@ -37,17 +40,21 @@ from benchmarks import measured
 from feather_env.env import FeatherEnv, play_episode
 from feather_env.reporting import format_table, machine_info, write_json
 from scheduler_runtime.decision import AlwaysAdd
+from scheduler_runtime.rules import GroupCapRule
 
 __all__ = ["episodes_row", "main", "render", "run"]
 
 STUDY_SCENARIO = "leval-kv-pressure-poisson"
-OTHER_SCENARIOS = ("leval-kv-pressure", "leval-high-load", "sharegpt")
+OTHER_SCENARIOS = ("leval-kv-pressure", "leval-high-load", "leval-summaries", "sharegpt")
 TRACE_SCENARIO = "leval-trace"
 CAPS = (1, 2, 3, 4, 5, 6, 8)
 BASELINES = ("fcfs", "lpm", "dfs-weight", "feather-heuristic")
 #: The variants of the other scenarios (the study's scenario serves them all).
 SHORT = ("fcfs", "lpm", "feather-heuristic", "group-hold", "group-cap-2", "group-cap-3", "group-cap-4",
          "group-cap-8")
+#: Caps also served without the KV-pressure guard (``kv_min`` 0: the cap holds at any KV usage),
+#: the figures behind the guard's default (``GroupCapRule.kv_min``).
+UNGUARDED_CAPS = (3, 5, 8)
 
 
 def _episodes(env: FeatherEnv, seeds: Sequence[int], policy: Any = None) -> list[dict[str, Any]]:
@@ -107,6 +114,12 @@ def hindsight(scenario: str, seeds: Sequence[int], caps: Sequence[int] = CAPS) -
             "hindsight_vs_best_constant": statistics.mean(hind) / mean[best_k]}
 
 
+def unguarded(scenario: str) -> dict[str, tuple[FeatherEnv, Any]]:
+    """The rows of :data:`UNGUARDED_CAPS` with ``kv_min`` 0, for :func:`compare`'s ``extra``."""
+    env = FeatherEnv(scenario, "sim", decision="group")
+    return {f"group-cap-{k}, kv_min 0": (env, GroupCapRule(cap=k, kv_min=0.0)) for k in UNGUARDED_CAPS}
+
+
 def run(episodes: int = 8, trace_episodes: int = 16) -> dict[str, Any]:
     """Every table of the module docstring, as JSON."""
     seeds = [HELD_OUT_SEED + i for i in range(episodes)]
@@ -116,8 +129,8 @@ def run(episodes: int = 8, trace_episodes: int = 16) -> dict[str, Any]:
         "feather-heuristic, 2x KV cache": (
             FeatherEnv(STUDY_SCENARIO, "sim", scenario_overrides={"engine": {"kv_cache_gib": 0.5}}), None),
     }
-    study = compare(STUDY_SCENARIO, names, seeds, extra)
-    others = {sc: compare(sc, SHORT, seeds) for sc in OTHER_SCENARIOS}
+    study = compare(STUDY_SCENARIO, names, seeds, {**extra, **unguarded(STUDY_SCENARIO)})
+    others = {sc: compare(sc, SHORT, seeds, unguarded(sc)) for sc in OTHER_SCENARIOS}
     trace = hindsight(TRACE_SCENARIO, [HELD_OUT_SEED + i for i in range(trace_episodes)])
     return {"benchmark": "group_admission", "episodes": episodes, "seeds": seeds,
             "study": {"scenario": STUDY_SCENARIO, "rows": study}, "others": others,
