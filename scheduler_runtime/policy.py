@@ -191,6 +191,11 @@ class GroupCapPolicy(Policy):
     def act(self, obs: Sequence[float], mask: Sequence[bool]) -> int:
         return self.rule.act(self._clip(obs), mask)
 
+    def pressured(self, obs: Sequence[float]) -> bool:
+        """The rule's :meth:`GroupCapRule.pressured` on the observation as :meth:`act` reads it, so
+        a loaded file serves as the baseline of :func:`~scheduler_runtime.rules.open_choice`."""
+        return self.rule.pressured(self._clip(obs))
+
     def params(self) -> dict[str, Any]:
         return self.rule.params()
 

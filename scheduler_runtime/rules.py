@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -312,7 +312,13 @@ def trusted_states(values: Sequence[float], visits: Sequence[int], stderr: Seque
     return out
 
 
-def open_choice(obs: Sequence[float], mask: Sequence[bool], baseline: GroupCapRule | None = None) -> bool:
+class Pressured(Protocol):
+    """A baseline of :func:`open_choice`: :class:`GroupCapRule`, or a loaded ``group-cap`` file."""
+
+    def pressured(self, obs: Sequence[float]) -> bool: ...
+
+
+def open_choice(obs: Sequence[float], mask: Sequence[bool], baseline: Pressured | None = None) -> bool:
     """A choice a learned answer may take from ``baseline``: both actions valid, a batch under way
     and, with a baseline, the KV cache in use enough for the rule to hold
     (:meth:`GroupCapRule.pressured`); the rule answers every other."""

@@ -45,6 +45,23 @@ def test_a_cap_of_one_leaves_the_lookahead_something_to_change(env: FeatherEnv) 
     assert sum(look["duration"] for look in looks) < sum(r["duration"] for r in refs)
 
 
+def test_a_shipped_cap_file_serves_as_the_base(env: FeatherEnv) -> None:
+    """The rollout benchmark's base is a loaded ``heuristic-tuned`` file, not a bare rule: the
+    lookahead over it owns exactly the decisions the rule would, and serves every request."""
+    from pathlib import Path
+
+    from scheduler_runtime.policy import GroupCapPolicy, load_policy
+
+    base = load_policy(Path(__file__).resolve().parent.parent / "policies" / "heuristic-tuned"
+                       / "leval-kv-pressure-poisson.feather")
+    assert isinstance(base, GroupCapPolicy)
+    look = lookahead_episode(env, base, SEEDS[0])
+    same = lookahead_episode(env, base.rule, SEEDS[0])
+    assert look["completed"] == look["submitted"] and look["decisions_owned"] > 0
+    assert (look["decisions_owned"], look["changed"], look["duration"]) == (
+        same["decisions_owned"], same["changed"], same["duration"])
+
+
 def test_advantages_are_collected_on_the_base_rules_own_trajectory(env: FeatherEnv) -> None:
     base = GroupCapRule(cap=2, kv_min=0.0)
     adv = advantages(env, base, SEEDS[:1])
