@@ -27,8 +27,11 @@ simulator with the new profile, the same episode and the same policy, and writes
 
 ``--scenario NAME`` (a name or a scenario file, e.g. your own trace's) replaces both plans by that
 scenario's episodes (:func:`scenario_plan`): the engine is then calibrated, and validated, on the
-workload it will serve. Every input error (a flag out of range, a scenario or file that cannot be
-read, an output that cannot be written) is one line and exit status 2, before an engine starts.
+workload it will serve. ``--schedulers a,b`` (with ``--scenario``) serves them with other
+schedulers, e.g. ``group-cap-3`` or ``feather:POLICY``: the error where a policy is trained.
+Every input error (a flag out of range, a scenario or file that cannot be read, a scheduler that
+does not exist, an output that cannot be written) is one line and exit status 2, before an engine
+starts.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from feather_env.hostload import ForeignLoad, pinned_cores
 from feather_env.records import StepRequest
 from feather_env.reporting import machine_info, write_json
 from feather_env.scenarios import Scenario, load_scenario
+from feather_env.serving import env_scheduler_config
 from feather_env.step_model import FEATURE_NAMES, StepCostModel, fit_step_model, step_features
 
 __all__ = ["CALIBRATION_PLAN", "PROFILE_VERSION", "VALIDATION_PLAN", "EpisodeSpec", "load_profile", "main",
@@ -115,10 +119,14 @@ VALIDATION_PLAN: tuple[EpisodeSpec, ...] = tuple(
 )
 
 
-def scenario_plan(scenario: str, episodes: int = 1, *, validation: bool = False) -> tuple[EpisodeSpec, ...]:
+def scenario_plan(scenario: str, episodes: int = 1, *, validation: bool = False,
+                  schedulers: Sequence[str] | None = None) -> tuple[EpisodeSpec, ...]:
     """Episodes of one scenario to calibrate on (seeds 1, 2, ...; fcfs, lpm, feather-heuristic each)
-    or to validate on (fresh seeds 1000, 1001, ...; dfs-weight too), ``episodes`` per scheduler."""
-    schedulers = (*_SCHEDULERS, "dfs-weight") if validation else _SCHEDULERS
+    or to validate on (fresh seeds 1000, 1001, ...; dfs-weight too), ``episodes`` per scheduler.
+    ``schedulers`` replaces those: e.g. the ``group-cap-K`` rule a policy will be trained against,
+    whose batches the built-in schedulers never form."""
+    if schedulers is None:
+        schedulers = (*_SCHEDULERS, "dfs-weight") if validation else _SCHEDULERS
     first = 1000 if validation else 1
     name = Path(scenario).stem
     return tuple(EpisodeSpec(scenario, s, first + i * len(schedulers) + j, {}, f"{name}-{s}-{i}")
@@ -368,8 +376,16 @@ def _check_args(args: argparse.Namespace) -> tuple[EpisodeSpec, ...]:
     if args.from_steps:
         load_steps(args.from_steps)
         return ()
+    schedulers = None
+    if args.schedulers is not None:
+        if args.scenario is None:
+            raise ConfigError("--schedulers goes with --scenario (the built-in plans name their own)")
+        schedulers = [name.strip() for name in args.schedulers.split(",")]
+        if not all(schedulers) or len(set(schedulers)) != len(schedulers):
+            raise ConfigError(f"--schedulers {args.schedulers!r}: distinct comma-separated names")
     if args.scenario is not None:
-        plan = scenario_plan(args.scenario, args.episodes or 1, validation=bool(args.validate))
+        plan = scenario_plan(args.scenario, args.episodes or 1, validation=bool(args.validate),
+                             schedulers=schedulers)
     else:
         plan = VALIDATION_PLAN if args.validate else CALIBRATION_PLAN
         plan = plan[: args.episodes] if args.episodes else plan
@@ -378,6 +394,13 @@ def _check_args(args: argparse.Namespace) -> tuple[EpisodeSpec, ...]:
             spec.load().episode_workload(spec.seed)
     except (DataNotFoundError, WorkloadError) as exc:
         raise ConfigError(str(exc)) from None
+    for name in schedulers or ():  # a misspelt name or a bad policy file, before any engine
+        try:
+            env_scheduler_config(name, chunk_size=plan[0].load().scheduler.chunk_size)
+        except ConfigError:
+            raise
+        except ValueError as exc:  # a policy file that does not load
+            raise ConfigError(f"--schedulers: {name!r}: {exc}") from None
     return plan
 
 
@@ -394,6 +417,10 @@ def main(argv: Sequence[str] | None = None, backend: Any = None) -> int:
     p.add_argument("--from-steps", help="with --out: fit the steps of a --steps-out file (no engine)")
     p.add_argument("--scenario", default=None, help="calibrate (or validate) on this scenario's episodes "
                    "(a name or a scenario file) instead of the built-in plan")
+    p.add_argument("--schedulers", default=None, help="with --scenario: comma-separated schedulers to "
+                   "serve its episodes with (default: fcfs, lpm, feather-heuristic; dfs-weight too when "
+                   "validating), e.g. group-cap-3 or feather:POLICY to measure the error on the batches a "
+                   "policy forms")
     p.add_argument("--max-foreign", type=float, default=MAX_FOREIGN_LOAD, help="re-run, then leave out, an "
                    "episode during which other processes used more than this share of the machine (default "
                    f"{MAX_FOREIGN_LOAD})")
@@ -426,6 +453,12 @@ def main(argv: Sequence[str] | None = None, backend: Any = None) -> int:
           f"latency median APE {result['latency_median_ape']:.3f}, "
           f"hit-rate abs err {result['hit_rate_abs_err']:.4f}")
     if args.json:
+        names = list(dict.fromkeys(e.scheduler for e in plan))  # in the plan's order
+        result["plan"] = None if args.scenario is None else {"scenario": args.scenario, "schedulers": names}
+        flags = [("--scenario", args.scenario), ("--schedulers", args.schedulers),
+                 ("--episodes", args.episodes), ("--json", args.json)]
+        result["command"] = " ".join(["python -m feather_env.calibrate --validate", args.validate,
+                                      *(f"{flag} {value}" for flag, value in flags if value is not None)])
         write_json(args.json, result)
     return 0
 

@@ -69,6 +69,14 @@ def test_calibrate_on_the_engine_for_the_trace(walk, env_backend, tmp_path):
     fitted = json.loads(profile.read_text())
     assert fitted["fit"]["steps"] >= 6 and [e["scheduler"] for e in fitted["fit"]["episodes"]] == [
         "fcfs", "lpm", "feather-heuristic"]
+    # the fit's error on the batches the trained policy forms (fresh seeds, the policy's own answers)
+    validation = tmp_path / "validation.json"
+    assert calibrate.main(["--scenario", str(walk["scenario"]), "--validate", str(profile), "--schedulers",
+                           f"feather-heuristic,{walk['policy']}", "--json", str(validation),
+                           "--max-foreign", "1"], backend=env_backend) == 0
+    rows = json.loads(validation.read_text())["episodes"]
+    assert [r["scheduler"] for r in rows] == ["feather-heuristic", walk["policy"]]
+    assert all(r["requests"] == 24 and r["sim_duration_s"] > 0 for r in rows)
     out = tmp_path / "sim"
     assert evaluate.main(["--scenario", str(walk["scenario"]), "--backend", "sim", "--profile", str(profile),
                           "--schedulers", f"fcfs,{walk['policy']}", "--out", str(out), "--no-plots"]) == 0

@@ -167,3 +167,29 @@ def test_a_slower_engine_stretches_a_burst_episode_by_its_factor():
     for bad in (0, -1.0, [2.0, 1.0], "fast", float("nan")):
         with pytest.raises(ConfigError, match="engine_slowdown"):
             FeatherEnv("leval-kv-pressure", "sim", engine_slowdown=bad)
+
+
+def test_a_scenario_plan_serves_the_schedulers_asked_for():
+    from feather_env.calibrate import scenario_plan
+
+    plan = scenario_plan("leval-kv-pressure-poisson", 2, validation=True,
+                         schedulers=["feather-heuristic", "group-cap-3"])
+    assert [(s.scheduler, s.seed) for s in plan] == [("feather-heuristic", 1000), ("group-cap-3", 1001),
+                                                      ("feather-heuristic", 1002), ("group-cap-3", 1003)]
+    assert [s.scheduler for s in scenario_plan("sharegpt", validation=True)] == [
+        "fcfs", "lpm", "feather-heuristic", "dfs-weight"]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--schedulers", "group-cap-3"], "--schedulers goes with --scenario"),
+    (["--scenario", SCENARIO, "--schedulers", "group-cap-3,nope"], "unknown scheduler 'nope'"),
+    (["--scenario", SCENARIO, "--schedulers", "lpm,,fcfs"], "distinct comma-separated names"),
+    (["--scenario", SCENARIO, "--schedulers", "lpm,lpm"], "distinct comma-separated names"),
+    (["--scenario", SCENARIO, "--schedulers", "group-cap-99"], "group-cap-K must be an integer"),
+    (["--scenario", SCENARIO, "--schedulers", "feather:missing.feather"], "no such file"),
+])
+def test_calibration_refuses_bad_schedulers_before_an_engine_starts(args, message, capsys):
+    from feather_env import calibrate
+
+    assert calibrate.main(["--validate", str(DEFAULT_PROFILE), *args]) == 2  # no backend: none is built
+    assert message in capsys.readouterr().err
