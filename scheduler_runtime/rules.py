@@ -127,12 +127,19 @@ class GroupCapRule:
     the engine measured at -12% for a cap of 5. On the simulator ``kv_min = 0.2`` turns every cap
     into ``group-hold`` on ``leval-summaries`` and leaves the tuned cap of every other scenario
     as it was (docs/design.md).
+
+    ``lift_at`` (None: never) lifts the cap while at least that many groups wait (the
+    observation's ``waiting_groups``; the hold still applies): a cap that depends on the load.
+    The best constant cap rises with the load, so one constant cannot serve a light stream of
+    documents and a crowd of them alike (``group-cap-5`` against ``group-cap-6`` on the Poisson and
+    high-load scenarios, docs/design.md); a file for both needs the cap to give way in a crowd.
     """
 
     cap: int | None = 3
     hold: bool = True
     cached_min: float = 0.5
     kv_min: float = 0.2
+    lift_at: int | None = None
     obs_spec: ClassVar[ObservationSpec] = ObservationSpec(names=GROUP_OBS_NAMES)  # the group decision's
 
     def __post_init__(self) -> None:
@@ -142,6 +149,8 @@ class GroupCapRule:
             raise ValueError(f"cached_min must be in [0, 1], got {self.cached_min!r}")
         if not (is_number(self.kv_min) and 0 <= self.kv_min <= 1):
             raise ValueError(f"kv_min must be in [0, 1], got {self.kv_min!r}")
+        if self.lift_at is not None and not is_count(self.lift_at, 1):
+            raise ValueError(f"lift_at must be an integer >= 1 or None, got {self.lift_at!r}")
 
     @classmethod
     def from_name(cls, name: str) -> GroupCapRule | None:
@@ -156,12 +165,24 @@ class GroupCapRule:
         return cls(cap=cap or None)
 
     def params(self) -> dict[str, Any]:
-        return {"cap": self.cap, "hold": self.hold, "cached_min": self.cached_min, "kv_min": self.kv_min}
+        """The rule's parameters as a policy file writes them (``lift_at`` only when set, so a file
+        of a rule without it is the file written before it existed)."""
+        out = {"cap": self.cap, "hold": self.hold, "cached_min": self.cached_min, "kv_min": self.kv_min}
+        if self.lift_at is not None:
+            out["lift_at"] = self.lift_at
+        return out
 
     @property
     def name(self) -> str:
-        """``group-cap-K`` or ``group-hold`` (the scheduler names of the rule with the default hold)."""
-        return "group-hold" if self.cap is None else f"group-cap-{self.cap}"
+        """``group-cap-K`` or ``group-hold`` (the scheduler names of the rule with the default hold);
+        ``group-cap-K-lift-M`` with ``lift_at`` (a policy file's rule, not a scheduler name)."""
+        if self.cap is None:
+            return "group-hold"
+        return f"group-cap-{self.cap}" + (f"-lift-{self.lift_at}" if self.lift_at is not None else "")
+
+    def lifted(self, obs: Sequence[float]) -> bool:
+        """Whether enough groups wait (``lift_at``) for the cap to give way."""
+        return self.lift_at is not None and bool(obs[_WAITING_GROUPS] >= self.lift_at)
 
     def pressured(self, obs: Sequence[float]) -> bool:
         """Whether the KV cache is in use enough (``kv_min``) for holding a group back to matter."""
@@ -172,7 +193,7 @@ class GroupCapRule:
             return STOP
         if not mask[STOP] or not self.pressured(obs):
             return ADD
-        if self.cap is not None and obs[_GROUPS_IN_FLIGHT] >= self.cap:
+        if self.cap is not None and obs[_GROUPS_IN_FLIGHT] >= self.cap and not self.lifted(obs):
             return STOP
         if self.hold and obs[_CACHED_FRACTION] < self.cached_min and obs[_WAITING_IN_FLIGHT] > 0:
             return STOP

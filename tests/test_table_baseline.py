@@ -250,6 +250,53 @@ def test_below_kv_min_the_rule_admits_and_above_it_kv_usage_changes_nothing(cap,
     assert rule.act(_group_obs(groups, waiting, cached, batch, kv), no_add) == STOP  # masks win
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([1, 2, 3, 5, 8]), st.integers(1, 32), st.integers(0, 10), st.integers(0, 40),
+       st.integers(0, 4), st.floats(0, 1), st.floats(0, 1))
+def test_a_lifted_cap_gives_way_exactly_while_enough_groups_wait(cap, lift_at, groups, waiting_groups,
+                                                                 waiting, cached, kv):
+    """``lift_at``: with at least that many groups waiting the rule answers as ``group-hold``, below
+    it as ``group-cap-K``; the guard, the hold and the masks are the same either way."""
+    rule = GroupCapRule(cap=cap, lift_at=lift_at)
+    obs = _group_obs(groups, waiting, cached, kv=kv)
+    obs[OBS["waiting_groups"]] = waiting_groups
+    both = [True, True]
+    same_as = GroupCapRule(cap=None) if waiting_groups >= lift_at else GroupCapRule(cap=cap)
+    assert rule.act(obs, both) == same_as.act(obs, both)
+    assert rule.lifted(obs) == (waiting_groups >= lift_at)
+
+
+def test_a_lifted_cap_is_carried_by_its_file_and_checked(tmp_path):
+    from scheduler_runtime.policy import GroupCapPolicy
+
+    rule = GroupCapRule(cap=5, lift_at=16)
+    assert rule.name == "group-cap-5-lift-16" and rule.params()["lift_at"] == 16
+    assert "lift_at" not in GroupCapRule(cap=5).params()  # a file without it is the file of before
+    path = write_policy(tmp_path / "lifted.feather", GroupCapPolicy(SPEC, rule))
+    assert load_policy(path).rule == rule
+    for bad in (0, -1, 2.5, "16", True):
+        with pytest.raises(ValueError, match="lift_at must be an integer >= 1"):
+            GroupCapRule(cap=5, lift_at=bad)
+
+
+def test_a_lifted_cap_serves_as_the_hold_in_a_crowd_and_as_the_cap_without_one():
+    """On ``leval-high-load`` (128 documents at once) a cap lifted at 16 waiting groups binds only in
+    the episode's tail; with a lift above any crowd it is the plain cap, exactly."""
+    env = FeatherEnv("leval-high-load", "sim", decision="group",
+                     scenario_overrides={"episode": {"groups": 40}})
+    seed = 2_000_000
+    try:
+        plain = play_episode(env, GroupCapRule(cap=2), episode_seed=seed)
+        never = play_episode(env, GroupCapRule(cap=2, lift_at=10_000), episode_seed=seed)
+        lifted = play_episode(env, GroupCapRule(cap=2, lift_at=16), episode_seed=seed)
+        hold = play_episode(env, GroupCapRule(cap=None), episode_seed=seed)
+    finally:
+        env.close()
+    assert never["duration"] == plain["duration"] and never["stops"] == plain["stops"]
+    assert lifted["completed"] == lifted["submitted"] == plain["submitted"]
+    assert hold["stops"] <= lifted["stops"] < plain["stops"]
+
+
 def test_a_rule_by_name():
     assert GroupCapRule.from_name("group-cap-4") == GroupCapRule(cap=4)
     assert GroupCapRule.from_name("group-hold") == GroupCapRule(cap=None)
