@@ -4,9 +4,9 @@ Each file is served as ``feather:policies/...`` on the session engine (leval-kv-
 GiB of KV) over a small episode of its own scenario's kind: the scheduler answers its own
 decisions with the policy, as under ``feather-serve``. Every request must be served once with its
 tokens (``VLLMBackend.serve`` checks it), the policy must have been asked, and no fault may have
-switched it off. One file of each form is served (a table, an MLP, a cap, the hold rule: files of
-one form run the same code with other numbers); every file is loaded and checked against its
-scenario.
+switched it off. One file of each form is served (a table, an MLP, a cap, a lifted cap, the hold
+rule: files of one form run the same code with other numbers); every file is loaded and checked
+against its scenario.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ SHIPPED = sorted(POLICIES.rglob("*.feather"))
 def _form(path: Path) -> tuple[str, ...]:
     policy = load_policy(path)
     params = policy.params() if policy.kind == "group-cap" else {}
-    return (policy.kind, observation_kind(policy), str(params.get("cap") is None))
+    return (policy.kind, observation_kind(policy), str(params.get("cap") is None), str("lift_at" in params))
 
 
 #: One path per form of policy file.

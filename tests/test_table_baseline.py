@@ -357,3 +357,48 @@ def test_the_evaluation_serves_a_table_that_answers_as_heuristic_tuned_once(tmp_
     assert "group-cap-1" in same["shipped"][1]
     assert names["general"].endswith("general.feather") and "general" not in same
     assert names["shipped+svf"] == f"feather:{tmp_path / f'{scenario}.feather'}+svf"
+
+
+def test_a_mix_is_tuned_for_its_worst_member():
+    """``agents.tuning`` on a mix: every candidate (plain caps, then each cap lifted at each of
+    ``LIFTS``) is scored by its worst ratio to each member's best plain candidate, and the best worst
+    ratio wins. A member that never asks the decision (ShareGPT) is 1.0 for every rule."""
+    from agents.tuning import CAPS, LIFTS, group_env, search_worst_ratio
+
+    mix = group_env("leval-kv-pressure-poisson+leval-high-load+sharegpt")
+    try:
+        rule, tried = search_worst_ratio(mix.envs, [TUNE_SEED])
+    finally:
+        mix.close()
+    assert len(tried) == len(CAPS) + 1 + len(CAPS) * len(LIFTS)
+    plain = tried[:len(CAPS) + 1]
+    assert all("lift_at" not in t for t in plain) and all("lift_at" in t for t in tried[len(plain):])
+    for name in ("leval-kv-pressure-poisson", "leval-high-load"):
+        assert max(t["ratio"][name] for t in plain) == pytest.approx(1.0)
+        assert len({round(t["output_throughput"][name], 6) for t in tried}) > 1  # the rules differ on it
+    assert all(t["ratio"]["sharegpt"] == pytest.approx(1.0) for t in tried)
+    for t in tried:
+        assert t["worst_ratio"] == min(t["ratio"].values())
+    best = max(t["worst_ratio"] for t in tried)
+    first = next(t for t in tried if t["worst_ratio"] > best - 1e-9)  # ties: the earlier
+    assert rule == GroupCapRule(**{k: v for k, v in first.items()
+                                   if k in ("cap", "hold", "cached_min", "kv_min", "lift_at")})
+
+
+def test_the_tuning_command_on_a_mix_writes_one_rule_for_all_and_refuses_unknown_names(tmp_path, capsys):
+    from agents.tuning import group_env, main
+    from scheduler_runtime.policy import GroupCapPolicy
+
+    out = tmp_path / "general.feather"
+    assert main(["--scenario", "leval-kv-pressure-poisson+no-such-scenario", "--out", str(out)]) == 2
+    assert "no-such-scenario" in capsys.readouterr().err and not out.exists()
+    mix = "leval-kv-pressure-poisson+leval-kv-pressure"
+    assert main(["--scenario", mix, "--out", str(out), "--episodes", "1"]) == 0
+    policy = load_policy(out)
+    assert isinstance(policy, GroupCapPolicy) and policy.agent == "heuristic-tuned"
+    assert policy.meta["search"]["best"] == policy.rule.name
+    env = group_env(mix)  # the members observe with the mix's one bound, as the file records
+    try:
+        assert policy.obs_spec == ObservationSpec.from_env(env)
+    finally:
+        env.close()
