@@ -56,6 +56,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.admission_rules --json results/admission_rules.json
 	$(BIN)/python -m benchmarks.group_admission --json results/group_admission.json
 	$(BIN)/python -m benchmarks.rollout_gain --json results/rollout_gain.json
+	$(BIN)/python -m benchmarks.hindsight_regimes --json results/hindsight_regimes.json
 	$(BIN)/python -m benchmarks.policy_agreement --json results/policy_agreement.json
 	$(BIN)/python -m benchmarks.cht_overhead --json results/cht_overhead.json --budget-s 2 \
 		--structures cht radix-lpm radix-lpm-nocheck radix-dfs-weight
@@ -84,6 +85,7 @@ bench-quick: $(STAMP)
 		--trace-episodes 2
 	$(BIN)/python -m benchmarks.rollout_gain --json results/quick/rollout_gain.json --scenarios leval-kv-pressure-poisson \
 		--episodes 1 --train-episodes 2
+	$(BIN)/python -m benchmarks.hindsight_regimes --json results/quick/hindsight_regimes.json --episodes 2
 	$(BIN)/python -m benchmarks.evaluation --quick --json results/quick/evaluation.json
 
 lint: $(STAMP)

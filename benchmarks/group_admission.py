@@ -42,7 +42,7 @@ from feather_env.reporting import format_table, machine_info, write_json
 from scheduler_runtime.decision import AlwaysAdd
 from scheduler_runtime.rules import GroupCapRule
 
-__all__ = ["episodes_row", "main", "render", "run"]
+__all__ = ["episodes_row", "hindsight", "main", "render", "run"]
 
 STUDY_SCENARIO = "leval-kv-pressure-poisson"
 OTHER_SCENARIOS = ("leval-kv-pressure", "leval-high-load", "leval-summaries", "sharegpt")
@@ -98,11 +98,14 @@ def compare(scenario: str, names: Sequence[str], seeds: Sequence[int],
     return rows
 
 
-def hindsight(scenario: str, seeds: Sequence[int], caps: Sequence[int] = CAPS) -> dict[str, Any]:
-    """Every constant K on every episode; the best constant K and the best K per episode."""
+def hindsight(scenario: str, seeds: Sequence[int], caps: Sequence[int] = CAPS, profile: str | None = None,
+              overrides: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Every constant K on every episode; the best constant K and the best K per episode (on the
+    simulator with ``profile``, the scenario's sections replaced by ``overrides``)."""
     per_k = {}
     for k in caps:
-        env = FeatherEnv(scenario, "sim", scheduler=f"group-cap-{k}")
+        env = FeatherEnv(scenario, "sim", scheduler=f"group-cap-{k}", profile=profile,
+                         scenario_overrides=overrides)
         per_k[k] = [e["output_throughput"] for e in _episodes(env, seeds)]
     mean = {k: statistics.mean(v) for k, v in per_k.items()}
     best_k = max(caps, key=lambda k: mean[k])

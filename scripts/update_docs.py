@@ -239,7 +239,8 @@ BLOCKS: dict[str, Block] = {
                                                 "render_comparisons")),
     **{name: _result(name) for name in (
         "prefix_homogeneity", "env_orderings", "sim_validation", "env_speed", "rewards", "agents",
-        "admission_rules", "group_admission", "rollout_gain", "cht_overhead", "scheduler_overhead")},
+        "admission_rules", "group_admission", "rollout_gain", "hindsight_regimes", "cht_overhead",
+        "scheduler_overhead")},
     **{name: _result(name, "sim_validation") for name in (
         "sim_validation_poisson_cap", "sim_validation_poisson_cap_xeon", "sim_validation_high_load_cap",
         "sim_validation_high_load_cap_xeon", "sim_validation_xeon")},

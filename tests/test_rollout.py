@@ -114,3 +114,24 @@ def test_distill_deviates_only_where_the_advantage_is_significant() -> None:
     assert policy.act(_obs(1, 0, 1.0), [False, True]) == ADD  # a forced decision is not owned
     assert [(r["base"], r["policy"]) for r in report] == [(ADD, STOP), (STOP, STOP), (STOP, STOP)]
     assert report[0]["mean_advantage_s"] == pytest.approx(-1.005)
+
+
+def test_the_regimes_benchmark_applies_each_regime_and_scores_lifted_caps_on_the_same_episodes() -> None:
+    """``benchmarks.hindsight_regimes``: a regime's overrides reach its episodes (a faster arrival
+    rate ends the same documents sooner), the hindsight K is the best constant K's episodes' best,
+    and a cap lifted at more groups than can ever wait serves exactly as the plain cap (the two
+    paths, a scheduler name and a rule on the group decision, play the same episodes)."""
+    from benchmarks.hindsight_regimes import regime
+
+    few = {"groups": 5, "max_per_group": 4}
+    slow = regime("leval-kv-pressure-poisson", {"episode": {**few, "arrival": "poisson:1"}}, SEEDS, None)
+    fast = regime("leval-kv-pressure-poisson", {"episode": {**few, "arrival": "poisson:8"}}, SEEDS, None)
+    assert fast["heuristic"] > slow["heuristic"]
+    for r in (slow, fast):
+        per_k = r["per_k"]
+        assert r["hindsight_mean"] >= r["best_constant_mean"] - 1e-9
+        assert r["hindsight_mean"] == pytest.approx(
+            sum(max(v[i] for v in per_k.values()) for i in range(len(SEEDS))) / len(SEEDS))
+        for cap in (1, 3, 5):  # 5 documents: never 8 groups waiting, so lift-8 never lifts
+            assert r["lifted"][f"group-cap-{cap}-lift-8"] == pytest.approx(
+                sum(per_k[str(cap)]) / len(SEEDS), rel=1e-12)
