@@ -127,13 +127,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--profile", default=None)
     args = p.parse_args(argv)
     try:
-        group_env(args.scenario, args.profile).close()  # names and profile checked before the search
+        env = group_env(args.scenario, args.profile)  # names and profile checked before the search
     except (ConfigError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        spec = ObservationSpec.from_env(env)
+    finally:
+        env.close()
     rule, search = tune_group_cap(args.scenario, args.episodes, args.profile)
-    env = group_env(args.scenario, args.profile)
-    policy = GroupCapPolicy(ObservationSpec.from_env(env), rule, agent="heuristic-tuned",
+    policy = GroupCapPolicy(spec, rule, agent="heuristic-tuned",
                             meta={"search": search, "command": "python -m agents.tuning " + " ".join(
                                 argv if argv is not None else sys.argv[1:])})
     write_policy(args.out, policy)

@@ -127,7 +127,9 @@ def main() -> int:
 
 
 def _rel(path: Path) -> str:
-    return str(path.relative_to(REPO) if path.resolve().is_relative_to(REPO) else path)
+    """``path`` as the commands in ``build.json`` write it: relative to the repository when inside it."""
+    full = path.resolve()
+    return str(full.relative_to(REPO) if full.is_relative_to(REPO) else path)
 
 
 def build_scenario(scenario: str, out: Path, timesteps: int, reward: str, runs: Path) -> dict[str, Any]:
