@@ -97,22 +97,19 @@ def group_env(scenario: str, profile: str | None = None) -> Any:
     return FeatherEnv(scenario, "sim", profile=profile, decision="group")
 
 
-def tune_group_cap(scenario: str, episodes: int = 8, profile: str | None = None,
+def tune_group_cap(scenario: str, env: Any, episodes: int = 8,
                    log: Any = print) -> tuple[GroupCapRule, dict[str, Any]]:
-    """The best cap on ``episodes`` training episodes of ``scenario`` (simulator), and the search;
-    a mix (``A+B``) by :func:`search_worst_ratio` over its members."""
+    """The best cap on ``episodes`` training episodes of ``scenario`` served on ``env``, its
+    :func:`group_env` (the caller's to close), and the search; a mix (``A+B``) by
+    :func:`search_worst_ratio` over its members."""
     seeds = [TUNE_SEED + i for i in range(episodes)]
-    env = group_env(scenario, profile)
-    try:
-        if isinstance(env, ScenarioMix):
-            rule, tried = search_worst_ratio(env.envs, seeds)
-            worst = max(t["worst_ratio"] for t in tried)
-            log(f"{scenario}: best of {len(tried)} rules {rule.name} -> worst ratio {worst:.3f}")
-            return rule, {"scenario": scenario, "episodes": seeds, "tried": tried, "best": rule.name,
-                          "best_worst_ratio": worst}
-        rule, tried = search_caps(env, seeds)
-    finally:
-        env.close()
+    if isinstance(env, ScenarioMix):
+        rule, tried = search_worst_ratio(env.envs, seeds)
+        worst = max(t["worst_ratio"] for t in tried)
+        log(f"{scenario}: best of {len(tried)} rules {rule.name} -> worst ratio {worst:.3f}")
+        return rule, {"scenario": scenario, "episodes": seeds, "tried": tried, "best": rule.name,
+                      "best_worst_ratio": worst}
+    rule, tried = search_caps(env, seeds)
     best = max(t["output_throughput"] for t in tried)
     log(f"{scenario}: best of {len(tried)} rules {rule.name} -> {best:.1f} tok/s")
     return rule, {"scenario": scenario, "episodes": seeds, "tried": tried, "best": rule.name,
@@ -133,9 +130,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         spec = ObservationSpec.from_env(env)
+        rule, search = tune_group_cap(args.scenario, env, args.episodes)
     finally:
         env.close()
-    rule, search = tune_group_cap(args.scenario, args.episodes, args.profile)
     policy = GroupCapPolicy(spec, rule, agent="heuristic-tuned",
                             meta={"search": search, "command": "python -m agents.tuning " + " ".join(
                                 argv if argv is not None else sys.argv[1:])})

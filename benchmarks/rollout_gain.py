@@ -121,25 +121,24 @@ def render(res: dict[str, Any]) -> str:
         rows = []
         for key, r in sc["rows"].items():
             ratios = r["episode_ratios"]
-            name = (f"its placebo: the cap's answers, the engine {key[8:]} slower where that ends sooner"
-                    if key.startswith("placebo ") else names[key].format(cap=sc["cap"]))
+            name = (names[key].format(cap=sc["cap"]) if not key.startswith("placebo ") else
+                    f"its placebo: the cap's answers, the engine {key.removeprefix('placebo ')} slower "
+                    "where that ends sooner")
             rows.append([name, f"{r['output_throughput']:.1f}",
                          f"{r['vs_cap']:.3f}",
                          f"{min(ratios):.3f} / {statistics.median(ratios):.3f} / {max(ratios):.3f}",
                          f"{r['mean_e2el_s']:.2f}"])
         train = sc["train_seeds"][1] - sc["train_seeds"][0] + 1
-        placebo = ("; the placebos answered none otherwise and ran the engine slower until the next "
-                   "decision after " + " and ".join(f"{n} ({x})" for x, n in sc["placebo_slowed"].items())
-                   + " of them" if "placebo_slowed" in sc else "")
+        slowed = " and ".join(f"{n} ({x})" for x, n in sc["placebo_slowed"].items())
         out += [f"**{sc['scenario']}**", "",
                 format_table(["variant", "output tok/s", "vs cap", "per episode: min / median / max",
                               "mean E2E s"], rows), "",
                 f"The lookahead answered {sc['lookahead_changed']} of {sc['lookahead_owned']} owned "
-                f"decisions otherwise than the cap{placebo}; the distilled table deviates from it in "
-                f"{sc['distilled_deviations']} of {len(sc['distilled_bins'])} visited bins"
-                + (f", the distilled tree in {sc['tree_deviations']} of its {len(sc['tree_leaves'])} leaves"
-                   if "tree_leaves" in sc else "")
-                + f" (advantages from {train} tuning episodes, z = {sc['z']:g}).", ""]
+                "decisions otherwise than the cap; the placebos answered none otherwise and ran the "
+                f"engine slower until the next decision after {slowed} of them; the distilled table "
+                f"deviates from it in {sc['distilled_deviations']} of {len(sc['distilled_bins'])} visited "
+                f"bins, the distilled tree in {sc['tree_deviations']} of its {len(sc['tree_leaves'])} "
+                f"leaves (advantages from {train} tuning episodes, z = {sc['z']:g}).", ""]
     return "\n".join(out).rstrip("\n")
 
 
