@@ -21,7 +21,17 @@ class's dotted path and the configuration it reads), so every caller (the tests,
 ``...+svf``                 a Feather name with SVF admission: smallest-volume seed of an
                             empty batch and SVF's peak check (``+svf-1bit``,
                             ``+oracle-svf``: with those lengths)
+``NAME@TOKENS``             any name above with a per-step token budget of TOKENS
+                            (vLLM's ``--max-num-batched-tokens``, chunked prefill's
+                            size), e.g. ``fcfs@512``, ``group-cap-3@512``
 ==========================  ==========================================================
+
+The token budget bounds the tokens one engine step computes (decode tokens plus prefill chunks):
+a small budget interleaves long prefills with the running requests' decode steps (lower TPOT,
+later first tokens for long prompts), a large one prefills at once. A name without ``@TOKENS``
+runs with the engine's own budget. The scheduler applies it inside the engine (vLLM's
+``max_num_scheduled_tokens``), so one engine serves names of different budgets one after the
+other; ``feather-serve`` also passes it to vLLM as ``--max-num-batched-tokens``.
 
 Configuration (:class:`SchedulerConfig`) reaches the scheduler inside the engine from, in
 increasing precedence: the scheduler class's default name, the JSON/YAML file named by
@@ -53,6 +63,7 @@ import json
 import math
 import numbers
 import os
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
@@ -82,6 +93,8 @@ __all__ = [
     "engine_overrides",
     "load_scheduler_config",
     "resolve",
+    "split_budget",
+    "with_budget",
 ]
 
 CONFIG_ENV = "FEATHER_SCHEDULER_CONFIG"
@@ -111,6 +124,12 @@ BASELINE_NAMES = ("fcfs", *_BASELINES)
 #: "+svf" suffixes of a Feather name -> the output lengths of its SVF admission.
 _SVF_SUFFIXES = {"+svf": "predicted", "+svf-1bit": "1bit", "+oracle-svf": "oracle"}
 LENGTH_SOURCES = ("predicted", "1bit", "oracle")
+#: ``NAME@TOKENS``: a scheduler name with its per-step token budget (module docstring).
+_BUDGET_SUFFIX = re.compile(r"^(?P<base>.+)@(?P<tokens>[0-9]+)$")
+#: The smallest per-step token budget a name may ask (a budget below one block of 16 tokens cannot
+#: make progress on a prefill and vLLM refuses it below ``max_num_seqs``).
+MIN_TOKEN_BUDGET = 16
+MAX_TOKEN_BUDGET = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -155,6 +174,8 @@ class SchedulerConfig:
         retain_held_prefixes: LRU-tail retention: after every round the free cached blocks of the
             held groups' prefixes move to the end of vLLM's eviction order (``free_block_queue``),
             so the prefix cache evicts what no held request needs first. Off by default.
+        max_num_batched_tokens: the per-step token budget (``NAME@TOKENS``); ``None``: the
+            engine's. Applied by the scheduler inside the engine; never above the engine's.
     """
 
     name: str = DEFAULT_NAME
@@ -175,6 +196,7 @@ class SchedulerConfig:
     group_chunks: int = 1
     group_cap: int | None = None
     retain_held_prefixes: bool = False
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.ordering, OrderingName):  # a plain string in dumps and comparisons
@@ -194,6 +216,10 @@ class SchedulerConfig:
             raise ConfigError(f"scheduler.kv_capacity_tokens must be >= 1, got {self.kv_capacity_tokens}")
         if self.max_faults < 1:
             raise ConfigError(f"scheduler.max_faults must be >= 1, got {self.max_faults}")
+        budget = self.max_num_batched_tokens
+        if budget is not None and not MIN_TOKEN_BUDGET <= budget <= MAX_TOKEN_BUDGET:
+            raise ConfigError(f"scheduler.max_num_batched_tokens must be in [{MIN_TOKEN_BUDGET}, "
+                              f"{MAX_TOKEN_BUDGET}] tokens or null, got {budget}")
         if self.group_cap is not None and self.group_cap < 0:
             raise ConfigError(f"scheduler.group_cap must be >= 0 (0: no cap) or null, got {self.group_cap}")
         if self.ordering is not None:
@@ -235,9 +261,29 @@ class SchedulerConfig:
         return asdict(self)
 
 
+def split_budget(name: str) -> tuple[str, int | None]:
+    """``"group-cap-3@512"`` -> ``("group-cap-3", 512)``; a name without ``@TOKENS`` -> ``(name, None)``."""
+    match = _BUDGET_SUFFIX.match(name)
+    if match is None:
+        return name, None
+    return match["base"], int(match["tokens"])
+
+
+def with_budget(name: str, tokens: int | None) -> str:
+    """Scheduler ``name`` served with a per-step budget of ``tokens`` (``None``: the engine's)."""
+    base, _ = split_budget(name)
+    return base if tokens is None else f"{base}@{int(tokens)}"
+
+
 def _defaults_for(name: str) -> SchedulerConfig:
     if not isinstance(name, str) or not name:
         raise ConfigError(f"scheduler name must be a non-empty string, got {name!r}")
+    base, budget = split_budget(name)
+    if budget is not None:
+        if not MIN_TOKEN_BUDGET <= budget <= MAX_TOKEN_BUDGET:
+            raise ConfigError(f"scheduler {name!r}: the token budget after '@' must be in "
+                              f"[{MIN_TOKEN_BUDGET}, {MAX_TOKEN_BUDGET}], got {budget}")
+        return replace(_defaults_for(base), name=name, max_num_batched_tokens=budget)
     if name == "fcfs":
         return SchedulerConfig(name=name, ordering=None, admission="none", svf_seed=False, max_wait=None)
     if name in _BASELINES:
@@ -262,7 +308,8 @@ def _defaults_for(name: str) -> SchedulerConfig:
         raise ConfigError(
             f"unknown scheduler {name!r}; known: {list(BASELINE_NAMES)}, 'feather-heuristic', "
             f"'group-cap-K' (K = 1..{MAX_GROUP_CAP}), 'group-hold', 'feather:<checkpoint>', each Feather "
-            f"name optionally + one of {list(_SVF_SUFFIXES)}")
+            f"name optionally + one of {list(_SVF_SUFFIXES)}; any name optionally @TOKENS (a per-step token "
+            f"budget, e.g. fcfs@512)")
     if lengths is None:  # Feather alone: the engine's admission test, made at release time
         return SchedulerConfig(name=name, ordering=OrderingName.FEATHER, policy=policy, admission="prompt",
                                svf_seed=False)

@@ -99,7 +99,7 @@ def vllm_arguments(argv: Sequence[str] | None = None) -> tuple[list[str], dict[s
 def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], argparse.Namespace]:
     """:func:`vllm_arguments`, and the cluster options (``--replicas`` ...), checked."""
     from scheduler_runtime.config import ConfigError, load_mapping
-    from scheduler_runtime.schedulers import ADDITIONAL_CONFIG_KEY, check_scheduler, resolve
+    from scheduler_runtime.schedulers import ADDITIONAL_CONFIG_KEY, SchedulerConfig, check_scheduler, resolve
 
     parser = argparse.ArgumentParser(
         prog="feather-serve", description=__doc__.split("\n\n")[0],
@@ -141,6 +141,14 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], argpa
     additional[ADDITIONAL_CONFIG_KEY] = scheduler_config
 
     args = list(rest)
+    budget = SchedulerConfig.for_name(ours.scheduler).max_num_batched_tokens  # NAME@TOKENS
+    if budget is not None:
+        given = _flag_value(args, "--max-num-batched-tokens", str(budget))
+        if given != str(budget):
+            parser.error(f"--scheduler {ours.scheduler} serves with a budget of {budget} tokens per step, "
+                         f"but --max-num-batched-tokens {given} was given: give one")
+        if not _given("--max-num-batched-tokens", args):
+            args += ["--max-num-batched-tokens", str(budget)]
     for flag, value in DEFAULT_VLLM_ARGS.items():
         if not _given(flag, args):
             args += [flag] if value is None else [flag, value]

@@ -206,6 +206,8 @@ class _FeatherMixin:
         self._feather_handed = 0
         self._feather_last_stats: dict[str, Any] = {}
         super().__init__(*args, **kwargs)
+        #: The engine's own per-step token budget; a name's ``@TOKENS`` lowers it (feather_configure).
+        self._feather_engine_budget: int = self.max_num_scheduled_tokens
         self.feather_configure(
             load_scheduler_config(self.vllm_config.additional_config, self.default_scheduler_name)
         )
@@ -226,6 +228,9 @@ class _FeatherMixin:
         elif isinstance(config, Mapping):
             config = load_scheduler_config({"feather_scheduler": dict(config)}, DEFAULT_NAME, environ={})
         self.feather_config = config
+        # the per-step token budget of the name (NAME@TOKENS), never above the engine's own
+        budget, engine_budget = config.max_num_batched_tokens, self._feather_engine_budget
+        self.max_num_scheduled_tokens = engine_budget if budget is None else min(budget, engine_budget)
         self._feather_policy = policy
         self._feather_faults = {}
         self._feather_disabled = self._feather_handover_pending = False

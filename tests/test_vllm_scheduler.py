@@ -185,6 +185,37 @@ def test_group_cap_keeps_its_documents_in_flight_inside_vllm(sched, feather_llm,
     assert max(seen) == 1 and stats["stops"] > 0 and stats["released"]["group"] > 0
 
 
+@pytest.mark.parametrize("name", ["fcfs@256", "group-cap-2@256"])
+def test_a_names_token_budget_bounds_every_engine_step_and_goes_with_the_name(sched, feather_llm, name,
+                                                                             monkeypatch):
+    """``NAME@TOKENS``: no engine step schedules more than TOKENS tokens (600-token prompts are cut
+    into chunks), every request is still served exactly once; the next name without a budget gets
+    the engine's own budget (2,048) back."""
+    steps: list[int] = []
+    schedule = sched.schedule
+
+    def recording(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        steps.append(out.total_num_scheduled_tokens)
+        return out
+
+    monkeypatch.setattr(sched, "schedule", recording)
+    engine = feather_llm.llm_engine
+    runs = (({"name": name, "chunk_size": TEST_CHUNK}, "bud", 256), ({"name": "fcfs"}, "nob", None))
+    for config, tag, cap in runs:
+        sched.feather_configure(config)
+        steps.clear()
+        reqs = workload(tag, groups=3, per_group=3, prefix=600, out=(2, 6), seed=9)
+        for rid, prompt, out in reqs:
+            add(engine, rid, prompt, out)
+        assert drain(engine, sched) == {rid: out for rid, _, out in reqs}
+        if cap is not None:
+            assert max(steps) == cap  # the budget is used to its end, never past it
+        else:
+            assert max(steps) > 256  # the engine's own budget again
+    assert sched.max_num_scheduled_tokens == 2048
+
+
 def test_retention_moves_a_held_documents_cached_blocks_to_the_end_of_vllms_eviction_order(
         sched, feather_llm, tmp_path):
     sched.feather_configure({"name": cap_one_at_any_kv_usage(tmp_path), "chunk_size": TEST_CHUNK,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -128,7 +129,10 @@ class SimBackend(ServingBackend):
         self.engine.add_request(request.request_id, request.prompt_token_ids, request.output_len)
 
     def _reset_engine(self, config: SchedulerConfig) -> None:
-        self.engine = SimEngine(self.sim_config)
+        budget = config.max_num_batched_tokens  # a name's NAME@TOKENS, as the vLLM scheduler applies it
+        sim_config = self.sim_config if budget is None else replace(
+            self.sim_config, max_num_scheduled_tokens=min(budget, self.sim_config.max_num_batched_tokens))
+        self.engine = SimEngine(sim_config)
         self.runtime = FeatherRuntime(config, self.kv_capacity_tokens,
                                       max_model_len=self.sim_config.max_model_len)
         self.held = HeldRequests(self._enqueue)
