@@ -15,6 +15,8 @@ A scenario is what the environment trains on, what ``train.py --scenario`` and
       window_s: null     # a timed trace: a window of so many seconds (drawn before the above)
       arrival: burst     # burst | poisson:RATE | trace | trace:FILE[:RATE]; default: the
                          # trace's own timestamps when the pool has them, else burst
+      rate_scale: 1.0    # the episode's arrival times divided by this (2: twice as fast), after the
+                         # window is drawn (window_s is in the trace's own seconds)
     engine:              # EngineConfig (feather_env.engines.vllm_engine): KV cache, batch, token budget
       kv_cache_gib: 0.25
       max_num_seqs: 64
@@ -27,7 +29,9 @@ requests, the same token ids and the same arrival times for the same seed, where
 ``evaluate.py --scenario NAME --seed S`` serves episode ``S``.
 
 Paths in a scenario file (``workload.path``, ``workload.data_dir``, an arrival's ``trace:FILE``)
-are relative to the file's folder.
+are relative to the file's folder; a relative ``workload.path`` not found there is looked up under
+the data root (``workload.data_dir``, else ``$FEATHER_DATA_DIR``), so a scenario may name
+``traces/mooncake/synthetic_trace.jsonl``, and a ``trace:FILE`` under the data root's ``traces/``.
 
 Errors are clear and early: an unknown scenario lists the available ones, an unknown key lists
 the valid keys of its section, and a request that could never fit the scenario's KV cache is a
@@ -53,6 +57,7 @@ from typing import Any
 from feather_env.engines.vllm_engine import REPO_ROOT, EngineConfig
 from feather_env.workloads import Workload, WorkloadConfig, load_workload, sample_workload
 from feather_env.workloads.arrivals import TraceFileArrivals, parse_arrival
+from feather_env.workloads.custom import resolve_custom_path
 from scheduler_runtime.config import ConfigError, check_core_knobs, from_mapping, load_yaml
 
 __all__ = [
@@ -73,8 +78,6 @@ EVALUATED_SCENARIOS = ("leval-kv-pressure", "leval-kv-pressure-poisson", "leval-
 _SECTIONS = ("description", "workload", "episode", "engine", "scheduler")
 #: Workload keys that belong to the episode (the pool must not sample by itself).
 _EPISODE_KEYS = ("num_requests", "num_groups", "max_per_group", "arrival")
-#: Workload keys that name files, relative to the scenario file.
-_PATH_KEYS = ("path", "data_dir")
 #: Prefix groups a synthetic scenario's pool has at least (its episodes draw ``episode.groups``).
 SYNTHETIC_POOL_GROUPS = 8
 
@@ -88,6 +91,7 @@ class EpisodeConfig:
     requests: int | None = None
     window_s: float | None = None
     arrival: str | None = None
+    rate_scale: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("groups", "max_per_group", "requests"):
@@ -99,6 +103,11 @@ class EpisodeConfig:
                               f"got {self.window_s!r}")
         if self.arrival is not None:
             parse_arrival(self.arrival)
+        scale = self.rate_scale
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not (math.isfinite(scale)
+                                                                                 and scale > 0):
+            raise ConfigError(f"episode.rate_scale must be a finite number > 0 (2: the trace replayed twice "
+                              f"as fast), got {scale!r}")
 
 
 @dataclass(frozen=True)
@@ -167,16 +176,23 @@ class Scenario:
 
         A timed trace keeps its timestamps unless ``episode.arrival`` says otherwise; with
         ``episode.window_s`` the episode is a time window of it drawn for ``seed``, else all of it.
+        With ``episode.rate_scale`` the episode's arrival times are then divided by it.
         """
         ep = self.episode
         cfg = replace(self.workload, num_groups=ep.groups, max_per_group=ep.max_per_group,
                       num_requests=ep.requests, arrival=ep.arrival, seed=int(seed))
         pool = self.pool if ep.window_s is None else self.pool.window(ep.window_s, int(seed))
-        return sample_workload(pool, cfg, groups_from_pool=True)
+        episode = sample_workload(pool, cfg, groups_from_pool=True)
+        if ep.rate_scale != 1.0:  # 1.0 leaves every float as it is
+            episode = Workload(f"{episode.name}/rate{ep.rate_scale:g}x",
+                               tuple(r.with_arrival(r.arrival_time / ep.rate_scale) for r in episode),
+                               episode.arrivals)
+        return episode
 
     @property
     def max_episode_requests(self) -> int:
-        """An upper bound of the requests in one episode (observation bounds)."""
+        """An upper bound of the requests in one episode (observation bounds; ``rate_scale`` changes
+        when the requests arrive, not how many there are)."""
         ep = self.episode
         n = len(self.pool)
         if ep.groups is not None:
@@ -211,8 +227,14 @@ class Scenario:
             raise ConfigError(f"{where}: a scenario needs a 'workload' section")
         if source is not None and isinstance(data["workload"], Mapping):
             base = Path(source).parent
-            data = {**data, "workload": {k: _anchor_path(v, base) if k in _PATH_KEYS else v
-                                         for k, v in data["workload"].items()}}
+            workload_data = dict(data["workload"])
+            if "data_dir" in workload_data:
+                workload_data["data_dir"] = _anchor_path(workload_data["data_dir"], base)
+            if "path" in workload_data:
+                data_dir = workload_data.get("data_dir")
+                workload_data["path"] = _anchor_path(workload_data["path"], base, data_root=True,
+                                                     data_dir=data_dir if isinstance(data_dir, str) else None)
+            data = {**data, "workload": workload_data}
         workload = WorkloadConfig.from_mapping(data["workload"], where=f"{where}: workload")
         sampled = [k for k in _EPISODE_KEYS if getattr(workload, k) is not None]
         if sampled:
@@ -242,12 +264,18 @@ class Scenario:
         )
 
 
-def _anchor_path(value: Any, base_dir: Path) -> Any:
-    """A relative path named in a scenario file, made absolute against the file's folder."""
+def _anchor_path(value: Any, base_dir: Path, *, data_root: bool = False, data_dir: str | None = None) -> Any:
+    """A relative path named in a scenario file, made absolute against the file's folder. With
+    ``data_root`` (``workload.path``) one not found there is looked up under the data root
+    (``data_dir``, the workload's, else ``$FEATHER_DATA_DIR``: :func:`resolve_custom_path`)."""
     if not isinstance(value, str) or not value:
         return value
     path = Path(value).expanduser()
-    return str(path if path.is_absolute() else (base_dir / path).resolve())
+    if path.is_absolute():
+        return str(path)
+    if data_root:
+        return str(resolve_custom_path(path, base_dir, data_dir).resolve())
+    return str((base_dir / path).resolve())
 
 
 def _anchor_trace(arrival: Any, base_dir: Path) -> Any:
@@ -306,7 +334,8 @@ def load_scenario(name_or_path: str | Path | Scenario,
 # -- python -m feather_env.scenarios new -------------------------------------------------------------
 def describe_trace(scenario: Scenario) -> list[str]:
     """What a scenario's pool holds, in a few lines: requests, time span and rate, prompt and output
-    lengths, prefix groups, and the prompt tokens a perfect prefix cache would serve."""
+    lengths, prefix groups, the prompt tokens a perfect prefix cache would serve and the share of
+    them an LRU cache the size of the engine's KV cache would keep serving."""
     import numpy as np
 
     pool = scenario.pool
@@ -314,13 +343,18 @@ def describe_trace(scenario: Scenario) -> list[str]:
     output = np.array([r.output_len for r in pool])
     times = np.array([r.arrival_time for r in pool])
     block = scenario.engine.block_size
+    kv = scenario.kv_capacity_tokens
     cached = pool.cached_prompt_tokens(block)
+    cached_lru = pool.cached_prompt_tokens(block, kv)
+    scale = scenario.episode.rate_scale
     if pool.arrivals == "trace" and times.max() > times.min():
         span = float(times.max() - times.min())
-        timing = f"timestamps over {span:,.1f} s, a mean rate of {(len(pool) - 1) / span:.2f} requests/s"
+        rate = (len(pool) - 1) / span
+        timing = f"timestamps over {span:,.1f} s, a mean rate of {rate:.2f} requests/s"
+        if scale != 1.0:
+            timing += f"; episodes replay it {scale:g}x as fast ({rate * scale:.2f} requests/s)"
     else:
         timing = "no timestamps (an episode arrives as a burst unless episode.arrival says otherwise)"
-    kv = scenario.kv_capacity_tokens
     return [
         f"{len(pool)} requests, {timing}",
         f"prompts: mean {prompt.mean():,.0f}, median {np.median(prompt):,.0f}, max {prompt.max():,} tokens; "
@@ -328,6 +362,8 @@ def describe_trace(scenario: Scenario) -> list[str]:
         f"prefix sharing: a perfect prefix cache (blocks of {block} tokens, no eviction) would serve "
         f"{cached / prompt.sum():.1%} of the {int(prompt.sum()):,} prompt tokens; {pool.num_groups} prefix "
         f"groups",
+        f"prefix reuse: an LRU cache of the engine's {kv:,} tokens would serve "
+        f"{cached_lru / prompt.sum():.1%} (requests one after another, in arrival order)",
         f"KV cache: {scenario.engine.kv_cache_gib:g} GiB = {kv:,} tokens, "
         f"{kv / (prompt.mean() + output.mean()):.1f}x a mean request; episodes of up to "
         f"{scenario.max_episode_requests} requests",
@@ -337,9 +373,14 @@ def describe_trace(scenario: Scenario) -> list[str]:
 def new_scenario(trace: str | Path, out: str | Path, *, kv_cache_gib: float = 4.0, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 8192, cpu_cores: str | None = None,
                  window_s: float | None = None, arrival: str | None = None, description: str | None = None,
-                 force: bool = False) -> tuple[Scenario, dict[str, Any]]:
+                 force: bool = False, format: str = "requests", block_tokens: int | None = None,
+                 rate_scale: float | None = None) -> tuple[Scenario, dict[str, Any]]:
     """A ``custom`` scenario for ``trace`` written to ``out`` (the trace's path relative to it), after
-    its pool loaded and passed every check: nothing is written when the trace or a knob is bad."""
+    its pool loaded and passed every check: nothing is written when the trace or a knob is bad.
+
+    ``format``, ``block_tokens`` (``workload.format``, ``workload.block_tokens``: a Mooncake trace)
+    and ``rate_scale`` (``episode.rate_scale``) are written when given (``format`` when not the
+    default)."""
     import os
 
     out, trace = Path(out), Path(trace)
@@ -359,9 +400,16 @@ def new_scenario(trace: str | Path, out: str | Path, *, kv_cache_gib: float = 4.
         episode["window_s"] = window_s
     if arrival is not None:
         episode["arrival"] = arrival
+    if rate_scale is not None:
+        episode["rate_scale"] = rate_scale
+    workload: dict[str, Any] = {"kind": "custom", "path": rel}
+    if format != "requests":
+        workload["format"] = format
+    if block_tokens is not None:
+        workload["block_tokens"] = block_tokens
     data: dict[str, Any] = {
         "description": description or f"your own requests: {trace.name}",
-        "workload": {"kind": "custom", "path": rel, "max_prompt_tokens": None},
+        "workload": {**workload, "max_prompt_tokens": None},
         "episode": episode,
         "engine": engine,
     }
@@ -384,9 +432,14 @@ def main(argv: list[str] | None = None) -> int:
                                 description="Scenarios: list them, or make one from your own trace.")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="the scenarios in configs/scenarios/")
-    new = sub.add_parser("new", help="a scenario from a JSON-lines or CSV trace of your requests "
-                         "(feather_env.workloads.custom)")
+    new = sub.add_parser("new", help="a scenario from a JSON-lines or CSV trace of your requests, or a "
+                         "Mooncake trace (feather_env.workloads.custom)")
     new.add_argument("--trace", required=True, help="the trace (.jsonl or .csv)")
+    new.add_argument("--format", choices=("requests", "mooncake"), default="requests",
+                     help="requests: a prompt per row (default); mooncake: a Mooncake trace (timestamp, "
+                     "input_length, output_length, hash_ids)")
+    new.add_argument("--block-tokens", type=int, default=None, help="--format mooncake: tokens per hash id "
+                     "(default 512, the trace's own lengths; less scales every length by N/512)")
     new.add_argument("--out", required=True, help="the scenario file to write (.yaml)")
     new.add_argument("--kv-cache-gib", type=float, default=4.0, help="the engine's KV cache (GiB; default 4)")
     new.add_argument("--max-num-seqs", type=int, default=64, help="max running batch (default 64)")
@@ -396,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
                      "seconds of the trace (default: an episode is the whole trace)")
     new.add_argument("--arrival", default=None, help="burst | poisson:RATE | trace (default: the trace's "
                      "timestamps when it has them, else burst)")
+    new.add_argument("--rate-scale", type=float, default=None, help="divide an episode's arrival times by "
+                     "this (2: the trace replayed twice as fast; after the --window-s window is drawn)")
     new.add_argument("--description", default=None)
     new.add_argument("--force", action="store_true", help="replace --out if it exists")
     args = p.parse_args(argv)
@@ -408,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
                                       max_num_seqs=args.max_num_seqs,
                                       max_num_batched_tokens=args.max_num_batched_tokens,
                                       cpu_cores=args.cpu_cores, window_s=args.window_s, arrival=args.arrival,
-                                      description=args.description, force=args.force)
+                                      description=args.description, force=args.force, format=args.format,
+                                      block_tokens=args.block_tokens, rate_scale=args.rate_scale)
         lines = describe_trace(scenario)
     except (ConfigError, DataNotFoundError, WorkloadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -423,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(header + yaml.safe_dump(data, sort_keys=False))
     episode = (f"a {args.window_s:g} s window of the trace, drawn per seed" if args.window_s
                else "the whole trace")
+    if scenario.episode.rate_scale != 1.0:
+        episode += f", replayed {scenario.episode.rate_scale:g}x as fast"
     print(f"wrote {args.out}: an episode is {episode}")
     print(f"next: python train.py --agent ucb --config configs/runs/ucb.yaml --scenario {args.out} "
           f"--out runs/{Path(args.out).stem}")

@@ -7,7 +7,8 @@ in that order:
 
 1. load: ``leval`` | ``longbench`` | ``sharegpt`` | ``splitwise`` | ``arxiv`` (the three vidur
    CSVs in the data's ``traces/``) | ``synthetic`` | ``custom`` (your own requests: ``path``, a
-   JSON-lines or CSV file, :mod:`feather_env.workloads.custom`);
+   JSON-lines or CSV file, or with ``format: mooncake`` a Mooncake trace,
+   :mod:`feather_env.workloads.custom`);
 2. ``num_groups`` (with ``max_per_group``): keep that many whole prefix groups (for
    ``synthetic`` it is the number of groups generated, unless the caller samples them from the
    pool: a scenario's ``episode.groups``);
@@ -30,7 +31,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from feather_env.workloads.arrivals import parse_arrival
-from feather_env.workloads.custom import load_custom
+from feather_env.workloads.custom import MOONCAKE_BLOCK_TOKENS, ROW_FORMATS, load_custom, resolve_custom_path
 from feather_env.workloads.datadir import resolve_data_dir
 from feather_env.workloads.leval import DEFAULT_INSTRUCTION_TEMPLATE, load_leval
 from feather_env.workloads.longbench import load_longbench
@@ -52,7 +53,7 @@ class WorkloadConfig:
         kind: ``leval`` | ``longbench`` | ``sharegpt`` | ``splitwise`` | ``arxiv`` | ``synthetic`` |
             ``custom``.
         path: ``custom`` only: the JSON-lines or CSV file of requests (a scenario resolves a
-            relative path against its own folder).
+            relative path against its own folder, else under the data root).
         data_dir: data root (or the kind's own folder); ``None``: ``$FEATHER_DATA_DIR``, else
             ``../shared/data`` beside the repository.
         tasks: L-Eval / LongBench task names (``None``: all).
@@ -71,6 +72,10 @@ class WorkloadConfig:
         per_group, prefix_len, suffix_len, output_len: synthetic lengths (int or spec such as
             ``"uniform:LO:HI"``, see :func:`~feather_env.workloads.synthetic.parse_length_spec`).
         vocab_size: range of synthetic token ids, ``[3, vocab_size)``.
+        format: ``custom`` only: ``"requests"`` (a prompt per row) or ``"mooncake"`` (a Mooncake
+            trace: lengths and block hash ids, see :mod:`feather_env.workloads.custom`).
+        block_tokens: ``format: mooncake`` only: tokens per hash id (default 512, the trace's own
+            lengths; less scales every length by ``block_tokens / 512``).
     """
 
     kind: str = "leval"
@@ -96,6 +101,8 @@ class WorkloadConfig:
     suffix_len: int | str = 20
     output_len: int | str = 128
     vocab_size: int = 8192
+    format: str = "requests"
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOAD_KINDS:
@@ -108,6 +115,16 @@ class WorkloadConfig:
                               "(JSON lines or CSV)")
         if self.kind != "custom" and self.path is not None:
             raise ConfigError(f"workload.path is for kind custom (your own requests), not {self.kind!r}")
+        if self.format not in ROW_FORMATS:
+            raise ConfigError(f"workload.format must be one of {list(ROW_FORMATS)}, got {self.format!r}")
+        if self.kind != "custom" and self.format != "requests":
+            raise ConfigError(f"workload.format is for kind custom (a file of requests), not {self.kind!r}")
+        if (isinstance(self.block_tokens, bool) or not isinstance(self.block_tokens, int)
+                or self.block_tokens < 1):
+            raise ConfigError(f"workload.block_tokens must be an integer >= 1, got {self.block_tokens!r}")
+        if self.format != "mooncake" and self.block_tokens != MOONCAKE_BLOCK_TOKENS:
+            raise ConfigError(f"workload.block_tokens (tokens per hash id of a Mooncake trace) is for "
+                              f"format: mooncake, not {self.format!r}")
         if self.overflow not in ("truncate", "error"):
             raise ConfigError(
                 f"workload.overflow must be 'truncate' or 'error', got {self.overflow!r}"
@@ -215,7 +232,7 @@ def load_workload(cfg: WorkloadConfig, tokenizer: Tokenizer | None = None, *,
     elif cfg.kind == "custom":
         assert cfg.path is not None
         workload = load_custom(
-            cfg.path,
+            resolve_custom_path(cfg.path, data_dir=cfg.data_dir),
             tokenizer=tokenizer,
             model_dir=model_dir,
             max_prompt_tokens=cfg.max_prompt_tokens,
@@ -223,6 +240,8 @@ def load_workload(cfg: WorkloadConfig, tokenizer: Tokenizer | None = None, *,
             overflow=cfg.overflow,
             max_request_tokens=max_request_tokens,
             capacity_note=capacity_note,
+            format=cfg.format,
+            block_tokens=cfg.block_tokens,
         )
     else:
         workload = synthetic_workload(

@@ -31,6 +31,32 @@ finite time >= 0, a request longer than the model's context or than the KV cache
 (``max_request_tokens``, the scenario's), each raise :class:`~feather_env.workloads.WorkloadError`
 naming the file and line. A line longer than any request that could fit is refused before it is
 read whole, so memory stays bounded by the requests kept.
+
+Mooncake traces (``format: mooncake``)
+--------------------------------------
+The FAST'25 trace release of Mooncake (kvcache-ai/Mooncake) has no text: one JSON line per
+request with ``timestamp`` (milliseconds from the start), ``input_length`` and ``output_length``
+(tokens) and ``hash_ids``, the prompt's blocks of :data:`MOONCAKE_BLOCK_TOKENS` tokens (two
+requests whose first k ids agree share their first k blocks of prompt; the last block may be
+partial)::
+
+    {"timestamp": 27482, "input_length": 1200, "output_length": 52, "hash_ids": [46, 47, 48]}
+
+With ``workload: {kind: custom, path: FILE, format: mooncake}`` each id becomes a fixed block of
+``block_tokens`` token ids (default 512: the trace's own sizes) drawn from ``[3, vocab_size)`` of
+the model's vocabulary by a generator seeded by the id, so an id is the same tokens in every
+request and every run. The prompt is its blocks joined and cut to
+``ceil(input_length * block_tokens / 512)`` tokens, the output ``max(1, round(output_length *
+block_tokens / 512))`` tokens: a smaller ``block_tokens`` scales every length (and the prefix
+sharing with it) down by ``block_tokens / 512``. A request arrives at ``timestamp / 1000`` s; its
+source (a feature of the length predictor) is ``mooncake/<file name without extension>``. Each
+row is checked as the others (a missing or non-integer field, a negative length or id, a
+timestamp that is not a finite number >= 0, fewer ``hash_ids`` than ``ceil(input_length / 512)``
+raise :class:`~feather_env.workloads.WorkloadError` naming the file and line; further ids are not
+used), and so is each request it makes (the model's context, the KV cache, the caps).
+
+A relative ``path`` not found where it is named (beside the scenario file) is looked up under the
+data root (:func:`resolve_custom_path`): a scenario may name ``traces/mooncake/synthetic_trace.jsonl``.
 """
 
 from __future__ import annotations
@@ -48,15 +74,22 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from feather_env.workloads.datadir import require_file
+from feather_env.workloads.datadir import require_file, resolve_data_dir
 from feather_env.workloads.request import Request
 from feather_env.workloads.tokenizer import DEFAULT_MODEL_DIR, load_tokenizer
 from feather_env.workloads.workload import Workload, WorkloadError, iter_jsonl_objects, not_utf8
 from scheduler_runtime.config import ConfigError, load_mapping
 
-__all__ = ["CUSTOM_FORMATS", "GROUP_KEY_TOKENS", "ModelInfo", "load_custom", "model_info", "render_chat"]
+__all__ = ["CUSTOM_FORMATS", "GROUP_KEY_TOKENS", "MOONCAKE_BLOCK_TOKENS", "ROW_FORMATS", "ModelInfo",
+           "load_custom", "model_info", "render_chat", "resolve_custom_path"]
 
 CUSTOM_FORMATS = (".jsonl", ".json", ".csv")
+#: What a row is: ``requests`` (a prompt, an output length, a timestamp) or ``mooncake`` (lengths and
+#: block hash ids; module docstring).
+ROW_FORMATS = ("requests", "mooncake")
+#: Tokens per block of a Mooncake trace's ``hash_ids``.
+MOONCAKE_BLOCK_TOKENS = 512
+MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
 OUTPUT_FIELDS = ("output_tokens", "max_tokens")
 TIME_FIELDS = ("timestamp", "arrival_time")
@@ -203,10 +236,10 @@ def _number(value: Any, field: str, where: str) -> float:
         raise WorkloadError(f"{where}: {field} must be a number, got {value!r}") from None
 
 
-def _count(value: Any, field: str, where: str) -> int:
+def _count(value: Any, field: str, where: str, minimum: int = 1) -> int:
     number = _number(value, field, where)
-    if not (math.isfinite(number) and number.is_integer() and 1 <= number < 2**31):
-        raise WorkloadError(f"{where}: {field} must be an integer >= 1, got {value!r}")
+    if not (math.isfinite(number) and number.is_integer() and minimum <= number < 2**31):
+        raise WorkloadError(f"{where}: {field} must be an integer >= {minimum}, got {value!r}")
     return int(number)
 
 
@@ -294,6 +327,79 @@ def _parse_row(path: Path, lineno: int, item: Mapping[str, Any], info: ModelInfo
     return row
 
 
+class _MooncakeBlocks:
+    """The fixed block of ``block_tokens`` token ids of each Mooncake hash id, drawn once per id from
+    ``[3, vocab_size)`` by a generator seeded by the id (module docstring)."""
+
+    def __init__(self, vocab_size: int, block_tokens: int) -> None:
+        self.vocab_size, self.block_tokens = vocab_size, block_tokens
+        self.blocks: dict[int, np.ndarray] = {}
+
+    def block(self, hash_id: int) -> np.ndarray:
+        block = self.blocks.get(hash_id)
+        if block is None:
+            block = np.random.default_rng(hash_id).integers(3, self.vocab_size, size=self.block_tokens,
+                                                            dtype=np.int32)
+            self.blocks[hash_id] = block
+        return block
+
+    def prompt(self, hash_ids: list[int], tokens: int) -> np.ndarray:
+        """The first ``tokens`` tokens of the blocks of ``hash_ids``."""
+        need = -(-tokens // self.block_tokens)
+        return np.concatenate([self.block(h) for h in hash_ids[:need]])[:tokens]
+
+
+def _parse_mooncake_row(path: Path, lineno: int, item: Mapping[str, Any], blocks: _MooncakeBlocks) -> _Row:
+    where = f"{path}:{lineno}"
+    missing = [f for f in MOONCAKE_FIELDS if item.get(f) is None]
+    if missing:
+        raise WorkloadError(f"{where}: a Mooncake row needs {list(MOONCAKE_FIELDS)}; no {missing} "
+                            f"(found fields {sorted(item)})")
+    millis = _number(item["timestamp"], "timestamp", where)
+    if not (math.isfinite(millis) and millis >= 0):
+        raise WorkloadError(f"{where}: timestamp must be a finite time in milliseconds >= 0, "
+                            f"got {item['timestamp']!r}")
+    input_length = _count(item["input_length"], "input_length", where)
+    output_length = _count(item["output_length"], "output_length", where, minimum=0)
+    ids = item["hash_ids"]
+    if not isinstance(ids, list) or not all(type(h) is int for h in ids):
+        raise WorkloadError(f"{where}: hash_ids must be a list of integers, got {ids!r:.80}")
+    if ids and min(ids) < 0:
+        raise WorkloadError(f"{where}: hash_ids must be integers >= 0, got {min(ids)}")
+    need = -(-input_length // MOONCAKE_BLOCK_TOKENS)
+    if len(ids) < need:
+        raise WorkloadError(f"{where}: input_length {input_length} needs {need} hash_ids (one per "
+                            f"{MOONCAKE_BLOCK_TOKENS}-token block), got {len(ids)}")
+    scale = blocks.block_tokens
+    tokens = -(-input_length * scale // MOONCAKE_BLOCK_TOKENS)
+    row = _Row(lineno, max(1, round(output_length * scale / MOONCAKE_BLOCK_TOKENS)), millis / 1000, None,
+               f"mooncake/{path.stem}")
+    row.ids = blocks.prompt(ids, tokens)
+    return row
+
+
+def resolve_custom_path(path: str | os.PathLike[str], base_dir: str | os.PathLike[str] | None = None,
+                        data_dir: str | os.PathLike[str] | None = None) -> Path:
+    """A custom workload's file: as given when absolute; a relative one beside ``base_dir`` (the
+    scenario file's folder; default: the working directory), else under the data root
+    (``data_dir``, else ``$FEATHER_DATA_DIR``, else ``../shared/data``: :func:`resolve_data_dir`),
+    else (found nowhere) the path beside ``base_dir``, for the error that names it."""
+    given = Path(path).expanduser()
+    if given.is_absolute():
+        return given
+    beside = given if base_dir is None else Path(base_dir) / given
+    if beside.is_file():
+        return beside
+    first, rest = (given.parts[0], given.parts[1:]) if len(given.parts) > 1 else ("", given.parts)
+    if first in (".", ".."):
+        return beside
+    try:  # the first folder as resolve_data_dir finds it (the root may be that folder itself)
+        under = resolve_data_dir(data_dir, first).joinpath(*rest)
+    except FileNotFoundError:
+        return beside
+    return under if under.is_file() else beside
+
+
 # -- the workload --------------------------------------------------------------------------------
 def load_custom(
     path: str | os.PathLike[str],
@@ -306,11 +412,14 @@ def load_custom(
     overflow: str = "truncate",
     max_request_tokens: int | None = None,
     capacity_note: str = "",
+    format: str = "requests",
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
 ) -> Workload:
     """The requests of a JSON-lines or CSV file (see the module docstring), in file order.
 
     Args:
-        path: the file (``.jsonl``, ``.json`` or ``.csv``).
+        path: the file (``.jsonl``, ``.json`` or ``.csv``); a relative one not found in the working
+            directory is looked up under the data root (:func:`resolve_custom_path`).
         tokenizer, model_dir: the model's tokenizer and folder (vocabulary, context, chat template);
             default: the bundled model.
         name: the workload's name (default: the file name without its extension).
@@ -320,6 +429,10 @@ def load_custom(
         max_request_tokens: prompt + output tokens a request may hold at most (the KV cache's
             capacity); a larger request raises naming its line. ``capacity_note`` says what the
             capacity is in that error.
+        format: ``"requests"`` (a prompt per row) or ``"mooncake"`` (a Mooncake trace: lengths
+            and block hash ids, JSON lines; module docstring).
+        block_tokens: ``mooncake`` only: tokens per hash id (512: the trace's own lengths; less
+            scales every length by ``block_tokens / 512``).
 
     Raises:
         WorkloadError: naming the file and line (module docstring).
@@ -327,8 +440,16 @@ def load_custom(
     """
     if overflow not in ("truncate", "error"):
         raise WorkloadError(f"overflow must be 'truncate' or 'error', got {overflow!r}")
-    path = require_file(path)
-    args = (name, max_prompt_tokens, max_output_tokens, overflow, max_request_tokens, capacity_note)
+    if format not in ROW_FORMATS:
+        raise WorkloadError(f"format must be one of {list(ROW_FORMATS)}, got {format!r}")
+    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
+        raise WorkloadError(f"block_tokens must be an integer >= 1, got {block_tokens!r}")
+    if format != "mooncake" and block_tokens != MOONCAKE_BLOCK_TOKENS:
+        raise WorkloadError(f"block_tokens (tokens per Mooncake hash id) is for format 'mooncake', "
+                            f"not {format!r}")
+    path = require_file(resolve_custom_path(path))
+    args = (name, max_prompt_tokens, max_output_tokens, overflow, max_request_tokens, capacity_note,
+            format, block_tokens)
     info = model_info(model_dir)
     if tokenizer is None:  # the model's own tokenizer: the same file gives the same workload
         stat = path.stat()
@@ -345,10 +466,16 @@ def _load_cached(path: str, mtime_ns: int, size: int, info: ModelInfo, *args: An
 
 def _load(path: Path, tokenizer: Tokenizer | None, info: ModelInfo, name: str | None,
           max_prompt_tokens: int | None, max_output_tokens: int | None, overflow: str,
-          max_request_tokens: int | None, capacity_note: str) -> Workload:
+          max_request_tokens: int | None, capacity_note: str, format: str, block_tokens: int) -> Workload:
     if path.suffix.lower() not in CUSTOM_FORMATS:
         raise WorkloadError(f"{path}: a custom workload is JSON lines ({', '.join(CUSTOM_FORMATS[:2])}) "
                             f"or CSV (.csv), by extension; got {path.suffix or 'no extension'!r}")
+    if format == "mooncake":
+        if path.suffix.lower() == ".csv":
+            raise WorkloadError(f"{path}: a Mooncake trace is JSON lines (.jsonl), not CSV")
+        parse = functools.partial(_parse_mooncake_row, blocks=_MooncakeBlocks(info.vocab_size, block_tokens))
+    else:
+        parse = functools.partial(_parse_row, info=info)
     tok = tokenizer if tokenizer is not None else load_tokenizer(info.model_dir)
     limit = info.max_len if max_request_tokens is None else min(info.max_len, max_request_tokens)
     if max_prompt_tokens is not None and overflow == "truncate":
@@ -358,7 +485,7 @@ def _load(path: Path, tokenizer: Tokenizer | None, info: ModelInfo, name: str | 
     loader = _Loader(path, tok, info, max_prompt_tokens, max_output_tokens, overflow, max_request_tokens,
                      capacity_note)
     for lineno, item in _rows(path, max_line, too_long):
-        loader.add(_parse_row(path, lineno, item, info))
+        loader.add(parse(path, lineno, item))
     return loader.workload(name if name is not None else path.stem)
 
 

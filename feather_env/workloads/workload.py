@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -265,17 +266,25 @@ class Workload:
         return int(np.max(ends - np.arange(times.size)))
 
     # -- summaries ---------------------------------------------------------------------------
-    def cached_prompt_tokens(self, block_size: int) -> int:
-        """Prompt tokens a prefix cache that never evicts would serve, requests taken in arrival order.
+    def cached_prompt_tokens(self, block_size: int, capacity_tokens: int | None = None) -> int:
+        """Prompt tokens a prefix cache would serve, requests taken one at a time in arrival order.
 
         vLLM's rule: a request finds the whole blocks of ``block_size`` tokens that an earlier
         request's prompt filled with the same prefix, but never its last prompt token (it is
-        computed to sample the first output). Over the prompt tokens, the ceiling of any
-        scheduler's prefix hit rate on this workload.
+        computed to sample the first output). Without ``capacity_tokens`` the cache never evicts:
+        over the prompt tokens, the ceiling of any scheduler's prefix hit rate on this workload.
+        With it the cache holds at most ``capacity_tokens // block_size`` blocks and evicts the
+        least recently used one when a request's block would exceed that (each block a request's
+        prompt fills or finds is used then): roughly what a KV cache of that size keeps of the
+        reuse when requests are served one after another. The result never exceeds the unbounded
+        one and grows with the capacity (LRU keeps every block a smaller LRU cache holds).
         """
         if block_size < 1:
             raise WorkloadError(f"block_size must be >= 1, got {block_size}")
-        seen: set[int] = set()
+        if capacity_tokens is not None and capacity_tokens < 0:
+            raise WorkloadError(f"capacity_tokens must be >= 0 or None, got {capacity_tokens}")
+        limit = None if capacity_tokens is None else capacity_tokens // block_size
+        cache: OrderedDict[int, None] = OrderedDict()  # block chain hashes, least recently used first
         total = 0
         for i in self._arrival_order():
             ids = self.requests[i].prompt_token_ids
@@ -284,11 +293,17 @@ class Workload:
             hitting = True
             for b in range(ids.size // block_size):
                 chain = hash((chain, ids[b * block_size:(b + 1) * block_size].tobytes()))
-                if hitting and b < can_hit and chain in seen:
+                found = chain in cache
+                if hitting and b < can_hit and found:
                     total += block_size
                 else:
                     hitting = False
-                seen.add(chain)
+                if not found:
+                    cache[chain] = None
+                    if limit is not None and len(cache) > limit:
+                        cache.popitem(last=False)
+                elif limit is not None:
+                    cache.move_to_end(chain)
         return total
 
     def unique_prompt_tokens(self) -> int:
