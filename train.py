@@ -1,7 +1,8 @@
 """Train a batching agent in the serving-loop environment, log it, checkpoint it, and export its policy.
 
     python train.py --agent {heuristic,ucb,qlearning,ppo} --config configs/<file>.yaml
-                    [--scenario NAME] [--reward NAME] [--backend sim|vllm] [--eval-backend sim|vllm]
+                    [--scenario NAME] [--reward NAME] [--goodput "ttft:MS tpot:MS e2el:MS"]
+                    [--backend sim|vllm] [--eval-backend sim|vllm]
                     [--timesteps N] [--seed S] [--profile PROFILE.json] [--out DIR]
                     [--n-envs N] [--resume] [--verbose]
 
@@ -9,9 +10,10 @@ The config's sections (``scenario``, ``env``, ``agent``, ``train``), what a run 
 seeds are used are described in :mod:`agents.training`, which does the work; this file parses the
 command line. ``--scenario`` replaces the config's scenario (``configs/scenarios/NAME.yaml``, or a
 scenario file such as ``python -m feather_env.scenarios new`` writes), ``--profile`` the simulator's
-calibrated profile (``python -m feather_env.calibrate``). Every input error (the config, the
-scenario and its data, the checkpoint of a ``--resume``) is one line on stderr and exit status 2,
-before the run folder is created or changed.
+calibrated profile (``python -m feather_env.calibrate``), ``--goodput`` the latency SLOs
+(``env.goodput``, ``vllm bench serve --goodput``'s milliseconds) that ``--reward goodput`` counts
+requests against. Every input error (the config, the scenario and its data, the checkpoint of a
+``--resume``) is one line on stderr and exit status 2, before the run folder is created or changed.
 vLLM's own log lines (a real engine's start) go to ``OUT/vllm.log`` unless ``--verbose``.
 Fine-tuning a simulator run on the real engine: the same command with ``--resume --backend vllm
 --eval-backend sim --timesteps MORE``.
@@ -40,6 +42,9 @@ def main(argv: Sequence[str] | None = None):  # -> agents.training.TrainResult
     p.add_argument("--config", required=True, help="YAML with scenario/env/agent/train sections")
     p.add_argument("--scenario", default=None, help="overrides scenario.name (configs/scenarios/NAME.yaml)")
     p.add_argument("--reward", choices=REWARDS, default=None, help="overrides env.reward")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="SLO:MS",
+                   help="overrides env.goodput: SLOs as vllm bench serve, ttft:MS tpot:MS e2el:MS "
+                        "(needed by --reward goodput)")
     p.add_argument("--backend", choices=("sim", "vllm"), default=None, help="overrides train.backend")
     p.add_argument("--eval-backend", choices=("sim", "vllm"), default=None,
                    help="overrides train.eval_backend (where the held-out evaluations run)")
@@ -56,6 +61,7 @@ def main(argv: Sequence[str] | None = None):  # -> agents.training.TrainResult
 
     try:
         cfg = load_config(args.config, args.agent, scenario=args.scenario, reward=args.reward,
+                          goodput=" ".join(args.goodput) if args.goodput is not None else None,
                           profile=args.profile, backend=args.backend, eval_backend=args.eval_backend,
                           timesteps=args.timesteps, seed=args.seed, n_envs=args.n_envs,
                           progress_bar=False if args.no_progress else None)

@@ -52,7 +52,10 @@ class EnvSection:
     Its fields are ``FeatherEnv``'s keyword arguments but those a run sets itself (the scenario and
     its overrides, the backend, an engine object): ``tests/test_train.py`` holds the two together,
     so an argument the environment gains is a key the run config accepts. ``scheduler: null`` is
-    the environment's default for the decision (saved as its name)."""
+    the environment's default for the decision (saved as its name). ``goodput_slos`` (also
+    accepted as ``goodput``, ``train.py --goodput``'s name) is ``vllm bench serve --goodput``'s
+    string, ``"ttft:5000 tpot:50"`` (milliseconds): the SLOs of ``reward: goodput``, reported as
+    ``request_goodput`` with any reward."""
 
     scheduler: str | None = None
     reward: str = "latency"
@@ -64,6 +67,7 @@ class EnvSection:
     obs_max_requests: int | None = None
     engine_slowdown: float | tuple[float, float] = 1.0
     profile: str | None = None
+    goodput_slos: str | None = None
 
     def __post_init__(self) -> None:
         if self.scheduler is None:
@@ -80,6 +84,15 @@ class EnvSection:
                               f"got {self.max_episode_seconds!r}")
         if self.obs_max_requests is not None and self.obs_max_requests < 1:
             raise ConfigError(f"env.obs_max_requests must be >= 1 or null, got {self.obs_max_requests}")
+        from feather_env.serving_metrics import parse_goodput
+
+        try:
+            slos = parse_goodput(self.goodput_slos)
+        except ValueError as exc:
+            raise ConfigError(f"env.goodput: {exc}") from None
+        if self.reward == "goodput" and not slos:
+            raise ConfigError("env.reward 'goodput' needs latency SLOs: set env.goodput (train.py --goodput) "
+                              "to 'ttft:MS tpot:MS e2el:MS', vllm bench serve --goodput's milliseconds")
 
 
 @dataclass(frozen=True)
@@ -208,6 +221,10 @@ def parse_config(data: Mapping[str, Any], agent: str | None = None, *, scenario:
         raise ConfigError(str(exc)) from exc
     base = Path(base_dir) if base_dir is not None else Path.cwd()
     env_section = dict(data.get("env") or {}) if isinstance(data.get("env"), Mapping) else data.get("env")
+    if isinstance(env_section, dict) and "goodput" in env_section:  # the short name, as --goodput
+        if "goodput_slos" in env_section:
+            raise ConfigError(f"{where}: env.goodput and env.goodput_slos are one key; give it once")
+        env_section["goodput_slos"] = env_section.pop("goodput")
     if isinstance(env_section, dict) and isinstance(env_section.get("profile"), str):
         env_section["profile"] = _anchor(env_section["profile"], base)
     env = from_mapping(EnvSection, env_section, where=f"{where}: env")
@@ -298,15 +315,21 @@ def _check_numbers(where: str, sections: Mapping[str, Any]) -> None:
 
 
 def load_config(path: str | Path, agent: str | None = None, *, scenario: str | None = None,
-                reward: str | None = None, profile: str | None = None, **train_overrides: Any) -> RunConfig:
-    """Read and validate a YAML config; ``reward`` and ``profile`` replace ``env.*``, non-``None``
-    ``train_overrides`` replace ``train.*``."""
+                reward: str | None = None, profile: str | None = None, goodput: str | None = None,
+                **train_overrides: Any) -> RunConfig:
+    """Read and validate a YAML config; ``reward``, ``profile`` and ``goodput`` (the SLOs,
+    ``"ttft:5000 tpot:50"``) replace ``env.*``, non-``None`` ``train_overrides`` replace ``train.*``."""
     data = load_yaml(path)
     overrides = {k: v for k, v in train_overrides.items() if v is not None}
     if overrides:
         data = {**data, "train": {**(data.get("train") or {}), **overrides}}
     if reward is not None:
         data = {**data, "env": {**(data.get("env") or {}), "reward": reward}}
+    if goodput is not None:
+        env = data.get("env") or {}
+        if isinstance(env, Mapping):  # else parse_config says what is wrong with the section
+            env = {k: v for k, v in env.items() if k not in ("goodput", "goodput_slos")}
+            data = {**data, "env": {**env, "goodput_slos": goodput}}
     if profile is not None:
         data = {**data, "env": {**(data.get("env") or {}), "profile": str(Path(profile).resolve())}}
     return parse_config(data, agent, scenario=scenario, where=str(path), base_dir=Path(path).parent)

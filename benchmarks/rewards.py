@@ -25,9 +25,12 @@ from agents.run_config import load_config
 from agents.training import make_env, run
 from benchmarks import measured
 from feather_env.engines.vllm_engine import REPO_ROOT
-from feather_env.env import REWARDS
+from feather_env.env import REWARDS as ALL_REWARDS
 from feather_env.reporting import format_table, machine_info, write_json
 from scheduler_runtime.policy import load_policy
+
+#: The rewards compared on throughput: ``goodput`` asks for the user's SLOs (evaluate.py advise).
+REWARDS = tuple(r for r in ALL_REWARDS if r != "goodput")
 
 AGENTS = ("ucb", "qlearning", "ppo")
 EVAL_SEED = 3_000_000

@@ -6,7 +6,7 @@ Registered as ``feather/Batching-v0``; see :class:`FeatherEnv` for its manual.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import gymnasium as gym
@@ -15,10 +15,10 @@ from gymnasium import spaces
 from gymnasium.envs.registration import EnvSpec
 
 from feather_env.engines.vllm_engine import EngineError
-from feather_env.records import Advance
+from feather_env.records import Advance, RequestTimeline
 from feather_env.scenarios import Scenario, load_scenario
 from feather_env.serving import ServingBackend, env_scheduler_config
-from feather_env.serving_metrics import serving_metrics
+from feather_env.serving_metrics import check_slos, meets_slos, parse_goodput, serving_metrics
 from scheduler_runtime.batching import BatchingCore
 from scheduler_runtime.config import ConfigError
 from scheduler_runtime.decision import (
@@ -31,8 +31,9 @@ from scheduler_runtime.decision import (
 from scheduler_runtime.plugins import default_policy
 
 __all__ = ["ADD", "REWARDS", "REWARD_CLASSES", "STOP", "DecodeThroughputReward", "FeatherEnv",
-           "InvalidActionError", "LatencyReward", "MakespanReward", "NoDecisionError", "Reward",
-           "ScenarioMix", "finish_episode", "play_episode", "scheduler_policy"]
+           "GoodputReward", "InvalidActionError", "LatencyReward", "MakespanReward", "NoDecisionError",
+           "Reward", "ScenarioMix", "finish_episode", "parse_goodput_slos", "play_episode",
+           "scheduler_policy"]
 
 #: The scheduler whose decisions the agent answers in the group decision, unless one is named.
 DEFAULT_GROUP_SCHEDULER = "group-cap-3"
@@ -80,9 +81,73 @@ class DecodeThroughputReward(Reward):
         return adv.decode_tokens / adv.decode_seconds * 1e-3 if adv.decode_seconds > 0 else 0.0
 
 
+#: What asking for the goodput reward without SLOs says.
+GOODPUT_NEEDS_SLOS = ("reward 'goodput' needs latency SLOs: goodput_slos='ttft:MS tpot:MS e2el:MS' "
+                      "(vllm bench serve --goodput's milliseconds; any of the three)")
+
+
+def parse_goodput_slos(spec: Mapping[str, float] | str | Sequence[str] | None) -> dict[str, float] | None:
+    """Latency SLOs as ``vllm bench serve --goodput`` takes them (``"ttft:5000 tpot:50"``, its list of
+    pairs, or a mapping ``{"ttft": 5000}``; milliseconds) -> a checked dict, ``None`` when none.
+
+    Raises:
+        ConfigError: a malformed pair, an unknown name (valid: ttft, tpot, e2el) or a bad value.
+    """
+    if spec is None:
+        return None
+    try:
+        slos = check_slos(spec) if isinstance(spec, Mapping) else parse_goodput(spec)
+    except ValueError as exc:
+        raise ConfigError(f"goodput_slos: {exc}") from None
+    return slos or None
+
+
+class GoodputReward(Reward):
+    """+1 for every request that finished in the interval meeting every SLO (vLLM's goodput).
+
+    A request is good when its TTFT, TPOT and E2E latency are within the SLOs given (milliseconds;
+    a missing one is no bound), :func:`~feather_env.serving_metrics.meets_slos`: the definition
+    ``request_goodput`` counts (``vllm bench serve --goodput``). The return is the number of good
+    requests of the episode; late and failed requests count nothing (nothing is subtracted).
+
+    Not divided by the episode's duration: goodput is good requests / (first arrival -> last
+    completion), but the duration is known only at the end, and a terminal-only reward would leave
+    every decision without credit. For a fixed episode (its requests and arrival times are fixed) the
+    return orders policies as goodput does whenever the duration is the same for them, which is the
+    case when the makespan is arrival-bound (the last requests arrive late enough that the engine
+    finishes soon after them, whatever the order); when the engine is the bottleneck, a policy that
+    also shortens the makespan has a higher goodput than its return alone says.
+
+    ``timeline`` gives the :class:`~feather_env.records.RequestTimeline` of a finished request's id
+    (the environment passes its backend's); TTFT and TPOT are read from it.
+    """
+
+    name, units = "goodput", "good requests"
+
+    def __init__(self, slos: Mapping[str, float] | None = None,
+                 timeline: Callable[[str], RequestTimeline] | None = None) -> None:
+        if not slos:
+            raise ConfigError(GOODPUT_NEEDS_SLOS)
+        self.slos = check_slos(slos)
+        self.timeline = timeline
+
+    def __call__(self, adv: Advance, episode_requests: int) -> float:
+        if not adv.finished:
+            return 0.0
+        timeline = self.timeline
+        if timeline is None:
+            raise RuntimeError("GoodputReward needs a timeline lookup (FeatherEnv gives its backend's)")
+        slos = self.slos
+        good = 0
+        for rid in adv.finished:
+            t = timeline(rid)
+            good += t.completed and meets_slos(t, slos)
+        return float(good)
+
+
 #: The rewards the environment offers, by name (see the manual); the default is the first.
 REWARD_CLASSES: dict[str, type[Reward]] = {r.name: r for r in (LatencyReward, MakespanReward,
-                                                               DecodeThroughputReward)}
+                                                               DecodeThroughputReward, GoodputReward)}
 REWARDS = tuple(REWARD_CLASSES)
 
 
@@ -185,6 +250,10 @@ class FeatherEnv(gym.Env):
     - ``"decode_throughput"``: the paper's reward, the decode throughput of the interval's
       decode-only steps in kilotokens/s (0 when none ran); its sum grows with the number of
       decisions, which suits a per-decision bandit more than return-maximizing RL.
+    - ``"goodput"``: +1 per request finished in the interval that met every SLO of ``goodput_slos``
+      (vLLM's ``--goodput``: ttft, tpot, e2el in ms); the return is the episode's good requests,
+      which orders policies as ``request_goodput`` does when the makespan is arrival-bound (not
+      divided by the duration, known only at the end: :class:`GoodputReward`).
 
     ``reward_scale`` multiplies any of them. The default is the reward that trained the best
     end-to-end output throughput: UCB, Q-learning and PPO trained 20,000 steps on the simulator
@@ -228,7 +297,8 @@ class FeatherEnv(gym.Env):
     episode's serving metrics in ``vllm bench serve``'s vocabulary (``output_throughput``,
     ``request_throughput``, ``mean_ttft_ms``, ``p99_e2el_ms``, ...; see
     :mod:`feather_env.serving_metrics`), ``prefix_hit_rate``, ``decisions``, ``adds``, ``stops``,
-    ``preemptions``, ``engine_steps``, ``decode_tok_s``.
+    ``preemptions``, ``engine_steps``, ``decode_tok_s``; with ``goodput_slos``, ``request_goodput``
+    (good requests per second) and ``goodput_slos_ms``.
 
     ## Arguments
     - ``scenario``: a scenario name (``configs/scenarios/``), a YAML path, or a :class:`Scenario`;
@@ -244,7 +314,9 @@ class FeatherEnv(gym.Env):
       default ``scheduler`` is ``group-cap-3`` (its rule is :func:`scheduler_policy`'s answer).
     - ``engine_slowdown``: the simulator's step times multiplied by this factor, or by one drawn per
       episode from a range ``[low, high]`` (a machine whose speed varies; 1: the profile's machine).
-    - ``reward`` (:data:`REWARDS`), ``reward_scale``; ``extended_obs``; ``delta_clip`` (chunks);
+    - ``reward`` (:data:`REWARDS`), ``reward_scale``; ``goodput_slos``: latency SLOs in ms,
+      ``"ttft:5000 tpot:50"`` as ``vllm bench serve --goodput`` takes them or ``{"ttft": 5000.0}``,
+      needed by the ``"goodput"`` reward and reported with any; ``extended_obs``; ``delta_clip`` (chunks);
       ``max_episode_seconds``; ``obs_max_requests``: the bound of ``w`` and ``waiting`` (default: the
       scenario's largest episode; :class:`ScenarioMix` sets one bound for all its scenarios).
     """
@@ -268,10 +340,15 @@ class FeatherEnv(gym.Env):
         llm: Any = None,
         obs_max_requests: int | None = None,
         engine_slowdown: float | Sequence[float] = 1.0,
+        goodput_slos: Mapping[str, float] | str | None = None,
     ) -> None:
         super().__init__()
         if reward not in REWARDS:
             raise ConfigError(f"reward must be one of {REWARDS}, got {reward!r}")
+        #: The latency SLOs (ms) of the goodput reward and of ``info["episode"]["request_goodput"]``.
+        self.goodput_slos = slos = parse_goodput_slos(goodput_slos)
+        if reward == GoodputReward.name and slos is None:
+            raise ConfigError(GOODPUT_NEEDS_SLOS)
         if not (isinstance(delta_clip, int) and delta_clip >= 1):
             raise ConfigError(f"delta_clip must be an integer >= 1, got {delta_clip!r}")
         if max_episode_seconds is not None and not max_episode_seconds > 0:
@@ -294,7 +371,9 @@ class FeatherEnv(gym.Env):
                               "request decision")
         self.chunk_size = sched.chunk_size
         self.reward_kind = reward
-        self.reward_fn: Reward = REWARD_CLASSES[reward]()
+        self.reward_fn: Reward = (GoodputReward(slos, self._finished_timeline)
+                                  if reward == GoodputReward.name else REWARD_CLASSES[reward]())
+        self._timeline_index: dict[str, RequestTimeline] = {}
         self.reward_scale = float(reward_scale)
         self.extended_obs = bool(extended_obs)
         self.delta_clip = delta_clip
@@ -395,6 +474,7 @@ class FeatherEnv(gym.Env):
         self._terminated = False
         self._failed = None
         self._decode_tokens, self._decode_seconds, self._engine_steps = 0, 0.0, 0
+        self._timeline_index = {}
         self._run_to_decision()
 
     @property
@@ -486,6 +566,16 @@ class FeatherEnv(gym.Env):
     def _reward(self, adv: Advance) -> float:
         return self.reward_fn(adv, self._episode_requests) * self.reward_scale
 
+    def _finished_timeline(self, request_id: str) -> RequestTimeline:
+        """The timeline of a request the backend reported finished (the goodput reward's lookup):
+        an index of the backend's timelines, built once an episode and again only for a request it
+        does not hold finished (one submitted since, or a backend that hands out copies)."""
+        t = self._timeline_index.get(request_id)
+        if t is None or not t.finished_count:
+            self._timeline_index = {tl.request_id: tl for tl in self.backend.timelines()}
+            t = self._timeline_index[request_id]
+        return t
+
     def _observe(self) -> np.ndarray:
         core = self.core
         if core is None or core.pending is None:
@@ -498,7 +588,7 @@ class FeatherEnv(gym.Env):
         """The finished (or current) episode's serving metrics, vLLM's names (see Info)."""
         core = self.core
         assert core is not None
-        out = serving_metrics(self.backend.timelines())
+        out = serving_metrics(self.backend.timelines(), goodput=self.goodput_slos)
         stats = core.stats
         out.update(decisions=stats.decisions, adds=stats.adds, stops=stats.stops,
                    preemptions=stats.preempted, engine_steps=self._engine_steps,

@@ -36,7 +36,7 @@ import numpy as np
 
 from feather_env.records import RequestTimeline
 
-__all__ = ["GOODPUT_SLOS", "parse_goodput", "serving_metrics"]
+__all__ = ["GOODPUT_SLOS", "check_slos", "meets_slos", "parse_goodput", "serving_metrics"]
 
 #: The SLOs ``--goodput`` takes (vLLM's names), each in milliseconds.
 GOODPUT_SLOS = ("ttft", "tpot", "e2el")
@@ -82,6 +82,32 @@ def parse_goodput(spec: str | Sequence[str] | None) -> dict[str, float]:
     return slos
 
 
+def check_slos(goodput: Mapping[str, float]) -> dict[str, float]:
+    """``goodput`` checked (vLLM's names, finite milliseconds >= 0) and returned as a plain dict.
+
+    Raises:
+        ValueError: an unknown SLO name, or a value that is not a number, negative, NaN or infinite.
+    """
+    unknown = sorted(set(goodput) - set(GOODPUT_SLOS))
+    if unknown:
+        raise ValueError(f"unknown goodput SLO(s) {unknown}; valid: ttft, tpot, e2el (milliseconds)")
+    try:
+        bad = any(not (v >= 0 and math.isfinite(v)) for v in goodput.values())
+    except TypeError:  # not a number
+        bad = True
+    if bad:
+        raise ValueError(f"goodput SLOs must be finite milliseconds >= 0, got {dict(goodput)}")
+    return {name: float(ms) for name, ms in goodput.items()}
+
+
+def meets_slos(r: RequestTimeline, goodput: Mapping[str, float]) -> bool:
+    """Whether finished request ``r`` met every SLO of ``goodput`` (milliseconds; a missing one is no
+    bound): vLLM's definition of a good request, the one ``request_goodput`` counts."""
+    return (r.ttft * 1000 <= goodput.get("ttft", math.inf)
+            and r.tpot * 1000 <= goodput.get("tpot", math.inf)
+            and r.e2el * 1000 <= goodput.get("e2el", math.inf))
+
+
 def _busiest_second(done: Sequence[RequestTimeline]) -> tuple[float, int]:
     """vLLM's ``max_output_tokens_per_s`` and ``max_concurrent_requests``: the largest count, over
     one-second buckets from the first arrival, of outputs (the first token, then one per ITL gap)
@@ -124,11 +150,7 @@ def serving_metrics(
     reqs = list(timelines)
     done = [r for r in reqs if r.completed]
     if goodput:
-        unknown = sorted(set(goodput) - set(GOODPUT_SLOS))
-        if unknown:
-            raise ValueError(f"unknown goodput SLO(s) {unknown}; valid: ttft, tpot, e2el (milliseconds)")
-        if any(not (v >= 0 and math.isfinite(v)) for v in goodput.values()):
-            raise ValueError(f"goodput SLOs must be finite milliseconds >= 0, got {dict(goodput)}")
+        check_slos(goodput)
     if duration is None:
         if done:
             duration = max(r.finish for r in done) - min(r.arrival for r in reqs)
@@ -150,12 +172,7 @@ def serving_metrics(
         "request_goodput": None,
     }
     if goodput:
-        good = 0
-        for r in done:
-            if (r.ttft * 1000 <= goodput.get("ttft", math.inf)
-                    and r.tpot * 1000 <= goodput.get("tpot", math.inf)
-                    and r.e2el * 1000 <= goodput.get("e2el", math.inf)):
-                good += 1
+        good = sum(1 for r in done if meets_slos(r, goodput))
         out["request_goodput"] = good / dur
         out["goodput_slos_ms"] = dict(goodput)
     out.update(_stats("ttft", [r.ttft for r in done], percentiles))
