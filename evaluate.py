@@ -6,6 +6,7 @@
     python evaluate.py --scenario NAME --backend sim [--episodes N] [--profile PROFILE.json]
                        --schedulers fcfs,lpm,feather-heuristic,feather:runs/x/policy.feather,...
     python evaluate.py compare DIR [DIR ...] [--out DIR]
+    python evaluate.py advise --scenario FILE --goodput "ttft:MS tpot:MS" [--confirm] --out DIR
 
 One workload (the same requests, token ids, output lengths and arrival times) is built once: a
 scenario's episode (``configs/scenarios/NAME.yaml`` or a scenario file, episode ``--seed``) or a
@@ -27,7 +28,9 @@ and reported, never dropped (in-process, one stops the evaluation: it is a bug).
 reported in ``vllm bench serve``'s vocabulary (``output_throughput``, ``mean_ttft_ms``,
 ``p99_e2el_ms``, ``request_goodput`` with ``--goodput``, ...) plus the scheduler's own figures
 (:mod:`feather_env.evaluation.report`). ``compare`` merges results folders, in-process and
-endpoint alike, into the same tables and plots.
+endpoint alike, into the same tables and plots. ``advise`` searches schedulers x caps x per-step
+token budgets for the best goodput under the SLOs on held-out windows of a scenario, and
+recommends one (:mod:`feather_env.evaluation.advise`).
 
 Outputs in ``--out`` (default ``runs/eval-DATE-TIME``): ``results.json``, ``results.md``,
 ``results.csv``, ``requests.csv``, ``steps.csv`` (in-process), ``throughput.png``,
@@ -440,12 +443,71 @@ def run_compare(argv: Sequence[str]) -> int:
     return 0
 
 
+def run_advise(argv: Sequence[str], backend: Any = None) -> int:
+    """``evaluate.py advise``: the best scheduler and token budget for the SLOs
+    (:mod:`feather_env.evaluation.advise`)."""
+    from feather_env.evaluation.advise import DEFAULT_BUDGETS, AdviseConfig, advise
+
+    p = argparse.ArgumentParser(prog="evaluate.py advise", description="Which scheduler and per-step token "
+                                "budget serve a scenario's traffic best under latency SLOs, searched in the "
+                                "simulator on held-out windows, against vLLM's default.")
+    p.add_argument("--scenario", required=True, help="a scenario name or YAML file (your trace's: "
+                   "python -m feather_env.scenarios new)")
+    p.add_argument("--goodput", nargs="+", required=True,
+                   help='the SLOs, as vLLM\'s --goodput: "ttft:MS tpot:MS e2el:MS" (any of them)')
+    p.add_argument("--out", required=True, help="output folder (advice.json, advice.md, goodput.png)")
+    p.add_argument("--confirm", action="store_true", help="serve the recommendation and the default on the "
+                   "real engine (alternating, --repeats runs each) and print the measured ratio")
+    p.add_argument("--repeats", type=int, default=3, help="--confirm: runs of each (default 3)")
+    p.add_argument("--windows", type=int, default=4, help="held-out windows (episodes) the best settings "
+                   "are served on (default 4)")
+    p.add_argument("--first-seed", type=int, default=100,
+                   help="the first held-out episode seed (default 100)")
+    p.add_argument("--schedulers", default=None, help="base scheduler names to search (default: fcfs, lpm, "
+                   "group-cap-1,2,3,4,6,8)")
+    p.add_argument("--policies", default=None,
+                   help="learned policy files searched beside them (comma-separated)")
+    p.add_argument("--budgets", default=None, help=f"per-step token budgets (default "
+                   f"{','.join(map(str, DEFAULT_BUDGETS))} up to the engine's)")
+    p.add_argument("--shortlist", type=int, default=6,
+                   help="settings served on every window (default 6)")
+    p.add_argument("--noise", type=float, default=0.03,
+                   help="goodput difference taken as noise (default 0.03)")
+    p.add_argument("--profile", default=None, help="the simulator's profile (default: chosen by a short "
+                   "probe of the real engine, refitted when off by more than 10%%)")
+    p.add_argument("--no-what-if", action="store_true", help="skip the 2x KV cache and replica what-ifs")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    check_output_dir(out, "--out")
+
+    def names(text: str | None) -> tuple[str, ...] | None:
+        return None if text is None else tuple(n.strip() for n in text.split(",") if n.strip())
+
+    try:
+        budgets = None if args.budgets is None else tuple(int(b) for b in names(args.budgets) or ())
+    except ValueError:
+        raise ConfigError(f"--budgets must be comma-separated integers, got {args.budgets!r}") from None
+    config = AdviseConfig(slos=parse_goodput(args.goodput), windows=args.windows, first_seed=args.first_seed,
+                          schedulers=names(args.schedulers), policies=names(args.policies) or (),
+                          budgets=budgets, shortlist=args.shortlist, noise=args.noise, profile=args.profile,
+                          what_if=not args.no_what_if, confirm=args.confirm, repeats=args.repeats)
+    scenario = load_scenario(args.scenario)
+    payload = advise(scenario, config, out, backend=backend, progress=not args.no_progress)
+    print()
+    print((out / "advice.md").read_text())
+    print(f"wrote {out / 'advice.json'}, {out / 'advice.md'}, {out / 'goodput.png'}")
+    return 0 if payload["recommendation"]["predicted_goodput"] is not None else 1
+
+
 def main(argv: Sequence[str] | None = None, backend: Any = None) -> int:
     """The command line (module docstring); ``backend``: see :func:`run`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv[:1] == ["compare"]:
             return run_compare(argv[1:])
+        if argv[:1] == ["advise"]:
+            return run_advise(argv[1:], backend=backend)
         return run(argv, backend=backend)
     except (ConfigError, DataNotFoundError, WorkloadError, EndpointError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -66,9 +66,10 @@ MAX_FOREIGN_LOAD = 0.10
 
 @dataclass(frozen=True)
 class EpisodeSpec:
-    """One episode to serve: a scenario with overrides, a scheduler, an episode seed."""
+    """One episode to serve: a scenario (a name, a file, or a loaded one) with overrides, a scheduler,
+    an episode seed."""
 
-    scenario: str
+    scenario: str | Scenario
     scheduler: str
     seed: int
     overrides: dict[str, dict[str, Any]] = field(default_factory=dict)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -69,6 +69,8 @@ class InProcessConfig:
         repeats: serve every scheduler this many times, schedulers alternating; its metrics are those
             of the run with the median end-to-end output throughput, ``repeats`` lists every run's figures.
         label: prefix of the run labels (``LABEL/scheduler``); ``None``: the scheduler names.
+        goodput: SLOs in ms (``{"ttft": 5000}``); with ``repeats``, every run's ``request_goodput``
+            is listed in ``repeats`` too.
     """
 
     schedulers: tuple[str, ...]
@@ -83,6 +85,7 @@ class InProcessConfig:
     retries: int = 0
     repeats: int = 1
     label: str | None = None
+    goodput: Mapping[str, float] | None = None
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -260,7 +263,7 @@ def evaluate_in_process(
         runs = []
         for name in names:
             every = done[name]
-            metrics = [serving_metrics(r.timelines) for r in every]
+            metrics = [serving_metrics(r.timelines, goodput=config.goodput) for r in every]
             order = sorted(range(len(every)), key=lambda i: metrics[i]["output_throughput"])
             run = every[order[(len(order) - 1) // 2]]  # every figure from one run: the median's
             if config.repeats > 1:
@@ -269,6 +272,8 @@ def evaluate_in_process(
                     "mean_e2el_ms": [m["mean_e2el_ms"] for m in metrics],
                     "decode_tok_s": [r.extra["decode_tok_s"] for r in every],
                     "foreign_cpu": [r.extra["foreign_cpu"] for r in every]}
+                if config.goodput:
+                    run.extra["repeats"]["request_goodput"] = [m["request_goodput"] for m in metrics]
             runs.append(run)
         return runs, info
     finally:

@@ -1,0 +1,820 @@
+"""``evaluate.py advise``: which scheduler and per-step token budget serve your traffic best under your SLOs.
+
+    python evaluate.py advise --scenario mine.yaml --goodput ttft:5000 tpot:50 [--confirm] --out DIR
+
+A user arrives with a trace (a scenario of it: ``python -m feather_env.scenarios new``) and latency
+SLOs in ``vllm bench serve``'s terms (``--goodput ttft:MS tpot:MS e2el:MS``: a request is good when
+it meets every one; goodput is good requests per second). ``advise`` answers: which setting meets
+them best on this traffic, by how much over vLLM's default, and how sure that is.
+
+1. **The simulator fitted to this machine** (:func:`check_profile`): a short probe (one window of
+   the trace, shortened, at the engine's budget and at 512 tokens, vLLM's own fcfs) is served on
+   the real engine and on the simulator with every profile in ``configs/profiles/``; the profile
+   with the smallest error (the worst of the makespan, mean TTFT and mean TPOT errors) is used. Over
+   :data:`MAX_PROFILE_ERROR` the probe's own steps are fitted into a new profile, written to the
+   output folder, and its in-sample error reported. ``--profile`` skips the probe.
+2. **The search** (:func:`search`), in the simulator, on held-out windows of the trace (episode
+   seeds from ``--first-seed``, never the probe's): every base scheduler (``fcfs``, ``lpm``,
+   ``group-cap-K``, learned policy files) x every token budget (``NAME@TOKENS``) on the first
+   windows, then the best :attr:`AdviseConfig.shortlist` and vLLM's default on every window.
+3. **The report** of the best few and the default, with every figure of ``vllm bench serve``
+   (goodput, output throughput, mean and P99 TTFT, TPOT and E2E), the prefix reuse each captures
+   against what a perfect prefix cache would (:meth:`~feather_env.workloads.Workload.cached_prompt_tokens`),
+   the offered request rate (no scheduler's goodput exceeds it), the hindsight per-window best (how
+   much any policy choosing per window could still win over the best constant), and what-ifs: twice
+   the KV cache, and 2 and 4 replicas behind the prefix router (:class:`~feather_env.cluster_sim.ClusterSim`).
+4. **The recommendation**: the best setting when its goodput beats the default's by more than the
+   noise (:attr:`AdviseConfig.noise`) in the median window and it loses in none by more than it,
+   else vLLM's default, with the reason (arrival-bound load, reuse beyond the cache, ...).
+5. ``--confirm``: the recommendation and the default served on the real engine on the first
+   held-out window, alternating, ``--repeats`` runs each; the measured goodput ratio beside the
+   predicted one.
+
+``DIR/advice.json`` (scripts read it): ``recommendation`` = {``scheduler``, ``max_num_batched_tokens``,
+``serve_command``, ``predicted_goodput`` (requests/s), ``predicted_goodput_ratio``, ...},
+``default``, ``candidates`` (every setting served, with its metrics), ``profile``, ``hindsight``,
+``what_if``, and with ``--confirm`` ``confirm`` = {``measured_goodput``, ``measured_goodput_ratio``,
+``runs``}. ``DIR/advice.md`` is the same as tables, ``DIR/goodput.png`` the candidates' goodput.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from feather_env.engines.vllm_engine import REPO_ROOT
+from feather_env.reporting import format_table, machine_info, write_json
+from feather_env.scenarios import Scenario, load_scenario
+from feather_env.serving_metrics import serving_metrics
+from scheduler_runtime.config import ConfigError
+from scheduler_runtime.schedulers import SchedulerConfig, split_budget, with_budget
+
+__all__ = [
+    "AdviseConfig",
+    "MAX_PROFILE_ERROR",
+    "advise",
+    "candidate_names",
+    "check_profile",
+    "render_markdown",
+    "search",
+]
+
+PROFILE_DIR = REPO_ROOT / "configs" / "profiles"
+#: A profile whose worst probe error (makespan, mean TTFT, mean TPOT) is above this is refitted.
+MAX_PROFILE_ERROR = 0.10
+DEFAULT_CAPS = (1, 2, 3, 4, 6, 8)
+DEFAULT_BUDGETS = (256, 512, 1024, 2048, 4096, 8192)
+#: The metrics a candidate's row reports (``vllm bench serve``'s names), averaged over windows.
+ROW_METRICS = (
+    "request_goodput",
+    "output_throughput",
+    "request_throughput",
+    "mean_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "p99_tpot_ms",
+    "mean_e2el_ms",
+    "p99_e2el_ms",
+    "prefix_hit_rate",
+    "completed",
+)
+
+
+@dataclass(frozen=True)
+class AdviseConfig:
+    """What ``advise`` searches and how (module docstring).
+
+    Attributes:
+        slos: the goodput SLOs in ms (``{"ttft": 5000, "tpot": 50}``).
+        windows: held-out episodes (windows of the trace) every shortlisted setting is served on.
+        first_seed: the first held-out episode seed (the probe uses ``first_seed - 1``).
+        search_windows: windows the whole grid is served on before the shortlist.
+        schedulers: base scheduler names (no ``@TOKENS``); ``None``: fcfs, lpm, group-cap-K of
+            :data:`DEFAULT_CAPS`.
+        policies: learned policy files (``feather:PATH``) searched beside them.
+        budgets: per-step token budgets; ``None``: :data:`DEFAULT_BUDGETS` up to the engine's.
+        shortlist: settings served on every window after the first pass.
+        top: settings reported beside the default.
+        noise: the relative goodput difference taken as noise (median and worst window).
+        profile: the simulator's profile; ``None``: chosen by the engine probe.
+        probe_window_s: the probe's window (trace seconds; shorter than the scenario's).
+        what_if: serve the what-ifs (2x KV cache, 2 and 4 replicas).
+        confirm: serve the recommendation and the default on the real engine.
+        repeats: runs of each in ``confirm``.
+    """
+
+    slos: Mapping[str, float]
+    windows: int = 4
+    first_seed: int = 100
+    search_windows: int = 2
+    schedulers: tuple[str, ...] | None = None
+    policies: tuple[str, ...] = ()
+    budgets: tuple[int, ...] | None = None
+    shortlist: int = 6
+    top: int = 3
+    noise: float = 0.03
+    profile: str | None = None
+    probe_window_s: float = 60.0
+    what_if: bool = True
+    confirm: bool = False
+    repeats: int = 3
+
+    def __post_init__(self) -> None:
+        if not self.slos:
+            raise ConfigError("advise needs the SLOs it optimizes: --goodput ttft:MS tpot:MS (vLLM's names)")
+        for name in ("windows", "search_windows", "shortlist", "top", "repeats"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"advise: {name} must be >= 1, got {getattr(self, name)}")
+        if self.first_seed < 1:
+            raise ConfigError(
+                f"advise: first_seed must be >= 1 (the probe uses the seed before it), got {self.first_seed}"
+            )
+        if not 0 <= self.noise < 1:
+            raise ConfigError(f"advise: noise must be in [0, 1), got {self.noise}")
+        if not self.probe_window_s > 0:
+            raise ConfigError(f"advise: probe_window_s must be > 0, got {self.probe_window_s}")
+
+    @property
+    def seeds(self) -> tuple[int, ...]:
+        return tuple(range(self.first_seed, self.first_seed + self.windows))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["slos"] = dict(self.slos)
+        return d
+
+
+def default_name(scenario: Scenario) -> str:
+    """vLLM's default on the scenario's engine: its own fcfs scheduler at the engine's token budget."""
+    return "fcfs"
+
+
+def candidate_names(scenario: Scenario, config: AdviseConfig) -> list[str]:
+    """Every setting the search serves: base name x budget (the engine's own budget is the plain name).
+
+    Raises:
+        ConfigError: a base name that is not a scheduler, or carries its own ``@TOKENS``.
+    """
+    engine_budget = scenario.engine.max_num_batched_tokens
+    bases = list(config.schedulers or ("fcfs", "lpm", *(f"group-cap-{k}" for k in DEFAULT_CAPS)))
+    bases += [p if p.startswith("feather:") else f"feather:{p}" for p in config.policies]
+    budgets = sorted({b for b in (config.budgets or DEFAULT_BUDGETS) if b < engine_budget} | {engine_budget})
+    names = []
+    for base in bases:
+        if split_budget(base)[1] is not None:
+            raise ConfigError(
+                f"advise: scheduler {base!r} names its own budget; give base names and --budgets"
+            )
+        SchedulerConfig.for_name(base)  # unknown names fail here, before anything is served
+        for budget in budgets:
+            names.append(base if budget == engine_budget else with_budget(base, budget))
+    if default_name(scenario) not in names:
+        names.insert(0, default_name(scenario))
+    return names
+
+
+# -- serving windows in the simulator ------------------------------------------------------------
+def _window_metrics(
+    scenario: Scenario, name: str, seeds: Sequence[int], profile: str | None, slos: Mapping[str, float]
+) -> list[dict[str, Any]]:
+    """``name`` on each window of ``seeds`` in the simulator: the serving metrics of each window."""
+    from feather_env.env import FeatherEnv, play_episode
+
+    env = FeatherEnv(scenario, "sim", scheduler=name, profile=profile)
+    out = []
+    try:
+        for seed in seeds:
+            play_episode(env, episode_seed=int(seed))
+            m = serving_metrics(env.backend.timelines(), goodput=slos)
+            m["seed"] = int(seed)
+            out.append(m)
+    finally:
+        env.close()
+    return out
+
+
+def _row(name: str, windows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """A candidate's figures: each metric's mean over its windows, and the windows themselves."""
+    row: dict[str, Any] = {"scheduler": name, "max_num_batched_tokens": split_budget(name)[1]}
+    for key in ROW_METRICS:
+        values = [w[key] for w in windows if w.get(key) is not None and math.isfinite(w[key])]
+        row[key] = float(np.mean(values)) if values else None
+    row["windows"] = [{k: w.get(k) for k in ("seed", *ROW_METRICS)} for w in windows]
+    return row
+
+
+def search(
+    scenario: Scenario,
+    config: AdviseConfig,
+    profile: str | None,
+    *,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Every candidate on the first :attr:`~AdviseConfig.search_windows` windows, then the shortlist
+    and the default on every window: name -> row (:func:`_row`), rows on every window first, best
+    goodput first."""
+    seeds = config.seeds
+    first = seeds[: config.search_windows]
+    rows: dict[str, dict[str, Any]] = {}
+    for name in candidate_names(scenario, config):
+        rows[name] = _row(name, _window_metrics(scenario, name, first, profile, config.slos))
+        rows[name]["stage"] = "grid"
+        if progress is not None:
+            progress(len(first))
+    ranked = sorted(rows, key=lambda n: -(rows[n]["request_goodput"] or 0.0))
+    default = default_name(scenario)
+    short = [n for n in ranked if n != default][: config.shortlist] + [default]
+    rest = seeds[config.search_windows :]
+    for name in short:
+        windows = rows[name]["windows"]
+        if rest:
+            windows = windows + _window_metrics(scenario, name, rest, profile, config.slos)
+        rows[name] = {**_row(name, windows), "stage": "every window"}
+        if progress is not None:
+            progress(len(rest))
+    full = sorted(short, key=lambda n: -(rows[n]["request_goodput"] or 0.0))
+    others = [n for n in ranked if n not in short]
+    return {n: rows[n] for n in full + others}
+
+
+# -- what the search found -------------------------------------------------------------------------
+def _ratios(row: Mapping[str, Any], default: Mapping[str, Any]) -> list[float]:
+    """Per window: the row's goodput over the default's (a window where both are 0 counts as 1)."""
+    out = []
+    for w, d in zip(row["windows"], default["windows"], strict=True):
+        a, b = w["request_goodput"] or 0.0, d["request_goodput"] or 0.0
+        out.append(1.0 if a == b == 0 else (a / b if b > 0 else math.inf))
+    return out
+
+
+def hindsight(rows: Mapping[str, Mapping[str, Any]], best: str) -> dict[str, Any]:
+    """How much a choice per window could still win: per window, the best goodput of any setting
+    served on every window over the best constant setting's; the mean and the largest."""
+    full = [r for r in rows.values() if r["stage"] == "every window"]
+    gains = []
+    for i, w in enumerate(rows[best]["windows"]):
+        top = max(r["windows"][i]["request_goodput"] or 0.0 for r in full)
+        base = w["request_goodput"] or 0.0
+        gains.append(top / base if base > 0 else (1.0 if top == 0 else math.inf))
+    finite = [g for g in gains if math.isfinite(g)]
+    return {
+        "mean_gain": float(np.mean(finite)) if finite else None,
+        "max_gain": float(np.max(finite)) if finite else None,
+        "per_window": gains,
+        "settings": len(full),
+    }
+
+
+def reuse_available(scenario: Scenario, seeds: Sequence[int]) -> dict[str, float]:
+    """The prompt tokens a perfect prefix cache would serve in the windows (mean share), and a cache of
+    the engine's KV size, evicting least recently used (what any scheduler could capture at best)."""
+    block = scenario.engine.block_size
+    perfect, lru = [], []
+    for seed in seeds:
+        w = scenario.episode_workload(int(seed))
+        total = sum(r.prompt_len for r in w)
+        perfect.append(w.cached_prompt_tokens(block) / total)
+        lru.append(w.cached_prompt_tokens(block, capacity_tokens=scenario.kv_capacity_tokens) / total)
+    return {"perfect_cache": float(np.mean(perfect)), "engine_sized_cache": float(np.mean(lru))}
+
+
+def offered_rate(scenario: Scenario, seeds: Sequence[int]) -> float:
+    """Requests per second arriving in the windows (mean): no scheduler's goodput is above it."""
+    rates = []
+    for seed in seeds:
+        times = [r.arrival_time for r in scenario.episode_workload(int(seed))]
+        span = max(times) - min(times)
+        rates.append(len(times) / span if span > 0 else math.inf)
+    return float(np.mean(rates))
+
+
+def what_if(
+    scenario: Scenario, names: Sequence[str], config: AdviseConfig, profile: str | None
+) -> dict[str, dict[str, Any]]:
+    """Goodput of ``names`` with twice the KV cache, and behind the prefix router at 2 and 4 replicas
+    (the same windows, arriving as they do; each replica the scenario's engine)."""
+    from feather_env.cluster_sim import ClusterSim
+    from scheduler_runtime.router import make_router
+
+    keys = ("request_goodput", "output_throughput", "mean_ttft_ms", "mean_tpot_ms", "prefix_hit_rate")
+    out: dict[str, dict[str, Any]] = {}
+    bigger = load_scenario(scenario, {"engine": {"kv_cache_gib": 2 * scenario.engine.kv_cache_gib}})
+    for name in names:
+        kv = _row(name, _window_metrics(bigger, name, config.seeds, profile, config.slos))
+        entry: dict[str, Any] = {"2x_kv_cache": {k: kv[k] for k in keys}}
+        for n in (2, 4):
+            cluster = ClusterSim(n, scenario.engine_config(), scheduler=name, profile=profile)
+            windows = [
+                cluster.run(
+                    scenario.episode_workload(int(seed)), make_router("prefix"), goodput=config.slos
+                ).metrics
+                for seed in config.seeds
+            ]
+            entry[f"{n}_replicas"] = {k: float(np.mean([w[k] for w in windows])) for k in keys}
+        out[name] = entry
+    return out
+
+
+# -- the simulator fitted to this machine ----------------------------------------------------------
+def _errors(real: Mapping[str, Any], sim: Mapping[str, Any]) -> dict[str, float]:
+    """Relative errors of the simulator's makespan, mean TTFT and mean TPOT against the engine's."""
+    out = {}
+    for key, metric in (
+        ("makespan", "duration"),
+        ("mean_ttft", "mean_ttft_ms"),
+        ("mean_tpot", "mean_tpot_ms"),
+    ):
+        r, s = real.get(metric), sim.get(metric)
+        out[key] = abs(s - r) / r if r and s is not None and math.isfinite(s) else math.inf
+    return out
+
+
+def probe_names(scenario: Scenario) -> tuple[str, ...]:
+    """The probe's settings: vLLM's fcfs at the engine's budget and at 512 tokens (the two ends the
+    search moves between: one prefill at once, prefill chunks interleaved with decode steps)."""
+    engine_budget = scenario.engine.max_num_batched_tokens
+    return ("fcfs",) + (("fcfs@512",) if engine_budget > 512 else ())
+
+
+def check_profile(
+    scenario: Scenario,
+    config: AdviseConfig,
+    out_dir: Path,
+    *,
+    backend: Any = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Serve the probe (module docstring) on the real engine, score every profile of ``configs/profiles``
+    on it, and pick the best, or refit on the probe's steps when even the best is over
+    :data:`MAX_PROFILE_ERROR`. Returns ``{"profile", "error", "errors", "candidates", "refitted", ...}``.
+    """
+    from feather_env.calibrate import EpisodeSpec, _Engines, _serve, fit_profile
+    from feather_env.engines.sim_backend import SimBackend
+
+    overrides = {"episode": {"window_s": min(config.probe_window_s, scenario.episode.window_s or math.inf)}}
+    seed = config.first_seed - 1
+    specs = [EpisodeSpec(scenario, name, seed, overrides, f"probe-{name}") for name in probe_names(scenario)]
+    engines = _Engines(backend)
+    real: dict[str, dict[str, Any]] = {}
+    steps: list[tuple[Any, float]] = []
+    t0 = time.perf_counter()
+    try:
+        for spec in specs:
+            engine = engines.get(spec)
+            _, env, foreign = _serve(spec, engine, record=True)
+            real[spec.scheduler] = {**serving_metrics(env.backend.timelines()), "foreign_cpu": foreign}
+            steps += [(m.batch, m.seconds) for m in engine.measured_steps]
+            engine.record_steps = False
+            log(
+                f"  probe {spec.scheduler} on the engine: {real[spec.scheduler]['completed']} requests in "
+                f"{real[spec.scheduler]['duration']:.1f} s ({time.perf_counter() - t0:.0f} s so far)"
+            )
+    finally:
+        engines.close()
+
+    def score(profile: str | Path) -> dict[str, Any]:
+        per = {}
+        for spec in specs:
+            _, env, _ = _serve(spec, SimBackend(spec.load().engine_config(), profile), record=False)
+            per[spec.scheduler] = _errors(real[spec.scheduler], serving_metrics(env.backend.timelines()))
+        worst = max(max(e.values()) for e in per.values())
+        return {"profile": str(profile), "error": worst, "errors": per}
+
+    candidates = [score(p) for p in sorted(PROFILE_DIR.glob("*.json"))]
+    for c in candidates:
+        log(f"  profile {Path(c['profile']).name}: worst probe error {c['error']:.1%}")
+    best = min(candidates, key=lambda c: c["error"])
+    refitted = False
+    if best["error"] > MAX_PROFILE_ERROR:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fitted = out_dir / "profile.json"
+        profile = fit_profile(
+            steps, [{"label": s.label, "seed": s.seed, "scheduler": s.scheduler} for s in specs]
+        )
+        fitted.write_text(json.dumps(profile, indent=1))
+        mine = score(fitted)
+        mine["in_sample"] = True
+        log(f"  refitted on the probe's {len(steps)} steps: {fitted} (in-sample error {mine['error']:.1%})")
+        candidates.append(mine)
+        if mine["error"] < best["error"]:
+            best, refitted = mine, True
+    return {
+        **best,
+        "refitted": refitted,
+        "candidates": candidates,
+        "probe": {
+            "seed": seed,
+            "window_s": overrides["episode"]["window_s"],
+            "schedulers": [s.scheduler for s in specs],
+            "real": {
+                k: {
+                    m: v.get(m)
+                    for m in ("completed", "duration", "mean_ttft_ms", "mean_tpot_ms", "foreign_cpu")
+                }
+                for k, v in real.items()
+            },
+            "steps": len(steps),
+            "wall_s": time.perf_counter() - t0,
+        },
+    }
+
+
+# -- the recommendation ----------------------------------------------------------------------------
+def serve_command(scenario: Scenario, name: str) -> str:
+    """The ``feather-serve`` command that serves ``name`` on the scenario's engine."""
+    e = scenario.engine
+    args = [
+        "feather-serve",
+        "--scheduler",
+        name,
+        "--max-num-seqs",
+        str(e.max_num_seqs),
+        "--kv-cache-memory-bytes",
+        str(int(e.kv_cache_gib * (1 << 30))),
+    ]
+    if split_budget(name)[1] is None:
+        args += ["--max-num-batched-tokens", str(e.max_num_batched_tokens)]
+    return shlex.join(args)
+
+
+def recommend(
+    rows: Mapping[str, Mapping[str, Any]],
+    default: str,
+    noise: float,
+    offered: float,
+    reuse: Mapping[str, float],
+) -> dict[str, Any]:
+    """The best setting if it beats the default beyond ``noise`` (its median window's goodput ratio
+    above ``1 + noise``, and no window below ``1 - noise``), else the default with the reason."""
+    full = [n for n, r in rows.items() if r["stage"] == "every window"]
+    best = max(full, key=lambda n: rows[n]["request_goodput"] or 0.0)
+    ratios = _ratios(rows[best], rows[default])
+    median = statistics.median(ratios)
+    d = rows[default]
+    chosen, why = (
+        best,
+        (
+            f"{best} meets the SLOs for {median:.2f}x the requests per second of vLLM's default "
+            f"in the median window (windows: {min(ratios):.2f}-{max(ratios):.2f}x)"
+        ),
+    )
+    if best == default or not (median > 1 + noise and min(ratios) >= 1 - noise):
+        chosen = default
+        if (d["request_goodput"] or 0) >= (1 - noise) * offered:
+            why = (
+                f"vLLM's default already meets the SLOs for {d['request_goodput']:.2f} of the "
+                f"{offered:.2f} requests/s that arrive: the load is arrival-bound, no scheduler can "
+                "serve more"
+            )
+        elif reuse["perfect_cache"] - reuse["engine_sized_cache"] > 0.5 * reuse["perfect_cache"]:
+            why = (
+                f"nothing beats vLLM's default beyond noise ({noise:.0%}): most prefix reuse lives beyond "
+                f"the cache ({reuse['perfect_cache']:.0%} of prompt tokens with a perfect cache, "
+                f"{reuse['engine_sized_cache']:.0%} with one of the engine's size); see the 2x KV what-if"
+            )
+        else:
+            why = (
+                f"nothing beats vLLM's default beyond noise ({noise:.0%}): the best setting, {best}, is "
+                f"{median:.2f}x its goodput in the median window (windows {min(ratios):.2f}-"
+                f"{max(ratios):.2f}x)"
+            )
+    r = rows[chosen]
+    chosen_ratios = _ratios(r, rows[default])
+    return {
+        "scheduler": chosen,
+        "max_num_batched_tokens": split_budget(chosen)[1],
+        "predicted_goodput": r["request_goodput"],
+        "predicted_goodput_ratio": (
+            r["request_goodput"] / d["request_goodput"] if d["request_goodput"] else None
+        ),
+        "ratio_per_window": chosen_ratios,
+        "ratio_median": statistics.median(chosen_ratios),
+        "ratio_range": [min(chosen_ratios), max(chosen_ratios)],
+        "best_searched": best,
+        "why": why,
+    }
+
+
+def confirm(
+    scenario: Scenario,
+    names: Sequence[str],
+    config: AdviseConfig,
+    *,
+    backend: Any = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Serve ``names`` (the recommendation, the default) on the real engine on the first held-out
+    window, alternating, ``config.repeats`` runs each: each one's goodput per run and the median's."""
+    from feather_env.evaluation.inprocess import InProcessConfig, evaluate_in_process
+
+    workload = scenario.episode_workload(config.seeds[0])
+    cfg = InProcessConfig(
+        schedulers=tuple(dict.fromkeys(names)),
+        engine=scenario.engine_config(),
+        chunk_size=scenario.scheduler.chunk_size,
+        max_wait=scenario.scheduler.max_wait,
+        isolated_probes=False,
+        repeats=config.repeats,
+        goodput=dict(config.slos),
+    )
+    runs, _ = evaluate_in_process(workload, cfg, progress=False, log=log, backend=backend)
+    out: dict[str, Any] = {"seed": config.seeds[0], "repeats": config.repeats, "runs": {}}
+    for name, run in zip(cfg.schedulers, runs, strict=True):
+        per = run.extra.get("repeats", {}).get("request_goodput") or [
+            serving_metrics(run.timelines, goodput=config.slos)["request_goodput"]
+        ]
+        m = serving_metrics(run.timelines, goodput=config.slos)
+        out["runs"][name] = {
+            "request_goodput_per_run": per,
+            "request_goodput": statistics.median(per),
+            **{k: m.get(k) for k in ROW_METRICS if k != "request_goodput"},
+        }
+    return out
+
+
+def advise(
+    scenario: Scenario,
+    config: AdviseConfig,
+    out_dir: str | Path,
+    *,
+    backend: Any = None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """The whole advice (module docstring): written to ``out_dir`` (``advice.json``, ``advice.md``,
+    ``goodput.png``) and returned.
+
+    Raises:
+        ConfigError: a bad scheduler, budget or profile (before anything is served).
+        EngineError: a request not served exactly once on the engine (probe, confirm).
+    """
+    from tqdm import tqdm
+
+    out = Path(out_dir)
+    t0 = time.perf_counter()
+    names = candidate_names(scenario, config)  # every name checked before an engine starts
+    default = default_name(scenario)
+    if config.profile is not None:
+        from feather_env.calibrate import load_profile
+
+        load_profile(config.profile)
+        profile_info: dict[str, Any] = {
+            "profile": config.profile,
+            "error": None,
+            "refitted": False,
+            "checked": False,
+        }
+    else:
+        log("checking the simulator against this machine (a short probe on the real engine) ...")
+        profile_info = {**check_profile(scenario, config, out, backend=backend, log=log), "checked": True}
+    profile = profile_info["profile"]
+    log(
+        f"simulator profile: {profile}"
+        + (
+            f" (probe error {profile_info['error']:.1%})"
+            if profile_info.get("error") is not None
+            else " (given)"
+        )
+    )
+    total = len(names) * config.search_windows + (min(config.shortlist, len(names) - 1) + 1) * (
+        config.windows - config.search_windows
+    )
+    with tqdm(total=total, desc="advise: simulated windows", disable=not progress, unit="window") as bar:
+        rows = search(scenario, config, profile, progress=bar.update)
+    reuse = reuse_available(scenario, config.seeds)
+    offered = offered_rate(scenario, config.seeds)
+    rec = recommend(rows, default, config.noise, offered, reuse)
+    rec["serve_command"] = serve_command(scenario, rec["scheduler"])
+    best = rec["best_searched"]
+    full = [n for n, r in rows.items() if r["stage"] == "every window"]
+    shown = list(dict.fromkeys([*full[: config.top], rec["scheduler"], default]))
+    payload: dict[str, Any] = {
+        "scenario": scenario.name,
+        "scenario_source": scenario.source,
+        "slos_ms": dict(config.slos),
+        "config": config.to_dict(),
+        "machine": machine_info(),
+        "profile": profile_info,
+        "recommendation": rec,
+        "default": {
+            "scheduler": default,
+            "max_num_batched_tokens": scenario.engine.max_num_batched_tokens,
+            "what": "vLLM's own fcfs scheduler at the engine's token budget",
+            "serve_command": serve_command(scenario, default),
+            **_brief(rows[default]),
+        },
+        "shown": shown,
+        "candidates": rows,
+        "offered_request_rate": offered,
+        "prefix_reuse_available": reuse,
+        "hindsight": hindsight(rows, best),
+    }
+    if config.what_if:
+        log("what-ifs: 2x KV cache, 2 and 4 replicas behind the prefix router ...")
+        payload["what_if"] = what_if(
+            scenario, list(dict.fromkeys([rec["scheduler"], default])), config, profile
+        )
+    if config.confirm:
+        log(
+            f"confirming on the real engine: {rec['scheduler']} and {default}, {config.repeats} runs each, "
+            f"window {config.seeds[0]} ..."
+        )
+        measured = confirm(scenario, [rec["scheduler"], default], config, backend=backend, log=log)
+        mine, theirs = measured["runs"][rec["scheduler"]], measured["runs"][default]
+        measured["measured_goodput"] = mine["request_goodput"]
+        measured["measured_goodput_ratio"] = (
+            mine["request_goodput"] / theirs["request_goodput"] if theirs["request_goodput"] else None
+        )
+        window = rows[rec["scheduler"]]["windows"][0]["request_goodput"]
+        measured["predicted_goodput_this_window"] = window
+        measured["predicted_error"] = (
+            abs(window - mine["request_goodput"]) / mine["request_goodput"]
+            if mine["request_goodput"]
+            else None
+        )
+        payload["confirm"] = measured
+    payload["wall_s"] = time.perf_counter() - t0
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "advice.json", payload, quiet=True)
+    (out / "advice.md").write_text(render_markdown(payload))
+    _plot(payload, out / "goodput.png")
+    return payload
+
+
+def _brief(row: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: row.get(k) for k in ROW_METRICS}
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return "n/a" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
+
+
+def render_markdown(payload: Mapping[str, Any]) -> str:
+    """``advice.md``: the recommendation, the best few and the default, and what else the search found."""
+    rows, rec, slos = payload["candidates"], payload["recommendation"], payload["slos_ms"]
+    slo_text = ", ".join(f"{k.upper()} <= {v:g} ms" for k, v in slos.items())
+    default = payload["default"]["scheduler"]
+    lines = [
+        f"# Advice for {payload['scenario']} (SLOs: {slo_text})",
+        "",
+        f"**Recommendation: `{rec['scheduler']}`**: {rec['why']}.",
+        "",
+        f"Serve it with: `{rec['serve_command']}`",
+        "",
+        f"Predicted goodput {_fmt(rec['predicted_goodput'], '.2f')} req/s, "
+        f"{_fmt(rec['predicted_goodput_ratio'], '.2f')}x vLLM's default (`{default}`: "
+        f"{_fmt(payload['default']['request_goodput'], '.2f')} req/s); per window "
+        f"{_fmt(rec['ratio_range'][0], '.2f')}-{_fmt(rec['ratio_range'][1], '.2f')}x.",
+        "",
+    ]
+    headers = [
+        "setting",
+        "goodput req/s",
+        "x default",
+        "output tok/s",
+        "mean TTFT ms",
+        "P99 TTFT ms",
+        "mean TPOT ms",
+        "P99 TPOT ms",
+        "mean E2EL ms",
+        "P99 E2EL ms",
+        "prefix hit",
+    ]
+    d = rows[default]["request_goodput"]
+    table = []
+    for name in payload["shown"]:
+        r = rows[name]
+        table.append(
+            [
+                f"`{name}`" + (" (vLLM default)" if name == default else ""),
+                _fmt(r["request_goodput"], ".2f"),
+                _fmt(r["request_goodput"] / d if d else None, ".2f"),
+                _fmt(r["output_throughput"], ".1f"),
+                _fmt(r["mean_ttft_ms"], ".0f"),
+                _fmt(r["p99_ttft_ms"], ".0f"),
+                _fmt(r["mean_tpot_ms"], ".1f"),
+                _fmt(r["p99_tpot_ms"], ".1f"),
+                _fmt(r["mean_e2el_ms"], ".0f"),
+                _fmt(r["p99_e2el_ms"], ".0f"),
+                _fmt(r["prefix_hit_rate"], ".1%"),
+            ]
+        )
+    windows = len(rows[default]["windows"])
+    lines += [
+        f"## The best settings and the default (simulator, mean of {windows} held-out windows)",
+        "",
+        format_table(headers, table),
+        "",
+    ]
+    reuse, hs = payload["prefix_reuse_available"], payload["hindsight"]
+    lines += [
+        "## What the search found",
+        "",
+        f"- Settings searched: {len(rows)} (schedulers x per-step token budgets); the best "
+        f"{sum(r['stage'] == 'every window' for r in rows.values())} on every window.",
+        f"- Offered load: {payload['offered_request_rate']:.2f} requests/s arrive; no setting's goodput "
+        "is above it.",
+        f"- Prefix reuse available: {reuse['perfect_cache']:.1%} of prompt tokens with a perfect prefix "
+        f"cache, {reuse['engine_sized_cache']:.1%} with an LRU cache of the engine's KV size; the "
+        f"recommendation captures {_fmt(rows[rec['scheduler']]['prefix_hit_rate'], '.1%')}.",
+        f"- Hindsight: choosing the best of the {hs['settings']} settings per window would be "
+        f"{_fmt(hs['mean_gain'], '.3f')}x the best constant on average (at most "
+        f"{_fmt(hs['max_gain'], '.3f')}x): what any adaptive or learned policy could still win.",
+        f"- Simulator profile: `{payload['profile']['profile']}`"
+        + (
+            f", probe error {payload['profile']['error']:.1%} (worst of makespan, mean TTFT, mean TPOT)"
+            if payload["profile"].get("error") is not None
+            else ""
+        )
+        + ".",
+    ]
+    if "what_if" in payload:
+        lines += [
+            "",
+            "## What if",
+            "",
+            format_table(
+                ["setting", "as is", "2x KV cache", "2 replicas", "4 replicas"],
+                [
+                    [
+                        f"`{n}`",
+                        _fmt(rows[n]["request_goodput"], ".2f"),
+                        *(
+                            _fmt(w[k]["request_goodput"], ".2f")
+                            for k in ("2x_kv_cache", "2_replicas", "4_replicas")
+                        ),
+                    ]
+                    for n, w in payload["what_if"].items()
+                ],
+            ),
+            "",
+            "Goodput in requests/s; replicas behind the prefix router (`feather-serve --replicas N`).",
+        ]
+    if "confirm" in payload:
+        c = payload["confirm"]
+        lines += [
+            "",
+            f"## Confirmed on the real engine (window {c['seed']}, {c['repeats']} alternating runs each)",
+            "",
+            format_table(
+                ["setting", "goodput req/s (median)", "runs", "output tok/s", "mean TTFT ms", "mean TPOT ms"],
+                [
+                    [
+                        f"`{n}`",
+                        _fmt(r["request_goodput"], ".2f"),
+                        ", ".join(_fmt(g, ".2f") for g in r["request_goodput_per_run"]),
+                        _fmt(r["output_throughput"], ".1f"),
+                        _fmt(r["mean_ttft_ms"], ".0f"),
+                        _fmt(r["mean_tpot_ms"], ".1f"),
+                    ]
+                    for n, r in c["runs"].items()
+                ],
+            ),
+            "",
+            f"Measured ratio {_fmt(c['measured_goodput_ratio'], '.2f')}x the default; predicted "
+            f"{_fmt(rec['predicted_goodput_ratio'], '.2f')}x (mean of the windows); the simulator's goodput "
+            f"on this window {_fmt(c['predicted_goodput_this_window'], '.2f')} req/s against "
+            f"{_fmt(c['measured_goodput'], '.2f')} measured.",
+        ]
+    lines += [
+        "",
+        f"Made on {payload['machine'].get('date', '')} ({payload['machine'].get('cpu', '')}) in "
+        f"{payload['wall_s']:.0f} s.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _plot(payload: Mapping[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = payload["candidates"]
+    names = [n for n, r in rows.items() if r["stage"] == "every window"]
+    fig, ax = plt.subplots(figsize=(8, 0.4 * len(names) + 1.5))
+    values = [rows[n]["request_goodput"] or 0.0 for n in names]
+    colors = [
+        "tab:green"
+        if n == payload["recommendation"]["scheduler"]
+        else "tab:gray"
+        if n == payload["default"]["scheduler"]
+        else "tab:blue"
+        for n in names
+    ]
+    ax.barh(names[::-1], values[::-1], color=colors[::-1])
+    ax.axvline(payload["offered_request_rate"], color="k", linestyle="--", label="offered request rate")
+    ax.set_xlabel("goodput (requests/s meeting every SLO)")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,171 @@
+"""``evaluate.py advise``: the search over schedulers x token budgets for the goodput under SLOs, its
+recommendation rule, its files, its refusals, and (engine) the probe that picks the simulator's profile
+and the confirmation on the real engine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import evaluate
+from feather_env.evaluation.advise import (
+    AdviseConfig,
+    advise,
+    candidate_names,
+    check_profile,
+    confirm,
+    recommend,
+)
+from feather_env.scenarios import load_scenario
+from feather_env.serving_metrics import serving_metrics
+from scheduler_runtime.config import ConfigError
+from scheduler_runtime.serve import vllm_arguments
+
+REPO = Path(__file__).resolve().parent.parent
+SLOS = {"ttft": 5000.0, "tpot": 50.0}
+PROFILE = str(REPO / "configs" / "profiles" / "cpu-tiny-llama.json")
+
+
+@pytest.fixture(scope="module")
+def small():
+    """The Mooncake synthetic trace's scenario, 20-s windows replayed at 4x (5 s, ~80 requests)."""
+    return load_scenario("mooncake-synthetic", {"episode": {"window_s": 20}})
+
+
+def test_candidates_are_every_base_at_every_budget_up_to_the_engines(small):
+    config = AdviseConfig(SLOS, schedulers=("fcfs", "group-cap-2"), budgets=(512, 8192, 16384))
+    names = candidate_names(small, config)
+    assert names == ["fcfs@512", "fcfs", "group-cap-2@512", "group-cap-2"]  # 8192 is the engine's own
+    with pytest.raises(ConfigError, match="names its own budget"):
+        candidate_names(small, AdviseConfig(SLOS, schedulers=("fcfs@512",)))
+    with pytest.raises(ConfigError, match="unknown scheduler"):
+        candidate_names(small, AdviseConfig(SLOS, schedulers=("nosuch",)))
+    with pytest.raises(ConfigError, match="needs the SLOs"):
+        AdviseConfig({})
+
+
+def _row(name: str, goodputs: list[float]) -> dict:
+    return {"scheduler": name, "stage": "every window", "request_goodput": sum(goodputs) / len(goodputs),
+            "windows": [{"seed": i, "request_goodput": g} for i, g in enumerate(goodputs)]}
+
+
+def test_the_recommendation_needs_a_win_beyond_noise_in_the_median_window_and_no_loss():
+    reuse = {"perfect_cache": 0.6, "engine_sized_cache": 0.5}
+    rows = {"a@512": _row("a@512", [2.0, 2.2, 1.9, 2.1]), "fcfs": _row("fcfs", [1.0, 1.0, 1.0, 1.0])}
+    rec = recommend(rows, "fcfs", 0.03, offered=10.0, reuse=reuse)
+    assert rec["scheduler"] == "a@512" and rec["max_num_batched_tokens"] == 512
+    assert rec["predicted_goodput_ratio"] == pytest.approx(2.05) and rec["ratio_range"] == [1.9, 2.2]
+    # a median win within noise: the default, and why
+    rows = {"a": _row("a", [1.02, 1.01, 1.02, 1.0]), "fcfs": _row("fcfs", [1.0, 1.0, 1.0, 1.0])}
+    rec = recommend(rows, "fcfs", 0.03, offered=10.0, reuse=reuse)
+    assert rec["scheduler"] == "fcfs" and "beyond noise" in rec["why"] and rec["predicted_goodput_ratio"] == 1
+    # a big median win that loses one window badly: not trustworthy
+    rows = {"a": _row("a", [2.0, 2.0, 2.0, 0.5]), "fcfs": _row("fcfs", [1.0, 1.0, 1.0, 1.0])}
+    assert recommend(rows, "fcfs", 0.03, offered=10.0, reuse=reuse)["scheduler"] == "fcfs"
+    # the default already serves what arrives
+    rows = {"a": _row("a", [4.0, 4.0]), "fcfs": _row("fcfs", [4.0, 4.0])}
+    assert "arrival-bound" in recommend(rows, "fcfs", 0.03, offered=4.0, reuse=reuse)["why"]
+    # the reuse lives beyond the cache
+    far = {"perfect_cache": 0.6, "engine_sized_cache": 0.1}
+    assert "beyond the cache" in recommend(rows, "fcfs", 0.03, offered=9.0, reuse=far)["why"]
+
+
+def test_advise_on_the_simulator_writes_what_scripts_read(small, tmp_path):
+    config = AdviseConfig(SLOS, windows=3, search_windows=1, schedulers=("fcfs", "lpm", "group-cap-2"),
+                          budgets=(512,), shortlist=2, profile=PROFILE, what_if=False)
+    out = tmp_path / "advice"
+    payload = advise(small, config, out, progress=False, log=lambda _: None)
+    saved = json.loads((out / "advice.json").read_text())
+    assert saved["recommendation"] == json.loads(json.dumps(payload["recommendation"]))
+    rec, rows = saved["recommendation"], saved["candidates"]
+    assert set(rows) == {"fcfs", "fcfs@512", "lpm", "lpm@512", "group-cap-2", "group-cap-2@512"}
+    assert saved["default"]["scheduler"] == "fcfs" and saved["default"]["max_num_batched_tokens"] == 8192
+    full = [n for n, r in rows.items() if r["stage"] == "every window"]
+    assert len(full) == 3 and "fcfs" in full and all(len(rows[n]["windows"]) == 3 for n in full)
+    assert rec["scheduler"] in full and rec["predicted_goodput"] == rows[rec["scheduler"]]["request_goodput"]
+    assert rec["predicted_goodput_ratio"] == pytest.approx(
+        rows[rec["scheduler"]]["request_goodput"] / rows["fcfs"]["request_goodput"])
+    # the figures are the windows' own: one window served again gives the same goodput
+    w = rows[rec["scheduler"]]["windows"][0]
+    from feather_env.env import FeatherEnv, play_episode
+
+    env = FeatherEnv(small, "sim", scheduler=rec["scheduler"], profile=PROFILE)
+    play_episode(env, episode_seed=w["seed"])
+    assert serving_metrics(env.backend.timelines(), goodput=SLOS)["request_goodput"] == w["request_goodput"]
+    # the serve command is one feather-serve accepts, with the recommended budget
+    args, cfg = vllm_arguments(rec["serve_command"].split()[1:])
+    budget = rec["max_num_batched_tokens"] or 8192
+    assert cfg["name"] == rec["scheduler"] and args[args.index("--max-num-batched-tokens") + 1] == str(budget)
+    assert 0 < saved["prefix_reuse_available"]["engine_sized_cache"] <= saved["prefix_reuse_available"][
+        "perfect_cache"]
+    assert saved["hindsight"]["mean_gain"] >= 1.0
+    md = (out / "advice.md").read_text()
+    assert "TTFT <= 5000 ms" in md and rec["scheduler"] in md and (out / "goodput.png").stat().st_size > 0
+
+
+def test_the_what_ifs_serve_more_kv_and_more_replicas(small, tmp_path):
+    config = AdviseConfig(SLOS, windows=1, search_windows=1, schedulers=("fcfs",), budgets=(512,),
+                          shortlist=1, profile=PROFILE)
+    payload = advise(small, config, tmp_path / "w", progress=False, log=lambda _: None)
+    for what in payload["what_if"].values():
+        assert set(what) == {"2x_kv_cache", "2_replicas", "4_replicas"}
+        # 4 replicas serve the same arrivals with a quarter of the load each: at least as many good
+        assert what["4_replicas"]["request_goodput"] >= what["2_replicas"]["request_goodput"] * 0.95
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--scenario", "mooncake-synthetic", "--out", "{out}"], "--goodput"),
+    (["--scenario", "mooncake-synthetic", "--goodput", "ttft:5000", "--budgets", "a,b", "--out", "{out}"],
+     "--budgets must be comma-separated integers"),
+    (["--scenario", "mooncake-synthetic", "--goodput", "itl:5", "--out", "{out}"], "unknown goodput SLO"),
+    (["--scenario", "nosuch", "--goodput", "ttft:5000", "--out", "{out}"], "unknown scenario"),
+    (["--scenario", "mooncake-synthetic", "--goodput", "ttft:5000", "--schedulers", "fcfs@512",
+      "--out", "{out}"], "names its own budget"),
+])
+def test_bad_input_is_one_line_and_exit_2_before_anything_is_written(tmp_path, capsys, args, message):
+    out = tmp_path / "never"
+    try:
+        code = evaluate.main(["advise", *(a.format(out=out) for a in args)])
+    except SystemExit as exc:  # argparse's own usage errors
+        code = exc.code
+    assert code == 2 and message in capsys.readouterr().err and not out.exists()
+
+
+# -- the real engine: the probe that picks the profile, and the confirmation ------------------------
+@pytest.fixture(scope="module")
+def on_test_engine():
+    """Short Mooncake windows on the test session's environment engine (leval-kv-pressure's)."""
+    return load_scenario("mooncake-synthetic", {
+        "workload": {"max_prompt_tokens": 2048},
+        "episode": {"window_s": 6, "rate_scale": 1},
+        "engine": load_scenario("leval-kv-pressure").engine.to_dict()})
+
+
+@pytest.mark.engine
+def test_the_probe_scores_every_profile_on_the_engine_and_picks_the_best(on_test_engine, env_backend,
+                                                                         tmp_path):
+    config = AdviseConfig(SLOS, probe_window_s=6)
+    info = check_profile(on_test_engine, config, tmp_path, backend=env_backend, log=lambda _: None)
+    shipped = {str(p) for p in (REPO / "configs" / "profiles").glob("*.json")}
+    scored = {c["profile"]: c["error"] for c in info["candidates"]}
+    assert shipped <= set(scored)
+    assert info["error"] == min(scored.values()) and info["profile"] in scored
+    assert info["probe"]["schedulers"] == ["fcfs", "fcfs@512"] and info["probe"]["steps"] > 0
+    for name in ("fcfs", "fcfs@512"):
+        assert info["probe"]["real"][name]["completed"] > 0
+    if info["refitted"]:  # refitted on the probe's own steps: a profile the simulator loads
+        assert Path(info["profile"]).is_file() and info["profile"].startswith(str(tmp_path))
+
+
+@pytest.mark.engine
+def test_confirm_serves_both_settings_on_the_engine_with_every_request(on_test_engine, env_backend):
+    config = AdviseConfig(SLOS, repeats=1)
+    measured = confirm(on_test_engine, ["group-cap-2@512", "fcfs"], config, backend=env_backend,
+                       log=lambda _: None)
+    n = len(on_test_engine.episode_workload(config.seeds[0]))
+    for name in ("group-cap-2@512", "fcfs"):
+        run = measured["runs"][name]
+        assert run["completed"] == n and len(run["request_goodput_per_run"]) == 1
+        assert run["request_goodput"] >= 0
