@@ -60,6 +60,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from scheduler_runtime.hardware import compute_dtype, kv_bytes_factor
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -149,7 +150,14 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], argpa
                          f"but --max-num-batched-tokens {given} was given: give one")
         if not _given("--max-num-batched-tokens", args):
             args += ["--max-num-batched-tokens", str(budget)]
-    for flag, value in DEFAULT_VLLM_ARGS.items():
+    # the model's dtype on this machine (scheduler_runtime.hardware), and the default KV cache's bytes
+    # in it, so it holds the same tokens
+    defaults = dict(DEFAULT_VLLM_ARGS)
+    dtype = _flag_value(args, "--dtype", compute_dtype("bfloat16"))
+    defaults["--dtype"] = dtype
+    kv_bytes = int(DEFAULT_KV_CACHE_BYTES * kv_bytes_factor("bfloat16", dtype))
+    defaults["--kv-cache-memory-bytes"] = str(kv_bytes)
+    for flag, value in defaults.items():
         if not _given(flag, args):
             args += [flag] if value is None else [flag, value]
     if _given("--scheduler-cls", args):

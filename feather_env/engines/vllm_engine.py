@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler_runtime.config import ConfigError, from_mapping, load_yaml
+from scheduler_runtime.hardware import compute_dtype, kv_bytes_factor
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 #: The process environment every in-process engine of the project runs with (set before vLLM
@@ -139,6 +140,14 @@ def kv_bytes_per_token(model_dir: str | Path, dtype: str = "bfloat16") -> int:
     return int(cfg["num_hidden_layers"] * 2 * kv_heads * head_dim * itemsize)
 
 
+def engine_dtype_and_kv_bytes(config: EngineConfig) -> tuple[str, int]:
+    """The dtype the engine computes in on this machine and the KV cache bytes that hold
+    ``config``'s KV tokens in it (:mod:`scheduler_runtime.hardware`: float32 on an AVX2-only CPU,
+    with the same number of tokens)."""
+    dtype = compute_dtype(config.dtype)
+    return dtype, int(int(config.kv_cache_gib * GIB) * kv_bytes_factor(config.dtype, dtype))
+
+
 def build_llm(config: EngineConfig | None = None, **overrides: Any):  # -> vllm.LLM
     """Start an in-process vLLM engine (``vllm.LLM``) for ``config``.
 
@@ -167,11 +176,12 @@ def build_llm(config: EngineConfig | None = None, **overrides: Any):  # -> vllm.
         torch.set_num_threads(max(1, len(cores)))
     from vllm import LLM
 
+    dtype, kv_bytes = engine_dtype_and_kv_bytes(config)
     kwargs: dict[str, Any] = dict(
         model=config.model_dir,
         load_format=config.load_format,
-        dtype=config.dtype,
-        kv_cache_memory_bytes=int(config.kv_cache_gib * GIB),
+        dtype=dtype,
+        kv_cache_memory_bytes=kv_bytes,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=config.max_model_len,

@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-from feather_env.engines.vllm_engine import GIB, EngineConfig
+from feather_env.engines.vllm_engine import EngineConfig, engine_dtype_and_kv_bytes
 from feather_env.hostload import pinned_cores
 
 __all__ = ["LocalServer", "free_port", "server_args"]
@@ -50,9 +50,10 @@ def server_args(engine: EngineConfig) -> list[str]:
     Text in and out (the server loads the model's tokenizer: it detokenizes its answers), which
     costs the API server some CPU that an in-process engine does not spend.
     """
+    dtype, kv_bytes = engine_dtype_and_kv_bytes(engine)
     args = ["--model", engine.model_dir, "--served-model-name", SERVED_MODEL_NAME,
-            "--load-format", engine.load_format, "--dtype", engine.dtype,
-            "--kv-cache-memory-bytes", str(int(engine.kv_cache_gib * GIB)),
+            "--load-format", engine.load_format, "--dtype", dtype,
+            "--kv-cache-memory-bytes", str(kv_bytes),
             "--max-num-seqs", str(engine.max_num_seqs),
             "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
             "--max-model-len", str(engine.max_model_len), "--block-size", str(engine.block_size),
