@@ -475,6 +475,8 @@ def run_advise(argv: Sequence[str], backend: Any = None) -> int:
                    help="goodput difference taken as noise (default 0.03)")
     p.add_argument("--profile", default=None, help="the simulator's profile (default: chosen by a short "
                    "probe of the real engine, refitted when off by more than 10%%)")
+    p.add_argument("--probe-window-s", type=float, default=20.0, help="the probe's window of the trace "
+                   "(seconds of trace time, at most the scenario's window; default 20)")
     p.add_argument("--no-what-if", action="store_true", help="skip the 2x KV cache and replica what-ifs")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -491,7 +493,8 @@ def run_advise(argv: Sequence[str], backend: Any = None) -> int:
     config = AdviseConfig(slos=parse_goodput(args.goodput), windows=args.windows, first_seed=args.first_seed,
                           schedulers=names(args.schedulers), policies=names(args.policies) or (),
                           budgets=budgets, shortlist=args.shortlist, noise=args.noise, profile=args.profile,
-                          what_if=not args.no_what_if, confirm=args.confirm, repeats=args.repeats)
+                          what_if=not args.no_what_if, confirm=args.confirm, repeats=args.repeats,
+                          probe_window_s=args.probe_window_s)
     scenario = load_scenario(args.scenario)
     payload = advise(scenario, config, out, backend=backend, progress=not args.no_progress)
     print()

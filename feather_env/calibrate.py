@@ -22,6 +22,8 @@ simulator with the new profile, the same episode and the same policy, and writes
 - ``latency_median_ape``: the median over all requests of all episodes of |sim - real| / real of
   the request's end-to-end latency (requests matched by id);
 - ``hit_rate_abs_err``: mean over episodes of |sim - real| of the prefix-cache hit rate;
+- ``mean_ttft_mape``, ``mean_tpot_mape``: mean over episodes of |sim - real| / real of the episode's
+  mean TTFT and mean TPOT (what a goodput SLO reads);
 - ``n``: episodes compared (runs under foreign CPU load above ``MAX_FOREIGN_LOAD`` are re-run once,
   then left out and counted in ``excluded_under_load``).
 
@@ -53,6 +55,7 @@ from feather_env.records import StepRequest
 from feather_env.reporting import machine_info, write_json
 from feather_env.scenarios import Scenario, load_scenario
 from feather_env.serving import env_scheduler_config
+from feather_env.serving_metrics import serving_metrics
 from feather_env.step_model import FEATURE_NAMES, StepCostModel, fit_step_model, step_features
 
 __all__ = ["CALIBRATION_PLAN", "PROFILE_VERSION", "VALIDATION_PLAN", "EpisodeSpec", "load_profile", "main",
@@ -320,7 +323,16 @@ def validate(profile_path: str | Path, plan: Sequence[EpisodeSpec], *, backend: 
             sim_lat = {t.request_id: t.e2el for t in sim_env.backend.timelines()}
             ep_apes = [abs(sim_lat[r] - real_lat[r]) / real_lat[r] for r in real_lat if real_lat[r] > 0]
             apes.extend(ep_apes)
+            real_m = serving_metrics(real_env.backend.timelines())
+            sim_m = serving_metrics(sim_env.backend.timelines())
+            latency = {}
+            for k in ("ttft", "tpot"):
+                r, m = real_m[f"mean_{k}_ms"], sim_m[f"mean_{k}_ms"]
+                latency[f"{k}_ape"] = abs(m - r) / r if r else None
             row = {"label": spec.label, "scheduler": spec.scheduler, "seed": spec.seed,
+                   "real_mean_ttft_ms": real_m["mean_ttft_ms"], "sim_mean_ttft_ms": sim_m["mean_ttft_ms"],
+                   "real_mean_tpot_ms": real_m["mean_tpot_ms"], "sim_mean_tpot_ms": sim_m["mean_tpot_ms"],
+                   "mean_ttft_ape": latency["ttft_ape"], "mean_tpot_ape": latency["tpot_ape"],
                    "requests": real["completed"], "real_duration_s": real["duration"],
                    "sim_duration_s": sim["duration"],
                    "makespan_ape": abs(sim["duration"] - real["duration"]) / real["duration"],
@@ -343,12 +355,19 @@ def validate(profile_path: str | Path, plan: Sequence[EpisodeSpec], *, backend: 
         "makespan_mape": float(np.mean([r["makespan_ape"] for r in rows])),
         "latency_median_ape": float(np.median(apes)) if apes else None,
         "hit_rate_abs_err": float(np.mean([r["hit_rate_abs_err"] for r in rows])),
+        "mean_ttft_mape": _mean_of(rows, "mean_ttft_ape"),
+        "mean_tpot_mape": _mean_of(rows, "mean_tpot_ape"),
         "n": len(rows),
         "excluded_under_load": excluded,
         "profile": str(profile_path),
         "machine": machine_info(),
         "episodes": rows,
     }
+
+
+def _mean_of(rows: Sequence[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return float(np.mean(values)) if values else None
 
 
 def _check_args(args: argparse.Namespace) -> tuple[EpisodeSpec, ...]:

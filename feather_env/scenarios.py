@@ -482,7 +482,9 @@ def main(argv: list[str] | None = None) -> int:
     if scenario.episode.rate_scale != 1.0:
         episode += f", replayed {scenario.episode.rate_scale:g}x as fast"
     print(f"wrote {args.out}: an episode is {episode}")
-    print(f"next: python train.py --agent ucb --config configs/runs/ucb.yaml --scenario {args.out} "
+    print(f"next: python evaluate.py advise --scenario {args.out} --goodput ttft:5000 tpot:50 "
+          f"--out runs/{Path(args.out).stem}-advice   # the best scheduler and budget for your SLOs")
+    print(f"  or: python train.py --agent ucb --config configs/runs/ucb.yaml --scenario {args.out} "
           f"--out runs/{Path(args.out).stem}")
     return 0
 

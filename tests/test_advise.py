@@ -53,23 +53,29 @@ def _row(name: str, goodputs: list[float]) -> dict:
 
 def test_the_recommendation_needs_a_win_beyond_noise_in_the_median_window_and_no_loss():
     reuse = {"perfect_cache": 0.6, "engine_sized_cache": 0.5}
-    rows = {"a@512": _row("a@512", [2.0, 2.2, 1.9, 2.1]), "fcfs": _row("fcfs", [1.0, 1.0, 1.0, 1.0])}
+    rows = {"group-cap-2@512": _row("group-cap-2@512", [2.0, 2.2, 1.9, 2.1]),
+            "fcfs": _row("fcfs", [1.0, 1.0, 1.0, 1.0])}
     rec = recommend(rows, "fcfs", 0.03, offered=10.0, reuse=reuse)
-    assert rec["scheduler"] == "a@512" and rec["max_num_batched_tokens"] == 512
+    assert rec["scheduler"] == "group-cap-2@512" and rec["max_num_batched_tokens"] == 512
     assert rec["predicted_goodput_ratio"] == pytest.approx(2.05) and rec["ratio_range"] == [1.9, 2.2]
     # a median win within noise: the default, and why
-    rows = {"a": _row("a", [1.02, 1.01, 1.02, 1.0]), "fcfs": _row("fcfs", [1.0, 1.0, 1.0, 1.0])}
+    rows = {"lpm": _row("lpm", [1.02, 1.01, 1.02, 1.0]), "fcfs": _row("fcfs", [1.0, 1.0, 1.0, 1.0])}
     rec = recommend(rows, "fcfs", 0.03, offered=10.0, reuse=reuse)
     assert rec["scheduler"] == "fcfs" and "beyond noise" in rec["why"] and rec["predicted_goodput_ratio"] == 1
     # a big median win that loses one window badly: not trustworthy
-    rows = {"a": _row("a", [2.0, 2.0, 2.0, 0.5]), "fcfs": _row("fcfs", [1.0, 1.0, 1.0, 1.0])}
+    rows = {"lpm": _row("lpm", [2.0, 2.0, 2.0, 0.5]), "fcfs": _row("fcfs", [1.0, 1.0, 1.0, 1.0])}
     assert recommend(rows, "fcfs", 0.03, offered=10.0, reuse=reuse)["scheduler"] == "fcfs"
     # the default already serves what arrives
-    rows = {"a": _row("a", [4.0, 4.0]), "fcfs": _row("fcfs", [4.0, 4.0])}
+    rows = {"lpm": _row("lpm", [4.0, 4.0]), "fcfs": _row("fcfs", [4.0, 4.0])}
     assert "arrival-bound" in recommend(rows, "fcfs", 0.03, offered=4.0, reuse=reuse)["why"]
     # the reuse lives beyond the cache
     far = {"perfect_cache": 0.6, "engine_sized_cache": 0.1}
     assert "beyond the cache" in recommend(rows, "fcfs", 0.03, offered=9.0, reuse=far)["why"]
+    # settings as good as the best (within 0.5%): the simplest, vLLM's own fcfs with the budget
+    rows = {"group-cap-1@512": _row("group-cap-1@512", [2.004, 2.0]), "lpm@512": _row("lpm@512", [2.0, 2.0]),
+            "fcfs@512": _row("fcfs@512", [1.999, 2.0]), "fcfs@256": _row("fcfs@256", [2.0, 2.0]),
+            "fcfs": _row("fcfs", [1.0, 1.0])}
+    assert recommend(rows, "fcfs", 0.03, offered=9.0, reuse=reuse)["scheduler"] == "fcfs@512"
 
 
 def test_advise_on_the_simulator_writes_what_scripts_read(small, tmp_path):

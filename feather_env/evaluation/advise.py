@@ -23,9 +23,11 @@ them best on this traffic, by how much over vLLM's default, and how sure that is
    the offered request rate (no scheduler's goodput exceeds it), the hindsight per-window best (how
    much any policy choosing per window could still win over the best constant), and what-ifs: twice
    the KV cache, and 2 and 4 replicas behind the prefix router (:class:`~feather_env.cluster_sim.ClusterSim`).
-4. **The recommendation**: the best setting when its goodput beats the default's by more than the
-   noise (:attr:`AdviseConfig.noise`) in the median window and it loses in none by more than it,
-   else vLLM's default, with the reason (arrival-bound load, reuse beyond the cache, ...).
+4. **The recommendation**: the best setting (the simplest of those within :data:`TIE` of the best's
+   goodput: vLLM's fcfs before a baseline ordering before a document cap, the larger budget first)
+   when its goodput beats the default's by more than the noise (:attr:`AdviseConfig.noise`) in the
+   median window and it loses in none by more than it, else vLLM's default, with the reason
+   (arrival-bound load, reuse beyond the cache, ...).
 5. ``--confirm``: the recommendation and the default served on the real engine on the first
    held-out window, alternating, ``--repeats`` runs each; the measured goodput ratio beside the
    predicted one.
@@ -56,7 +58,7 @@ from feather_env.reporting import format_table, machine_info, write_json
 from feather_env.scenarios import Scenario, load_scenario
 from feather_env.serving_metrics import serving_metrics
 from scheduler_runtime.config import ConfigError
-from scheduler_runtime.schedulers import SchedulerConfig, split_budget, with_budget
+from scheduler_runtime.schedulers import MAX_TOKEN_BUDGET, SchedulerConfig, split_budget, with_budget
 
 __all__ = [
     "AdviseConfig",
@@ -73,6 +75,8 @@ PROFILE_DIR = REPO_ROOT / "configs" / "profiles"
 MAX_PROFILE_ERROR = 0.10
 DEFAULT_CAPS = (1, 2, 3, 4, 6, 8)
 DEFAULT_BUDGETS = (256, 512, 1024, 2048, 4096, 8192)
+#: Settings whose goodput is within this fraction of the best are equally good: the simplest is chosen.
+TIE = 0.005
 #: The metrics a candidate's row reports (``vllm bench serve``'s names), averaged over windows.
 ROW_METRICS = (
     "request_goodput",
@@ -123,7 +127,7 @@ class AdviseConfig:
     top: int = 3
     noise: float = 0.03
     profile: str | None = None
-    probe_window_s: float = 60.0
+    probe_window_s: float = 20.0
     what_if: bool = True
     confirm: bool = False
     repeats: int = 3
@@ -430,20 +434,31 @@ def check_profile(
 
 # -- the recommendation ----------------------------------------------------------------------------
 def serve_command(scenario: Scenario, name: str) -> str:
-    """The ``feather-serve`` command that serves ``name`` on the scenario's engine."""
+    """The ``feather-serve`` command that serves ``name`` on the scenario's engine, on this machine (its
+    compute dtype and the KV bytes that hold the scenario's KV tokens in it)."""
+    from feather_env.engines.vllm_engine import engine_dtype_and_kv_bytes
+
     e = scenario.engine
-    args = [
-        "feather-serve",
-        "--scheduler",
-        name,
-        "--max-num-seqs",
-        str(e.max_num_seqs),
-        "--kv-cache-memory-bytes",
-        str(int(e.kv_cache_gib * (1 << 30))),
-    ]
+    dtype, kv_bytes = engine_dtype_and_kv_bytes(e)
+    args = ["feather-serve", "--scheduler", name, "--max-num-seqs", str(e.max_num_seqs),
+            "--kv-cache-memory-bytes", str(kv_bytes), "--dtype", dtype]
     if split_budget(name)[1] is None:
         args += ["--max-num-batched-tokens", str(e.max_num_batched_tokens)]
     return shlex.join(args)
+
+
+def simplicity(name: str) -> tuple[int, int, int]:
+    """Sort key of equally good settings, simplest first: vLLM's own fcfs, a baseline ordering, a
+    document cap (the larger, the less it holds back), a policy file; then the larger token budget."""
+    base, budget = split_budget(name)
+    cap = SchedulerConfig.for_name(base).group_cap
+    if base == "fcfs":
+        kind = 0
+    elif not base.startswith(("group-", "feather")):
+        kind = 1
+    else:
+        kind = 2 if cap is not None else 3
+    return kind, -(cap or 0), -(budget or MAX_TOKEN_BUDGET)
 
 
 def recommend(
@@ -456,7 +471,9 @@ def recommend(
     """The best setting if it beats the default beyond ``noise`` (its median window's goodput ratio
     above ``1 + noise``, and no window below ``1 - noise``), else the default with the reason."""
     full = [n for n, r in rows.items() if r["stage"] == "every window"]
-    best = max(full, key=lambda n: rows[n]["request_goodput"] or 0.0)
+    top = max(rows[n]["request_goodput"] or 0.0 for n in full)
+    # among the settings within TIE of the best, the simplest (vLLM's own fcfs first, the largest budget)
+    best = min((n for n in full if (rows[n]["request_goodput"] or 0.0) >= (1 - TIE) * top), key=simplicity)
     ratios = _ratios(rows[best], rows[default])
     median = statistics.median(ratios)
     d = rows[default]

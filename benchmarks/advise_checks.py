@@ -1,0 +1,206 @@
+"""Does ``evaluate.py advise`` pick what the engine measured best, and keep vLLM's default where nothing wins?
+
+    python -m benchmarks.advise_checks --json results/advise_checks.json
+
+Part 1, the shipped L-Eval scenarios (and LongBench): ``advise`` searches, in the simulator on its
+held-out episodes (seeds 100-103), the schedulers and policy files that ``benchmarks/evaluation.py``
+served on the real engine (``results/evaluation.json``: fcfs, lpm, dfs-weight, svf,
+feather-heuristic, the heuristic-tuned, shipped and general policy files), at the scenario's own
+token budget, with an SLO no request misses (``e2el`` of 10^9 ms: goodput is then the request
+throughput, the throughput the evaluation ranks by). The check: the engine's output throughput of
+the recommended setting in ``results/evaluation.json`` (episode 0, the median of its runs) is within
+3% of the best setting's there. The simulator profile is the one of the host each scenario was
+measured on (``--profile-for``), so the simulator speaks for the same machine as the engine's table.
+
+Part 2, a trace where nothing should win (ShareGPT: no shared prefixes): for throughput (the SLO
+no request misses) and every budget, ``advise`` must recommend vLLM's default, or a setting whose
+goodput is within the noise (3%) of it. The same with latency SLOs (TTFT <= 5 s, TPOT <= 50 ms) is
+reported beside it: there a token budget can win (it cuts TPOT), and the engine has the last word.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from feather_env.evaluation.advise import AdviseConfig, advise
+from feather_env.reporting import format_table, machine_info, write_json
+from feather_env.scenarios import load_scenario
+
+REPO = Path(__file__).resolve().parent.parent
+#: Part 1's scenarios and the profile of the host their engine figures were measured on.
+SCENARIOS = {
+    "leval-kv-pressure": "cpu-tiny-llama-xeon.json",
+    "leval-kv-pressure-poisson": "cpu-tiny-llama-xeon.json",
+    "leval-trace": "cpu-tiny-llama-xeon.json",
+    "leval-high-load": "cpu-tiny-llama-xeon.json",
+    "leval-summaries": "cpu-tiny-llama-xeon.json",
+    "longbench": "cpu-tiny-llama.json",
+}
+BASELINES = ("fcfs", "lpm", "dfs-weight", "svf", "feather-heuristic")
+#: An SLO no request misses: goodput is the request throughput.
+LOOSE = {"e2el": 1e9}
+SLOS = {"ttft": 5000.0, "tpot": 50.0}
+
+
+def policy_files(scenario: str) -> dict[str, str]:
+    """The evaluation's policy labels -> their files (those that exist for the scenario)."""
+    files = {
+        "heuristic-tuned": REPO / "policies" / "heuristic-tuned" / f"{scenario}.feather",
+        "shipped": REPO / "policies" / f"{scenario}.feather",
+        "general": REPO / "policies" / "general.feather",
+    }
+    return {label: str(path) for label, path in files.items() if path.is_file()}
+
+
+def check_scenario(
+    name: str, profile: str, evaluation: dict[str, Any], windows: int, noise: float
+) -> dict[str, Any]:
+    """Part 1 for one scenario."""
+    measured = {label: m["output_throughput"] for label, m in evaluation["scenarios"][name]["runs"].items()}
+    policies = {label: path for label, path in policy_files(name).items() if label in measured}
+    by_name = {b: b for b in BASELINES if b in measured}
+    by_name.update({f"feather:{path}": label for label, path in policies.items()})
+    scenario = load_scenario(name)
+    config = AdviseConfig(
+        LOOSE,
+        windows=windows,
+        search_windows=windows,
+        schedulers=tuple(b for b in by_name if b in BASELINES),
+        policies=tuple(policies.values()),
+        budgets=(scenario.engine.max_num_batched_tokens,),
+        shortlist=len(by_name),
+        profile=str(REPO / "configs" / "profiles" / profile),
+        what_if=False,
+        noise=noise,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        payload = advise(scenario, config, Path(tmp), progress=False, log=lambda _: None)
+    rec = payload["recommendation"]["scheduler"]
+    label = by_name[rec]
+    default = payload["candidates"]["fcfs"]["request_goodput"]
+    simulated = {
+        by_name[n]: r["request_goodput"] / default for n, r in payload["candidates"].items() if n in by_name
+    }
+    best = max(measured, key=measured.get)
+    return {
+        "scenario": name,
+        "profile": profile,
+        "recommended": rec,
+        "recommended_label": label,
+        "recommended_engine_tok_s": measured[label],
+        "best_label": best,
+        "best_engine_tok_s": measured[best],
+        "ratio_to_best": measured[label] / measured[best],
+        "within_3pct": measured[label] >= 0.97 * measured[best],
+        "predicted_ratio_to_default": payload["recommendation"]["predicted_goodput_ratio"],
+        "why": payload["recommendation"]["why"],
+        "noise": noise,
+        "simulated_ratio_to_fcfs": simulated,
+        "wall_s": payload["wall_s"],
+    }
+
+
+def check_never_worse(name: str, windows: int, slos: dict[str, float]) -> dict[str, Any]:
+    """Part 2: the recommendation on a trace without shared prefixes, for ``slos``."""
+    scenario = load_scenario(name)
+    config = AdviseConfig(
+        slos,
+        windows=windows,
+        profile=str(REPO / "configs" / "profiles" / "cpu-tiny-llama.json"),
+        what_if=False,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        payload = advise(scenario, config, Path(tmp), progress=False, log=lambda _: None)
+    rec = payload["recommendation"]
+    return {
+        "scenario": name,
+        "slos_ms": slos,
+        "recommended": rec["scheduler"],
+        "predicted_goodput_ratio": rec["predicted_goodput_ratio"],
+        "ratio_range": rec["ratio_range"],
+        "default_goodput": payload["default"]["request_goodput"],
+        "why": rec["why"],
+        "default_or_within_noise": rec["scheduler"] == "fcfs" or abs(rec["ratio_median"] - 1) <= 0.03,
+        "wall_s": payload["wall_s"],
+    }
+
+
+def render(out: dict[str, Any]) -> str:
+    rows = [
+        [
+            r["scenario"],
+            f"`{r['recommended_label']}`",
+            f"{r['recommended_engine_tok_s']:.1f}",
+            f"`{r['best_label']}`",
+            f"{r['best_engine_tok_s']:.1f}",
+            f"{r['ratio_to_best']:.3f}",
+            "yes" if r["within_3pct"] else "no",
+        ]
+        for r in out["leval"]
+    ]
+    lines = [
+        f"`advise` against the engine's table (measured {out['machine']['date']} on {out['machine']['cpu']}; "
+        f"simulator on held-out episodes, goodput with no SLO missed = request throughput):",
+        "",
+        format_table(
+            [
+                "scenario",
+                "advise recommends",
+                "its engine tok/s",
+                "engine's best",
+                "best tok/s",
+                "ratio",
+                "within 3%",
+            ],
+            rows,
+        ),
+        "",
+    ]
+    for r in out["never_worse"]:
+        lines.append(
+            f"On `{r['scenario']}` (SLOs TTFT <= 5 s, TPOT <= 50 ms) `advise` recommends "
+            f"`{r['recommended']}` ({r['predicted_goodput_ratio']:.3f}x the default's goodput): {r['why']}."
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", default=None)
+    p.add_argument("--windows", type=int, default=4)
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--never-worse", default="sharegpt")
+    p.add_argument("--noise", type=float, default=0.03, help="advise's noise for part 1 (part 2 keeps 3%%)")
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    evaluation = json.loads((REPO / "results" / "evaluation.json").read_text())
+    out: dict[str, Any] = {
+        "benchmark": "advise_checks",
+        "machine": machine_info(),
+        "leval": [],
+        "never_worse": [],
+    }
+    for name in (s for s in args.scenarios.split(",") if s):
+        out["leval"].append(check_scenario(name, SCENARIOS[name], evaluation, args.windows, args.noise))
+        last = out["leval"][-1]
+        print(
+            f"  {name}: {last['recommended_label']} ({last['ratio_to_best']:.3f} of the engine's best)",
+            flush=True,
+        )
+    for name in (s for s in args.never_worse.split(",") if s):
+        for slos in (LOOSE, SLOS):
+            out["never_worse"].append(check_never_worse(name, args.windows, slos))
+    out["wall_s"] = time.perf_counter() - t0
+    print(render(out))
+    write_json(args.json, out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
