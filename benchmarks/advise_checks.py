@@ -163,9 +163,10 @@ def render(out: dict[str, Any]) -> str:
         "",
     ]
     for r in out["never_worse"]:
+        slos = ", ".join(f"{k} <= {v:g} ms" for k, v in r["slos_ms"].items())
         lines.append(
-            f"On `{r['scenario']}` (SLOs TTFT <= 5 s, TPOT <= 50 ms) `advise` recommends "
-            f"`{r['recommended']}` ({r['predicted_goodput_ratio']:.3f}x the default's goodput): {r['why']}."
+            f"- `{r['scenario']}` ({slos}): `advise` recommends `{r['recommended']}` "
+            f"({r['predicted_goodput_ratio']:.3f}x the default's goodput in the simulator): {r['why']}."
         )
     return "\n".join(lines)
 
