@@ -38,8 +38,11 @@ from feather_env.cluster_sim import ClusterResult, ClusterSim, distinct_document
 from feather_env.reporting import format_table, machine_info, write_json
 from feather_env.scenarios import load_scenario
 from feather_env.workloads import WorkloadConfig, load_workload
-from scheduler_runtime.router import ROUTERS, PrefixHasher, make_router
+from scheduler_runtime.router import PrefixHasher, make_router
 
+#: The routers compared here (the field's routers, also in ``scheduler_runtime.router.ROUTERS``, are
+#: ``benchmarks.router_peers``').
+ROUTERS = ("round-robin", "pow2", "prefix-hash", "prefix")
 TARGETS = {"vs_pow2": 1.3, "vs_prefix_hash": 1.05, "max_over_mean": 1.25}
 TARGET_REPLICAS = 16
 OURS = "prefix"

@@ -14,7 +14,12 @@ replica stops at the first engine step that reaches it, as a real engine finishe
 it sees a new request), the router chooses with the loads of that moment, and the request enters
 that replica's scheduler. After the last arrival every replica runs until it has served all of its
 requests. Each replica's scheduler answers its own ADD/STOP decisions with its policy (Feather's
-heuristic by default), as it does inside vLLM.
+heuristic by default), as it does inside vLLM. A router that reads the request's life
+(:attr:`~scheduler_runtime.router.ReplicaRouter.tracks_requests`: the field's routers) gets the
+prompt's length and the request's id with each choice, and hears of
+every first token (:meth:`~scheduler_runtime.router.ReplicaRouter.prefilled`) and finish
+(:meth:`~scheduler_runtime.router.ReplicaRouter.finished`) that happened before the next arrival,
+as a router watching the responses stream would.
 
 Every request is checked to be served exactly once with its tokens
 (:meth:`~feather_env.serving.ServingBackend.check_complete`, per replica).
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +46,7 @@ from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 from scheduler_runtime.router import PrefixHasher, ReplicaRouter
 from scheduler_runtime.schedulers import SchedulerConfig
 
-__all__ = ["ClusterResult", "ClusterSim", "ReplicaSim", "distinct_documents"]
+__all__ = ["ClusterResult", "ClusterSim", "ReplicaSim", "distinct_documents", "zipf_documents"]
 
 
 class ReplicaSim(SimBackend):
@@ -60,6 +65,8 @@ class ReplicaSim(SimBackend):
         #: The cluster's next event: the engine runs no further than the first step that reaches it.
         self.horizon = math.inf
         self.opened = False
+        #: ``(request_id, finished)`` for each first token (False) and finish (True), when recorded.
+        self.events: list[tuple[str, bool]] | None = None
 
     @property
     def next_arrival(self) -> float:
@@ -93,6 +100,17 @@ class ReplicaSim(SimBackend):
 
     def timelines_if_open(self) -> list[RequestTimeline]:
         return self.timelines() if self.opened else []
+
+    def _record_tokens(self, request_id: str, new_tokens: int, finished: bool, now: float,
+                       adv: Any) -> None:
+        events = self.events
+        if events is not None:
+            t = self._timelines.get(request_id)
+            if t is not None and new_tokens and math.isnan(t.first_token):
+                events.append((request_id, False))
+        super()._record_tokens(request_id, new_tokens, finished, now, adv)
+        if finished and events is not None:
+            events.append((request_id, True))
 
 
 @dataclass
@@ -161,11 +179,13 @@ class ClusterSim:
         return [ReplicaSim(name, self.engine, self.config, self.profile) for name in self.names]
 
     def run(self, workload: Workload | Sequence[Request], router: ReplicaRouter,
-            hasher: PrefixHasher | None = None) -> ClusterResult:
+            hasher: PrefixHasher | None = None, *,
+            goodput: Mapping[str, float] | None = None) -> ClusterResult:
         """Serve ``workload`` (arrival times as given) through ``router``.
 
         ``hasher``: the routing key (default: the replicas' CHT chunk size), computed only for a
-        router that reads it.
+        router that reads it. ``goodput``: SLOs in ms (``{"ttft": ..., "e2el": ...}``, vLLM's
+        ``--goodput``) for the metrics' ``request_goodput``.
 
         Raises:
             EngineError: a request was not served exactly once with its tokens.
@@ -176,23 +196,47 @@ class ClusterSim:
             hasher = PrefixHasher(self.config.chunk_size or DEFAULT_CHUNK_SIZE)
         replicas = self._replicas()
         by_name = {r.name: r for r in replicas}
+        tracks = router.tracks_requests
+        if tracks:
+            for replica in replicas:
+                replica.events = []
+
+        def tell(replica: ReplicaSim) -> None:  # what the router hears: first tokens and finishes
+            for rid, done in replica.events or ():
+                if done:
+                    router.finished(rid)
+                else:
+                    router.prefilled(rid)
+            if replica.events:
+                replica.events.clear()
+
         for request in requests:
             t = float(request.arrival_time)
             for replica in replicas:
                 replica.run_until(t)
+                if tracks:
+                    tell(replica)
             loads = {r.name: r.in_flight for r in replicas}
             hashes = hasher.hash(request.prompt_token_ids) if router.uses_hashes and hasher else None
-            name = router.choose(hashes, loads)
-            router.routed(hashes, name)
+            if tracks:
+                n = len(request.prompt_token_ids)
+                name = router.choose(hashes, loads, tokens=n)
+                router.routed(hashes, name, tokens=n, request_id=request.request_id)
+            else:
+                name = router.choose(hashes, loads)
+                router.routed(hashes, name)
             by_name[name].submit(request)
         for replica in replicas:
             replica.run_until(math.inf)
+            if tracks:
+                tell(replica)
             if replica.opened:
                 replica.check_complete()
         timelines = [t for r in replicas for t in r.timelines_if_open()]
         if len(timelines) != len(requests):
             raise RuntimeError(f"{len(requests)} requests routed, {len(timelines)} served")
-        return ClusterResult(router=router.name, replicas=len(replicas), metrics=serving_metrics(timelines),
+        return ClusterResult(router=router.name, replicas=len(replicas),
+                             metrics=serving_metrics(timelines, goodput=goodput),
                              requests_per_replica=[len(r.timelines_if_open()) for r in replicas],
                              router_state=router.state(), wall_s=time.perf_counter() - start)
 
@@ -227,6 +271,34 @@ def distinct_documents(pool: Workload, documents: int, seed: int,
         copy += 1
     picked = [picked[i] for i in rng.permutation(len(picked))]
     return Workload(f"{pool.name}/documents{documents}@{seed}", tuple(picked))
+
+
+def zipf_documents(pool: Workload, documents: int, requests: int, s: float, seed: int) -> Workload:
+    """``requests`` questions over ``documents`` documents of Zipf popularity: the document of rank
+    ``k`` (1 = the hottest; ranks drawn at random) is asked with probability ``~ 1 / k**s``.
+
+    The documents are :func:`distinct_documents`' (copies past the pool's own); each request is one of
+    its document's questions drawn with replacement (a hot document's questions come back, under new
+    ids ``ID~j``), in a random order.
+    """
+    if requests < 1 or s < 0:
+        raise ValueError("requests must be >= 1 and s >= 0")
+    docs = list(distinct_documents(pool, documents, seed).groups().values())
+    rng = np.random.default_rng(seed + 7919)
+    weights = 1.0 / np.arange(1, len(docs) + 1, dtype=float) ** s
+    rank_of = rng.permutation(len(docs))  # document i has rank rank_of[i] + 1
+    p = weights[rank_of]
+    picks = rng.choice(len(docs), size=requests, p=p / p.sum())
+    used: dict[str, int] = {}
+    out: list[Request] = []
+    for g in picks:
+        members = docs[g]
+        r = members[int(rng.integers(len(members)))]
+        j = used.get(r.request_id, 0)
+        used[r.request_id] = j + 1
+        out.append(r if j == 0 else Request(f"{r.request_id}~{j}", r.prompt_token_ids, r.prefix_group,
+                                            r.output_len, r.arrival_time, r.source, r.meta))
+    return Workload(f"{pool.name}/zipf{s:g}-documents{documents}-requests{requests}@{seed}", tuple(out))
 
 
 def _copy(request: Request, k: int, step: int) -> Request:

@@ -247,7 +247,7 @@ BLOCKS: dict[str, Block] = {
     "scheduler_overhead_group": _result("scheduler_overhead_group", "scheduler_overhead"),
     "scheduler_overhead_retain": _result("scheduler_overhead_retain", "scheduler_overhead"),
     **{name: _result(name) for name in ("endpoint_agreement", "evaluation", "load_matched",
-                                        "policy_agreement")},
+                                        "policy_agreement", "router_peers")},
     "load_matched_headline": Block("README.md", from_json("load_matched.json", "benchmarks.load_matched",
                                                           "render_headline")),
     "env_manual": Block("docs/env.md", render_env_manual),

@@ -1,0 +1,356 @@
+"""The field's routers (scheduler_runtime/router.py): SGLang's cache_aware, Ray Serve's prefix affinity,
+LMetric and Dynamo's KV router on hand-made situations, their shared state (the per-replica prefix
+history, the request ledger), ours with token loads, and properties over random runs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scheduler_runtime.router import (
+    PEERS,
+    ROUTERS,
+    DynamoKvRouter,
+    LMetricRouter,
+    PrefixAffinityRouter,
+    PrefixHasher,
+    PrefixHistory,
+    RayPrefixAffinityRouter,
+    RequestLedger,
+    SGLangCacheAwareRouter,
+    make_router,
+)
+
+CHUNK = 8
+HASHER = PrefixHasher(CHUNK)
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+RNG = np.random.default_rng(7)
+DOC = RNG.integers(3, 500, 4 * CHUNK)  # a 4-chunk document
+OTHER = RNG.integers(3, 500, 4 * CHUNK)
+
+
+def h(tokens) -> np.ndarray:
+    return HASHER.hash(np.asarray(tokens))
+
+
+def with_question(doc, n_chunks: int, question=(7, 8, 9)) -> np.ndarray:
+    """The first ``n_chunks`` chunks of ``doc`` and a question (a partial chunk)."""
+    return np.concatenate([doc[: n_chunks * CHUNK], np.array(question)])
+
+
+# ------------------------------------------------------------------------------ shared state
+
+
+def test_history_matches_whole_chunks_per_replica_and_sizes_trees():
+    hist = PrefixHistory(CHUNK)
+    hist.insert(h(DOC), "a")  # 4 chunks
+    hist.insert(h(DOC[: 2 * CHUNK]), "b")  # the first 2
+    assert hist.match(h(with_question(DOC, 4))) == {"a": 4, "b": 2}
+    assert hist.match(h(with_question(DOC, 1))) == {"a": 1, "b": 1}
+    assert hist.match(h(OTHER)) == {}
+    assert hist.size == {"a": 4 * CHUNK, "b": 2 * CHUNK}
+    hist.insert(h(DOC[:CHUNK + 3]), "c", tokens=CHUNK + 3)  # a partial last chunk counts its tokens
+    assert hist.size["c"] == CHUNK + 3
+    hist.forget("a")
+    assert hist.match(h(DOC)) == {"b": 2, "c": 1}
+
+
+def test_history_evicts_least_recent_deepest_first():
+    hist = PrefixHistory(CHUNK, max_tokens=5 * CHUNK)
+    hist.insert(h(DOC), "a")  # 4 chunks
+    hist.insert(h(OTHER[:2 * CHUNK]), "a")  # 2 more: 6 > 5, the oldest leaf goes (DOC's 4th chunk)
+    assert hist.size["a"] == 5 * CHUNK
+    assert hist.match(h(DOC)) == {"a": 3}
+    assert hist.match(h(OTHER)) == {"a": 2}
+
+
+def test_ledger_keeps_prefill_and_kv_tokens_until_the_request_is_done():
+    ledger = RequestLedger()
+    keys = h(DOC).tolist()
+    ledger.add("q1", "a", 32, keys, [CHUNK] * 4)
+    ledger.add("q2", "a", 8, keys, [CHUNK] * 4)  # the same document: its KV counted once
+    assert (ledger.pending["a"], ledger.kv["a"]) == (40, 32)
+    ledger.prefilled("q1")
+    ledger.prefilled("q1")  # twice is once
+    assert (ledger.pending["a"], ledger.kv["a"], ledger.load("a")) == (8, 32, 40)
+    ledger.finished("q1")
+    assert ledger.kv["a"] == 32  # q2 still holds the document
+    assert ledger.active_overlap(keys[:2], [CHUNK, CHUNK]) == {"a": 16}
+    ledger.finished("q2")  # never prefilled: its pending tokens go with it
+    assert ledger.pending["a"] == 0 and ledger.kv["a"] == 0
+    ledger.finished("unknown")
+    ledger.add("q3", "a", 32, keys, [CHUNK] * 4)
+    ledger.add("q3", "b", 32, keys, [CHUNK] * 4)  # routed again (a retry): only the second counts
+    assert (ledger.load("a"), ledger.load("b")) == (0, 64)
+    ledger.forget("b")
+    assert ledger.load("b") == 0 and not ledger._requests
+
+
+# ------------------------------------------------------------------------------ SGLang cache_aware
+
+
+def test_sglang_defaults_are_the_0_3_router_args():
+    r = SGLangCacheAwareRouter()
+    assert (r.cache_threshold, r.balance_abs_threshold, r.balance_rel_threshold) == (0.3, 64, 1.5)
+
+
+def test_sglang_imbalance_goes_to_the_shortest_queue():
+    r = SGLangCacheAwareRouter(chunk_size=CHUNK)
+    r.routed(h(DOC), "a")
+    follow = h(with_question(DOC, 4))
+    assert r.choose(follow, {"a": 100, "b": 0, "c": 50}) == "b"  # 100 - 0 > 64 and 100 > 1.5 * 0
+    assert r.choose(follow, {"a": 100, "b": 70, "c": 90}) == "a"  # 30 <= 64: balanced, cache
+    assert r.choose(follow, {"a": 130, "b": 100, "c": 90}) == "a"  # 40 <= 64
+    assert r.choose(follow, {"a": 200, "b": 134, "c": 140}) == "a"  # 66 > 64 but 200 < 1.5 * 134
+    assert r.state()["shortest_queue"] == 1
+
+
+def test_sglang_match_above_threshold_goes_to_the_matched_worker():
+    r = SGLangCacheAwareRouter(cache_threshold=0.5, chunk_size=CHUNK)
+    r.routed(h(DOC), "a")  # a's tree: 4 chunks
+    r.routed(h(DOC[:CHUNK]), "b")  # b's: the first chunk
+    loads = {"a": 3, "b": 0, "c": 1}
+    prompt = with_question(DOC, 3)  # 24 of its 27 tokens are in a's tree, 8 in b's
+    assert r.choose(h(prompt), loads, tokens=len(prompt)) == "a"
+    # without a: b's 8 of 27 tokens <= 0.5, so the smallest tree, c's (empty)
+    assert r.choose(h(prompt), loads, tokens=len(prompt), avoid={"a"}) == "c"
+    r.routed(h(DOC[:CHUNK]), "c")  # now b and c both hold one chunk; c was sent it last
+    short = with_question(DOC, 1)  # a, b and c hold its first chunk: 8 of 11 tokens, 0.73 > 0.5
+    assert r.choose(h(short), loads, tokens=len(short)) == "c"  # the one sent it last
+
+
+def test_sglang_low_match_goes_to_the_smallest_tree():
+    r = SGLangCacheAwareRouter(cache_threshold=0.5, chunk_size=CHUNK)
+    r.routed(h(DOC), "a")
+    r.routed(h(OTHER[:CHUNK]), "b")
+    loads = {"a": 3, "b": 0, "c": 1}
+    long_question = tuple(range(20, 20 + 2 * CHUNK))
+    low = h(with_question(DOC, 1, long_question))  # 8 of 24 tokens: 0.33 <= 0.5
+    assert r.choose(low, loads) == "c"  # the empty tree, though b's queue is shorter
+    assert r.choose(low, loads, avoid={"c"}) == "b"  # then the next smallest
+    exact = h(DOC[:CHUNK * 2])  # 16 of 16 = 1.0 > 0.5
+    assert r.choose(exact, loads) == "a"
+    assert r.state() == {"smallest_tree": 2, "cache_hit": 1}
+
+
+# ------------------------------------------------------------------------------ Ray Serve
+
+
+def test_ray_defaults_are_ray_2_60s():
+    r = RayPrefixAffinityRouter()
+    assert (r.imbalanced_threshold, r.match_rate_threshold) == (math.inf, 0.1)
+
+
+def test_ray_match_tier_takes_the_shortest_queue_among_the_best_matches():
+    r = RayPrefixAffinityRouter(chunk_size=CHUNK)
+    r.routed(h(DOC), "a")
+    r.routed(h(DOC), "b")
+    r.routed(h(DOC[:CHUNK]), "c")  # c holds less of it
+    follow = h(with_question(DOC, 4))
+    assert r.choose(follow, {"a": 5, "b": 2, "c": 0, "d": 0}) == "b"
+    assert r.choose(follow, {"a": 2, "b": 2, "c": 0, "d": 0}) == "a"  # a tie: the first
+    assert r.choose(follow, {"a": 500, "b": 2, "c": 0, "d": 0}) == "b"  # imbalance is never checked at inf
+
+
+def test_ray_low_match_tier_takes_the_smallest_trees_then_the_shortest_queue():
+    r = RayPrefixAffinityRouter(match_rate_threshold=0.5, chunk_size=CHUNK)
+    r.routed(h(DOC), "a")
+    r.routed(h(OTHER[:CHUNK]), "b")
+    loads = {"a": 0, "b": 0, "c": 4, "d": 3}
+    new = h(RNG.integers(3, 500, 3 * CHUNK))
+    assert r.choose(new, loads) == "d"  # c and d have empty trees; d's queue is shorter
+    low = h(with_question(DOC, 1, tuple(range(20, 20 + 2 * CHUNK))))  # 8 of 24 tokens < 0.5
+    assert r.choose(low, loads) == "d"
+    high = h(DOC[:3 * CHUNK])  # 24 of 24
+    assert r.choose(high, loads) == "a"
+    assert r.state() == {"smallest_tree": 2, "match": 1}
+
+
+def test_ray_imbalance_falls_back_to_power_of_two():
+    r = RayPrefixAffinityRouter(imbalanced_threshold=4, chunk_size=CHUNK, seed=0)
+    r.routed(h(DOC), "a")
+    follow = h(with_question(DOC, 4))
+    assert {r.choose(follow, {"a": 10, "b": 0}) for _ in range(10)} == {"b"}  # 10 - 0 > 4: pow2
+    assert r.choose(follow, {"a": 4, "b": 0}) == "a"  # 4 - 0 <= 4: the prefix
+    assert r.state()["pow2"] == 10
+
+
+# ------------------------------------------------------------------------------ LMetric
+
+
+def test_lmetric_picks_the_smallest_product():
+    r = LMetricRouter(chunk_size=CHUNK)
+    r.routed(h(DOC[:3 * CHUNK]), "a")  # a holds 3 of the prompt's 4 chunks
+    prompt = h(DOC)  # 32 tokens: 8 new on a, 32 elsewhere
+    assert r.choose(prompt, {"a": 5, "b": 0}) == "b"  # 8 x 6 = 48 > 32 x 1
+    assert r.choose(prompt, {"a": 2, "b": 0}) == "a"  # 8 x 3 = 24 < 32
+    assert r.choose(prompt, {"a": 3, "b": 0}) == "b"  # 32 = 32: the less loaded
+    assert r.choose(prompt, {"a": 2, "b": 0}, avoid={"a"}) == "b"
+
+
+@given(loads=st.dictionaries(st.sampled_from("abcdef"), st.integers(0, 30), min_size=1),
+       sent=st.lists(st.tuples(st.integers(1, 4), st.sampled_from("abcdef")), max_size=8))
+@SETTINGS
+def test_lmetric_choice_minimises_its_score(loads, sent):
+    r = LMetricRouter(chunk_size=CHUNK)
+    for chunks, replica in sent:
+        r.routed(h(DOC[:chunks * CHUNK]), replica)
+    prompt = h(with_question(DOC, 4))
+    n, held = r._match(prompt, None)
+    choice = r.choose(prompt, loads)
+    assert r.score(choice, n, held, loads) == min(r.score(x, n, held, loads) for x in loads)
+
+
+# ------------------------------------------------------------------------------ Dynamo
+
+
+def test_dynamo_picks_the_lowest_cost_through_the_requests_life():
+    r = DynamoKvRouter(chunk_size=CHUNK, block_size=CHUNK, seed=0)
+    r.routed(h(DOC), "a", tokens=32, request_id="q1")  # a: 32 pending prefill tokens, 32 KV tokens
+    prompt = with_question(DOC, 3, tuple(range(20, 28)))  # 32 tokens, 24 of them a's
+    hashes, loads = h(prompt), {"a": 1, "b": 0}
+    # a: 1.0 x (32 + 8) / 8 + (32 + 8) / 8 = 10;  b: 32 / 8 + 32 / 8 = 8
+    assert r.costs(hashes, loads, loads, 32) == {"a": 10.0, "b": 8.0}
+    assert r.choose(hashes, loads, tokens=32) == "b"
+    r.prefilled("q1")  # a: 8 / 8 + 40 / 8 = 6
+    assert r.costs(hashes, loads, loads, 32)["a"] == 6.0
+    assert r.choose(hashes, loads, tokens=32) == "a"
+    r.finished("q1")  # a: 1 + 32 / 8 = 5 (its cache stays in the history)
+    assert r.costs(hashes, loads, loads, 32)["a"] == 5.0
+    heavy = DynamoKvRouter(overlap_score_weight=0.0, chunk_size=CHUNK, block_size=CHUNK)
+    heavy.routed(h(DOC), "a", tokens=32, request_id="q1")
+    assert heavy.choose(hashes, loads, tokens=32) == "b"  # weight 0: the KV in flight alone (5 > 4)
+
+
+@given(loads=st.dictionaries(st.sampled_from("abcdef"), st.integers(0, 30), min_size=1),
+       sent=st.lists(st.tuples(st.integers(1, 4), st.sampled_from("abcdef"), st.booleans()), max_size=8),
+       weight=st.sampled_from([0.0, 0.5, 1.0, 2.0]))
+@SETTINGS
+def test_dynamo_choice_minimises_its_cost(loads, sent, weight):
+    r = DynamoKvRouter(overlap_score_weight=weight, chunk_size=CHUNK, seed=1)
+    for i, (chunks, replica, done) in enumerate(sent):
+        r.routed(h(DOC[:chunks * CHUNK]), replica, tokens=chunks * CHUNK, request_id=str(i))
+        if done:
+            r.prefilled(str(i))
+    prompt = with_question(DOC, 4)
+    costs = r.costs(h(prompt), loads, loads, len(prompt))
+    assert costs[r.choose(h(prompt), loads, tokens=len(prompt))] == pytest.approx(min(costs.values()))
+
+
+# ------------------------------------------------------------------------------ ours, new options
+
+
+def test_ours_smallest_sends_a_new_document_to_the_replica_sent_the_fewest_tokens():
+    r = PrefixAffinityRouter(load_factor=1.25, new_prefix="smallest", chunk_size=CHUNK)
+    r.routed(h(DOC), "a")
+    r.routed(h(OTHER[:CHUNK]), "b")
+    new = h(RNG.integers(3, 500, 2 * CHUNK))
+    assert r.choose(new, {"a": 0, "b": 0, "c": 2}) == "c"  # under the bound, 3
+    assert r.choose(new, {"a": 0, "b": 0, "c": 50}) == "b"  # c is past the bound
+    assert r.sent_tokens == {"a": 32, "b": 8}
+
+
+def test_ours_defaults_are_the_tuned_setting():
+    r = PrefixAffinityRouter()
+    assert (r.load_factor, r.slack, r.new_prefix, r.min_match) == (5.0, 2, "least", 0.1)
+    assert not r.tracks_requests  # what the Ray Serve router can feed it: hashes and requests in flight
+
+
+def test_ours_min_match_does_not_follow_a_shared_preamble():
+    r = PrefixAffinityRouter(min_match=0.3, new_prefix="smallest", chunk_size=CHUNK)
+    r.routed(h(DOC), "a")
+    loads = {"a": 0, "b": 0}
+    sibling = np.concatenate([DOC[:CHUNK], OTHER[:3 * CHUNK]])  # another document, the same first chunk
+    assert r.choose(h(sibling), loads, tokens=32) == "b"  # 8 of 32 tokens known < 0.3: a new prefix
+    follow = with_question(DOC, 4)
+    assert r.choose(h(follow), loads, tokens=len(follow)) == "a"  # 32 of 35
+    plain = PrefixAffinityRouter(min_match=0.0, chunk_size=CHUNK)
+    plain.routed(h(DOC), "a")
+    assert plain.choose(h(sibling), loads) == "a"  # min_match=0: any known prefix is followed
+    assert r.state()["new"] == 1
+    with pytest.raises(ValueError, match="min_match"):
+        PrefixAffinityRouter(min_match=1.5)
+
+
+# ------------------------------------------------------------------------------ every router
+
+
+@pytest.mark.parametrize("name", sorted(ROUTERS))
+@given(events=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5), st.integers(1, 40),
+                                 st.lists(st.sampled_from("abcdefgh"), max_size=3)), min_size=1, max_size=40),
+       names=st.lists(st.sampled_from("abcdefgh"), min_size=1, max_size=8, unique=True))
+@SETTINGS
+def test_every_router_returns_an_allowed_replica_over_a_run(name, events, names):
+    """Requests arrive (chosen, routed with their length and id), are prefilled or finish, in any
+    order: every choice is a candidate, outside ``avoid`` unless nothing else is left."""
+    router = make_router(name, **({"chunk_size": CHUNK} if name in PEERS else {}))
+    loads = dict.fromkeys(names, 0)
+    live: list[tuple[str, str]] = []
+    for i, (kind, doc, question, avoid) in enumerate(events):
+        if kind == 1 and live:
+            router.prefilled(live[0][0])
+            continue
+        if kind == 2 and live:
+            rid, replica = live.pop()
+            router.finished(rid)
+            loads[replica] -= 1
+            continue
+        prompt = np.concatenate([np.random.default_rng(doc).integers(3, 500, CHUNK * (1 + doc % 3)),
+                                 np.arange(question) + 600])
+        hashes = h(prompt)
+        choice = router.choose(hashes, loads, set(avoid), tokens=len(prompt))
+        assert choice in loads
+        if set(loads) - set(avoid):
+            assert choice not in avoid
+        router.routed(hashes, choice, tokens=len(prompt), request_id=str(i))
+        loads[choice] += 1
+        live.append((str(i), choice))
+
+
+@pytest.mark.parametrize("name", PEERS)
+def test_a_peer_forgets_a_dead_replica(name):
+    router = make_router(name, chunk_size=CHUNK)
+    router.routed(h(DOC), "a", tokens=32, request_id="q1")
+    router.forget("a")
+    assert router.history.match(h(DOC)) == {} and router.ledger.load("a") == 0
+    assert router.choose(h(DOC), {"b": 0, "c": 0}) in {"b", "c"}
+
+
+# ------------------------------------------------------------------------------ in the simulator
+
+SMALL = {"episode": {"groups": 6, "max_per_group": 4, "arrival": "poisson:4"},
+         "workload": {"max_prompt_tokens": 2048}, "engine": {"kv_cache_gib": 0.03}}
+
+
+@pytest.mark.parametrize("name", PEERS)
+def test_the_simulator_tells_a_router_every_first_token_and_finish(data_dir, name):
+    from feather_env.cluster_sim import ClusterSim
+    from feather_env.scenarios import load_scenario
+
+    scenario = load_scenario("leval-kv-pressure", SMALL)
+    workload = scenario.episode_workload(0)
+    router = make_router(name)
+    result = ClusterSim(3, scenario.engine_config()).run(workload, router)
+    assert result.metrics["completed"] == len(workload)
+    ledger = router.ledger
+    assert not ledger._requests and not ledger._active  # every request routed, prefilled and finished
+    assert set(ledger.pending.values()) <= {0} and set(ledger.kv.values()) <= {0}
+
+
+def test_zipf_documents_skews_popularity_over_the_same_documents(data_dir):
+    from feather_env.cluster_sim import distinct_documents, zipf_documents
+    from feather_env.scenarios import load_scenario
+
+    pool = load_scenario("leval-kv-pressure", SMALL).pool
+    uniform = distinct_documents(pool, 40, seed=3)
+    zipf = zipf_documents(pool, 40, 400, 1.1, seed=3)
+    assert len(zipf) == 400 and len({r.request_id for r in zipf}) == 400
+    assert {r.prefix_group for r in zipf} <= {r.prefix_group for r in uniform}
+    counts = sorted(np.unique([r.prefix_group for r in zipf], return_counts=True)[1], reverse=True)
+    assert counts[0] > 400 * 0.1 > counts[len(counts) // 2]  # the hottest ~1/H(40, 1.1) of them
+    with pytest.raises(ValueError):
+        zipf_documents(pool, 4, 0, 1.1, seed=0)
