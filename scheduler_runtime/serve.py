@@ -100,7 +100,7 @@ def vllm_arguments(argv: Sequence[str] | None = None) -> tuple[list[str], dict[s
 def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], argparse.Namespace]:
     """:func:`vllm_arguments`, and the cluster options (``--replicas`` ...), checked."""
     from scheduler_runtime.config import ConfigError, load_mapping
-    from scheduler_runtime.schedulers import ADDITIONAL_CONFIG_KEY, SchedulerConfig, check_scheduler, resolve
+    from scheduler_runtime.schedulers import ADDITIONAL_CONFIG_KEY, check_scheduler, resolve
 
     parser = argparse.ArgumentParser(
         prog="feather-serve", description=__doc__.split("\n\n")[0],
@@ -134,7 +134,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], argpa
         if ours.scheduler_config:
             overrides = load_mapping(ours.scheduler_config)
             overrides.pop("name", None)  # --scheduler names it
-        check_scheduler(ours.scheduler, **overrides)  # loads the policy and predictor, as the engine will
+        # loads the policy and predictor, as the engine will
+        checked = check_scheduler(ours.scheduler, **overrides)
     except ConfigError as exc:
         parser.error(str(exc))
     use_async = _cuda_available() if ours.async_scheduling is None else ours.async_scheduling
@@ -142,7 +143,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], argpa
     additional[ADDITIONAL_CONFIG_KEY] = scheduler_config
 
     args = list(rest)
-    budget = SchedulerConfig.for_name(ours.scheduler).max_num_batched_tokens  # NAME@TOKENS
+    budget = checked.max_num_batched_tokens  # NAME@TOKENS
     if budget is not None:
         given = _flag_value(args, "--max-num-batched-tokens", str(budget))
         if given != str(budget):

@@ -75,6 +75,8 @@ PROFILE_DIR = REPO_ROOT / "configs" / "profiles"
 MAX_PROFILE_ERROR = 0.10
 DEFAULT_CAPS = (1, 2, 3, 4, 6, 8)
 DEFAULT_BUDGETS = (256, 512, 1024, 2048, 4096, 8192)
+#: vLLM's default on a scenario's engine: its own fcfs scheduler at the engine's token budget.
+DEFAULT_SCHEDULER = "fcfs"
 #: Settings whose goodput is within this fraction of the best are equally good: the simplest is chosen.
 TIE = 0.005
 #: The metrics a candidate's row reports (``vllm bench serve``'s names), averaged over windows.
@@ -157,11 +159,6 @@ class AdviseConfig:
         return d
 
 
-def default_name(scenario: Scenario) -> str:
-    """vLLM's default on the scenario's engine: its own fcfs scheduler at the engine's token budget."""
-    return "fcfs"
-
-
 def candidate_names(scenario: Scenario, config: AdviseConfig) -> list[str]:
     """Every setting the search serves: base name x budget (the engine's own budget is the plain name).
 
@@ -181,8 +178,8 @@ def candidate_names(scenario: Scenario, config: AdviseConfig) -> list[str]:
         SchedulerConfig.for_name(base)  # unknown names fail here, before anything is served
         for budget in budgets:
             names.append(base if budget == engine_budget else with_budget(base, budget))
-    if default_name(scenario) not in names:
-        names.insert(0, default_name(scenario))
+    if DEFAULT_SCHEDULER not in names:
+        names.insert(0, DEFAULT_SCHEDULER)
     return names
 
 
@@ -235,7 +232,7 @@ def search(
         if progress is not None:
             progress(len(first))
     ranked = sorted(rows, key=lambda n: -(rows[n]["request_goodput"] or 0.0))
-    default = default_name(scenario)
+    default = DEFAULT_SCHEDULER
     short = [n for n in ranked if n != default][: config.shortlist] + [default]
     rest = seeds[config.search_windows :]
     for name in short:
@@ -251,24 +248,24 @@ def search(
 
 
 # -- what the search found -------------------------------------------------------------------------
+def _ratio(a: float | None, b: float | None) -> float:
+    """Goodput ``a`` over ``b`` (``None`` is 0; both 0 is 1; over 0 is infinite)."""
+    a, b = a or 0.0, b or 0.0
+    return 1.0 if a == b == 0 else (a / b if b > 0 else math.inf)
+
+
 def _ratios(row: Mapping[str, Any], default: Mapping[str, Any]) -> list[float]:
-    """Per window: the row's goodput over the default's (a window where both are 0 counts as 1)."""
-    out = []
-    for w, d in zip(row["windows"], default["windows"], strict=True):
-        a, b = w["request_goodput"] or 0.0, d["request_goodput"] or 0.0
-        out.append(1.0 if a == b == 0 else (a / b if b > 0 else math.inf))
-    return out
+    """Per window: the row's goodput over the default's."""
+    return [_ratio(w["request_goodput"], d["request_goodput"])
+            for w, d in zip(row["windows"], default["windows"], strict=True)]
 
 
 def hindsight(rows: Mapping[str, Mapping[str, Any]], best: str) -> dict[str, Any]:
     """How much a choice per window could still win: per window, the best goodput of any setting
     served on every window over the best constant setting's; the mean and the largest."""
     full = [r for r in rows.values() if r["stage"] == "every window"]
-    gains = []
-    for i, w in enumerate(rows[best]["windows"]):
-        top = max(r["windows"][i]["request_goodput"] or 0.0 for r in full)
-        base = w["request_goodput"] or 0.0
-        gains.append(top / base if base > 0 else (1.0 if top == 0 else math.inf))
+    gains = [_ratio(max(r["windows"][i]["request_goodput"] or 0.0 for r in full), w["request_goodput"])
+             for i, w in enumerate(rows[best]["windows"])]
     finite = [g for g in gains if math.isfinite(g)]
     return {
         "mean_gain": float(np.mean(finite)) if finite else None,
@@ -278,27 +275,23 @@ def hindsight(rows: Mapping[str, Mapping[str, Any]], best: str) -> dict[str, Any
     }
 
 
-def reuse_available(scenario: Scenario, seeds: Sequence[int]) -> dict[str, float]:
-    """The prompt tokens a perfect prefix cache would serve in the windows (mean share), and a cache of
-    the engine's KV size, evicting least recently used (what any scheduler could capture at best)."""
+def window_facts(scenario: Scenario, seeds: Sequence[int]) -> tuple[dict[str, float], float]:
+    """What the windows offer whatever serves them, each window built once: the share of prompt tokens
+    a perfect prefix cache would serve and one of the engine's KV size, evicting least recently used
+    (what any scheduler could capture at best), means over the windows; and the requests per second
+    arriving (mean: no scheduler's goodput is above it)."""
     block = scenario.engine.block_size
-    perfect, lru = [], []
+    perfect, lru, rates = [], [], []
     for seed in seeds:
         w = scenario.episode_workload(int(seed))
         total = sum(r.prompt_len for r in w)
         perfect.append(w.cached_prompt_tokens(block) / total)
         lru.append(w.cached_prompt_tokens(block, capacity_tokens=scenario.kv_capacity_tokens) / total)
-    return {"perfect_cache": float(np.mean(perfect)), "engine_sized_cache": float(np.mean(lru))}
-
-
-def offered_rate(scenario: Scenario, seeds: Sequence[int]) -> float:
-    """Requests per second arriving in the windows (mean): no scheduler's goodput is above it."""
-    rates = []
-    for seed in seeds:
-        times = [r.arrival_time for r in scenario.episode_workload(int(seed))]
+        times = [r.arrival_time for r in w]
         span = max(times) - min(times)
         rates.append(len(times) / span if span > 0 else math.inf)
-    return float(np.mean(rates))
+    reuse = {"perfect_cache": float(np.mean(perfect)), "engine_sized_cache": float(np.mean(lru))}
+    return reuse, float(np.mean(rates))
 
 
 def what_if(
@@ -546,10 +539,8 @@ def confirm(
     runs, _ = evaluate_in_process(workload, cfg, progress=False, log=log, backend=backend)
     out: dict[str, Any] = {"seed": config.seeds[0], "repeats": config.repeats, "runs": {}}
     for name, run in zip(cfg.schedulers, runs, strict=True):
-        per = run.extra.get("repeats", {}).get("request_goodput") or [
-            serving_metrics(run.timelines, goodput=config.slos)["request_goodput"]
-        ]
         m = serving_metrics(run.timelines, goodput=config.slos)
+        per = run.extra.get("repeats", {}).get("request_goodput") or [m["request_goodput"]]
         out["runs"][name] = {
             "request_goodput_per_run": per,
             "request_goodput": statistics.median(per),
@@ -579,7 +570,7 @@ def advise(
     out = Path(out_dir)
     t0 = time.perf_counter()
     names = candidate_names(scenario, config)  # every name checked before an engine starts
-    default = default_name(scenario)
+    default = DEFAULT_SCHEDULER
     if config.profile is not None:
         from feather_env.calibrate import load_profile
 
@@ -607,8 +598,7 @@ def advise(
     )
     with tqdm(total=total, desc="advise: simulated windows", disable=not progress, unit="window") as bar:
         rows = search(scenario, config, profile, progress=bar.update)
-    reuse = reuse_available(scenario, config.seeds)
-    offered = offered_rate(scenario, config.seeds)
+    reuse, offered = window_facts(scenario, config.seeds)
     rec = recommend(rows, default, config.noise, offered, reuse)
     rec["serve_command"] = serve_command(scenario, rec["scheduler"])
     best = rec["best_searched"]
