@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 from typing import Any
 
+from agents.envs import make_env
 from agents.run_config import RunConfig, parse_config
 
 __all__ = ["learn_parallel_tabular"]
@@ -20,7 +21,6 @@ def _tabular_worker(conn: Any, config: dict[str, Any], agent_name: str, rank: in
     its state and the infos of the episodes it finished."""
     from agents.callbacks import InfoCollector
     from agents.registry import make_agent
-    from agents.training import make_env
 
     cfg = parse_config(config, agent_name, where="worker config")
     env = make_env(cfg)

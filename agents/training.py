@@ -48,47 +48,20 @@ import json
 import re
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from agents.envs import EnvFactory, make_env
 from agents.parallel import learn_parallel_tabular
-from agents.run_config import ORDERING_REFERENCES, REFERENCES, RunConfig, parse_config
+from agents.run_config import ORDERING_REFERENCES, REFERENCES, RunConfig
 from scheduler_runtime.config import ConfigError, load_mapping, load_yaml
 
 __all__ = ["TrainResult", "comparison_table", "make_env", "reference_policy", "run"]
 
 # -- environments -------------------------------------------------------------------------------
-def make_env(cfg: RunConfig, backend: Any = None, *, scheduler: str | None = None) -> Any:
-    """A raw ``FeatherEnv`` for the run (``backend``: a backend object to share, else the config's;
-    ``scheduler``: another ordering than the config's, for a reference agent)."""
-    from feather_env.env import FeatherEnv, ScenarioMix
-
-    e = asdict(cfg.env)
-    profile = e.pop("profile")
-    if scheduler is not None:  # a reference: its own decision
-        e["scheduler"], e["decision"], e["extended_obs"] = scheduler, None, False
-    backend = backend if backend is not None else cfg.train.backend
-    name = cfg.scenario["name"]
-    if isinstance(name, list | tuple):  # a mix: one environment per scenario, one drawn per episode
-        return ScenarioMix(list(name), backend, scenario_overrides=cfg.scenario_overrides, profile=profile,
-                           **e)
-    return FeatherEnv(name, backend, scenario_overrides=cfg.scenario_overrides, profile=profile, **e)
-
-
-class EnvFactory:
-    """Picklable ``FeatherEnv`` factory for a worker process (it builds its own backend)."""
-
-    def __init__(self, config: dict[str, Any], agent: str) -> None:
-        self.config = config
-        self.agent = agent
-
-    def __call__(self) -> Any:
-        return make_env(parse_config(self.config, self.agent, where="worker config"))
-
-
 def reference_policy(name: str, env: Any, seed: int = 0) -> Any:
     """The decision-answering object of reference ``name`` (see :data:`REFERENCES`) for ``env``."""
     from agents.registry import make_agent

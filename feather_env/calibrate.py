@@ -49,20 +49,25 @@ from typing import Any
 
 import numpy as np
 
-from feather_env.engines.vllm_engine import REPO_ROOT, EngineConfig, use_in_process_engine
+from feather_env.engines.vllm_engine import EngineConfig, use_in_process_engine
 from feather_env.hostload import ForeignLoad, pinned_cores
 from feather_env.records import StepRequest
 from feather_env.reporting import machine_info, write_json
 from feather_env.scenarios import Scenario, load_scenario
 from feather_env.serving import env_scheduler_config
 from feather_env.serving_metrics import serving_metrics
-from feather_env.step_model import FEATURE_NAMES, StepCostModel, fit_step_model, step_features
+from feather_env.step_model import (
+    DEFAULT_PROFILE,
+    FEATURE_NAMES,
+    PROFILE_VERSION,
+    fit_step_model,
+    load_profile,
+    step_features,
+)
 
-__all__ = ["CALIBRATION_PLAN", "PROFILE_VERSION", "VALIDATION_PLAN", "EpisodeSpec", "load_profile", "main",
-           "scenario_plan"]
+__all__ = ["CALIBRATION_PLAN", "DEFAULT_PROFILE", "PROFILE_VERSION", "VALIDATION_PLAN", "EpisodeSpec",
+           "load_profile", "main", "scenario_plan"]
 
-PROFILE_VERSION = 2
-DEFAULT_PROFILE = REPO_ROOT / "configs" / "profiles" / "cpu-tiny-llama.json"
 #: Episodes during which other processes used more than this share of the machine are re-run.
 MAX_FOREIGN_LOAD = 0.10
 
@@ -135,29 +140,6 @@ def scenario_plan(scenario: str, episodes: int = 1, *, validation: bool = False,
     name = Path(scenario).stem
     return tuple(EpisodeSpec(scenario, s, first + i * len(schedulers) + j, {}, f"{name}-{s}-{i}")
                  for i in range(episodes) for j, s in enumerate(schedulers))
-
-
-def load_profile(path: str | Path | None = None) -> dict[str, Any]:
-    """Read and check a profile JSON (default: the shipped CPU profile); clear errors on bad files."""
-    from scheduler_runtime.config import ConfigError
-
-    path = Path(path or DEFAULT_PROFILE)
-    if not path.is_file():
-        raise ConfigError(f"simulator profile not found: {path} "
-                          "(make one with `python -m feather_env.calibrate --out PATH`)")
-    try:
-        profile = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: malformed profile JSON: {exc}") from None
-    if not isinstance(profile, dict) or profile.get("version") != PROFILE_VERSION:
-        got = profile.get("version") if isinstance(profile, dict) else None
-        raise ConfigError(f"{path}: profile version {got!r}, this toolkit reads version "
-                          f"{PROFILE_VERSION} (re-run `python -m feather_env.calibrate --out {path}`)")
-    try:
-        StepCostModel.from_dict(profile["step_model"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"{path}: bad step_model: {exc!r}") from exc
-    return profile
 
 
 class _Engines:

@@ -6,7 +6,9 @@
 - :class:`Advance`: what one advance of an engine cost (the environment's rewards come from it);
 - :class:`StepRequest` and :class:`MeasuredStep`: a measured engine step, as the step-time model
   is fitted on it (:mod:`feather_env.step_model`, :mod:`feather_env.calibrate`);
-- :class:`StepSample`: an engine step of an in-process evaluation run (its timeline plots).
+- :class:`StepSample`: an engine step of an in-process evaluation run (its timeline plots);
+- :class:`Run`: one served episode of an evaluation, its timelines and what else was measured
+  (:mod:`feather_env.evaluation`'s tables and plots read it).
 
 The simulator's own step records (``StepResult``, ``ScheduledEntry``) mirror vLLM's scheduler
 output and live with the simulator.
@@ -16,8 +18,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["Advance", "MeasuredStep", "RequestTimeline", "StepRequest", "StepSample"]
+__all__ = ["Advance", "MeasuredStep", "RequestTimeline", "Run", "StepRequest", "StepSample"]
 
 
 @dataclass
@@ -112,3 +115,26 @@ class StepSample:
     running: int
     scheduled: int
     decode_only: bool
+
+
+@dataclass
+class Run:
+    """One served episode and what was measured beside the request timelines.
+
+    Attributes:
+        label: the run's name in tables and plots.
+        kind: ``"in-process"``, ``"endpoint"`` or ``"simulator"`` (:mod:`feather_env.evaluation.report`).
+        timelines: every request of the episode (failed ones included).
+        duration: the run's duration when it is not first arrival -> last completion (endpoint).
+        extra: figures only this kind of run measures (flat numbers, or small mappings).
+        steps: in-process engine steps (plots).
+        errors: request id -> why it failed (endpoint).
+    """
+
+    label: str
+    kind: str
+    timelines: list[RequestTimeline]
+    duration: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    steps: list[StepSample] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)

@@ -25,16 +25,19 @@ members (whole blocks). The coefficients are non-negative (weighted non-negative
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from feather_env.records import StepRequest
+from scheduler_runtime.config import ConfigError
 
-__all__ = ["FEATURE_NAMES", "StepCostModel", "features_from_columns", "fit_step_model",
-           "step_features"]
+__all__ = ["DEFAULT_PROFILE", "FEATURE_NAMES", "PROFILE_VERSION", "StepCostModel", "features_from_columns",
+           "fit_step_model", "load_profile", "step_features"]
 
 FEATURE_NAMES = ("const", "requests", "tokens", "decode_kv", "decode_kv_miss", "prefill_attn")
 #: Cache sizes (tokens) the calibration tries for the locality term (10**9: no misses of shared KV).
@@ -194,3 +197,31 @@ def fit_step_model(steps: Sequence[tuple[Sequence[StepRequest], float]]) -> tupl
     _, cache, coef, X = best
     mape = float(np.mean(np.abs(X @ coef - y) / y))
     return StepCostModel(tuple(float(c) for c in coef), cache), mape
+
+
+# -- profiles: a fitted model in a JSON file, as the calibration writes it and the simulator reads it --
+#: The profile format this toolkit reads and writes.
+PROFILE_VERSION = 2
+#: The shipped profile (fitted on a CPU with a tiny Llama).
+DEFAULT_PROFILE = Path(__file__).resolve().parents[1] / "configs" / "profiles" / "cpu-tiny-llama.json"
+
+
+def load_profile(path: str | Path | None = None) -> dict[str, Any]:
+    """Read and check a profile JSON (default: the shipped CPU profile); clear errors on bad files."""
+    path = Path(path or DEFAULT_PROFILE)
+    if not path.is_file():
+        raise ConfigError(f"simulator profile not found: {path} "
+                          "(make one with `python -m feather_env.calibrate --out PATH`)")
+    try:
+        profile = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: malformed profile JSON: {exc}") from None
+    if not isinstance(profile, dict) or profile.get("version") != PROFILE_VERSION:
+        got = profile.get("version") if isinstance(profile, dict) else None
+        raise ConfigError(f"{path}: profile version {got!r}, this toolkit reads version "
+                          f"{PROFILE_VERSION} (re-run `python -m feather_env.calibrate --out {path}`)")
+    try:
+        StepCostModel.from_dict(profile["step_model"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{path}: bad step_model: {exc!r}") from exc
+    return profile

@@ -52,13 +52,20 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import numpy as np
 
 from scheduler_runtime.cht import ChunkedHashTree
-from scheduler_runtime.config import check_core_knobs
+from scheduler_runtime.core_config import (
+    ADMISSIONS,
+    DECISIONS,
+    RELEASE_REASONS,
+    CoreConfig,
+    CoreStats,
+    Decision,
+    Entry,
+    OrderingName,
+)
 from scheduler_runtime.decision import (
     ADD,
     STOP,
@@ -68,10 +75,9 @@ from scheduler_runtime.decision import (
     observation_kind,
 )
 from scheduler_runtime.groups import PrefixGroups
-from scheduler_runtime.orderings import ORDERINGS, OrderingName, make_ordering
+from scheduler_runtime.orderings import make_ordering
 from scheduler_runtime.plugins import default_policy
 from scheduler_runtime.prefix_index import (
-    DEFAULT_CHUNK_SIZE,
     Candidate,
     DuplicateRequestError,
     UnknownRequestError,
@@ -88,117 +94,6 @@ __all__ = [
     "CoreStats",
     "Decision",
 ]
-
-#: What the policy decides: ADD/STOP on every candidate (the paper's decision), or only on a
-#: candidate that would open a prefix group that is not in flight (``scheduler_runtime.groups``).
-DECISIONS = ("request", "group")
-#: Why a request was released (:class:`CoreStats`).
-RELEASE_REASONS = ("policy", "seed", "max_wait", "order", "group")
-#: What a released request is charged against the KV capacity: nothing, its unshared prompt
-#: tokens (the engine's own admission test, made at release time), or SVF's peak (unshared
-#: prompt + output estimate).
-ADMISSIONS = ("none", "prompt", "peak")
-
-
-@dataclass(frozen=True)
-class CoreConfig:
-    """Every knob of the batching core.
-
-    Attributes:
-        ordering: one of :data:`ORDERINGS`.
-        admission: one of :data:`ADMISSIONS`.
-        svf_seed: seed an empty batch with the smallest-volume request (else with the
-            ordering's first candidate).
-        chunk_size: CHT chunk size in tokens (delta and depths are in these chunks).
-        max_wait: seconds after which a waiting request is released whatever the policy
-            says; ``None`` disables it.
-        lpm_fcfs_fallback: ``lpm`` serves FCFS when more requests than this wait (SGLang:
-            128); ``None`` always matches.
-        decision: one of :data:`DECISIONS` (``group`` needs the ``feather`` ordering).
-        group_chunks: a request's prefix group is its first ``group_chunks`` CHT chunks.
-        retain_held_prefixes: at the end of every round, ask the engine to evict the cached
-            prefixes of the held groups last (:meth:`~scheduler_runtime.decision.EngineView.retain_prefixes`;
-            the largest group's last of all).
-    """
-
-    ordering: str = OrderingName.FEATHER
-    admission: str = "peak"
-    svf_seed: bool = True
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    max_wait: float | None = 60.0
-    lpm_fcfs_fallback: int | None = 128
-    decision: str = "request"
-    group_chunks: int = 1
-    retain_held_prefixes: bool = False
-
-    def __post_init__(self) -> None:
-        if isinstance(self.ordering, OrderingName):  # a plain string in dumps and comparisons
-            object.__setattr__(self, "ordering", self.ordering.value)
-        if self.decision not in DECISIONS:
-            raise ValueError(f"decision must be one of {DECISIONS}, got {self.decision!r}")
-        if self.decision == "group" and self.ordering != OrderingName.FEATHER:
-            raise ValueError(f"the group decision needs the feather ordering, not {self.ordering!r}")
-        if self.ordering not in ORDERINGS:
-            raise ValueError(f"ordering must be one of {ORDERINGS}, got {self.ordering!r}")
-        if self.admission not in ADMISSIONS:
-            raise ValueError(f"admission must be one of {ADMISSIONS}, got {self.admission!r}")
-        check_core_knobs(chunk_size=self.chunk_size, max_wait=self.max_wait,
-                         lpm_fcfs_fallback=self.lpm_fcfs_fallback, group_chunks=self.group_chunks)
-
-
-@dataclass
-class CoreStats:
-    """Counters of the core (exported by the vLLM scheduler to ``/metrics``).
-
-    ``decisions`` counts answered decisions (``adds`` + ``stops``); releases are counted in
-    ``released`` by reason: ``seed``, ``max_wait``, an ADD (``policy`` for Feather's ordering,
-    ``order`` for a baseline's, so ``/metrics`` tells the two apart), or ``group``: with the group
-    decision, a request released without one (its group is in flight, or it shares nothing).
-    ``decision_seconds`` is the wall time spent in :meth:`BatchingCore.plan`.
-    """
-
-    plan_calls: int = 0
-    decisions: int = 0
-    adds: int = 0
-    stops: int = 0
-    skipped_decisions: int = 0
-    capacity_stops: int = 0
-    released: dict[str, int] = field(
-        default_factory=lambda: dict.fromkeys(RELEASE_REASONS, 0))
-    arrived: int = 0
-    finished: int = 0
-    aborted: int = 0
-    preempted: int = 0
-    decision_seconds: float = 0.0
-    max_plan_seconds: float = 0.0
-    retained_blocks: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-class _Entry:
-    __slots__ = ("request_id", "prompt_len", "output_len", "arrival", "footprint")
-
-    def __init__(self, request_id: str, prompt_len: int, output_len: float, arrival: float) -> None:
-        self.request_id = request_id
-        self.prompt_len = prompt_len
-        self.output_len = output_len
-        self.arrival = arrival
-        self.footprint = 0.0
-
-
-@dataclass(frozen=True)
-class Decision:
-    """The pending decision: ADD ``request_id`` to the batch, or STOP (see :meth:`BatchingCore.observe`).
-
-    ``mask`` is ``[STOP valid, ADD valid]``; a pending decision always has ADD valid (a candidate
-    that does not fit ends the round instead) and STOP valid (an empty batch is seeded).
-    """
-
-    request_id: str
-    mask: np.ndarray
-
 
 # ---------------------------------------------------------------------------------- the core
 
@@ -243,9 +138,9 @@ class BatchingCore:
         self._group_decision = cfg.decision == "group"
         self.budget = KVBudget(kv_capacity_tokens if cfg.admission != "none" else None)
         self._volume_q: KeyQueue | None = KeyQueue() if cfg.svf_seed else None
-        self._waiting: dict[str, _Entry] = {}
-        self._active: dict[str, _Entry] = {}
-        self._arrivals: deque[_Entry] = deque()  # arrival order, stale entries skipped lazily
+        self._waiting: dict[str, Entry] = {}
+        self._active: dict[str, Entry] = {}
+        self._arrivals: deque[Entry] = deque()  # arrival order, stale entries skipped lazily
         # the shortest prompt and output estimate that ever arrived: floors under every waiting
         # request's (:meth:`nothing_fits`)
         self._shortest_prompt, self._shortest_output = float("inf"), float("inf")
@@ -296,7 +191,7 @@ class BatchingCore:
             self.cht.insert(request_id, tokens)
         else:
             self.cht.insert_hashed(request_id, prompt_hashes)
-        entry = _Entry(request_id, int(tokens.size), max(float(output_len), 1.0), float(arrival))
+        entry = Entry(request_id, int(tokens.size), max(float(output_len), 1.0), float(arrival))
         self.groups.arrive(request_id, self.cht.prefix_hash(request_id, self.config.group_chunks))
         self.ordering.arrive(entry, tokens)
         if self._volume_q is not None:
@@ -645,7 +540,7 @@ class BatchingCore:
         self.stats.released[reason] += 1
         self._released.append(request_id)
 
-    def _oldest_waiting(self) -> _Entry | None:
+    def _oldest_waiting(self) -> Entry | None:
         arrivals, waiting = self._arrivals, self._waiting
         while arrivals:
             entry = arrivals[0]

@@ -1,8 +1,8 @@
 """Orderings: how the batching core picks the next candidate of a round, one small class each.
 
 vLLM's ``request_queue.py`` pattern: a policy is a small queue class chosen by an enum. The names
-are declared once here (:class:`OrderingName`); :func:`make_ordering` builds the class of a core's
-configured ordering:
+are declared once, in :mod:`scheduler_runtime.core_config` (:class:`OrderingName`, re-exported
+here); :func:`make_ordering` builds the class of a core's configured ordering:
 
 =============  ====================================================================================
 ``feather``    the CHT's best candidate (:class:`FeatherOrdering`); with the group decision,
@@ -21,16 +21,18 @@ The core tells its ordering about every change (arrive, release, finish, remove)
 
 from __future__ import annotations
 
-from enum import StrEnum
-from typing import TYPE_CHECKING
+import numpy as np
 
+from scheduler_runtime.core_config import (
+    BASELINE_ORDERINGS,
+    KEY_ORDERINGS,
+    ORDERINGS,
+    CoreView,
+    Entry,
+    OrderingName,
+)
 from scheduler_runtime.radix import RADIX_ORDERINGS, RadixTree
 from scheduler_runtime.svf import KeyQueue, volume
-
-if TYPE_CHECKING:
-    import numpy as np
-
-    from scheduler_runtime.batching import BatchingCore, _Entry
 
 __all__ = [
     "BASELINE_ORDERINGS",
@@ -47,25 +49,6 @@ __all__ = [
 ]
 
 
-class OrderingName(StrEnum):
-    """The orderings' names: Feather's (CHT + policy) and the baselines' orders."""
-
-    FEATHER = "feather"
-    FCFS = "fcfs"
-    SJF = "sjf"
-    SVF = "svf"
-    LPM = RADIX_ORDERINGS[0]
-    DFS_WEIGHT = RADIX_ORDERINGS[1]
-
-
-#: Every ordering's name.
-ORDERINGS = tuple(o.value for o in OrderingName)
-#: The baselines' orderings (answered by always-add).
-BASELINE_ORDERINGS = tuple(o for o in ORDERINGS if o != OrderingName.FEATHER.value)
-#: The orderings by a per-request key.
-KEY_ORDERINGS = (OrderingName.SJF.value, OrderingName.SVF.value)
-
-
 class Ordering:
     """How an ordering picks the candidates of a round (vLLM's ``request_queue.py`` pattern: one
     small class per policy). The core tells it about every change; :meth:`next_candidate` is asked
@@ -73,10 +56,10 @@ class Ordering:
 
     name = ""
 
-    def __init__(self, core: BatchingCore) -> None:
+    def __init__(self, core: CoreView) -> None:
         self.core = core
 
-    def arrive(self, entry: _Entry, tokens: np.ndarray) -> None:  # noqa: B027 - optional hook
+    def arrive(self, entry: Entry, tokens: np.ndarray) -> None:  # noqa: B027 - optional hook
         """A request arrived (it is waiting)."""
 
     def release(self, request_id: str) -> None:  # noqa: B027 - optional hook
@@ -116,14 +99,14 @@ class GroupOrdering(FeatherOrdering):
 
     name = "feather"
 
-    def __init__(self, core: BatchingCore) -> None:
+    def __init__(self, core: CoreView) -> None:
         super().__init__(core)
         #: The engine's cached prefix of each group's oldest waiting request, as looked up in this
         #: round: the engine does not change while a round is open, and an arrival or a finish,
         #: which may change the answer or the round, clears it.
         self._hits: dict[str, int] = {}
 
-    def arrive(self, entry: _Entry, tokens: np.ndarray) -> None:
+    def arrive(self, entry: Entry, tokens: np.ndarray) -> None:
         self._hits.clear()
 
     def finish(self, request_id: str) -> None:
@@ -178,12 +161,12 @@ class FCFSOrdering(Ordering):
 class KeyOrdering(Ordering):
     """Ascending key, earliest arrival among ties: output length (``sjf``) or SVF volume (``svf``)."""
 
-    def __init__(self, core: BatchingCore, name: str) -> None:
+    def __init__(self, core: CoreView, name: str) -> None:
         super().__init__(core)
         self.name = name
         self.queue = KeyQueue()
 
-    def arrive(self, entry: _Entry, tokens: np.ndarray) -> None:
+    def arrive(self, entry: Entry, tokens: np.ndarray) -> None:
         sjf = self.name == OrderingName.SJF
         key = entry.output_len if sjf else volume(entry.prompt_len, entry.output_len)
         self.queue.push(entry.request_id, key)
@@ -205,14 +188,14 @@ class RadixOrdering(Ordering):
     admission.
     """
 
-    def __init__(self, core: BatchingCore, name: str) -> None:
+    def __init__(self, core: CoreView, name: str) -> None:
         super().__init__(core)
         self.name = name
         self.radix = RadixTree(name, core.chunk_size, core.config.lpm_fcfs_fallback)  # type: ignore[arg-type]
         self._order: list[str] = []
         self._pos = 0
 
-    def arrive(self, entry: _Entry, tokens: np.ndarray) -> None:
+    def arrive(self, entry: Entry, tokens: np.ndarray) -> None:
         self.radix.insert(entry.request_id, tokens)
 
     def release(self, request_id: str) -> None:
@@ -248,7 +231,7 @@ class RadixOrdering(Ordering):
         return None
 
 
-def make_ordering(core: BatchingCore) -> Ordering:
+def make_ordering(core: CoreView) -> Ordering:
     """The :class:`Ordering` of ``core.config.ordering``."""
     name = core.config.ordering
     if name == OrderingName.FEATHER:

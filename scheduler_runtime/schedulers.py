@@ -141,12 +141,12 @@ class SchedulerConfig:
 
     Attributes:
         name: the scheduler name (module docstring).
-        ordering: the core's ordering (:data:`~scheduler_runtime.batching.ORDERINGS`);
+        ordering: the core's ordering (:data:`~scheduler_runtime.core_config.ORDERINGS`);
             ``None`` for ``fcfs`` (vLLM decides alone).
         policy: Feather's policy file (``feather:PATH``); ``None``: the static heuristic.
         lengths: output lengths used for SJF keys, volumes and the peak check:
             ``predicted``, ``1bit`` (class proxies) or ``oracle`` (true, see module docstring).
-        admission: ``none`` | ``prompt`` | ``peak`` (:data:`~scheduler_runtime.batching.ADMISSIONS`).
+        admission: ``none`` | ``prompt`` | ``peak`` (:data:`~scheduler_runtime.core_config.ADMISSIONS`).
         svf_seed: Feather: seed an empty batch with the smallest-volume request.
         chunk_size: CHT chunk size in tokens; ``None``: the policy's (its observation's
             ``chunk_size``), else 512.

@@ -26,14 +26,13 @@ from pathlib import Path
 
 import numpy as np
 
-from feather_env.calibrate import DEFAULT_PROFILE, load_profile
 from feather_env.engines.sim_config import SimEngineConfig
 from feather_env.engines.sim_engine import SimEngine
 from feather_env.engines.step_result import StepResult
 from feather_env.engines.vllm_engine import EngineConfig, EngineError
 from feather_env.records import Advance
 from feather_env.serving import ServingBackend
-from feather_env.step_model import StepCostModel, features_from_columns
+from feather_env.step_model import DEFAULT_PROFILE, StepCostModel, features_from_columns, load_profile
 from feather_env.workloads import Request
 from scheduler_runtime.decision import EngineView
 from scheduler_runtime.frontend import HeldRequests, free_slots

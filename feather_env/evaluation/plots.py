@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from feather_env.evaluation.report import Run
+from feather_env.records import Run
 
 __all__ = ["write_plots"]
 

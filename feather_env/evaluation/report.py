@@ -25,13 +25,13 @@ import csv
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from feather_env.records import RequestTimeline, StepSample
+from feather_env.evaluation.plots import write_plots
+from feather_env.records import RequestTimeline, Run, StepSample
 from feather_env.reporting import format_table, machine_info, write_json
 from feather_env.serving_metrics import serving_metrics
 
@@ -75,29 +75,6 @@ DEFINITIONS = {
     "max_slowdown": "max over requests of e2el / its isolated estimate (alone, cold cache)",
     "foreign_cpu": "other processes' CPU time / (cores x run wall time)",
 }
-
-
-@dataclass
-class Run:
-    """One served episode and what was measured beside the request timelines.
-
-    Attributes:
-        label: the run's name in tables and plots.
-        kind: :data:`IN_PROCESS`, :data:`ENDPOINT` or :data:`SIMULATOR`.
-        timelines: every request of the episode (failed ones included).
-        duration: the run's duration when it is not first arrival -> last completion (endpoint).
-        extra: figures only this kind of run measures (flat numbers, or small mappings).
-        steps: in-process engine steps (plots).
-        errors: request id -> why it failed (endpoint).
-    """
-
-    label: str
-    kind: str
-    timelines: list[RequestTimeline]
-    duration: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    steps: list[StepSample] = field(default_factory=list)
-    errors: dict[str, str] = field(default_factory=dict)
 
 
 def _clean(value: Any) -> Any:
@@ -200,8 +177,6 @@ _STEP_COLUMNS = ("start", "seconds", "running", "scheduled", "decode_only")
 def write_results(out_dir: str | Path, payload: Mapping[str, Any], runs: Sequence[Run], *,
                   title: str = "", plots: bool = True) -> list[Path]:
     """Write the results folder (module docstring); returns the files written, the JSON first."""
-    from feather_env.evaluation.plots import write_plots
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "results.json", out / "results.md", out / "results.csv", out / "requests.csv"]

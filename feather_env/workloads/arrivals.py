@@ -23,20 +23,36 @@ import csv
 import json
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
+from feather_env.workloads.datadir import resolve_data_dir
+from feather_env.workloads.errors import WorkloadError
+from feather_env.workloads.request import Request
 from scheduler_runtime.config import ConfigError
-
-if TYPE_CHECKING:
-    from feather_env.workloads.workload import Workload
 
 ARRIVAL_FORMS = ('"burst", "poisson:RATE" (requests/s, > 0), "trace" or "trace:FILE[:RATE]" (a CSV with '
                  'arrived_at or JSON lines with timestamp)')
+
+
+class Queue(Protocol):
+    """What an arrival process reads of a workload (:class:`~feather_env.workloads.workload.Workload`):
+    its name, its requests in queue order, and where their own timestamps came from."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def arrivals(self) -> str | None: ...
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[Request]: ...
 
 
 class ArrivalProcess(Protocol):
@@ -45,7 +61,7 @@ class ArrivalProcess(Protocol):
     @property
     def spec(self) -> str: ...
 
-    def arrival_times(self, workload: Workload, seed: int) -> np.ndarray: ...
+    def arrival_times(self, workload: Queue, seed: int) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -56,7 +72,7 @@ class BurstArrivals:
     def spec(self) -> str:
         return "burst"
 
-    def arrival_times(self, workload: Workload, seed: int) -> np.ndarray:
+    def arrival_times(self, workload: Queue, seed: int) -> np.ndarray:
         return np.zeros(len(workload))
 
 
@@ -77,7 +93,7 @@ class PoissonArrivals:
     def spec(self) -> str:
         return f"poisson:{self.rate:g}"
 
-    def arrival_times(self, workload: Workload, seed: int) -> np.ndarray:
+    def arrival_times(self, workload: Queue, seed: int) -> np.ndarray:
         gaps = np.random.default_rng(seed).exponential(1.0 / self.rate, size=len(workload))
         return np.cumsum(gaps)
 
@@ -90,9 +106,7 @@ class TraceArrivals:
     def spec(self) -> str:
         return "trace"
 
-    def arrival_times(self, workload: Workload, seed: int) -> np.ndarray:
-        from feather_env.workloads.workload import WorkloadError
-
+    def arrival_times(self, workload: Queue, seed: int) -> np.ndarray:
         if workload.arrivals is None:
             raise WorkloadError(
                 f'arrival "trace": workload {workload.name!r} has no timestamps of its own '
@@ -150,8 +164,6 @@ def resolve_trace_path(name: str, base_dir: str | os.PathLike[str] | None = None
     if path.is_absolute():
         candidates = [path]
     else:
-        from feather_env.workloads.datadir import resolve_data_dir
-
         candidates = [Path(base_dir) / path] if base_dir is not None else []
         try:
             candidates.append(resolve_data_dir(None, "traces") / path)
@@ -187,7 +199,7 @@ class TraceFileArrivals:
         t = self.times
         return (len(t) - 1) / float(t[-1] - t[0])
 
-    def arrival_times(self, workload: Workload, seed: int) -> np.ndarray:
+    def arrival_times(self, workload: Queue, seed: int) -> np.ndarray:
         n, t = len(workload), self.times
         if n == 0:
             return np.zeros(0)

@@ -16,23 +16,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, overload
+from typing import Any, overload
 
 import numpy as np
 
+from feather_env.workloads.arrivals import ArrivalProcess, parse_arrival
+from feather_env.workloads.errors import WorkloadError, not_utf8
 from feather_env.workloads.request import Request
-
-if TYPE_CHECKING:
-    from feather_env.workloads.arrivals import ArrivalProcess
-
-
-class WorkloadError(ValueError):
-    """A workload cannot be built or used: empty, duplicate ids, malformed input, bad sample."""
-
-
-def not_utf8(where: str | Path, exc: UnicodeDecodeError) -> WorkloadError:
-    """The error for a data file that is not UTF-8 text (``where``: the file, or file:line)."""
-    return WorkloadError(f"{where}: not UTF-8 text (byte {exc.start}: {exc.reason})")
 
 
 def iter_jsonl_objects(path: Path, max_line_bytes: int | None = None,
@@ -222,8 +212,6 @@ class Workload:
         Times are drawn for the current queue order; the result is sorted by arrival time
         (stable, so ties keep the queue order).
         """
-        from feather_env.workloads.arrivals import parse_arrival
-
         if isinstance(process, str):
             process = parse_arrival(process)
         times = np.asarray(process.arrival_times(self, seed), dtype=np.float64)
