@@ -55,19 +55,30 @@ Every router honours ``avoid`` (replicas that just failed this request) unless n
 
 from __future__ import annotations
 
-import bisect
 import math
 import random
-from abc import ABC, abstractmethod
-from collections import Counter, OrderedDict
-from collections.abc import Collection, Mapping, Sequence
-from typing import Any, ClassVar
+from collections import Counter
+from collections.abc import Collection, Mapping
+from typing import Any
 
 import numpy as np
-import xxhash
 
-from scheduler_runtime.cht import ChunkedHashTree
+from scheduler_runtime.peer_routers import (
+    PEERS,
+    DynamoKvRouter,
+    LMetricRouter,
+    RayPrefixAffinityRouter,
+    SGLangCacheAwareRouter,
+)
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
+from scheduler_runtime.router_base import (
+    MAX_TABLE_KEYS,
+    PrefixHasher,
+    PrefixHistory,
+    ReplicaRouter,
+    RequestLedger,
+    prompt_tokens,
+)
 
 __all__ = [
     "PEERS",
@@ -86,279 +97,6 @@ __all__ = [
     "SGLangCacheAwareRouter",
     "make_router",
 ]
-
-#: Virtual nodes per replica on the hash ring: an arc share varies by ~1/sqrt(256) = 6% (with 64 the
-#: busiest of 16 replicas held ~1.25x the mean of the new prefixes, which showed in its request count).
-RING_VNODES = 256
-#: Chunk keys the affinity table remembers (least recently routed dropped first): ~16 keys per
-#: 8K-token prompt at 512-token chunks, so about 16,000 distinct long prompts.
-MAX_TABLE_KEYS = 1 << 18
-
-
-class PrefixHasher:
-    """A prompt's routing key: the Chunked Hash Tree's cumulative chunk hashes (same chunk size,
-    same hashes as the scheduler inside each replica)."""
-
-    def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
-        self._cht = ChunkedHashTree(chunk_size)
-        self.chunk_size = self._cht.chunk_size
-
-    def hash(self, token_ids: np.ndarray | Sequence[int]) -> np.ndarray:
-        """``uint64[ceil(n / chunk_size)]`` (raises ValueError for an empty or invalid prompt)."""
-        return self._cht.hash_prompt(token_ids)
-
-
-class _Ring:
-    """A consistent-hash ring over a fixed set of replicas, ``RING_VNODES`` points each."""
-
-    def __init__(self, replicas: Collection[str], vnodes: int = RING_VNODES) -> None:
-        digest = xxhash.xxh3_64_intdigest
-        points = sorted((digest(f"{r}#{i}".encode()), r) for r in replicas for i in range(vnodes))
-        self.positions = [p for p, _ in points]
-        self.owners = [r for _, r in points]
-
-    def walk(self, h: int):
-        """The replicas clockwise from position ``h``, each point in turn (repeats included)."""
-        owners = self.owners
-        n = len(owners)
-        start = bisect.bisect_left(self.positions, h)
-        for i in range(n):
-            yield owners[(start + i) % n]
-
-
-def _spans(n_keys: int, tokens: int | None, chunk_size: int) -> list[int]:
-    """Tokens each chunk key of a prompt covers (the last chunk may be partial)."""
-    if tokens is None:
-        return [chunk_size] * n_keys
-    return [max(1, min(chunk_size, tokens - k * chunk_size)) for k in range(n_keys)]
-
-
-def _prompt_tokens(hashes: np.ndarray, tokens: int | None, chunk_size: int) -> int:
-    """The prompt's length: ``tokens`` when known, else its chunks x ``chunk_size``."""
-    return int(tokens) if tokens is not None else len(hashes) * chunk_size
-
-
-class PrefixHistory:
-    """Which prompt prefixes each replica was sent: the peers' approximate per-replica radix trees.
-
-    SGLang's and Ray's routers keep a radix tree of the prompt text each worker was sent (Dynamo's
-    approximate indexer, of the token blocks); here a replica's tree is the set of chunk keys it was
-    sent (the cumulative chunk hashes: a key names its whole prefix), so a match is a whole number of
-    chunks. A replica's size (the tree's characters there) is the tokens its keys cover. At most
-    ``max_tokens`` per replica: past that the least recently sent keys go first, deepest first (a
-    prompt's keys are touched from its last chunk to its first), as the trees evict LRU leaves.
-    """
-
-    def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE, max_tokens: int = 1 << 26) -> None:
-        if chunk_size < 1 or max_tokens < 1:
-            raise ValueError("chunk_size and max_tokens must be >= 1")
-        self.chunk_size = int(chunk_size)
-        self.max_tokens = int(max_tokens)
-        #: chunk key -> {replica: when it was last sent it (a counter)}
-        self.holders: dict[int, dict[str, int]] = {}
-        self._keys: dict[str, OrderedDict[int, int]] = {}  # replica -> key -> tokens, LRU first
-        self.size: Counter[str] = Counter()  # replica -> tokens its keys cover
-        self._clock = 0
-
-    def insert(self, hashes: np.ndarray, replica: str, tokens: int | None = None) -> None:
-        """``replica`` was sent the prompt of ``hashes`` (``tokens`` long)."""
-        self._clock += 1
-        stamp = self._clock
-        keys = hashes.tolist()
-        spans = _spans(len(keys), tokens, self.chunk_size)
-        mine = self._keys.setdefault(replica, OrderedDict())
-        holders = self.holders
-        for key, span in zip(reversed(keys), reversed(spans), strict=True):
-            if key in mine:
-                mine.move_to_end(key)
-            else:
-                mine[key] = span
-                self.size[replica] += span
-            holders.setdefault(key, {})[replica] = stamp
-        while self.size[replica] > self.max_tokens and mine:
-            key, span = mine.popitem(last=False)
-            self.size[replica] -= span
-            who = holders.get(key)
-            if who is not None:
-                who.pop(replica, None)
-                if not who:
-                    del holders[key]
-
-    def match(self, hashes: np.ndarray) -> dict[str, int]:
-        """Replica -> leading chunks of ``hashes`` it was sent (replicas with none left out)."""
-        keys = hashes.tolist()
-        holders = self.holders
-        first = holders.get(keys[0]) if keys else None
-        if not first:
-            return {}
-        alive = set(first)
-        depth: dict[str, int] = {}
-        for level in range(1, len(keys)):
-            here = holders.get(keys[level])
-            still = alive.intersection(here) if here else set()
-            for r in alive - still:
-                depth[r] = level
-            alive = still
-            if not alive:
-                break
-        for r in alive:
-            depth[r] = len(keys)
-        return depth
-
-    def stamp(self, key: int, replica: str) -> int:
-        """When ``replica`` was last sent ``key`` (0: never)."""
-        return self.holders.get(key, {}).get(replica, 0)
-
-    def forget(self, replica: str) -> None:
-        for key in self._keys.pop(replica, {}):
-            who = self.holders.get(key)
-            if who is not None:
-                who.pop(replica, None)
-                if not who:
-                    del self.holders[key]
-        self.size.pop(replica, None)
-
-
-class RequestLedger:
-    """What each replica has been sent and not yet done, in tokens, kept from the request's life.
-
-    Per replica: ``pending`` prefill tokens (each request's new tokens, its prompt less the prefix the
-    router expected the replica to hold, until :meth:`prefilled`) and ``kv`` tokens (the distinct chunk
-    keys of its requests in flight, a shared document counted once, until :meth:`finished`): Dynamo's
-    router's active prefill tokens and active blocks, kept the same way (its ``ActiveSequences``).
-    """
-
-    def __init__(self) -> None:
-        self.pending: Counter[str] = Counter()
-        self.kv: Counter[str] = Counter()
-        self._active: dict[int, Counter[str]] = {}  # chunk key -> replica -> requests in flight holding it
-        self._requests: dict[str, tuple[str, int, list[int], list[int], bool]] = {}
-
-    def add(self, request_id: str, replica: str, new_tokens: int, keys: list[int], spans: list[int]) -> None:
-        if request_id in self._requests:  # routed again (a retry): the first routing is void
-            self.finished(request_id)
-        self.pending[replica] += new_tokens
-        active = self._active
-        for key, span in zip(keys, spans, strict=True):
-            who = active.get(key)
-            if who is None:
-                who = active[key] = Counter()
-            if not who[replica]:
-                self.kv[replica] += span
-            who[replica] += 1
-        self._requests[request_id] = (replica, new_tokens, keys, spans, False)
-
-    def prefilled(self, request_id: str) -> None:
-        entry = self._requests.get(request_id)
-        if entry is None or entry[4]:
-            return
-        replica, new_tokens, keys, spans, _ = entry
-        self.pending[replica] -= new_tokens
-        self._requests[request_id] = (replica, new_tokens, keys, spans, True)
-
-    def finished(self, request_id: str) -> None:
-        entry = self._requests.pop(request_id, None)
-        if entry is None:
-            return
-        replica, new_tokens, keys, spans, done = entry
-        if not done:
-            self.pending[replica] -= new_tokens
-        active = self._active
-        for key, span in zip(keys, spans, strict=True):
-            who = active[key]
-            who[replica] -= 1
-            if not who[replica]:
-                del who[replica]
-                self.kv[replica] -= span
-                if not who:
-                    del active[key]
-
-    def active_overlap(self, keys: list[int], spans: list[int]) -> Counter[str]:
-        """Replica -> tokens of these keys its requests in flight already hold."""
-        out: Counter[str] = Counter()
-        active = self._active
-        for key, span in zip(keys, spans, strict=True):
-            who = active.get(key)
-            if who:
-                for r in who:
-                    out[r] += span
-        return out
-
-    def load(self, replica: str) -> int:
-        """Pending prefill tokens + distinct KV tokens in flight."""
-        return self.pending[replica] + self.kv[replica]
-
-    def forget(self, replica: str) -> None:
-        for rid in [rid for rid, e in self._requests.items() if e[0] == replica]:
-            self.finished(rid)
-        self.pending.pop(replica, None)
-        self.kv.pop(replica, None)
-
-
-class ReplicaRouter(ABC):
-    """Chooses a replica per request (see the module docstring)."""
-
-    name: ClassVar[str]
-    #: Whether :meth:`choose` reads the request's hashes (the caller may skip hashing otherwise).
-    uses_hashes: ClassVar[bool] = False
-    #: Whether the router reads the request's length (``tokens``) and its life: the caller that can
-    #: passes ``tokens`` to :meth:`choose` and :meth:`routed`, a ``request_id`` to :meth:`routed`, and
-    #: calls :meth:`prefilled` and :meth:`finished` (the simulator does; a router must still work,
-    #: less well, without them).
-    tracks_requests: bool = False
-
-    def __init__(self) -> None:
-        self._ring: _Ring | None = None
-        self._ring_members: frozenset[str] = frozenset()
-
-    @abstractmethod
-    def choose(self, hashes: np.ndarray | None, loads: Mapping[str, int],
-               avoid: Collection[str] = (), *, tokens: int | None = None) -> str:
-        """The replica for a request with prefix ``hashes`` (:meth:`PrefixHasher.hash`; ``None``
-        for a request without a prompt), among the keys of ``loads`` (replica -> requests it is
-        serving now), avoiding ``avoid`` unless no other replica is left. ``tokens``: the prompt's
-        length, where the caller knows it.
-
-        Raises:
-            ValueError: ``loads`` is empty.
-        """
-
-    def routed(self, hashes: np.ndarray | None, replica: str, *,  # noqa: B027 - optional hook
-               tokens: int | None = None, request_id: str | None = None) -> None:
-        """The request went to ``replica`` (whatever :meth:`choose` said); ``request_id`` names it in
-        later :meth:`prefilled` / :meth:`finished` calls."""
-
-    def prefilled(self, request_id: str) -> None:  # noqa: B027 - optional hook
-        """The request's prompt has been prefilled (its first token came back)."""
-
-    def finished(self, request_id: str) -> None:  # noqa: B027 - optional hook
-        """The request finished: it holds no KV cache any more."""
-
-    def forget(self, replica: str) -> None:  # noqa: B027 - optional hook
-        """``replica`` is gone, and its prefix cache with it."""
-
-    def state(self) -> dict[str, Any]:
-        """Counters for reports and ``/metrics``."""
-        return {}
-
-    # -- shared helpers -------------------------------------------------------------------------
-    def _ring_for(self, replicas: Collection[str]) -> _Ring:
-        members = frozenset(replicas)
-        if self._ring is None or members != self._ring_members:
-            self._ring = _Ring(members)
-            self._ring_members = members
-        return self._ring
-
-    @staticmethod
-    def _allowed(loads: Mapping[str, int], avoid: Collection[str]) -> Collection[str]:
-        """The candidates without ``avoid`` (all of them when that leaves none)."""
-        if not loads:
-            raise ValueError("no replica to route to")
-        if avoid:
-            usable = {r for r in loads if r not in avoid}
-            if usable:
-                return usable
-        return loads.keys()
 
 
 class RoundRobinRouter(ReplicaRouter):
@@ -525,7 +263,7 @@ class PrefixAffinityRouter(ReplicaRouter):
         cap = self.bound(sum(loads.values()), len(loads))
         level, owner = self.owner(hashes)
         if owner is not None and self.min_match > 0.0:
-            n = _prompt_tokens(hashes, tokens, self.chunk_size)
+            n = prompt_tokens(hashes, tokens, self.chunk_size)
             if min((level + 1) * self.chunk_size, n) < self.min_match * n:
                 level, owner = -1, None  # too little of it known: a new prefix
         if owner is not None and owner in ok and loads[owner] < cap:
@@ -556,7 +294,7 @@ class PrefixAffinityRouter(ReplicaRouter):
         keys = hashes.tolist()
         if self.new_prefix == "smallest":  # the keys past the deepest one the replica already owns
             get, chunk = self._get, self.chunk_size
-            n, added = _prompt_tokens(hashes, tokens, chunk), 0
+            n, added = prompt_tokens(hashes, tokens, chunk), 0
             for level in range(len(keys) - 1, -1, -1):
                 if get(keys[level]) == replica:
                     break
@@ -575,252 +313,6 @@ class PrefixAffinityRouter(ReplicaRouter):
 
     def state(self) -> dict[str, Any]:
         return {**self.counts, "table_keys": len(self._young) + len(self._old)}
-
-
-# ------------------------------------------------------------------------------------ the field's routers
-
-
-class _PeerRouter(ReplicaRouter):
-    """A peer that keeps what each replica was sent (:class:`PrefixHistory`) and, from the request's
-    life, each replica's tokens in flight (:class:`RequestLedger`)."""
-
-    uses_hashes = True
-    tracks_requests = True
-
-    def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE, max_tree_tokens: int = 1 << 26) -> None:
-        super().__init__()
-        self.chunk_size = int(chunk_size)
-        self.history = PrefixHistory(chunk_size, max_tree_tokens)
-        self.ledger = RequestLedger()
-        self.counts: Counter[str] = Counter()
-
-    def _match(self, hashes: np.ndarray, tokens: int | None) -> tuple[int, dict[str, int]]:
-        """``(prompt tokens, replica -> tokens of its prefix that replica was sent)``."""
-        n = _prompt_tokens(hashes, tokens, self.chunk_size)
-        chunk = self.chunk_size
-        return n, {r: min(d * chunk, n) for r, d in self.history.match(hashes).items()}
-
-    def routed(self, hashes: np.ndarray | None, replica: str, *, tokens: int | None = None,
-               request_id: str | None = None) -> None:
-        if hashes is None or len(hashes) == 0:
-            return
-        if request_id is not None:
-            n, held = self._match(hashes, tokens)
-            keys = hashes.tolist()
-            self.ledger.add(request_id, replica, n - held.get(replica, 0), keys,
-                            _spans(len(keys), tokens, self.chunk_size))
-        self.history.insert(hashes, replica, tokens)
-
-    def prefilled(self, request_id: str) -> None:
-        self.ledger.prefilled(request_id)
-
-    def finished(self, request_id: str) -> None:
-        self.ledger.finished(request_id)
-
-    def forget(self, replica: str) -> None:
-        self.history.forget(replica)
-        self.ledger.forget(replica)
-
-    def state(self) -> dict[str, Any]:
-        return dict(self.counts)
-
-
-class SGLangCacheAwareRouter(_PeerRouter):
-    """SGLang router's ``cache_aware`` policy (``sgl-router/src/policies/cache_aware.rs``), with the
-    defaults of sglang-router 0.3.x (``RouterArgs``, what ``python -m sglang_router.launch_router``
-    runs with): ``cache_threshold=0.3``, ``balance_abs_threshold=64``, ``balance_rel_threshold=1.5``,
-    ``max_tree_size=2**26`` (eviction every 120 s). The Rust ``CacheAwareConfig::default()`` is
-    0.5 / 32 / 1.1 instead; the tuning grid of ``benchmarks.router_peers`` covers both.
-
-    Per request: (1) if the load is imbalanced, ``max - min > balance_abs_threshold`` and
-    ``max > balance_rel_threshold * min`` over every replica's requests in flight, the replica
-    serving the fewest (shortest queue); (2) else the match rate, the longest prefix any replica's
-    tree holds over the prompt's length: above ``cache_threshold`` (strictly, as the Rust code), the
-    replica holding that match; (3) else the replica with the smallest tree. The prompt then enters
-    the chosen replica's tree, whichever branch chose it.
-
-    Approximations: the tree of prompt text is :class:`PrefixHistory` (whole 512-token chunks;
-    ``max_tree_size`` counts tokens, not characters, evicted at once rather than every 120 s: it
-    never binds in the benchmark); of several replicas at the deepest match, the one most recently
-    sent it (the real tree takes the first tenant in the node's hash map, arbitrary); ties of the
-    shortest queue and the smallest tree by name (the Rust code: the first in worker order).
-    """
-
-    name = "sglang-cache-aware"
-
-    def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
-                 balance_rel_threshold: float = 1.5, max_tree_size: int = 1 << 26,
-                 chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
-        super().__init__(chunk_size, max_tree_size)
-        if not 0.0 <= cache_threshold <= 1.0:
-            raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
-        if balance_abs_threshold < 0 or balance_rel_threshold < 0:
-            raise ValueError("balance thresholds must be >= 0")
-        self.cache_threshold = float(cache_threshold)
-        self.balance_abs_threshold = int(balance_abs_threshold)
-        self.balance_rel_threshold = float(balance_rel_threshold)
-
-    def imbalanced(self, loads: Mapping[str, int]) -> bool:
-        hi, lo = max(loads.values()), min(loads.values())
-        return hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo
-
-    def choose(self, hashes: np.ndarray | None, loads: Mapping[str, int],
-               avoid: Collection[str] = (), *, tokens: int | None = None) -> str:
-        ok = self._allowed(loads, avoid)
-        if hashes is None or len(hashes) == 0 or self.imbalanced(loads):
-            self.counts["shortest_queue"] += 1
-            return min(ok, key=lambda r: (loads[r], r))
-        n, held = self._match(hashes, tokens)
-        held = {r: m for r, m in held.items() if r in ok}
-        best = max(held.values(), default=0)
-        if n and best / n > self.cache_threshold:
-            self.counts["cache_hit"] += 1
-            level = min(len(hashes), -(-best // self.chunk_size)) - 1
-            key = int(hashes[level])
-            return max((r for r, m in held.items() if m == best),
-                       key=lambda r: (self.history.stamp(key, r), r))
-        self.counts["smallest_tree"] += 1
-        size = self.history.size
-        return min(ok, key=lambda r: (size[r], r))
-
-
-class RayPrefixAffinityRouter(_PeerRouter):
-    """Ray Serve LLM's ``PrefixCacheAffinityRouter`` (ray 2.60: ``ray.serve.llm.request_router``,
-    ``ray/llm/_internal/serve/routing_policies/prefix_aware/prefix_aware_router.py``), with its
-    defaults: ``imbalanced_threshold=inf``, ``match_rate_threshold=0.1``, no eviction.
-
-    Per request: (1) if the candidates' queue lengths differ by more than ``imbalanced_threshold``,
-    power of two choices (two at random, the shorter queue: Ray Serve's default router); (2) else the
-    match rate, the longest prefix a candidate's tree holds over the prompt's length: at least
-    ``match_rate_threshold``, the replicas holding that match; below it (or no match), the replicas
-    with the smallest trees; of those, the one with the shortest queue (how Ray picks within the rank
-    ``choose_replicas`` returns; the first on a tie). The prompt enters the chosen replica's tree.
-    Ray 2.60 has these two knobs and no further tiers of match rates.
-
-    Approximations: the tree of prompt text is :class:`PrefixHistory` (whole chunks); Ray's
-    ``max_ongoing_requests`` back-off (wait while every chosen replica's queue is full) is not
-    modelled; ties in queue length go by name.
-    """
-
-    name = "ray-prefix-affinity"
-
-    def __init__(self, imbalanced_threshold: float = math.inf, match_rate_threshold: float = 0.1,
-                 seed: int | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
-        super().__init__(chunk_size)
-        if imbalanced_threshold < 0 or not 0.0 <= match_rate_threshold <= 1.0:
-            raise ValueError("imbalanced_threshold must be >= 0 and match_rate_threshold in [0, 1]")
-        self.imbalanced_threshold = float(imbalanced_threshold)
-        self.match_rate_threshold = float(match_rate_threshold)
-        self._rng = random.Random(seed)
-
-    def _pow2(self, ok: Collection[str], loads: Mapping[str, int]) -> str:
-        usable = sorted(ok)
-        if len(usable) == 1:
-            return usable[0]
-        a, b = self._rng.sample(usable, 2)
-        return b if loads[b] < loads[a] else a
-
-    def choose(self, hashes: np.ndarray | None, loads: Mapping[str, int],
-               avoid: Collection[str] = (), *, tokens: int | None = None) -> str:
-        ok = self._allowed(loads, avoid)
-        queue = [loads[r] for r in ok]
-        if hashes is None or len(hashes) == 0 or max(queue) - min(queue) > self.imbalanced_threshold:
-            self.counts["pow2"] += 1
-            return self._pow2(ok, loads)
-        n, held = self._match(hashes, tokens)
-        held = {r: m for r, m in held.items() if r in ok}
-        best = max(held.values(), default=0)
-        if best and best / n >= self.match_rate_threshold:
-            self.counts["match"] += 1
-            chosen = [r for r, m in held.items() if m == best]
-        else:
-            self.counts["smallest_tree"] += 1
-            size = self.history.size
-            least = min(size[r] for r in ok)
-            chosen = [r for r in ok if size[r] == least]
-        return min(chosen, key=lambda r: (loads[r], r))
-
-
-class LMetricRouter(_PeerRouter):
-    """LMetric ("Simple is Better", Zhang et al., OSDI '26, arXiv 2603.15202): the replica with the
-    smallest product of a KV-cache indicator and a load indicator, no knobs. Here the KV-cache
-    indicator is the request's new prefill tokens on that replica (its prompt less the prefix the
-    replica was sent, :class:`PrefixHistory`; at least 1, so that a fully matched prompt still
-    weighs its load), the load indicator the replica's batch size, its requests in flight + 1 (so an
-    idle replica's product is not 0). Ties: the less loaded, then by name.
-    """
-
-    name = "lmetric"
-
-    def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
-        super().__init__(chunk_size)
-
-    def score(self, replica: str, n: int, held: Mapping[str, int], loads: Mapping[str, int]) -> int:
-        return max(1, n - held.get(replica, 0)) * (loads[replica] + 1)
-
-    def choose(self, hashes: np.ndarray | None, loads: Mapping[str, int],
-               avoid: Collection[str] = (), *, tokens: int | None = None) -> str:
-        ok = self._allowed(loads, avoid)
-        if hashes is None or len(hashes) == 0:
-            return min(ok, key=lambda r: (loads[r], r))
-        n, held = self._match(hashes, tokens)
-        return min(ok, key=lambda r: (self.score(r, n, held, loads), loads[r], r))
-
-
-class DynamoKvRouter(_PeerRouter):
-    """NVIDIA Dynamo's KV router (``lib/kv-router``: ``DefaultWorkerSelector``; docs "KV Router":
-    ``logit = kv_overlap_score_weight x potential_prefill_blocks + potential_active_blocks``), lowest
-    logit wins (``router_temperature=0``, the default: no softmax sampling; ties at random).
-    Defaults: ``overlap_score_weight=1.0``, ``block_size=16``.
-
-    For a replica: ``potential_prefill_blocks`` = (its prefill tokens routed and not yet prefilled +
-    this prompt's tokens less the overlap it holds) / block size; ``potential_active_blocks`` = the
-    distinct blocks of its requests in flight + this prompt's blocks not among them
-    (:class:`RequestLedger`, as Dynamo's ``ActiveSequences``: added when routed, prefill tokens
-    dropped at the first token, blocks at the finish).
-
-    Approximations: the overlap comes from the routing history (:class:`PrefixHistory`, whole
-    512-token chunks; Dynamo's ``--no-kv-events`` approximate indexer, whose 120 s TTL no benchmark
-    run reaches), not from the engines' KV events (the default mode, which sees evictions); decode
-    tokens are not added to the active blocks as they are generated (outputs here are short beside
-    8K-token prompts). ``block_size`` scales both terms alike, so it does not change the choice.
-    """
-
-    name = "dynamo-kv"
-
-    def __init__(self, overlap_score_weight: float = 1.0, block_size: int = 16, seed: int | None = None,
-                 chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
-        super().__init__(chunk_size)
-        if overlap_score_weight < 0 or block_size < 1:
-            raise ValueError("overlap_score_weight must be >= 0 and block_size >= 1")
-        self.overlap_score_weight = float(overlap_score_weight)
-        self.block_size = int(block_size)
-        self._rng = random.Random(seed)
-
-    def costs(self, hashes: np.ndarray, loads: Mapping[str, int], ok: Collection[str],
-              tokens: int | None = None) -> dict[str, float]:
-        """Replica -> its logit for this request (lower is better)."""
-        n, held = self._match(hashes, tokens)
-        keys = hashes.tolist()
-        active_hit = self.ledger.active_overlap(keys, _spans(len(keys), tokens, self.chunk_size))
-        ledger, w, bs = self.ledger, self.overlap_score_weight, self.block_size
-        return {r: (w * (ledger.pending[r] + n - held.get(r, 0)) + ledger.kv[r] + n - active_hit[r]) / bs
-                for r in ok}
-
-    def choose(self, hashes: np.ndarray | None, loads: Mapping[str, int],
-               avoid: Collection[str] = (), *, tokens: int | None = None) -> str:
-        ok = self._allowed(loads, avoid)
-        if hashes is None or len(hashes) == 0:
-            return min(ok, key=lambda r: (loads[r], r))
-        costs = self.costs(hashes, loads, ok, tokens)
-        best = min(costs.values())
-        tied = sorted(r for r, c in costs.items() if c <= best + 1e-9)
-        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
-
-
-#: The field's routers (:data:`ROUTERS` holds them too), in the order the benchmark reports them.
-PEERS: tuple[str, ...] = (SGLangCacheAwareRouter.name, RayPrefixAffinityRouter.name, LMetricRouter.name,
-                          DynamoKvRouter.name)
 
 
 #: Router names (``make_router``), the comparison routers first.

@@ -54,7 +54,8 @@ from typing import Any
 import numpy as np
 
 from feather_env.engines.vllm_engine import REPO_ROOT
-from feather_env.reporting import format_table, machine_info, write_json
+from feather_env.evaluation.advice_report import render_markdown, write_advice
+from feather_env.reporting import machine_info
 from feather_env.scenarios import Scenario, load_scenario
 from feather_env.serving_metrics import serving_metrics
 from scheduler_runtime.config import ConfigError
@@ -650,178 +651,9 @@ def advise(
         )
         payload["confirm"] = measured
     payload["wall_s"] = time.perf_counter() - t0
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "advice.json", payload, quiet=True)
-    (out / "advice.md").write_text(render_markdown(payload))
-    _plot(payload, out / "goodput.png")
+    write_advice(out, payload)
     return payload
 
 
 def _brief(row: Mapping[str, Any]) -> dict[str, Any]:
     return {k: row.get(k) for k in ROW_METRICS}
-
-
-def _fmt(v: Any, spec: str) -> str:
-    return "n/a" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
-
-
-def render_markdown(payload: Mapping[str, Any]) -> str:
-    """``advice.md``: the recommendation, the best few and the default, and what else the search found."""
-    rows, rec, slos = payload["candidates"], payload["recommendation"], payload["slos_ms"]
-    slo_text = ", ".join(f"{k.upper()} <= {v:g} ms" for k, v in slos.items())
-    default = payload["default"]["scheduler"]
-    lines = [
-        f"# Advice for {payload['scenario']} (SLOs: {slo_text})",
-        "",
-        f"**Recommendation: `{rec['scheduler']}`**: {rec['why']}.",
-        "",
-        f"Serve it with: `{rec['serve_command']}`",
-        "",
-        f"Predicted goodput {_fmt(rec['predicted_goodput'], '.2f')} req/s, "
-        f"{_fmt(rec['predicted_goodput_ratio'], '.2f')}x vLLM's default (`{default}`: "
-        f"{_fmt(payload['default']['request_goodput'], '.2f')} req/s); per window "
-        f"{_fmt(rec['ratio_range'][0], '.2f')}-{_fmt(rec['ratio_range'][1], '.2f')}x.",
-        "",
-    ]
-    headers = [
-        "setting",
-        "goodput req/s",
-        "x default",
-        "output tok/s",
-        "mean TTFT ms",
-        "P99 TTFT ms",
-        "mean TPOT ms",
-        "P99 TPOT ms",
-        "mean E2EL ms",
-        "P99 E2EL ms",
-        "prefix hit",
-    ]
-    d = rows[default]["request_goodput"]
-    table = []
-    for name in payload["shown"]:
-        r = rows[name]
-        table.append(
-            [
-                f"`{name}`" + (" (vLLM default)" if name == default else ""),
-                _fmt(r["request_goodput"], ".2f"),
-                _fmt(r["request_goodput"] / d if d else None, ".2f"),
-                _fmt(r["output_throughput"], ".1f"),
-                _fmt(r["mean_ttft_ms"], ".0f"),
-                _fmt(r["p99_ttft_ms"], ".0f"),
-                _fmt(r["mean_tpot_ms"], ".1f"),
-                _fmt(r["p99_tpot_ms"], ".1f"),
-                _fmt(r["mean_e2el_ms"], ".0f"),
-                _fmt(r["p99_e2el_ms"], ".0f"),
-                _fmt(r["prefix_hit_rate"], ".1%"),
-            ]
-        )
-    windows = len(rows[default]["windows"])
-    lines += [
-        f"## The best settings and the default (simulator, mean of {windows} held-out windows)",
-        "",
-        format_table(headers, table),
-        "",
-    ]
-    reuse, hs = payload["prefix_reuse_available"], payload["hindsight"]
-    lines += [
-        "## What the search found",
-        "",
-        f"- Settings searched: {len(rows)} (schedulers x per-step token budgets); the best "
-        f"{sum(r['stage'] == 'every window' for r in rows.values())} on every window.",
-        f"- Offered load: {payload['offered_request_rate']:.2f} requests/s arrive; no setting's goodput "
-        "is above it.",
-        f"- Prefix reuse available: {reuse['perfect_cache']:.1%} of prompt tokens with a perfect prefix "
-        f"cache, {reuse['engine_sized_cache']:.1%} with an LRU cache of the engine's KV size; the "
-        f"recommendation captures {_fmt(rows[rec['scheduler']]['prefix_hit_rate'], '.1%')}.",
-        f"- Hindsight: choosing the best of the {hs['settings']} settings per window would be "
-        f"{_fmt(hs['mean_gain'], '.3f')}x the best constant on average (at most "
-        f"{_fmt(hs['max_gain'], '.3f')}x): what any adaptive or learned policy could still win.",
-        f"- Simulator profile: `{payload['profile']['profile']}`"
-        + (
-            f", probe error {payload['profile']['error']:.1%} (worst of makespan, mean TTFT, mean TPOT)"
-            if payload["profile"].get("error") is not None
-            else ""
-        )
-        + ".",
-    ]
-    if "what_if" in payload:
-        lines += [
-            "",
-            "## What if",
-            "",
-            format_table(
-                ["setting", "as is", "2x KV cache", "2 replicas", "4 replicas"],
-                [
-                    [
-                        f"`{n}`",
-                        _fmt(rows[n]["request_goodput"], ".2f"),
-                        *(
-                            _fmt(w[k]["request_goodput"], ".2f")
-                            for k in ("2x_kv_cache", "2_replicas", "4_replicas")
-                        ),
-                    ]
-                    for n, w in payload["what_if"].items()
-                ],
-            ),
-            "",
-            "Goodput in requests/s; replicas behind the prefix router (`feather-serve --replicas N`).",
-        ]
-    if "confirm" in payload:
-        c = payload["confirm"]
-        lines += [
-            "",
-            f"## Confirmed on the real engine (window {c['seed']}, {c['repeats']} alternating runs each)",
-            "",
-            format_table(
-                ["setting", "goodput req/s (median)", "runs", "output tok/s", "mean TTFT ms", "mean TPOT ms"],
-                [
-                    [
-                        f"`{n}`",
-                        _fmt(r["request_goodput"], ".2f"),
-                        ", ".join(_fmt(g, ".2f") for g in r["request_goodput_per_run"]),
-                        _fmt(r["output_throughput"], ".1f"),
-                        _fmt(r["mean_ttft_ms"], ".0f"),
-                        _fmt(r["mean_tpot_ms"], ".1f"),
-                    ]
-                    for n, r in c["runs"].items()
-                ],
-            ),
-            "",
-            f"Measured ratio {_fmt(c['measured_goodput_ratio'], '.2f')}x the default; predicted "
-            f"{_fmt(rec['predicted_goodput_ratio'], '.2f')}x (mean of the windows); the simulator's goodput "
-            f"on this window {_fmt(c['predicted_goodput_this_window'], '.2f')} req/s against "
-            f"{_fmt(c['measured_goodput'], '.2f')} measured.",
-        ]
-    lines += [
-        "",
-        f"Made on {payload['machine'].get('date', '')} ({payload['machine'].get('cpu', '')}) in "
-        f"{payload['wall_s']:.0f} s.",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def _plot(payload: Mapping[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = payload["candidates"]
-    names = [n for n, r in rows.items() if r["stage"] == "every window"]
-    fig, ax = plt.subplots(figsize=(8, 0.4 * len(names) + 1.5))
-    values = [rows[n]["request_goodput"] or 0.0 for n in names]
-    colors = [
-        "tab:green"
-        if n == payload["recommendation"]["scheduler"]
-        else "tab:gray"
-        if n == payload["default"]["scheduler"]
-        else "tab:blue"
-        for n in names
-    ]
-    ax.barh(names[::-1], values[::-1], color=colors[::-1])
-    ax.axvline(payload["offered_request_rate"], color="k", linestyle="--", label="offered request rate")
-    ax.set_xlabel("goodput (requests/s meeting every SLO)")
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
