@@ -71,7 +71,7 @@ class EnvSection:
 
     def __post_init__(self) -> None:
         if self.scheduler is None:
-            from feather_env.env import DEFAULT_GROUP_SCHEDULER
+            from feather_env.resolved import DEFAULT_GROUP_SCHEDULER
 
             default = DEFAULT_GROUP_SCHEDULER if self.decision == "group" else "feather-heuristic"
             object.__setattr__(self, "scheduler", default)

@@ -16,8 +16,13 @@ from gymnasium.envs.registration import EnvSpec
 
 from feather_env.engines.vllm_engine import EngineError
 from feather_env.records import Advance, RequestTimeline
+from feather_env.resolved import (
+    SETTING_DEFAULTS,
+    ResolvedEnv,
+    resolve_env,
+    resolve_envs,
+)
 from feather_env.rewards import (
-    GOODPUT_NEEDS_SLOS,
     REWARD_CLASSES,
     REWARDS,
     DecodeThroughputReward,
@@ -27,8 +32,8 @@ from feather_env.rewards import (
     Reward,
     parse_goodput_slos,
 )
-from feather_env.scenarios import Scenario, load_scenario
-from feather_env.serving import ServingBackend, env_scheduler_config
+from feather_env.scenarios import Scenario
+from feather_env.serving import ServingBackend
 from feather_env.serving_metrics import serving_metrics
 from scheduler_runtime.batching import BatchingCore
 from scheduler_runtime.config import ConfigError
@@ -46,25 +51,10 @@ __all__ = ["ADD", "REWARDS", "REWARD_CLASSES", "STOP", "DecodeThroughputReward",
            "Reward", "ScenarioMix", "finish_episode", "parse_goodput_slos", "play_episode",
            "scheduler_policy"]
 
-#: The scheduler whose decisions the agent answers in the group decision, unless one is named.
-DEFAULT_GROUP_SCHEDULER = "group-cap-3"
 #: The scale of the group observation's counts (groups in flight, their waiting requests, waiting groups).
 GROUP_COUNT_SCALE = 16.0
 #: How many episodes in a row ``reset()`` may skip for needing no decision before it gives up.
 MAX_EMPTY_EPISODES = 100
-
-
-def slowdown_range(value: float | Sequence[float]) -> tuple[float, float]:
-    """``engine_slowdown`` as ``(low, high)``: one factor, or a range drawn per episode."""
-    problem = f"engine_slowdown must be a factor > 0 or a range [low, high] of them, got {value!r}"
-    try:
-        low, high = (value, value) if isinstance(value, int | float) else tuple(value)  # type: ignore[misc]
-        ok = 0 < low <= high < float("inf")
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ConfigError(problem)
-    return float(low), float(high)
 
 
 class NoDecisionError(ConfigError):
@@ -228,8 +218,8 @@ class FeatherEnv(gym.Env):
 
     def __init__(
         self,
-        scenario: str | Scenario = "leval-kv-pressure",
-        backend: str | ServingBackend = "sim",
+        scenario: str | Scenario | ResolvedEnv = "leval-kv-pressure",
+        backend: str | ServingBackend | None = None,
         *,
         scenario_overrides: Mapping[str, Mapping[str, Any]] | None = None,
         scheduler: str | None = None,
@@ -246,55 +236,54 @@ class FeatherEnv(gym.Env):
         goodput_slos: Mapping[str, float] | str | None = None,
     ) -> None:
         super().__init__()
-        if reward not in REWARDS:
-            raise ConfigError(f"reward must be one of {REWARDS}, got {reward!r}")
+        settings = dict(scenario_overrides=scenario_overrides, scheduler=scheduler, reward=reward,
+                        reward_scale=reward_scale, extended_obs=extended_obs, decision=decision,
+                        delta_clip=delta_clip, max_episode_seconds=max_episode_seconds, profile=profile,
+                        obs_max_requests=obs_max_requests, engine_slowdown=engine_slowdown,
+                        goodput_slos=goodput_slos)
+        kind = backend if isinstance(backend, str) else None
+        if isinstance(scenario, ResolvedEnv):
+            given = sorted(k for k, v in settings.items() if v != SETTING_DEFAULTS[k])
+            if given:
+                raise ConfigError(f"a resolved environment carries its settings: give none of {given} "
+                                  "with it")
+            resolved = scenario if kind is None else scenario.on(kind)
+        else:
+            resolved = resolve_env(scenario, kind or "sim", **settings)
+        #: What the environment is built from (:mod:`feather_env.resolved`).
+        self.resolved = resolved
+        self.scenario = resolved.scenario
+        self.scheduler_config = resolved.scheduler
+        self.scheduler_name = resolved.scheduler.name
+        self.decision = decision = resolved.scheduler.decision
+        self.chunk_size = resolved.chunk_size
+        reward_spec = resolved.reward
         #: The latency SLOs (ms) of the goodput reward and of ``info["episode"]["request_goodput"]``.
-        self.goodput_slos = slos = parse_goodput_slos(goodput_slos)
-        if reward == GoodputReward.name and slos is None:
-            raise ConfigError(GOODPUT_NEEDS_SLOS)
-        if not (isinstance(delta_clip, int) and delta_clip >= 1):
-            raise ConfigError(f"delta_clip must be an integer >= 1, got {delta_clip!r}")
-        if max_episode_seconds is not None and not max_episode_seconds > 0:
-            raise ConfigError(f"max_episode_seconds must be > 0 or None, got {max_episode_seconds!r}")
-        if decision not in (None, "request", "group"):
-            raise ConfigError(f"decision must be 'request' or 'group', got {decision!r}")
-        if scheduler is None:
-            scheduler = DEFAULT_GROUP_SCHEDULER if decision == "group" else "feather-heuristic"
-        self.scenario = load_scenario(scenario, scenario_overrides)
-        sched = self.scenario.scheduler
-        self.scheduler_name = scheduler
-        overrides = {} if decision is None else {"decision": decision}
-        self.scheduler_config = env_scheduler_config(scheduler, chunk_size=sched.chunk_size,
-                                                     max_wait=sched.max_wait, **overrides)
-        self.decision = decision = self.scheduler_config.decision
-        if decision == "group" and self.scheduler_config.ordering != "feather":
-            raise ConfigError(f"the group decision needs a Feather scheduler, not {scheduler!r}")
-        if decision == "group" and extended_obs:
-            raise ConfigError("the group decision has its own observation: extended_obs is for the "
-                              "request decision")
-        self.chunk_size = sched.chunk_size
-        self.reward_kind = reward
-        self.reward_fn: Reward = (GoodputReward(slos, self._finished_timeline)
-                                  if reward == GoodputReward.name else REWARD_CLASSES[reward]())
+        self.goodput_slos = reward_spec.goodput_slos
+        self.reward_kind = reward_spec.kind
+        self.reward_fn: Reward = (GoodputReward(reward_spec.goodput_slos, self._finished_timeline)
+                                  if reward_spec.kind == GoodputReward.name
+                                  else REWARD_CLASSES[reward_spec.kind]())
         self._timeline_index: dict[str, RequestTimeline] = {}
-        self.reward_scale = float(reward_scale)
-        self.extended_obs = bool(extended_obs)
-        self.delta_clip = delta_clip
-        self.max_episode_seconds = max_episode_seconds
-        self.engine_config = self.scenario.engine_config()
-        self.engine_slowdown = slowdown_range(engine_slowdown)
-        self._owns_backend = isinstance(backend, str)
-        self.backend = self._make_backend(backend, profile, llm)
+        self.reward_scale = reward_spec.scale
+        self.obs_kind = resolved.obs_kind
+        self.extended_obs = self.obs_kind == "extended"
+        self.delta_clip = delta_clip = resolved.delta_clip
+        self.max_episode_seconds = resolved.max_episode_seconds
+        self.engine_config = resolved.engine
+        self.engine_slowdown = resolved.engine_slowdown
+        self._owns_backend = not isinstance(backend, ServingBackend)
+        self.backend = self._make_backend(backend, resolved, llm)
         if not self.backend.deterministic:
             # real-engine rewards are wall-clock measurements: say so to gymnasium's checks
             self.spec = EnvSpec("feather/Batching-v0", entry_point="feather_env.env:FeatherEnv",
                                 nondeterministic=True)
-        n_max = obs_max_requests if obs_max_requests is not None else self.scenario.max_episode_requests
-        self.obs_kind = "group" if decision == "group" else "extended" if self.extended_obs else "base"
+        n_max = resolved.obs_max_requests
         names = observation_names(self.obs_kind)
         if self.obs_kind == "group":
             # the oldest wait's bound: max_wait releases a request by then (2 minutes without it)
-            wait_max = sched.max_wait if sched.max_wait else 120.0
+            max_wait = self.scenario.scheduler.max_wait
+            wait_max = max_wait if max_wait else 120.0
             seqs = self.engine_config.max_num_seqs
             high = np.array([seqs, delta_clip, n_max, seqs, 1.0, n_max, n_max, 1.0, wait_max],
                             dtype=np.float32)
@@ -501,18 +490,18 @@ class FeatherEnv(gym.Env):
         return out
 
     # -- helpers -------------------------------------------------------------------------------------
-    def _make_backend(self, backend: Any, profile: str | None, llm: Any) -> ServingBackend:
+    def _make_backend(self, backend: Any, resolved: ResolvedEnv, llm: Any) -> ServingBackend:
         if isinstance(backend, ServingBackend):
             return backend
-        if backend == "sim":
+        if backend is not None and not isinstance(backend, str):
+            raise ConfigError(f"backend must be 'sim', 'vllm' or a ServingBackend, got {backend!r}")
+        if resolved.backend.kind == "sim":
             from feather_env.engines.sim_backend import SimBackend
 
-            return SimBackend(self.engine_config, profile)
-        if backend == "vllm":
-            from feather_env.engines.vllm_backend import VLLMBackend
+            return SimBackend(resolved.engine, resolved.backend.profile)
+        from feather_env.engines.vllm_backend import VLLMBackend
 
-            return VLLMBackend(self.engine_config, llm=llm)
-        raise ConfigError(f"backend must be 'sim', 'vllm' or a ServingBackend, got {backend!r}")
+        return VLLMBackend(resolved.engine, llm=llm)
 
     # read-only views for agents (the oracle) and tests
     @property
@@ -548,14 +537,19 @@ class ScenarioMix(gym.Env):
 
     metadata = {"render_modes": []}
 
-    def __init__(self, scenarios: Sequence[str], backend: str = "sim", **kwargs: Any) -> None:
+    def __init__(self, scenarios: Sequence[str | ResolvedEnv], backend: str | None = None,
+                 **kwargs: Any) -> None:
         super().__init__()
         if not scenarios:
             raise ConfigError("a scenario mix needs at least one scenario")
-        names = list(scenarios)
-        bound = max(load_scenario(n, kwargs.get("scenario_overrides")).max_episode_requests for n in names)
-        kwargs = {k: v for k, v in kwargs.items() if k != "obs_max_requests"}
-        self.envs = {n: FeatherEnv(n, backend, obs_max_requests=bound, **kwargs) for n in names}
+        if all(isinstance(s, ResolvedEnv) for s in scenarios):
+            resolved = tuple(scenarios)
+        else:
+            resolved = resolve_envs(list(scenarios), backend or "sim", **kwargs)  # type: ignore[arg-type]
+            kwargs = {k: v for k, v in kwargs.items() if k == "llm"}
+        names = [r.scenario.name if isinstance(s, ResolvedEnv) else str(s)
+                 for s, r in zip(scenarios, resolved, strict=True)]
+        self.envs = {n: FeatherEnv(r, backend, **kwargs) for n, r in zip(names, resolved, strict=True)}
         first = self.envs[names[0]]
         for n, env in self.envs.items():
             if env.observation_space != first.observation_space or env.chunk_size != first.chunk_size:

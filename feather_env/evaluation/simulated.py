@@ -67,7 +67,7 @@ class SimConfig:
     engine_slowdown: float = 1.0
 
     def __post_init__(self) -> None:
-        from feather_env.env import slowdown_range
+        from feather_env.resolved import slowdown_range
 
         slowdown_range(self.engine_slowdown)  # one factor > 0, or a clear error
         if not self.seeds:
