@@ -7,37 +7,36 @@ their environments here.
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
-from agents.run_config import RunConfig, parse_config
+from agents.run_config import RunConfig
 
 __all__ = ["EnvFactory", "make_env"]
 
 
 def make_env(cfg: RunConfig, backend: Any = None, *, scheduler: str | None = None) -> Any:
-    """A raw ``FeatherEnv`` for the run (``backend``: a backend object to share, else the config's;
-    ``scheduler``: another ordering than the config's, for a reference agent)."""
+    """A raw ``FeatherEnv`` (or a ``ScenarioMix``) for the run, built from its resolved environments
+    (:attr:`RunConfig.envs`): on ``train.backend``, on another one (``"sim"``, ``"vllm"``), or on a
+    backend object to share; ``scheduler``: a reference agent's own scheduler (its own decision)."""
     from feather_env.env import FeatherEnv, ScenarioMix
 
-    e = asdict(cfg.env)
-    profile = e.pop("profile")
-    if scheduler is not None:  # a reference: its own decision
-        e["scheduler"], e["decision"], e["extended_obs"] = scheduler, None, False
-    backend = backend if backend is not None else cfg.train.backend
-    name = cfg.scenario["name"]
-    if isinstance(name, list | tuple):  # a mix: one environment per scenario, one drawn per episode
-        return ScenarioMix(list(name), backend, scenario_overrides=cfg.scenario_overrides, profile=profile,
-                           **e)
-    return FeatherEnv(name, backend, scenario_overrides=cfg.scenario_overrides, profile=profile, **e)
+    envs = cfg.envs
+    if scheduler is not None:
+        envs = tuple(e.with_scheduler(scheduler) for e in envs)
+    if isinstance(backend, str):
+        envs = tuple(e.on(backend) for e in envs)
+        backend = None
+    if cfg.is_mix:  # one environment per scenario, one drawn per episode
+        return ScenarioMix(envs, backend)
+    return FeatherEnv(envs[0], backend)
 
 
 class EnvFactory:
-    """Picklable ``FeatherEnv`` factory for a worker process (it builds its own backend)."""
+    """Picklable ``FeatherEnv`` factory for a worker process (it builds its own backend from the run's
+    resolved environments: no scenario is read again)."""
 
-    def __init__(self, config: dict[str, Any], agent: str) -> None:
-        self.config = config
-        self.agent = agent
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
 
     def __call__(self) -> Any:
-        return make_env(parse_config(self.config, self.agent, where="worker config"))
+        return make_env(self.cfg)

@@ -11,20 +11,19 @@ import multiprocessing as mp
 from typing import Any
 
 from agents.envs import make_env
-from agents.run_config import RunConfig, parse_config
+from agents.run_config import RunConfig
 
 __all__ = ["learn_parallel_tabular"]
 
 
-def _tabular_worker(conn: Any, config: dict[str, Any], agent_name: str, rank: int) -> None:
+def _tabular_worker(conn: Any, cfg: RunConfig, rank: int) -> None:
     """Worker process: own env + agent copy; trains ``steps`` from the state it is sent, returns
     its state and the infos of the episodes it finished."""
     from agents.callbacks import InfoCollector
     from agents.registry import make_agent
 
-    cfg = parse_config(config, agent_name, where="worker config")
     env = make_env(cfg)
-    agent = make_agent(agent_name, cfg.agent, seed=cfg.train.seed + 1000 * (rank + 1))
+    agent = make_agent(cfg.agent_name, cfg.agent, seed=cfg.train.seed + 1000 * (rank + 1))
     collector = InfoCollector()
     try:
         while True:
@@ -49,10 +48,9 @@ def learn_parallel_tabular(agent: Any, cfg: RunConfig, total: int, callback: Any
     n = cfg.train.n_envs
     ctx = mp.get_context("spawn")
     conns, procs = [], []
-    config = cfg.to_dict()
     for rank in range(n):
         parent, child = ctx.Pipe()
-        p = ctx.Process(target=_tabular_worker, args=(child, config, cfg.agent_name, rank), daemon=True)
+        p = ctx.Process(target=_tabular_worker, args=(child, cfg, rank), daemon=True)
         p.start()
         conns.append(parent)
         procs.append(p)

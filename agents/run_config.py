@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from feather_env.resolved import ResolvedEnv, check_settings, resolve_envs
 from scheduler_runtime.config import ConfigError, from_mapping, load_yaml
 from scheduler_runtime.orderings import BASELINE_ORDERINGS, OrderingName
-from scheduler_runtime.rules import group_rule_cap
 
 __all__ = ["ORDERING_REFERENCES", "REFERENCES", "SECTIONS", "EnvSection", "RunConfig", "TrainSection",
            "load_config", "parse_config"]
@@ -51,8 +51,10 @@ class EnvSection:
 
     Its fields are ``FeatherEnv``'s keyword arguments but those a run sets itself (the scenario and
     its overrides, the backend, an engine object): ``tests/test_train.py`` holds the two together,
-    so an argument the environment gains is a key the run config accepts. ``scheduler: null`` is
-    the environment's default for the decision (saved as its name). ``goodput_slos`` (also
+    so an argument the environment gains is a key the run config accepts. The values are checked
+    by the environment's own check (:func:`feather_env.resolved.check_settings`); ``scheduler: null``
+    is the environment's default for the decision (:func:`~feather_env.resolved.resolve_env` applies
+    it; the run saves it by name). ``goodput_slos`` (also
     accepted as ``goodput``, ``train.py --goodput``'s name) is ``vllm bench serve --goodput``'s
     string, ``"ttft:5000 tpot:50"`` (milliseconds): the SLOs of ``reward: goodput``, reported as
     ``request_goodput`` with any reward."""
@@ -70,29 +72,12 @@ class EnvSection:
     goodput_slos: str | None = None
 
     def __post_init__(self) -> None:
-        if self.scheduler is None:
-            from feather_env.resolved import DEFAULT_GROUP_SCHEDULER
-
-            default = DEFAULT_GROUP_SCHEDULER if self.decision == "group" else "feather-heuristic"
-            object.__setattr__(self, "scheduler", default)
-        if not (math.isfinite(self.reward_scale) and self.reward_scale > 0):
-            raise ConfigError(f"env.reward_scale must be a finite number > 0, got {self.reward_scale!r} "
-                              "(it multiplies every reward: 0 or NaN leaves nothing to learn)")
-        if self.max_episode_seconds is not None and not (math.isfinite(self.max_episode_seconds)
-                                                         and self.max_episode_seconds > 0):
-            raise ConfigError(f"env.max_episode_seconds must be a finite number > 0 or null, "
-                              f"got {self.max_episode_seconds!r}")
-        if self.obs_max_requests is not None and self.obs_max_requests < 1:
-            raise ConfigError(f"env.obs_max_requests must be >= 1 or null, got {self.obs_max_requests}")
-        from feather_env.serving_metrics import parse_goodput
-
         try:
-            slos = parse_goodput(self.goodput_slos)
-        except ValueError as exc:
-            raise ConfigError(f"env.goodput: {exc}") from None
-        if self.reward == "goodput" and not slos:
-            raise ConfigError("env.reward 'goodput' needs latency SLOs: set env.goodput (train.py --goodput) "
-                              "to 'ttft:MS tpot:MS e2el:MS', vllm bench serve --goodput's milliseconds")
+            check_settings(reward=self.reward, reward_scale=self.reward_scale, decision=self.decision,
+                           delta_clip=self.delta_clip, max_episode_seconds=self.max_episode_seconds,
+                           obs_max_requests=self.obs_max_requests, goodput_slos=self.goodput_slos)
+        except ConfigError as exc:
+            raise ConfigError(f"env.{exc}") from None
 
 
 @dataclass(frozen=True)
@@ -152,7 +137,8 @@ class TrainSection:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """A whole run: the validated sections (``scenario`` stays a mapping: a name and overrides)."""
+    """A whole run: the validated sections (``scenario`` stays a mapping: a name and overrides, as the
+    saved config holds it) and the environments they resolve to (:attr:`envs`)."""
 
     agent_name: str
     agent: Any
@@ -160,6 +146,14 @@ class RunConfig:
     env: EnvSection = field(default_factory=EnvSection)
     train: TrainSection = field(default_factory=TrainSection)
     source: str = ""
+    #: The run's environments resolved once (one per scenario of a mix; :func:`parse_config`), on
+    #: ``train.backend``: every environment of the run is built from them.
+    envs: tuple[ResolvedEnv, ...] = field(default=(), repr=False, compare=False)
+
+    @property
+    def is_mix(self) -> bool:
+        """Whether the run trains on a mix of scenarios (:class:`~feather_env.env.ScenarioMix`)."""
+        return isinstance(self.scenario["name"], list | tuple)
 
     @property
     def scenario_name(self) -> str:
@@ -198,7 +192,6 @@ def parse_config(data: Mapping[str, Any], agent: str | None = None, *, scenario:
     current one), ``--scenario`` to the current folder; the returned config holds them absolute, so
     its saved copy reads the same from anywhere. Every number must be finite."""
     from agents.registry import TRAINABLE, config_class
-    from feather_env.scenarios import load_scenario
 
     if not isinstance(data, Mapping):
         raise ConfigError(f"{where}: expected a mapping")
@@ -230,11 +223,6 @@ def parse_config(data: Mapping[str, Any], agent: str | None = None, *, scenario:
     env = from_mapping(EnvSection, env_section, where=f"{where}: env")
     train = from_mapping(TrainSection, data.get("train"), where=f"{where}: train")
     _check_numbers(where, {"agent": agent_cfg, "env": env, "train": train})
-    group = env.decision == "group" or (env.decision is None
-                                        and group_rule_cap(str(env.scheduler).split("+")[0]) is not None)
-    if getattr(agent_cfg, "baseline", None) is not None and not group:
-        raise ConfigError(f"{where}: agent.baseline is a rule of the group decision; set env.decision: group "
-                          f"or remove it")
     scen = data.get("scenario")
     if scen is None:
         scen = {}
@@ -249,10 +237,13 @@ def parse_config(data: Mapping[str, Any], agent: str | None = None, *, scenario:
         scen["name"] = _scenario_names(scen["name"], base)
     if "name" not in scen:
         raise ConfigError(f"{where}: no scenario given (--scenario or scenario.name)")
-    scenarios = scen["name"]
-    for scenario_name in scenarios if isinstance(scenarios, list | tuple) else [scenarios]:
-        load_scenario(scenario_name, {k: v for k, v in scen.items() if k != "name"})
-    return RunConfig(name, agent_cfg, scen, env, train, source=where)
+    overrides = {k: v for k, v in scen.items() if k != "name"}
+    envs = resolve_envs(scen["name"], train.backend, scenario_overrides=overrides, **dataclasses.asdict(env))
+    env = dataclasses.replace(env, scheduler=envs[0].scheduler.name)  # the default, saved by its name
+    if getattr(agent_cfg, "baseline", None) is not None and envs[0].scheduler.decision != "group":
+        raise ConfigError(f"{where}: agent.baseline is a rule of the group decision; set env.decision: group "
+                          f"or remove it")
+    return RunConfig(name, agent_cfg, scen, env, train, source=where, envs=envs)
 
 
 def _anchor(path: str, base: Path) -> str:

@@ -291,7 +291,7 @@ def _run(cfg: RunConfig, out: str | Path, *, resume: bool, backend: Any, verbose
     ckpt_dir = out / "checkpoints"
 
     train_env = cls.training_env(lambda: make_env(cfg, backend=shared),
-                                 lambda: [EnvFactory(cfg.to_dict(), cfg.agent_name)
+                                 lambda: [EnvFactory(cfg)
                                           for _ in range(cfg.train.n_envs)],
                                  cfg.train.n_envs, cfg.train.seed)
     if checkpoint_to_resume is not None:

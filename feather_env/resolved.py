@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -29,7 +30,7 @@ from scheduler_runtime.config import ConfigError
 from scheduler_runtime.schedulers import SchedulerConfig
 
 __all__ = ["BACKENDS", "DEFAULT_GROUP_SCHEDULER", "SETTING_DEFAULTS", "BackendSpec", "ResolvedEnv",
-           "RewardSpec", "resolve_env", "resolve_envs", "slowdown_range"]
+           "RewardSpec", "check_settings", "resolve_env", "resolve_envs", "slowdown_range"]
 
 #: The scheduler whose decisions the agent answers in the group decision, unless one is named.
 DEFAULT_GROUP_SCHEDULER = "group-cap-3"
@@ -143,6 +144,38 @@ def _obs_kind(scheduler: SchedulerConfig, name: str, *, extended_obs: bool) -> s
     return "extended" if extended_obs else "base"
 
 
+def check_settings(*, reward: str = "latency", reward_scale: float = 1.0, decision: str | None = None,
+                   delta_clip: int = 64, max_episode_seconds: float | None = None,
+                   obs_max_requests: int | None = None,
+                   goodput_slos: Mapping[str, float] | str | None = None) -> dict[str, float] | None:
+    """The one check of an environment's own settings (those that need no scenario): each error names
+    the setting (a run config's ``env`` section prefixes it with ``env.``). Returns the goodput SLOs
+    (ms), parsed, or ``None``; the other settings (``scheduler``, ``engine_slowdown``, ...) are checked
+    as :func:`resolve_env` resolves them.
+
+    Raises:
+        ConfigError: a setting out of its range, or the goodput reward without SLOs.
+    """
+    if reward not in REWARDS:
+        raise ConfigError(f"reward must be one of {REWARDS}, got {reward!r}")
+    if not (isinstance(reward_scale, int | float) and math.isfinite(reward_scale) and reward_scale > 0):
+        raise ConfigError(f"reward_scale must be a finite number > 0, got {reward_scale!r} "
+                          "(it multiplies every reward: 0 or NaN leaves nothing to learn)")
+    slos = parse_goodput_slos(goodput_slos)
+    if reward == GoodputReward.name and slos is None:
+        raise ConfigError(GOODPUT_NEEDS_SLOS)
+    if not (isinstance(delta_clip, int) and delta_clip >= 1):
+        raise ConfigError(f"delta_clip must be an integer >= 1, got {delta_clip!r}")
+    seconds = max_episode_seconds
+    if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+        raise ConfigError(f"max_episode_seconds must be a finite number > 0 or None, got {seconds!r}")
+    if obs_max_requests is not None and not (isinstance(obs_max_requests, int) and obs_max_requests >= 1):
+        raise ConfigError(f"obs_max_requests must be an integer >= 1 or None, got {obs_max_requests!r}")
+    if decision not in (None, "request", "group"):
+        raise ConfigError(f"decision must be 'request' or 'group', got {decision!r}")
+    return slos
+
+
 def resolve_env(
     scenario: str | Scenario = "leval-kv-pressure",
     backend: str = "sim",
@@ -167,17 +200,9 @@ def resolve_env(
         ConfigError: an unknown scenario, scheduler, reward or backend, a bad value, or settings that
             do not go together (the group decision with another scheduler than Feather's, ...).
     """
-    if reward not in REWARDS:
-        raise ConfigError(f"reward must be one of {REWARDS}, got {reward!r}")
-    slos = parse_goodput_slos(goodput_slos)
-    if reward == GoodputReward.name and slos is None:
-        raise ConfigError(GOODPUT_NEEDS_SLOS)
-    if not (isinstance(delta_clip, int) and delta_clip >= 1):
-        raise ConfigError(f"delta_clip must be an integer >= 1, got {delta_clip!r}")
-    if max_episode_seconds is not None and not max_episode_seconds > 0:
-        raise ConfigError(f"max_episode_seconds must be > 0 or None, got {max_episode_seconds!r}")
-    if decision not in (None, "request", "group"):
-        raise ConfigError(f"decision must be 'request' or 'group', got {decision!r}")
+    slos = check_settings(reward=reward, reward_scale=reward_scale, decision=decision, delta_clip=delta_clip,
+                          max_episode_seconds=max_episode_seconds, obs_max_requests=obs_max_requests,
+                          goodput_slos=goodput_slos)
     if scheduler is None:
         scheduler = DEFAULT_GROUP_SCHEDULER if decision == "group" else "feather-heuristic"
     loaded = load_scenario(scenario, scenario_overrides)

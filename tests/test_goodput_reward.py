@@ -148,7 +148,7 @@ def test_the_run_config_takes_goodput():
     assert parse_config(small_config("ucb")).env.goodput_slos is None  # default: null
     with pytest.raises(ConfigError, match="env.reward 'goodput' needs latency SLOs"):
         parse_config(small_config("ucb", {"reward": "goodput"}))
-    with pytest.raises(ConfigError, match="env.goodput: unknown goodput SLO 'itl'"):
+    with pytest.raises(ConfigError, match="env.goodput_slos: unknown goodput SLO 'itl'"):
         parse_config(small_config("ucb", {"goodput": "itl:5"}))
     with pytest.raises(ConfigError, match="one key"):
         parse_config(small_config("ucb", {"goodput": "ttft:1", "goodput_slos": "ttft:2"}))
