@@ -241,21 +241,33 @@ class FeatherEnv(gym.Env):
                         delta_clip=delta_clip, max_episode_seconds=max_episode_seconds, profile=profile,
                         obs_max_requests=obs_max_requests, engine_slowdown=engine_slowdown,
                         goodput_slos=goodput_slos)
-        kind = backend if isinstance(backend, str) else None
         if isinstance(scenario, ResolvedEnv):
             given = sorted(k for k, v in settings.items() if v != SETTING_DEFAULTS[k])
             if given:
                 raise ConfigError(f"a resolved environment carries its settings: give none of {given} "
                                   "with it")
-            resolved = scenario if kind is None else scenario.on(kind)
+            resolved = scenario if not isinstance(backend, str) else scenario.on(backend)
         else:
-            resolved = resolve_env(scenario, kind or "sim", **settings)
+            resolved = resolve_env(scenario, backend if isinstance(backend, str) else "sim", **settings)
+        self._set_up(resolved, backend, llm)
+
+    @classmethod
+    def from_resolved(cls, resolved: ResolvedEnv, backend: ServingBackend | None = None, *,
+                      llm: Any = None) -> FeatherEnv:
+        """The environment of a resolved one (:func:`~feather_env.resolved.resolve_env`), on its
+        backend, or on ``backend`` (an object to share); ``llm``: a ``vllm.LLM`` to reuse."""
+        env = cls.__new__(cls)
+        env._set_up(resolved, backend, llm)
+        return env
+
+    def _set_up(self, resolved: ResolvedEnv, backend: Any, llm: Any) -> None:
+        """Set the environment up from ``resolved``: nothing is defaulted or read here."""
         #: What the environment is built from (:mod:`feather_env.resolved`).
         self.resolved = resolved
         self.scenario = resolved.scenario
         self.scheduler_config = resolved.scheduler
         self.scheduler_name = resolved.scheduler.name
-        self.decision = decision = resolved.scheduler.decision
+        self.decision = resolved.scheduler.decision
         self.chunk_size = resolved.chunk_size
         reward_spec = resolved.reward
         #: The latency SLOs (ms) of the goodput reward and of ``info["episode"]["request_goodput"]``.
@@ -537,19 +549,27 @@ class ScenarioMix(gym.Env):
 
     metadata = {"render_modes": []}
 
-    def __init__(self, scenarios: Sequence[str | ResolvedEnv], backend: str | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(self, scenarios: Sequence[str], backend: str = "sim", *, llm: Any = None,
+                 **settings: Any) -> None:
         super().__init__()
-        if not scenarios:
-            raise ConfigError("a scenario mix needs at least one scenario")
-        if all(isinstance(s, ResolvedEnv) for s in scenarios):
-            resolved = tuple(scenarios)
-        else:
-            resolved = resolve_envs(list(scenarios), backend or "sim", **kwargs)  # type: ignore[arg-type]
-            kwargs = {k: v for k, v in kwargs.items() if k == "llm"}
-        names = [r.scenario.name if isinstance(s, ResolvedEnv) else str(s)
-                 for s, r in zip(scenarios, resolved, strict=True)]
-        self.envs = {n: FeatherEnv(r, backend, **kwargs) for n, r in zip(names, resolved, strict=True)}
+        names = [str(s) for s in scenarios]
+        self._set_up_mix(names, resolve_envs(names, backend, **settings), None, llm)
+
+    @classmethod
+    def from_resolved(cls, envs: Sequence[ResolvedEnv], backend: ServingBackend | None = None, *,
+                      llm: Any = None) -> ScenarioMix:
+        """The mix of resolved environments (:func:`~feather_env.resolved.resolve_envs`), named by their
+        scenarios."""
+        mix = cls.__new__(cls)
+        mix._set_up_mix([e.scenario.name for e in envs], envs, backend, llm)
+        return mix
+
+    def _set_up_mix(self, names: list[str], envs: Sequence[ResolvedEnv], backend: ServingBackend | None,
+                    llm: Any) -> None:
+        if len(set(names)) != len(names):
+            raise ConfigError(f"a scenario mix names each scenario once, got {names}")
+        self.envs = {n: FeatherEnv.from_resolved(e, backend, llm=llm)
+                     for n, e in zip(names, envs, strict=True)}
         first = self.envs[names[0]]
         for n, env in self.envs.items():
             if env.observation_space != first.observation_space or env.chunk_size != first.chunk_size:
