@@ -193,8 +193,12 @@ def _engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in given.items() if v is not None}
 
 
-def build_scenario(args: argparse.Namespace) -> tuple[Scenario, dict[str, Any]]:
-    """The scenario of ``--scenario`` with the command line's overrides, and the engine flags given."""
+def build_scenario(args: argparse.Namespace, *, simulated: bool = False) -> tuple[Scenario, dict[str, Any]]:
+    """The scenario of ``--scenario`` with the command line's overrides, and the engine flags given.
+
+    The scenario file is read once (``--quick`` reads it first for the caps it lowers, then derives
+    the scenario from what it read). ``simulated``: the engine flags and the scheduler knobs are the
+    scenario's own (the simulator serves the scenario as given), else they are left to the caller."""
     engine_flags = _engine_overrides(args)
     overrides: dict[str, dict[str, Any]] = {"workload": {}, "episode": {}}
     for key, value in (("max_prompt_tokens", args.max_prompt_tokens),
@@ -206,8 +210,9 @@ def build_scenario(args: argparse.Namespace) -> tuple[Scenario, dict[str, Any]]:
                        ("requests", args.num_requests), ("arrival", args.arrival)):
         if value is not None:
             overrides["episode"][key] = value
+    source: str | Scenario = args.scenario
     if args.quick:
-        base = load_scenario(args.scenario)
+        source = base = load_scenario(args.scenario)
         for key in ("max_prompt_tokens", "max_output_tokens"):
             cap = QUICK[key]
             current = getattr(base.workload, key)
@@ -218,9 +223,13 @@ def build_scenario(args: argparse.Namespace) -> tuple[Scenario, dict[str, Any]]:
             overrides["episode"].setdefault("max_per_group", QUICK["max_per_group"])
         else:
             overrides["episode"].setdefault("requests", QUICK["num_requests"])
-    scenario = load_scenario(args.scenario, {k: v for k, v in overrides.items() if v})
-    if args.quick:  # a small KV cache, unless the scenario's is smaller still
-        engine_flags.setdefault("kv_cache_gib", min(QUICK["kv_cache_gib"], scenario.engine.kv_cache_gib))
+        # a small KV cache, unless the scenario's is smaller still
+        engine_flags.setdefault("kv_cache_gib", min(QUICK["kv_cache_gib"], base.engine.kv_cache_gib))
+    if simulated:
+        overrides["engine"] = engine_flags
+        knobs = (("chunk_size", args.chunk_size), ("max_wait", args.max_wait))
+        overrides["scheduler"] = {k: v for k, v in knobs if v is not None}
+    scenario = load_scenario(source, {k: v for k, v in overrides.items() if v})
     return scenario, engine_flags
 
 
@@ -285,14 +294,7 @@ def _simulated_scenario(args: argparse.Namespace) -> tuple[Scenario, SimConfig]:
         raise ConfigError(f"--episodes must be >= 1, got {args.episodes}")
     if args.seed < 0:
         raise ConfigError(f"--seed must be >= 0, got {args.seed}")
-    scenario, engine_flags = build_scenario(args)
-    overrides: dict[str, dict[str, Any]] = {}
-    if engine_flags:
-        overrides["engine"] = engine_flags
-    knobs = {k: v for k, v in (("chunk_size", args.chunk_size), ("max_wait", args.max_wait)) if v is not None}
-    if knobs:
-        overrides["scheduler"] = knobs
-    scenario = load_scenario(scenario, overrides) if overrides else scenario
+    scenario, _ = build_scenario(args, simulated=True)
     if args.profile is not None:
         from feather_env.calibrate import load_profile
 

@@ -114,10 +114,12 @@ def evaluate_simulated(scenario: Scenario, config: SimConfig, *, log: Callable[[
     """
     from feather_env.env import FeatherEnv, play_episode
     from feather_env.evaluation.inprocess import validate_schedulers
+    from feather_env.resolved import resolve_env
 
     names = validate_schedulers(config.schedulers, scenario.scheduler.chunk_size, scenario.scheduler.max_wait)
-    envs = {name: FeatherEnv(scenario, "sim", scheduler=name, profile=config.profile,
-                             engine_slowdown=config.engine_slowdown) for name in names}
+    # resolved once; each scheduler's environment differs from it in the scheduler alone
+    resolved = resolve_env(scenario, "sim", profile=config.profile, engine_slowdown=config.engine_slowdown)
+    envs = {name: FeatherEnv.from_resolved(resolved.with_scheduler(name)) for name in names}
     multi = len(config.seeds) > 1
     runs = []
     for name, env in envs.items():
