@@ -196,6 +196,10 @@ class FeatherEnv(gym.Env):
     ## Arguments
     - ``scenario``: a scenario name (``configs/scenarios/``), a YAML path, or a :class:`Scenario`;
       ``scenario_overrides``: per-section keys replacing the file's (``{"episode": {"groups": 4}}``).
+      The arguments are resolved once (:func:`~feather_env.resolved.resolve_env`: every default
+      applied, every value checked); ``scenario`` may also be such a
+      :class:`~feather_env.resolved.ResolvedEnv`, given without the other settings
+      (:meth:`FeatherEnv.from_resolved` builds from one too).
     - ``backend``: ``"sim"`` (default; ``profile``: its calibrated profile JSON), ``"vllm"`` (the
       real engine; ``llm``: a ``vllm.LLM`` built with ``FeatherScheduler`` to reuse), or a
       :class:`~feather_env.serving.ServingBackend`.

@@ -35,6 +35,7 @@ import numpy as np
 
 from feather_env.evaluation.report import SIMULATOR, Run
 from feather_env.records import RequestTimeline
+from feather_env.resolved import resolve_env, slowdown_range
 from feather_env.scenarios import Scenario
 from feather_env.workloads import Workload
 from scheduler_runtime.config import ConfigError
@@ -67,8 +68,6 @@ class SimConfig:
     engine_slowdown: float = 1.0
 
     def __post_init__(self) -> None:
-        from feather_env.resolved import slowdown_range
-
         slowdown_range(self.engine_slowdown)  # one factor > 0, or a clear error
         if not self.seeds:
             raise ConfigError("the simulated evaluation needs at least one episode")
@@ -114,8 +113,6 @@ def evaluate_simulated(scenario: Scenario, config: SimConfig, *, log: Callable[[
     """
     from feather_env.env import FeatherEnv, play_episode
     from feather_env.evaluation.inprocess import validate_schedulers
-    from feather_env.resolved import resolve_env
-
     names = validate_schedulers(config.schedulers, scenario.scheduler.chunk_size, scenario.scheduler.max_wait)
     # resolved once; each scheduler's environment differs from it in the scheduler alone
     resolved = resolve_env(scenario, "sim", profile=config.profile, engine_slowdown=config.engine_slowdown)
