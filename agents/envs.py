@@ -27,7 +27,7 @@ def make_env(cfg: RunConfig, backend: Any = None, *, scheduler: str | None = Non
         envs = tuple(e.on(backend) for e in envs)
         backend = None
     if cfg.is_mix:  # one environment per scenario, one drawn per episode
-        return ScenarioMix.from_resolved(envs, backend)
+        return ScenarioMix.from_resolved(envs, backend, names=cfg.scenario["name"])
     return FeatherEnv.from_resolved(envs[0], backend)
 
 

@@ -561,17 +561,16 @@ class ScenarioMix(gym.Env):
 
     @classmethod
     def from_resolved(cls, envs: Sequence[ResolvedEnv], backend: ServingBackend | None = None, *,
-                      llm: Any = None) -> ScenarioMix:
-        """The mix of resolved environments (:func:`~feather_env.resolved.resolve_envs`), named by their
-        scenarios."""
+                      names: Sequence[str] | None = None, llm: Any = None) -> ScenarioMix:
+        """The mix of resolved environments (:func:`~feather_env.resolved.resolve_envs`), named as the
+        scenarios were given (``names``), else by their scenarios' names."""
         mix = cls.__new__(cls)
-        mix._set_up_mix([e.scenario.name for e in envs], envs, backend, llm)
+        mix._set_up_mix(list(names) if names is not None else [e.scenario.name for e in envs], envs, backend,
+                        llm)
         return mix
 
     def _set_up_mix(self, names: list[str], envs: Sequence[ResolvedEnv], backend: ServingBackend | None,
                     llm: Any) -> None:
-        if len(set(names)) != len(names):
-            raise ConfigError(f"a scenario mix names each scenario once, got {names}")
         self.envs = {n: FeatherEnv.from_resolved(e, backend, llm=llm)
                      for n, e in zip(names, envs, strict=True)}
         first = self.envs[names[0]]

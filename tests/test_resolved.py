@@ -116,6 +116,7 @@ def test_a_mix_shares_one_bound():
     assert {e.obs_max_requests for e in envs} == {max(a.obs_max_requests for a in alone)}
     mix = ScenarioMix.from_resolved(envs)
     assert mix.names == ["leval-kv-pressure", "leval-kv-pressure-poisson"]
+    assert ScenarioMix.from_resolved(envs, names=["a", "b"]).names == ["a", "b"]  # as the run named them
     with pytest.raises(ConfigError, match="at least one scenario"):
         resolve_envs([])
 
