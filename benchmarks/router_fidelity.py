@@ -232,6 +232,7 @@ class SGLangRouter:
                  policy: str = "cache_aware") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.workers = len(worker_urls)
         self.command = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
                         "--port", str(self.port), "--prometheus-port", str(free_port()),
                         "--prometheus-host", "127.0.0.1", "--policy", policy, "--log-level", "warn",
@@ -247,15 +248,17 @@ class SGLangRouter:
             if self.proc.poll() is not None:
                 out = self.proc.stdout.read().decode(errors="replace") if self.proc.stdout else ""
                 raise RuntimeError(f"sglang-router exited with {self.proc.returncode}:\n{out[-4000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2.0) as resp:
-                    if resp.status == 200:
-                        return self
-            except (OSError, urllib.error.HTTPError):
+            try:  # up once every worker is registered and healthy (they are added in the background)
+                with urllib.request.urlopen(self.url + "/workers", timeout=2.0) as resp:
+                    listed = json.loads(resp.read()).get("workers", [])
+                if len(listed) == self.workers and all(w.get("is_healthy") for w in listed):
+                    return self
+            except (OSError, ValueError):
                 pass
             if time.monotonic() - t0 > ROUTER_START_TIMEOUT_S:
                 self.__exit__()
-                raise RuntimeError(f"sglang-router did not answer /health in {ROUTER_START_TIMEOUT_S:.0f} s")
+                raise RuntimeError(f"sglang-router did not list {self.workers} healthy workers in "
+                                   f"{ROUTER_START_TIMEOUT_S:.0f} s")
             time.sleep(0.2)
 
     def __exit__(self, *exc: object) -> None:
