@@ -24,7 +24,7 @@ from benchmarks.cluster_server import REPO, ClusterServer  # noqa: E402
 from feather_env.evaluation.endpoint import EndpointConfig, evaluate_endpoint, parse_prometheus  # noqa: E402
 from feather_env.evaluation.report import summarize  # noqa: E402
 from feather_env.workloads import Request, Workload  # noqa: E402
-from scheduler_runtime import cluster  # noqa: E402
+from scheduler_runtime import cluster, cluster_base  # noqa: E402
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 SERVER_ARGS = ["--kv-cache-memory-bytes", str(128 << 20), "--max-model-len", "4096", "--max-num-seqs", "32",
@@ -55,9 +55,9 @@ def _total(samples, name, **labels):
 def test_metrics_carry_the_replica_and_their_sums():
     texts = {"0": EXPOSITION % {"hits": 100, "running": 2, "fast": 3, "all": 5},
              "1": EXPOSITION % {"hits": 40, "running": 1, "fast": 1, "all": 4}}
-    families = [cluster._families(text, replica) for replica, text in texts.items()]
-    exposition = cluster._exposition(families)
-    samples = parse_prometheus("\n".join([exposition, cluster._sums(families)]))
+    families = [cluster_base._families(text, replica) for replica, text in texts.items()]
+    exposition = cluster_base._exposition(families)
+    samples = parse_prometheus(cluster_base.replica_exposition(texts.items()))
     # one family, once: its HELP and TYPE, then every replica's samples (as Prometheus requires)
     assert exposition.count("# TYPE vllm:prefix_cache_hits_total counter") == 1
     # each replica's series, labelled; a client summing a metric over its samples gets the total
@@ -82,8 +82,8 @@ def test_replica_loss_is_told_apart_from_other_errors():
 
 def test_cluster_command_line(capsys):
     out = subprocess.run([sys.executable, "-m", "scheduler_runtime.serve", "--replicas", "3", "--router",
-                          "pow2", "--replica-cores", "0;1;0-1", "--print-command"], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+                          "pow2", "--data-plane", "ray", "--replica-cores", "0;1;0-1", "--print-command"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "x 3 replicas on Ray Serve, router pow2, cores per replica ['0', '1', '0-1']" in out.stdout
     for bad, message in ((["--replicas", "0"], "--replicas must be >= 1"),
