@@ -14,10 +14,15 @@ Stand-in workers (:class:`StandInWorkers`: OpenAI-compatible HTTP servers on loo
   ``PrefixCacheAffinityRouter`` (:func:`replay_ray`), called through its handle.
 
 The same sequence of requests is replayed through the simulator's ``sglang-cache-aware`` and
-``ray-prefix-affinity`` routers with the same knobs. The requests are sent one at a time (each answered
-before the next is sent), so every worker has no request in flight at every decision, for the real
-routers and the simulated ones alike: the load-balancing branches never fire and the comparison is of
-the prefix rules (the match rate, its threshold, the smallest tree, the ties).
+``ray-prefix-affinity`` routers with the same knobs and the same loads. Through sglang-router the
+replay keeps ``--concurrency`` requests in flight (8): the stand-ins hold every request until the
+replay releases one (drawn at random among those in flight, by id, so the draw does not depend on
+the routing) and the next is sent only once a worker has the previous one, so each worker's requests
+in flight at every decision are known exactly and are what the simulated router is given (its load
+is the requests in flight, as sglang-router's). Sent one at a time instead, sglang-router 0.3.2
+sends everything to one worker (a low match goes to the least loaded, all are equal, the first
+wins), which tells little. Through Ray the requests go one at a time (its default
+``imbalanced_threshold`` is infinite: loads only break ties).
 
 **Mapping text to tokens.** The workloads are token ids (:mod:`feather_env.workloads`); the real routers
 see each prompt as the text it decodes to (the bundled tokenizer, as ``feather_env.workloads.export``
@@ -508,14 +513,15 @@ def _knobs(knobs: Mapping[str, Any]) -> str:
 
 def render(res: Mapping[str, Any]) -> str:
     """The fidelity table in markdown."""
-    rows = [[r["router"], r["knobs"], r["workload"], r["workers"], r["decisions"],
+    rows = [[r["router"], r["knobs"], r["workload"], r["workers"], r["concurrency"], r["decisions"],
              f"{100 * r['identical']:.1f}%", f"{100 * r['free_running']:.1f}%",
              "/".join(str(x) for x in r["real_per_worker"]), f"{r['wall_s']:.0f}"]
             for r in res["rows"]]
-    table = format_table(["real router", "knobs", "workload", "workers", "requests", "identical (lockstep)",
+    table = format_table(["real router", "knobs", "workload", "workers", "concurrency", "requests",
+                          "identical (lockstep)",
                           "identical (free-running, relabelled)", "real per worker", "wall s"], rows)
-    return (f"The real routers against the simulator's reimplementations on the same sequence, one request "
-            f"at a time (no load imbalance), stand-in workers; target for SGLang's cache_aware: >= "
+    return (f"The real routers against the simulator's reimplementations on the same sequence, stand-in "
+            f"workers (requests in flight: the concurrency column); target for SGLang's cache_aware: >= "
             f"{100 * res['target']:.0f}% identical. {measured(res)}; `{res['command']}`.\n\n{table}")
 
 
