@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -95,41 +96,56 @@ class StandIn:
             await asyncio.sleep(3600)
         if control.get("delay_s"):
             await asyncio.sleep(float(control["delay_s"]))
-        chat = "messages" in body
-        n = int(body.get("max_tokens") or 16)
-        prompt = body.get("prompt", "")
-        prompt_tokens = len(prompt) if isinstance(prompt, list) else max(1, len(str(prompt)) // 4)
         self._n += 1
         rid = f"cmpl-{self.name}-{self._n}"
-        kind = "chat.completion" if chat else "text_completion"
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
         if not body.get("stream"):
-            answer = {"message": {"role": "assistant", "content": "x " * n}} if chat else {"text": "x " * n}
-            choice = {"index": 0, **answer, "finish_reason": "length"}
-            self._served(body, prompt_tokens)
-            return web.json_response({"id": rid, "object": kind, "created": int(time.time()), "model": MODEL,
-                                      "choices": [choice], "usage": usage})
+            self._served(body)
+            return web.json_response(answer(body, rid))
         response = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await response.prepare(request)
         die_after = (control.get("die_after") or {}).get(self.name)
-        for i in range(n):
+        for i, event in enumerate(stream_events(body, rid)):
             if die_after is not None and i >= int(die_after):
                 os._exit(1)
-            delta = {"delta": {"content": "x "}} if chat else {"text": "x "}
-            chunk = {"id": rid, "object": kind + ".chunk" if chat else kind, "model": MODEL,
-                     "choices": [{"index": 0, **delta, "finish_reason": "length" if i == n - 1 else None}]}
-            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        if (body.get("stream_options") or {}).get("include_usage"):
-            last = {"id": rid, "object": kind, "model": MODEL, "choices": [], "usage": usage}
-            await response.write(f"data: {json.dumps(last)}\n\n".encode())
-        await response.write(b"data: [DONE]\n\n")
+            await response.write(event.encode())
         await response.write_eof()
-        self._served(body, prompt_tokens)
+        self._served(body)
         return response
 
-    def _served(self, body: dict[str, Any], prompt_tokens: int) -> None:
-        self.served.append(body.get("user"))
-        self.prompt_tokens += prompt_tokens
+    def _served(self, body: dict[str, Any]) -> None:
+        self.served.append((body.get("standin") or {}).get("id", body.get("user")))
+        self.prompt_tokens += _usage(body)["prompt_tokens"]
+
+
+def _usage(body: dict[str, Any]) -> dict[str, int]:
+    prompt = body.get("prompt", "")
+    prompt_tokens = len(prompt) if isinstance(prompt, list) else max(1, len(str(prompt)) // 4)
+    n = int(body.get("max_tokens") or 16)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+
+
+def answer(body: dict[str, Any], rid: str) -> dict[str, Any]:
+    """The whole answer to ``body``: ``max_tokens`` tokens ``"x "``, in vLLM's shape."""
+    n = int(body.get("max_tokens") or 16)
+    chat = "messages" in body
+    message = {"message": {"role": "assistant", "content": "x " * n}} if chat else {"text": "x " * n}
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": MODEL,
+            "choices": [{"index": 0, **message, "finish_reason": "length"}], "usage": _usage(body)}
+
+
+def stream_events(body: dict[str, Any], rid: str) -> list[str]:
+    """The streamed answer to ``body``: one SSE event per token, the usage if asked, ``[DONE]``."""
+    n = int(body.get("max_tokens") or 16)
+    chat = "messages" in body
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    delta = {"delta": {"content": "x "}} if chat else {"text": "x "}
+    events = [json.dumps({"id": rid, "object": kind, "model": MODEL, "choices": [
+        {"index": 0, **delta, "finish_reason": "length" if i == n - 1 else None}]}) for i in range(n)]
+    if (body.get("stream_options") or {}).get("include_usage"):
+        usage = {"id": rid, "object": kind, "model": MODEL, "choices": [], "usage": _usage(body)}
+        events.append(json.dumps(usage))
+    return [f"data: {e}\n\n" for e in [*events, "[DONE]"]]
 
 
 class StandIns:
@@ -166,7 +182,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--name", default=None, help="its name in fault requests (default: the port)")
+    parser.add_argument("--start-delay", type=float, default=0.0, help="seconds before it listens")
     args = parser.parse_args(argv)
+    time.sleep(args.start_delay)  # an engine loading
+    # sglang-router opens a worker with an HTTP/2 preface first, which aiohttp logs as an error
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
     app = StandIn(args.name or str(args.port)).app()
     try:
         import uvloop

@@ -448,8 +448,9 @@ class FeatherIngress:
 # ------------------------------------------------------------------------------------ deployment
 
 
-def build_app(config: ClusterConfig) -> Any:
-    """The Ray Serve application for ``config`` (not started)."""
+def build_app(config: ClusterConfig, engine_cls: type = EngineReplica) -> Any:
+    """The Ray Serve application for ``config`` (not started); ``engine_cls``: the engine deployment's
+    class (:class:`EngineReplica`; a stand-in with its methods measures the rest of the data path)."""
     from ray.serve.config import RequestRouterConfig
 
     env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
@@ -465,7 +466,7 @@ def build_app(config: ClusterConfig) -> Any:
         engine_options["request_router_config"] = RequestRouterConfig(
             request_router_class=PrefixRequestRouter,
             request_router_kwargs={"load_factor": config.load_factor, "slack": config.slack})
-    engine = serve.deployment(EngineReplica, **engine_options)
+    engine = serve.deployment(engine_cls, **engine_options)
     ingress = serve.deployment(FeatherIngress, name=INGRESS_DEPLOYMENT, num_replicas=1,
                                max_ongoing_requests=max(4096, config.max_ongoing_requests * config.replicas),
                                ray_actor_options={"num_cpus": 0, **runtime_env})

@@ -204,6 +204,7 @@ class Replica:
     in_flight: int = 0
     restarts: int = 0
     failures: int = 0
+    #: this incarnation has passed a health check (until then failed probes only wait for it)
     ever_healthy: bool = False
     started_at: float = 0.0
     next_start: float = 0.0
@@ -235,7 +236,7 @@ class Replica:
         self.process = subprocess.Popen(self.command, env={**os.environ, **self.env}, start_new_session=True,
                                         preexec_fn=prepare)
         self.started_at = time.monotonic()
-        self.healthy = False
+        self.healthy = self.ever_healthy = False  # a starting engine fails probes for a while
         self.failures = 0
 
     def kill(self, sig: int = signal.SIGKILL) -> None:

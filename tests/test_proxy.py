@@ -250,7 +250,7 @@ def test_bad_requests_are_answered_here(cluster):
 def test_health_and_metrics_carry_every_replica(cluster):
     status, text = get(cluster.url + "/health")
     assert status == 200 and json.loads(text) == {"healthy_replicas": 2, "replicas": 2}
-    for i in range(4):
+    for i in range(16):  # new prefixes: spread by their hash
         post(cluster.url, {"prompt": [9, 9, i], "max_tokens": 1})
     samples = parse_prometheus(get(cluster.url + "/metrics")[1])
 
@@ -353,6 +353,25 @@ def test_a_replica_that_fails_to_start_ends_the_command():
     running = Running(ReplicaProxy([bad]))
     running.thread.join(30)
     assert running.status == 1 and "status 3" in running.proxy.failed_start
+
+
+def test_a_slow_starting_replica_is_waited_for_after_a_restart():
+    """Failed probes of a replica that is still starting (an engine loading) do not kill it."""
+    port = free_port()
+    command = [*standin_command((), port), "--start-delay", "3"]
+    running = Running(ReplicaProxy([Replica(0, f"http://127.0.0.1:{port}", command=command)]))
+    try:
+        running.wait_healthy(1)
+        replica = running.proxy.replicas[0]
+        first = replica.process.pid
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not (replica.healthy and replica.process is not None and replica.process.pid != first):
+            assert time.monotonic() < deadline, replica.info()
+            time.sleep(0.1)
+        assert replica.restarts == 1
+    finally:
+        running.stop()
 
 
 def test_pow2_router_and_the_max_ongoing_bound():
