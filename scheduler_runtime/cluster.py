@@ -1,4 +1,8 @@
-"""``feather-serve --replicas N``: one OpenAI endpoint over N vLLM engines, Feather inside each, on Ray Serve.
+"""``feather-serve --replicas N --data-plane ray``: one OpenAI endpoint over N vLLM engines on Ray Serve.
+
+The data plane for several machines (``--ray-address``); on one machine ``feather-serve --replicas N``
+runs the lean proxy of :mod:`scheduler_runtime.proxy` instead, with the same options, router, fault
+contract and ``/metrics`` (:mod:`scheduler_runtime.cluster_base`).
 
 One Ray Serve application (``feather``) of two deployments:
 
