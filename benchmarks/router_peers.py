@@ -330,7 +330,8 @@ def render(res: dict[str, Any]) -> str:
            f"keys (`scheduler_runtime/router.py`). {measured(res)}; `{res['command']}`: "
            f"{res['cpu_s'] / 60:.0f} min of CPU on one core ({res['wall_s'] / 60:.0f} min wall).", "",
            format_table(["router", "defaults (ours: previous)", "tuned (grid size)", "tuning score, tok/s"],
-                        [[name, _knobs(defaults(name)), f"{_knobs(t['best'])} ({len(t['grid'])})", t["score"]]
+                        [[name, _knobs(res.get("defaults", {}).get(name, defaults(name))),  # as measured
+                          f"{_knobs(t['best'])} ({len(t['grid'])})", t["score"]]
                          for name, t in res["tuning"].items()])]
     same = res.get("agreement")
     if same:

@@ -1,4 +1,8 @@
-"""``feather-serve --replicas N``: one OpenAI endpoint over N vLLM engines, Feather inside each, on Ray Serve.
+"""``feather-serve --replicas N --data-plane ray``: one OpenAI endpoint over N vLLM engines on Ray Serve.
+
+The data plane for several machines (``--ray-address``); on one machine ``feather-serve --replicas N``
+runs the lean proxy of :mod:`scheduler_runtime.proxy` instead, with the same options, router, fault
+contract and ``/metrics`` (:mod:`scheduler_runtime.cluster_base`).
 
 One Ray Serve application (``feather``) of two deployments:
 
@@ -58,9 +62,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -73,10 +75,17 @@ except ImportError as exc:  # the optional extra
     raise ImportError("feather-serve --replicas needs Ray Serve: pip install 'feather-toolkit[cluster]' "
                       f"(ray[serve]==2.60.*; never ray[llm], which replaces vLLM): {exc}") from exc
 
-from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
+from scheduler_runtime import cluster_base
+from scheduler_runtime.cluster_base import (
+    ROUTER_CHOICES,
+    ClusterConfig,
+    FrontEndStats,
+    core_binding,
+    error_body,
+    replica_exposition,
+)
 from scheduler_runtime.ray_router import PrefixRequestRouter
 from scheduler_runtime.router import PrefixHasher
-from scheduler_runtime.serve import parse_cores
 
 __all__ = ["APP_NAME", "ROUTER_CHOICES", "ClusterConfig", "EngineReplica", "FeatherIngress",
            "PrefixRequestRouter",
@@ -85,60 +94,11 @@ __all__ = ["APP_NAME", "ROUTER_CHOICES", "ClusterConfig", "EngineReplica", "Feat
 APP_NAME = "feather"
 ENGINE_DEPLOYMENT = "FeatherEngine"
 INGRESS_DEPLOYMENT = "FeatherIngress"
-ROUTER_CHOICES = ("prefix", "pow2")
 #: Environment variables the deployments get from the command's environment (when set there).
 FORWARDED_ENV = ("VLLM_SERVER_DEV_MODE", "TOKENIZERS_PARALLELISM", "VLLM_LOGGING_LEVEL", "HF_HUB_OFFLINE")
 #: Exceptions of a request whose replica died (by name: ray is an optional dependency).
 _REPLICA_LOST = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "ReplicaUnavailableError",
                  "DeploymentUnavailableError")
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    """What ``feather-serve --replicas N`` deploys (see the module docstring).
-
-    Attributes:
-        replicas: engine replicas (>= 2; 1 is plain ``feather-serve``, without Ray).
-        router: ``"prefix"`` or ``"pow2"``.
-        vllm_args: the vLLM API server arguments every replica is built from (``feather-serve``'s).
-        host, port: where the endpoint listens (vLLM's ``--host`` / ``--port``).
-        chunk_size: tokens per chunk of the routing key (the scheduler's CHT chunk size).
-        replica_cores: per local rank, the CPU cores its engine is pinned to (``None``: no pinning).
-        replica_cpus, replica_gpus: Ray resources each engine replica reserves.
-        ray_address: a running Ray cluster (``auto``, ``HOST:PORT``); ``None``: start one here.
-        max_ongoing_requests: requests Ray sends one engine replica at most (vLLM queues the rest).
-        load_factor, slack: the prefix router's load bound (:class:`PrefixAffinityRouter`).
-        object_store_mb: the local Ray instance's object store.
-    """
-
-    replicas: int
-    router: str = "prefix"
-    vllm_args: tuple[str, ...] = ()
-    host: str = "127.0.0.1"
-    port: int = 8000
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    replica_cores: tuple[str, ...] | None = None
-    replica_cpus: float = 1.0
-    replica_gpus: float = 0.0
-    ray_address: str | None = None
-    max_ongoing_requests: int = 1024
-    load_factor: float = 5.0
-    slack: int = 2
-    object_store_mb: int = 200
-
-    def __post_init__(self) -> None:
-        if self.replicas < 1:
-            raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
-        if self.router not in ROUTER_CHOICES:
-            raise ValueError(f"--router must be one of {list(ROUTER_CHOICES)}, got {self.router!r}")
-        for spec in self.replica_cores or ():
-            parse_cores(spec)
-
-
-# ------------------------------------------------------------------------------------ the router
-
-#: The prefix routers of this process (the ingress's), so that /metrics can report their decisions.
-LIVE_ROUTERS: list[Any] = []
 
 
 # ------------------------------------------------------------------------------------ vLLM glue
@@ -177,8 +137,8 @@ def _prerendered(serving: Any) -> None:
 
 
 def _bind_cores(spec: str) -> None:
-    cores = parse_cores(spec)
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+    cores, env = core_binding(spec)
+    os.environ.update(env)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, cores)
 
@@ -299,80 +259,8 @@ class EngineReplica:
 # ------------------------------------------------------------------------------------ the ingress
 
 
-def _error_body(message: str, status: int, err_type: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": err_type, "param": None, "code": status}}
-
-
 def _replica_lost(exc: BaseException) -> bool:
     return any(cls.__name__ in _REPLICA_LOST for cls in type(exc).__mro__)
-
-
-#: One exposition's families: ``{name: (type, help, [(sample name, labels, value), ...])}``.
-Families = dict[str, tuple[str, str, list[tuple[str, dict[str, str], float]]]]
-
-
-def _families(text: str, replica: str) -> Families:
-    """One replica's exposition, parsed, a ``replica`` label on every sample."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return {f.name: (f.type, f.documentation, [(s.name, {**s.labels, "replica": replica}, s.value)
-                                                for s in f.samples])
-            for f in text_string_to_metric_families(text)}
-
-
-def _exposed(name: str, kind: str) -> str:
-    # the parser names a counter's family without the ``_total`` its samples (and its TYPE line) carry
-    return f"{name}_total" if kind == "counter" else name
-
-
-def _exposition(per_replica: list[Families]) -> str:
-    """Every replica's samples, each family once (its HELP and TYPE, then all replicas' samples)."""
-    merged: Families = {}
-    for families in per_replica:
-        for name, (kind, doc, samples) in families.items():
-            merged.setdefault(name, (kind, doc, []))[2].extend(samples)
-    lines = []
-    for name, (kind, doc, samples) in merged.items():
-        name = _exposed(name, kind)
-        lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}"]
-        lines += [f"{sample}{_labels(labels)} {_number(value)}" for sample, labels, value in samples]
-    return "\n".join(lines)
-
-
-def _labels(labels: dict[str, str]) -> str:
-    if not labels:
-        return ""
-    body = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-    return "{" + body + "}"
-
-
-def _escape(value: str) -> str:
-    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _number(value: float) -> str:
-    return repr(float(value)) if value == value else "NaN"
-
-
-def _sums(per_replica: list[Families]) -> str:
-    """``cluster:<name>`` families: every replica's samples summed (info and unknown types left out)."""
-    merged: dict[str, tuple[str, str, dict[tuple[str, tuple], float]]] = {}
-    for families in per_replica:
-        for name, (kind, doc, samples) in families.items():
-            if kind not in ("counter", "gauge", "histogram", "summary") or name.endswith("_info"):
-                continue
-            into = merged.setdefault(name, (kind, doc, {}))[2]
-            for sample, labels, value in samples:
-                key = (sample, tuple(sorted((k, v) for k, v in labels.items() if k != "replica")))
-                into[key] = into.get(key, 0.0) + value
-    lines = []
-    for name, (kind, doc, sums) in merged.items():
-        name = _exposed(name, kind)
-        lines.append(f"# HELP cluster:{name} Sum over the engine replicas of {name}: {doc}")
-        lines.append(f"# TYPE cluster:{name} {kind}")
-        for (sample, labels), value in sums.items():
-            lines.append(f"cluster:{sample}{_labels(dict(labels))} {_number(value)}")
-    return "\n".join(lines)
 
 
 #: The ingress's HTTP API (routes are :class:`FeatherIngress` methods).
@@ -383,10 +271,10 @@ async def _json_body(raw: Request) -> dict[str, Any] | JSONResponse:
     try:
         body = await raw.json()
     except (ValueError, UnicodeDecodeError):
-        return JSONResponse(_error_body("the request body is not JSON", 400, "BadRequestError"),
+        return JSONResponse(error_body("the request body is not JSON", 400, "BadRequestError"),
                             status_code=400)
     if not isinstance(body, dict):
-        return JSONResponse(_error_body("the request body must be a JSON object", 400, "BadRequestError"),
+        return JSONResponse(error_body("the request body must be a JSON object", 400, "BadRequestError"),
                             status_code=400)
     return body
 
@@ -415,9 +303,7 @@ class FeatherIngress:
         self.state = State()
         await init_render_app_state(vllm_config, self.state, args)
         self.dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0")
-        self.counts: Counter[tuple[str, str]] = Counter()  # (replica rank, outcome)
-        self.retries = 0
-        self.errors: Counter[str] = Counter()
+        self.stats = FrontEndStats()
 
     # -- the API ----------------------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -449,7 +335,7 @@ class FeatherIngress:
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(self) -> Any:
         if not self.dev_mode:
-            return JSONResponse(_error_body("POST /reset_prefix_cache needs VLLM_SERVER_DEV_MODE=1", 404,
+            return JSONResponse(error_body("POST /reset_prefix_cache needs VLLM_SERVER_DEV_MODE=1", 404,
                                             "NotFoundError"), status_code=404)
         results = await self.replica_results("reset_prefix_cache")
         return Response(status_code=200 if results and all(r is True for r in results) else 503)
@@ -476,10 +362,10 @@ class FeatherIngress:
                 rendered = await renderer.render_completion(CompletionRequest.model_validate(body))
                 inputs = None if isinstance(rendered, ErrorResponse) else rendered
         except ValueError as exc:  # pydantic's validation errors, vLLM's input errors
-            self.errors["bad_request"] += 1
-            return JSONResponse(_error_body(str(exc), 400, "BadRequestError"), status_code=400)
+            self.stats.errors["bad_request"] += 1
+            return JSONResponse(error_body(str(exc), 400, "BadRequestError"), status_code=400)
         if isinstance(rendered, ErrorResponse):
-            self.errors["bad_request"] += 1
+            self.stats.errors["bad_request"] += 1
             return JSONResponse(rendered.model_dump(), status_code=rendered.error.code)
         route = None
         first_input = inputs[0] if inputs else None
@@ -502,20 +388,20 @@ class FeatherIngress:
                 gen.cancel()
                 lost = _replica_lost(exc)
                 if lost and attempt == 1:
-                    self.retries += 1
+                    self.stats.retries += 1
                     if header is not None:
                         avoid.append(header["replica"])
                     continue
-                self.errors["replica_lost" if lost else "replica_error"] += 1
+                self.stats.errors["replica_lost" if lost else "replica_error"] += 1
                 detail = str(exc).splitlines()[0] if str(exc) else ""
                 message = (f"the engine replica serving this request failed before answering "
                            f"({type(exc).__name__}{', on the retry too' if attempt > 1 else ''}): {detail}")
-                return JSONResponse(_error_body(message, 503, "ServiceUnavailableError"), status_code=503)
+                return JSONResponse(error_body(message, 503, "ServiceUnavailableError"), status_code=503)
             break
         rank = str(header["rank"])
         headers = {"x-feather-replica": f"{rank}/{header['replica']}", "x-feather-attempts": str(attempt)}
         if not first.get("stream"):
-            self.counts[(rank, "ok" if first["status"] == 200 else "error_response")] += 1
+            self.stats.counts[(rank, "ok" if first["status"] == 200 else "error_response")] += 1
             return JSONResponse(first["json"], status_code=first["status"], headers=headers)
         return StreamingResponse(self._relay(gen, first_chunk, rank), media_type="text/event-stream",
                                  headers=headers)
@@ -534,13 +420,14 @@ class FeatherIngress:
             raise
         except Exception as exc:  # noqa: BLE001 - reported in the stream: tokens were sent already
             outcome = "failed_mid_stream"
-            self.errors["replica_lost_mid_stream" if _replica_lost(exc) else "replica_error_mid_stream"] += 1
+            reason = "replica_lost_mid_stream" if _replica_lost(exc) else "replica_error_mid_stream"
+            self.stats.errors[reason] += 1
             message = (f"the engine replica {rank} serving this request failed mid-stream "
                        f"({type(exc).__name__}); not retried, as it had started answering")
-            yield f"data: {json.dumps(_error_body(message, 503, 'ServiceUnavailableError'))}\n\n"
+            yield f"data: {json.dumps(error_body(message, 503, 'ServiceUnavailableError'))}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            self.counts[(rank, outcome)] += 1
+            self.stats.counts[(rank, outcome)] += 1
 
     async def replica_results(self, method: str) -> list[Any]:
         """``method`` on every engine replica (exceptions in place of the failed ones)."""
@@ -555,48 +442,19 @@ class FeatherIngress:
         """Every replica's exposition with its ``replica`` label, the sums, the ingress's counters."""
         results = await self.replica_results("metrics")
         answered = sorted((r for r in results if isinstance(r, dict)), key=lambda r: r["rank"])
-        families = [_families(r["text"], str(r["rank"])) for r in answered]
-        parts = [_exposition(families), _sums(families), self._own_metrics(len(results), len(answered))]
-        return "\n".join(p for p in parts if p) + "\n"
-
-    def _own_metrics(self, replicas: int, answered: int) -> str:
-        def family(name: str, kind: str, doc: str, samples: list[tuple[dict[str, str], float]]) -> list[str]:
-            return [f"# HELP {name} {doc}", f"# TYPE {name} {kind}",
-                    *(f"{name}{_labels(labels)} {_number(v)}" for labels, v in samples)]
-
-        lines = family("feather_cluster_replicas", "gauge", "Engine replicas listed / answering /metrics",
-                       [({"state": "listed"}, replicas), ({"state": "answered"}, answered)])
-        lines += family("feather_cluster_requests_total", "counter",
-                        "Requests answered, by replica rank and outcome",
-                        [({"replica": r, "outcome": o}, n) for (r, o), n in sorted(self.counts.items())])
-        lines += family("feather_cluster_retries_total", "counter",
-                        "Requests retried on another replica (the first died before streaming anything)",
-                        [({}, self.retries)])
-        lines += family("feather_cluster_errors_total", "counter",
-                        "Requests answered with an error, by reason",
-                        [({"reason": k}, n) for k, n in sorted(self.errors.items())])
-        lines += family("feather_cluster_router_info", "gauge", "The router of the engine replicas",
-                        [({"router": self.router_name}, 1)])
+        exposition = replica_exposition((str(r["rank"]), r["text"]) for r in answered)
         # this class travels by value (``serve.ingress`` wraps it): the routers are in the real module
-        from scheduler_runtime import cluster as this_module
-
-        for router in this_module.LIVE_ROUTERS:
-            stats = router.stats()
-            lines += family("feather_router_decisions_total", "counter", "Prefix router decisions, by kind",
-                            [({"kind": k}, stats[k]) for k in ("affinity", "spilled", "new")])
-            lines += family("feather_router_decision_seconds_total", "counter",
-                            "Time spent choosing replicas",
-                            [({}, stats["decision_seconds"])])
-            lines += family("feather_router_table_keys", "gauge", "Chunk keys in the prefix router's table",
-                            [({}, stats["table_keys"])])
-        return "\n".join(lines)
+        own = self.stats.exposition(self.router_name, len(results), len(answered),
+                                    [router.stats() for router in cluster_base.LIVE_ROUTERS])
+        return "\n".join(p for p in (exposition, own) if p) + "\n"
 
 
 # ------------------------------------------------------------------------------------ deployment
 
 
-def build_app(config: ClusterConfig) -> Any:
-    """The Ray Serve application for ``config`` (not started)."""
+def build_app(config: ClusterConfig, engine_cls: type = EngineReplica) -> Any:
+    """The Ray Serve application for ``config`` (not started); ``engine_cls``: the engine deployment's
+    class (:class:`EngineReplica`; a stand-in with its methods measures the rest of the data path)."""
     from ray.serve.config import RequestRouterConfig
 
     env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
@@ -612,7 +470,7 @@ def build_app(config: ClusterConfig) -> Any:
         engine_options["request_router_config"] = RequestRouterConfig(
             request_router_class=PrefixRequestRouter,
             request_router_kwargs={"load_factor": config.load_factor, "slack": config.slack})
-    engine = serve.deployment(EngineReplica, **engine_options)
+    engine = serve.deployment(engine_cls, **engine_options)
     ingress = serve.deployment(FeatherIngress, name=INGRESS_DEPLOYMENT, num_replicas=1,
                                max_ongoing_requests=max(4096, config.max_ongoing_requests * config.replicas),
                                ray_actor_options={"num_cpus": 0, **runtime_env})

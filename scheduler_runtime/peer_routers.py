@@ -73,32 +73,42 @@ class _PeerRouter(ReplicaRouter):
 
 
 class SGLangCacheAwareRouter(_PeerRouter):
-    """SGLang router's ``cache_aware`` policy (``sgl-router/src/policies/cache_aware.rs``), with the
-    defaults of sglang-router 0.3.x (``RouterArgs``, what ``python -m sglang_router.launch_router``
-    runs with): ``cache_threshold=0.3``, ``balance_abs_threshold=64``, ``balance_rel_threshold=1.5``,
-    ``max_tree_size=2**26`` (eviction every 120 s). The Rust ``CacheAwareConfig::default()`` is
-    0.5 / 32 / 1.1 instead; the tuning grid of ``benchmarks.router_peers`` covers both.
+    """SGLang router's ``cache_aware`` policy (``src/policies/cache_aware.rs`` of the model gateway that
+    sglang-router 0.3 ships), with the defaults of sglang-router 0.3.x (``RouterArgs``, what ``python -m
+    sglang_router.launch_router`` runs with): ``cache_threshold=0.3``, ``balance_abs_threshold=64``,
+    ``balance_rel_threshold=1.5``, ``max_tree_size=2**26`` (eviction every 60 s). The Rust
+    ``CacheAwareConfig::default()`` is 0.5 / 32 / 1.1 instead; the tuning grid of
+    ``benchmarks.router_peers`` covers both.
 
     Per request: (1) if the load is imbalanced, ``max - min > balance_abs_threshold`` and
     ``max > balance_rel_threshold * min`` over every replica's requests in flight, the replica
     serving the fewest (shortest queue); (2) else the match rate, the longest prefix any replica's
     tree holds over the prompt's length: above ``cache_threshold`` (strictly, as the Rust code), the
-    replica holding that match; (3) else the replica with the smallest tree. The prompt then enters
-    the chosen replica's tree, whichever branch chose it.
+    replica holding that match; (3) else (``miss="least"``, sglang-router 0.3) the replica serving the
+    fewest requests, the first in the router's worker order among equals. The prompt then enters the
+    chosen replica's tree, whichever branch chose it. ``miss="smallest"``: the replica with the
+    smallest tree instead, the rule of sglang-router's first releases (the Rust source's comment still
+    describes it), which ``benchmarks.router_peers`` measured until ``benchmarks.router_fidelity``
+    replayed the real router (2026-12-04: with it, 0.3.2 sends every request of a sequence sent one
+    at a time to one worker).
 
     Approximations: the tree of prompt text is :class:`PrefixHistory` (whole 512-token chunks;
-    ``max_tree_size`` counts tokens, not characters, evicted at once rather than every 120 s: it
+    ``max_tree_size`` counts tokens, not characters, evicted at once rather than every 60 s: it
     never binds in the benchmark); of several replicas at the deepest match, the one most recently
-    sent it (the real tree takes the first tenant in the node's hash map, arbitrary); ties of the
-    shortest queue and the smallest tree by name (the Rust code: the first in worker order).
+    sent it (the real tree takes the tenant it cached at that node, else the first in its hash map:
+    arbitrary); ties of the shortest queue, the least loaded and the smallest tree by name (the Rust
+    code: the first in worker order; ``benchmarks.router_fidelity`` names the replicas in that order).
     """
 
     name = "sglang-cache-aware"
 
     def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
-                 balance_rel_threshold: float = 1.5, max_tree_size: int = 1 << 26,
+                 balance_rel_threshold: float = 1.5, max_tree_size: int = 1 << 26, miss: str = "least",
                  chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
         super().__init__(chunk_size, max_tree_size)
+        if miss not in ("least", "smallest"):
+            raise ValueError(f"miss must be 'least' or 'smallest', got {miss!r}")
+        self.miss = miss
         if not 0.0 <= cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
         if balance_abs_threshold < 0 or balance_rel_threshold < 0:
@@ -126,6 +136,9 @@ class SGLangCacheAwareRouter(_PeerRouter):
             key = int(hashes[level])
             return max((r for r, m in held.items() if m == best),
                        key=lambda r: (self.history.stamp(key, r), r))
+        if self.miss == "least":
+            self.counts["least_loaded"] += 1
+            return min(ok, key=lambda r: (loads[r], r))
         self.counts["smallest_tree"] += 1
         size = self.history.size
         return min(ok, key=lambda r: (size[r], r))

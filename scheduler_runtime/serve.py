@@ -19,12 +19,14 @@ defaults below):
   (vLLM's own default there), off on CPU (where vLLM does not support it);
 * ``--print-command``: print the vLLM arguments and exit;
 * ``--replicas N`` (default 1) with ``--router {prefix,pow2}``: N engine replicas behind one endpoint
-  on Ray Serve (:mod:`scheduler_runtime.cluster`, the ``[cluster]`` extra; ``docs/cluster.md``); every
-  other option applies to every replica. ``--replicas 1`` is the plain server, without Ray. Cluster
-  options: ``--ray-address`` (a running Ray cluster; default: a local instance), ``--replica-cores``
-  (semicolon-separated CPU core lists, one per replica of a node; default on a CPU machine: one core
-  each, ``none``: no pinning), ``--replica-cpus``, ``--replica-gpus`` (default 1 with a CUDA device),
-  ``--max-ongoing-requests``.
+  (``docs/cluster.md``); every other option applies to every replica. ``--replicas 1`` is the plain
+  server. ``--data-plane proxy`` (the default without ``--ray-address``): N plain replica processes on
+  this machine behind an asyncio proxy in this process (:mod:`scheduler_runtime.proxy`);
+  ``--data-plane ray``: a Ray Serve application (:mod:`scheduler_runtime.cluster`, the ``[cluster]``
+  extra), the default with ``--ray-address`` (a running Ray cluster; default: a local instance).
+  Cluster options: ``--replica-cores`` (semicolon-separated CPU core lists, one per replica of a node;
+  default on a CPU machine: one core each, ``none``: no pinning), ``--replica-cpus`` (Ray only),
+  ``--replica-gpus`` (default 1 with a CUDA device), ``--max-ongoing-requests``.
 
 Everything is checked before vLLM is imported (so before any model loads): the scheduler name,
 every ``--scheduler-config`` key and value (:class:`~scheduler_runtime.schedulers.SchedulerConfig`),
@@ -60,6 +62,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from scheduler_runtime.cluster_base import DATA_PLANES, ROUTER_CHOICES, parse_cores
 from scheduler_runtime.hardware import compute_dtype, kv_bytes_factor
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 
@@ -111,16 +114,20 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], argpa
                         help="AsyncScheduler variant (default: on with a CUDA device)")
     parser.add_argument("--print-command", action="store_true", help="print vLLM's arguments and exit")
     parser.add_argument("--additional-config", default=None, help=argparse.SUPPRESS)
-    cluster = parser.add_argument_group("several engine replicas behind one endpoint (Ray Serve)")
-    cluster.add_argument("--replicas", type=int, default=1, help="engine replicas (default 1: no Ray)")
-    cluster.add_argument("--router", choices=("prefix", "pow2"), default="prefix",
-                         help="prefix: prefix affinity bounded by load (ours); pow2: Ray Serve's default")
+    cluster = parser.add_argument_group("several engine replicas behind one endpoint")
+    cluster.add_argument("--replicas", type=int, default=1, help="engine replicas (default 1: plain server)")
+    cluster.add_argument("--router", choices=ROUTER_CHOICES, default="prefix",
+                         help="prefix: prefix affinity bounded by load (ours); pow2: power of two choices")
+    cluster.add_argument("--data-plane", choices=DATA_PLANES, default=None,
+                         help="proxy: replica processes on this machine behind an asyncio proxy; ray: Ray "
+                              "Serve (several machines). Default: ray with --ray-address, else proxy")
     cluster.add_argument("--ray-address", default=None,
-                         help="a running Ray cluster (default: start one here)")
+                         help="a running Ray cluster (--data-plane ray; default: start one here)")
     cluster.add_argument("--replica-cores", default=None,
                          help='CPU cores per replica of a node, e.g. "0;1" or "0-3;4-7"; "none": no pinning '
                               "(default on CPU: one core each)")
-    cluster.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs each replica reserves")
+    cluster.add_argument("--replica-cpus", type=float, default=1.0,
+                         help="Ray CPUs each replica reserves (--data-plane ray)")
     cluster.add_argument("--replica-gpus", type=float, default=None, help="Ray GPUs each replica reserves "
                          "(default: 1 with a CUDA device, else 0)")
     cluster.add_argument("--max-ongoing-requests", type=int, default=1024,
@@ -168,7 +175,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], argpa
     if ours.print_command:
         print(" ".join(["python -m vllm.entrypoints.openai.api_server", *map(_quote, args)]))
         if ours.replicas > 1:
-            print(f"# x {ours.replicas} replicas on Ray Serve, router {ours.router}, cores per replica "
+            where = "on Ray Serve" if ours.data_plane == "ray" else "behind the proxy"
+            print(f"# x {ours.replicas} replicas {where}, router {ours.router}, cores per replica "
                   f"{_replica_cores(ours, use_async) or 'not pinned'}")
         raise SystemExit(0)
     return args, scheduler_config, ours
@@ -187,20 +195,13 @@ def _check_cluster_options(parser: argparse.ArgumentParser, ours: argparse.Names
                 parse_cores(spec)
             except ValueError as exc:
                 parser.error(f"--replica-cores: {exc}")
-    if ours.replicas > 1 and importlib.util.find_spec("ray") is None:
-        parser.error("--replicas > 1 needs Ray Serve: pip install 'feather-toolkit[cluster]' "
+    if ours.data_plane is None:
+        ours.data_plane = "ray" if ours.ray_address is not None else "proxy"
+    if ours.data_plane == "proxy" and ours.ray_address is not None:
+        parser.error("--ray-address needs --data-plane ray (the proxy serves replicas on this machine)")
+    if ours.replicas > 1 and ours.data_plane == "ray" and importlib.util.find_spec("ray") is None:
+        parser.error("--data-plane ray needs Ray Serve: pip install 'feather-toolkit[cluster]' "
                      "(ray[serve]==2.60.*; never ray[llm], which replaces vLLM)")
-
-
-def parse_cores(spec: str) -> list[int]:
-    """``"0"``, ``"2-3"``, ``"0,2,4-5"`` -> core ids (ValueError otherwise)."""
-    cores: list[int] = []
-    for part in spec.split(","):
-        lo, sep, hi = part.strip().partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()) or (sep and int(hi) < int(lo)):
-            raise ValueError(f"bad CPU core list {spec!r} (e.g. '0', '2-3', '0,2')")
-        cores += range(int(lo), int(hi if sep else lo) + 1)
-    return cores
 
 
 def _replica_cores(ours: argparse.Namespace, cuda: bool) -> list[str] | None:
@@ -266,23 +267,30 @@ def _flag_value(args: Sequence[str], flag: str, default: str) -> str:
 
 
 def _serve_cluster(args: list[str], scheduler_config: dict[str, Any], ours: argparse.Namespace) -> None:
-    """``--replicas N`` > 1: the Ray Serve application (:mod:`scheduler_runtime.cluster`)."""
-    if ours.ray_address is None:
-        # a local Ray instance on the loopback address only: Ray reads this when it is imported
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    """``--replicas N`` > 1: the proxy (:mod:`scheduler_runtime.proxy`) or the Ray Serve application
+    (:mod:`scheduler_runtime.cluster`) over N replicas."""
+    from scheduler_runtime.cluster_base import ClusterConfig
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)  # each replica has its own
-    from scheduler_runtime.cluster import ClusterConfig, run_cluster
-
     cuda = _cuda_available()
     gpus = ours.replica_gpus if ours.replica_gpus is not None else (1.0 if cuda else 0.0)
     config = ClusterConfig(
-        replicas=ours.replicas, router=ours.router, vllm_args=tuple(args),
+        replicas=ours.replicas, router=ours.router, data_plane=ours.data_plane, vllm_args=tuple(args),
         host=_flag_value(args, "--host", "127.0.0.1"), port=int(_flag_value(args, "--port", "8000")),
         chunk_size=int(scheduler_config.get("chunk_size") or DEFAULT_CHUNK_SIZE),
         replica_cores=tuple(cores) if (cores := _replica_cores(ours, cuda)) else None,
         replica_cpus=ours.replica_cpus, replica_gpus=gpus, ray_address=ours.ray_address,
         max_ongoing_requests=ours.max_ongoing_requests)
+    if config.data_plane == "proxy":
+        from scheduler_runtime.proxy import run_proxy
+
+        raise SystemExit(run_proxy(config))
+    if ours.ray_address is None:
+        # a local Ray instance on the loopback address only: Ray reads this when it is imported
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    from scheduler_runtime.cluster import run_cluster
+
     raise SystemExit(run_cluster(config))
 
 
@@ -291,6 +299,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     args, scheduler_config, ours = _parse(sys.argv[1:] if argv is None else argv)
     if ours.replicas > 1:
         _serve_cluster(args, scheduler_config, ours)
+    run_vllm_server(args)
+
+
+def run_vllm_server(args: Sequence[str]) -> None:
+    """vLLM's OpenAI-compatible server with ``args`` as they stand (:func:`vllm_arguments`'s): what
+    ``feather-serve`` runs, and each replica process of the proxy data plane."""
     _prometheus_multiprocess_dir()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from vllm.entrypoints.launchers.api_server.entry import main as vllm_server_main

@@ -1,5 +1,6 @@
-"""``feather-serve --replicas 2`` on loopback (scheduler_runtime/cluster.py): one Ray instance for the
-module, two vLLM engines with Feather behind the prefix router, driven over HTTP as a client would.
+"""``feather-serve --replicas 2`` on loopback: two vLLM engines with Feather behind the prefix router,
+started once per data plane (the proxy, scheduler_runtime/proxy.py; Ray Serve, scheduler_runtime/cluster.py),
+driven over HTTP as a client would (``FEATHER_TEST_REPLICA_CORES="0;0"`` pins both replicas to core 0).
 
 The unit tests at the top need no engine: the exposition of ``/metrics`` and the command line.
 """
@@ -24,7 +25,8 @@ from benchmarks.cluster_server import REPO, ClusterServer  # noqa: E402
 from feather_env.evaluation.endpoint import EndpointConfig, evaluate_endpoint, parse_prometheus  # noqa: E402
 from feather_env.evaluation.report import summarize  # noqa: E402
 from feather_env.workloads import Request, Workload  # noqa: E402
-from scheduler_runtime import cluster  # noqa: E402
+from scheduler_runtime import cluster, cluster_base  # noqa: E402
+from scheduler_runtime.cluster_base import parse_cores  # noqa: E402
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 SERVER_ARGS = ["--kv-cache-memory-bytes", str(128 << 20), "--max-model-len", "4096", "--max-num-seqs", "32",
@@ -55,9 +57,9 @@ def _total(samples, name, **labels):
 def test_metrics_carry_the_replica_and_their_sums():
     texts = {"0": EXPOSITION % {"hits": 100, "running": 2, "fast": 3, "all": 5},
              "1": EXPOSITION % {"hits": 40, "running": 1, "fast": 1, "all": 4}}
-    families = [cluster._families(text, replica) for replica, text in texts.items()]
-    exposition = cluster._exposition(families)
-    samples = parse_prometheus("\n".join([exposition, cluster._sums(families)]))
+    families = [cluster_base._families(text, replica) for replica, text in texts.items()]
+    exposition = cluster_base._exposition(families)
+    samples = parse_prometheus(cluster_base.replica_exposition(texts.items()))
     # one family, once: its HELP and TYPE, then every replica's samples (as Prometheus requires)
     assert exposition.count("# TYPE vllm:prefix_cache_hits_total counter") == 1
     # each replica's series, labelled; a client summing a metric over its samples gets the total
@@ -82,8 +84,8 @@ def test_replica_loss_is_told_apart_from_other_errors():
 
 def test_cluster_command_line(capsys):
     out = subprocess.run([sys.executable, "-m", "scheduler_runtime.serve", "--replicas", "3", "--router",
-                          "pow2", "--replica-cores", "0;1;0-1", "--print-command"], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+                          "pow2", "--data-plane", "ray", "--replica-cores", "0;1;0-1", "--print-command"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "x 3 replicas on Ray Serve, router pow2, cores per replica ['0', '1', '0-1']" in out.stdout
     for bad, message in ((["--replicas", "0"], "--replicas must be >= 1"),
@@ -99,19 +101,26 @@ def test_cluster_command_line(capsys):
 # ------------------------------------------------------------------------------------ two engines
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """Two engine replicas behind the prefix router: one Ray instance for the module."""
-    root = tmp_path_factory.mktemp("cluster")
+#: ``--replica-cores`` for the two replicas (e.g. ``"0;0"`` on a machine whose other core is busy);
+#: unset: the default, one core each of the whole machine.
+REPLICA_CORES = os.environ.get("FEATHER_TEST_REPLICA_CORES")
+
+
+@pytest.fixture(scope="module", params=["proxy", "ray"])
+def server(request, tmp_path_factory):
+    """Two engine replicas behind the prefix router, once per data plane (the proxy; Ray Serve)."""
+    root = tmp_path_factory.mktemp(f"cluster-{request.param}")
     template = root / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
     # the session's in-process engine pins this process to one core, and a launched server inherits
     # that: launch it with every core of the machine, as a user's shell would
-    pinned = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    pinned = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") and not REPLICA_CORES else None
     if pinned is not None:
         os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    cores = ["--replica-cores", REPLICA_CORES] if REPLICA_CORES else []
     try:
-        cluster = ClusterServer(2, "prefix", [*SERVER_ARGS, "--chat-template", str(template)],
+        cluster = ClusterServer(2, "prefix", [*SERVER_ARGS, "--chat-template", str(template),
+                                              "--data-plane", request.param, *cores],
                                 log_path=root / "server.log")
         running = cluster.__enter__()
     finally:
@@ -145,7 +154,10 @@ def complete(server, prompt, max_tokens: int = 4, **extra):
 def test_replicas_are_pinned_to_their_own_cores(server):
     info = sorted(server.replica_info(), key=lambda r: r["rank"])
     assert [r["rank"] for r in info] == [0, 1]
-    if (os.cpu_count() or 1) >= 2:
+    if REPLICA_CORES:
+        expected = [sorted(set(parse_cores(c))) for c in REPLICA_CORES.split(";")]
+        assert [r["affinity"] for r in info] == expected
+    elif (os.cpu_count() or 1) >= 2:
         assert [r["affinity"] for r in info] == [[0], [1]]
 
 
@@ -249,10 +261,14 @@ def test_a_killed_replica_is_restarted_and_nothing_is_lost(server):
         else:
             assert status == 503 and "failed" in json.loads(text)["error"]["message"]
     assert sum(1 for s, _, _ in results if s == 200) >= 6
-    server.wait_healthy(2, timeout_s=300)
-    back = time.monotonic() - t0
-    new = next(r for r in server.replica_info() if r["rank"] == 0)
-    assert new["pid"] != victim["pid"] and back < 300
+    while True:  # a new process of rank 0, healthy
+        server.wait_healthy(2, timeout_s=300)
+        new = next((r for r in server.replica_info() if r["rank"] == 0), {"pid": victim["pid"]})
+        back = time.monotonic() - t0
+        if new["pid"] != victim["pid"] and new.get("healthy", True):
+            break
+        assert back < 300, new
+        time.sleep(1.0)
     status, _, _ = complete(server, docs[0] + [1, 2, 3], max_tokens=2)
     assert status == 200
     assert not _pid_alive(victim["pid"])

@@ -110,7 +110,7 @@ def test_sglang_imbalance_goes_to_the_shortest_queue():
 
 
 def test_sglang_match_above_threshold_goes_to_the_matched_worker():
-    r = SGLangCacheAwareRouter(cache_threshold=0.5, chunk_size=CHUNK)
+    r = SGLangCacheAwareRouter(cache_threshold=0.5, miss="smallest", chunk_size=CHUNK)
     r.routed(h(DOC), "a")  # a's tree: 4 chunks
     r.routed(h(DOC[:CHUNK]), "b")  # b's: the first chunk
     loads = {"a": 3, "b": 0, "c": 1}
@@ -123,8 +123,25 @@ def test_sglang_match_above_threshold_goes_to_the_matched_worker():
     assert r.choose(h(short), loads, tokens=len(short)) == "c"  # the one sent it last
 
 
-def test_sglang_low_match_goes_to_the_smallest_tree():
+def test_sglang_low_match_goes_to_the_least_loaded_by_default():
+    """sglang-router 0.3: a miss goes to the replica serving the fewest requests (the first in worker
+    order among equals: here by name), whatever the trees' sizes."""
     r = SGLangCacheAwareRouter(cache_threshold=0.5, chunk_size=CHUNK)
+    assert r.miss == "least"
+    r.routed(h(DOC), "a")
+    r.routed(h(OTHER[:CHUNK]), "b")
+    long_question = tuple(range(20, 20 + 2 * CHUNK))
+    low = h(with_question(DOC, 1, long_question))  # 8 of 24 tokens: 0.33 <= 0.5
+    assert r.choose(low, {"a": 3, "b": 0, "c": 1}) == "b"  # the shortest queue, though c's tree is empty
+    assert r.choose(low, {"a": 0, "b": 0, "c": 0}) == "a"  # equals: the first, a's tree the largest
+    assert r.choose(h(DOC[:CHUNK * 2]), {"a": 3, "b": 0, "c": 1}) == "a"  # 16 of 16 = 1.0 > 0.5
+    assert r.state() == {"least_loaded": 2, "cache_hit": 1}
+    with pytest.raises(ValueError, match="miss"):
+        SGLangCacheAwareRouter(miss="ring")
+
+
+def test_sglang_low_match_goes_to_the_smallest_tree_with_miss_smallest():
+    r = SGLangCacheAwareRouter(cache_threshold=0.5, miss="smallest", chunk_size=CHUNK)
     r.routed(h(DOC), "a")
     r.routed(h(OTHER[:CHUNK]), "b")
     loads = {"a": 3, "b": 0, "c": 1}

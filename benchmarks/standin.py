@@ -1,0 +1,200 @@
+"""Stand-in engine replicas: tiny OpenAI-compatible servers that answer at once, to measure front ends.
+
+    python -m benchmarks.standin --port 9001 [--name a]
+
+A stand-in answers ``POST /v1/completions`` and ``/v1/chat/completions`` with ``max_tokens`` (default
+16) one-word tokens, whole or streamed as SSE chunks in vLLM's shape (``data: {...}``, the usage with
+``stream_options.include_usage``, ``data: [DONE]``), and ``GET /health``, ``/v1/models``, ``/metrics``
+(``vllm:request_success_total`` and ``vllm:prompt_tokens_total`` of what it served) and ``POST
+/reset_prefix_cache``. It does no work, so what a front end in front of it costs is all there is to
+measure (``benchmarks.frontend_overhead``), and the proxy's tests drive faults through it.
+
+Faults, asked by the request body's ``"standin"`` object (a front end forwards bodies unchanged), each
+naming stand-ins by their ``--name`` (default: the port): ``die_on`` (a list: exit at once, before
+answering), ``hang_on`` (never answer), ``die_after`` (``{name: k}``: exit after ``k`` streamed chunks),
+``delay_s`` (wait before answering). ``GET /standin/served`` lists the ``user`` field of every request
+it answered in full, so a test can check that nothing is served twice.
+
+:class:`StandIns` starts ``n`` of them as processes on free ports (a context manager), and
+:func:`standin_command` is a replica command for :func:`scheduler_runtime.proxy.replicas_for`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from scheduler_runtime.proxy import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = "stand-in"
+
+
+def standin_command(vllm_args: Sequence[str], port: int) -> list[str]:
+    """A stand-in on ``port`` (``vllm_args`` ignored): the replica command of a proxy under test."""
+    return [sys.executable, "-m", "benchmarks.standin", "--port", str(port)]
+
+
+class StandIn:
+    """The server (see the module docstring)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.served: list[Any] = []
+        self.prompt_tokens = 0
+        self._n = 0
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.completions)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/reset_prefix_cache", self.health)
+        app.router.add_get("/standin/served", self.served_list)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def models(self, request: web.Request) -> web.Response:
+        model = {"id": MODEL, "object": "model", "owned_by": "feather"}
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def served_list(self, request: web.Request) -> web.Response:
+        return web.json_response(self.served)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        labels = f'engine="0",model_name="{MODEL}"'
+        text = ("# HELP vllm:request_success_total Count of successfully processed requests.\n"
+                "# TYPE vllm:request_success_total counter\n"
+                f'vllm:request_success_total{{{labels},finished_reason="length"}} {len(self.served)}\n'
+                "# HELP vllm:prompt_tokens_total Number of prefill tokens processed.\n"
+                "# TYPE vllm:prompt_tokens_total counter\n"
+                f"vllm:prompt_tokens_total{{{labels}}} {self.prompt_tokens}\n")
+        return web.Response(text=text, content_type="text/plain")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        control = body.get("standin") or {}
+        if self.name in control.get("die_on", ()):
+            os._exit(1)
+        if self.name in control.get("hang_on", ()):
+            await asyncio.sleep(3600)
+        if control.get("delay_s"):
+            await asyncio.sleep(float(control["delay_s"]))
+        self._n += 1
+        rid = f"cmpl-{self.name}-{self._n}"
+        if not body.get("stream"):
+            self._served(body)
+            return web.json_response(answer(body, rid))
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        die_after = (control.get("die_after") or {}).get(self.name)
+        for i, event in enumerate(stream_events(body, rid)):
+            if die_after is not None and i >= int(die_after):
+                os._exit(1)
+            await response.write(event.encode())
+        await response.write_eof()
+        self._served(body)
+        return response
+
+    def _served(self, body: dict[str, Any]) -> None:
+        self.served.append((body.get("standin") or {}).get("id", body.get("user")))
+        self.prompt_tokens += _usage(body)["prompt_tokens"]
+
+
+def _usage(body: dict[str, Any]) -> dict[str, int]:
+    prompt = body.get("prompt", "")
+    prompt_tokens = len(prompt) if isinstance(prompt, list) else max(1, len(str(prompt)) // 4)
+    n = int(body.get("max_tokens") or 16)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+
+
+def answer(body: dict[str, Any], rid: str) -> dict[str, Any]:
+    """The whole answer to ``body``: ``max_tokens`` tokens ``"x "``, in vLLM's shape."""
+    n = int(body.get("max_tokens") or 16)
+    chat = "messages" in body
+    message = {"message": {"role": "assistant", "content": "x " * n}} if chat else {"text": "x " * n}
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": MODEL,
+            "choices": [{"index": 0, **message, "finish_reason": "length"}], "usage": _usage(body)}
+
+
+def stream_events(body: dict[str, Any], rid: str) -> list[str]:
+    """The streamed answer to ``body``: one SSE event per token, the usage if asked, ``[DONE]``."""
+    n = int(body.get("max_tokens") or 16)
+    chat = "messages" in body
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    delta = {"delta": {"content": "x "}} if chat else {"text": "x "}
+    events = [json.dumps({"id": rid, "object": kind, "model": MODEL, "choices": [
+        {"index": 0, **delta, "finish_reason": "length" if i == n - 1 else None}]}) for i in range(n)]
+    if (body.get("stream_options") or {}).get("include_usage"):
+        usage = {"id": rid, "object": kind, "model": MODEL, "choices": [], "usage": _usage(body)}
+        events.append(json.dumps(usage))
+    return [f"data: {e}\n\n" for e in [*events, "[DONE]"]]
+
+
+class StandIns:
+    """``n`` stand-in processes on free ports of 127.0.0.1, started and waited for; killed on exit."""
+
+    def __init__(self, n: int) -> None:
+        self.ports = [free_port() for _ in range(n)]
+        self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def __enter__(self) -> StandIns:
+        self.procs = [subprocess.Popen(standin_command((), p), cwd=REPO) for p in self.ports]
+        deadline = time.monotonic() + 60.0
+        for url in self.urls:
+            while True:
+                try:
+                    with urllib.request.urlopen(url + "/health", timeout=2.0):
+                        break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        self.__exit__()
+                        raise RuntimeError(f"stand-in {url} did not start") from None
+                    time.sleep(0.1)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.standin",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--name", default=None, help="its name in fault requests (default: the port)")
+    parser.add_argument("--start-delay", type=float, default=0.0, help="seconds before it listens")
+    args = parser.parse_args(argv)
+    time.sleep(args.start_delay)  # an engine loading
+    # sglang-router opens a worker with an HTTP/2 preface first, which aiohttp logs as an error
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
+    app = StandIn(args.name or str(args.port)).app()
+    try:
+        import uvloop
+    except ImportError:
+        uvloop = None
+    web.run_app(app, host="127.0.0.1", port=args.port, access_log=None, print=None,
+                loop=uvloop.new_event_loop() if uvloop else None)
+
+
+if __name__ == "__main__":
+    main()

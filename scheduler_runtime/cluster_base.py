@@ -1,0 +1,254 @@
+"""What both data planes of ``feather-serve --replicas N`` share; no Ray, no vLLM, no HTTP server.
+
+``feather-serve --replicas N`` serves N engine replicas behind one endpoint through one of two data
+planes: the lean asyncio proxy of :mod:`scheduler_runtime.proxy` (one machine, the default) or the
+Ray Serve application of :mod:`scheduler_runtime.cluster` (several machines). Both take a
+:class:`ClusterConfig`, pin a CPU replica to its cores the same way (:func:`core_binding`), answer
+errors with vLLM's error body (:func:`error_body`) and serve the same ``/metrics``: every replica's
+exposition with a ``replica`` label, the sums over the replicas under ``cluster:<name>``
+(:func:`replica_exposition`), and the front end's own counters (:class:`FrontEndStats`).
+
+This module sits below both (and below :mod:`scheduler_runtime.serve` and
+:mod:`scheduler_runtime.ray_router`), so none of them imports another to reach these pieces.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
+
+__all__ = ["DATA_PLANES", "LIVE_ROUTERS", "ROUTER_CHOICES", "ClusterConfig", "FrontEndStats", "core_binding",
+           "error_body", "gpu_groups", "parse_cores", "replica_exposition"]
+
+ROUTER_CHOICES = ("prefix", "pow2")
+#: ``proxy``: :mod:`scheduler_runtime.proxy` (one machine); ``ray``: :mod:`scheduler_runtime.cluster`.
+DATA_PLANES = ("proxy", "ray")
+
+#: The Ray Serve prefix routers of this process (the ingress's), so that ``/metrics`` can report
+#: their decisions (:class:`scheduler_runtime.ray_router.PrefixRequestRouter` registers itself).
+LIVE_ROUTERS: list[Any] = []
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """What ``feather-serve --replicas N`` deploys (``docs/cluster.md``).
+
+    Attributes:
+        replicas: engine replicas (>= 1; ``feather-serve`` runs 1 as the plain server).
+        router: ``"prefix"`` or ``"pow2"``.
+        data_plane: ``"proxy"`` (replica processes on this machine behind an asyncio proxy) or
+            ``"ray"`` (a Ray Serve application, on a Ray cluster or a local instance).
+        vllm_args: the vLLM API server arguments every replica is built from (``feather-serve``'s).
+        host, port: where the endpoint listens (vLLM's ``--host`` / ``--port``).
+        chunk_size: tokens per chunk of the routing key (the scheduler's CHT chunk size).
+        replica_cores: per local rank, the CPU cores its engine is pinned to (``None``: no pinning).
+        replica_cpus, replica_gpus: Ray resources each engine replica reserves (``ray``); with the
+            proxy, ``replica_gpus`` >= 1 gives replica ``k`` the ``k``-th group of that many GPUs.
+        ray_address: a running Ray cluster (``auto``, ``HOST:PORT``); ``None``: start one here.
+        max_ongoing_requests: requests one engine replica is sent at most (the rest wait).
+        load_factor, slack: the prefix router's load bound (:class:`PrefixAffinityRouter`).
+        object_store_mb: the local Ray instance's object store.
+    """
+
+    replicas: int
+    router: str = "prefix"
+    data_plane: str = "proxy"
+    vllm_args: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 8000
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    replica_cores: tuple[str, ...] | None = None
+    replica_cpus: float = 1.0
+    replica_gpus: float = 0.0
+    ray_address: str | None = None
+    max_ongoing_requests: int = 1024
+    load_factor: float = 5.0
+    slack: int = 2
+    object_store_mb: int = 200
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
+        if self.router not in ROUTER_CHOICES:
+            raise ValueError(f"--router must be one of {list(ROUTER_CHOICES)}, got {self.router!r}")
+        if self.data_plane not in DATA_PLANES:
+            raise ValueError(f"--data-plane must be one of {list(DATA_PLANES)}, got {self.data_plane!r}")
+        if self.data_plane == "proxy" and self.ray_address is not None:
+            raise ValueError("--ray-address needs --data-plane ray (the proxy serves local replicas)")
+        if self.max_ongoing_requests < 1:
+            raise ValueError(f"--max-ongoing-requests must be >= 1, got {self.max_ongoing_requests}")
+        for spec in self.replica_cores or ():
+            parse_cores(spec)
+
+
+def parse_cores(spec: str) -> list[int]:
+    """``"0"``, ``"2-3"``, ``"0,2,4-5"`` -> core ids (ValueError otherwise)."""
+    cores: list[int] = []
+    for part in spec.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()) or (sep and int(hi) < int(lo)):
+            raise ValueError(f"bad CPU core list {spec!r} (e.g. '0', '2-3', '0,2')")
+        cores += range(int(lo), int(hi if sep else lo) + 1)
+    return cores
+
+
+def core_binding(spec: str) -> tuple[list[int], dict[str, str]]:
+    """A replica pinned to the cores ``spec``: the cores for ``sched_setaffinity`` (of the replica's
+    process, which its vLLM engine-core process inherits) and the environment that binds vLLM's
+    OpenMP threads to the same cores."""
+    cores = parse_cores(spec)
+    return cores, {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
+
+
+def error_body(message: str, status: int, err_type: str) -> dict[str, Any]:
+    """vLLM's (OpenAI's) error response body."""
+    return {"error": {"message": message, "type": err_type, "param": None, "code": status}}
+
+
+# ------------------------------------------------------------------------------------ /metrics
+
+#: One exposition's families: ``{name: (type, help, [(sample name, labels, value), ...])}``.
+Families = dict[str, tuple[str, str, list[tuple[str, dict[str, str], float]]]]
+
+
+def _families(text: str, replica: str) -> Families:
+    """One replica's exposition, parsed, a ``replica`` label on every sample."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {f.name: (f.type, f.documentation, [(s.name, {**s.labels, "replica": replica}, s.value)
+                                                for s in f.samples])
+            for f in text_string_to_metric_families(text)}
+
+
+def _exposed(name: str, kind: str) -> str:
+    # the parser names a counter's family without the ``_total`` its samples (and its TYPE line) carry
+    return f"{name}_total" if kind == "counter" else name
+
+
+def _exposition(per_replica: list[Families]) -> str:
+    """Every replica's samples, each family once (its HELP and TYPE, then all replicas' samples)."""
+    merged: Families = {}
+    for families in per_replica:
+        for name, (kind, doc, samples) in families.items():
+            merged.setdefault(name, (kind, doc, []))[2].extend(samples)
+    lines = []
+    for name, (kind, doc, samples) in merged.items():
+        name = _exposed(name, kind)
+        lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}"]
+        lines += [f"{sample}{_labels(labels)} {_number(value)}" for sample, labels, value in samples]
+    return "\n".join(lines)
+
+
+def _labels(labels: Mapping[str, str]) -> str:
+    if not labels:
+        return ""
+    body = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+    return "{" + body + "}"
+
+
+def _escape(value: str) -> str:
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _number(value: float) -> str:
+    return repr(float(value)) if value == value else "NaN"
+
+
+def _sums(per_replica: list[Families]) -> str:
+    """``cluster:<name>`` families: every replica's samples summed (info and unknown types left out)."""
+    merged: dict[str, tuple[str, str, dict[tuple[str, tuple], float]]] = {}
+    for families in per_replica:
+        for name, (kind, doc, samples) in families.items():
+            if kind not in ("counter", "gauge", "histogram", "summary") or name.endswith("_info"):
+                continue
+            into = merged.setdefault(name, (kind, doc, {}))[2]
+            for sample, labels, value in samples:
+                key = (sample, tuple(sorted((k, v) for k, v in labels.items() if k != "replica")))
+                into[key] = into.get(key, 0.0) + value
+    lines = []
+    for name, (kind, doc, sums) in merged.items():
+        name = _exposed(name, kind)
+        lines.append(f"# HELP cluster:{name} Sum over the engine replicas of {name}: {doc}")
+        lines.append(f"# TYPE cluster:{name} {kind}")
+        for (sample, labels), value in sums.items():
+            lines.append(f"cluster:{sample}{_labels(dict(labels))} {_number(value)}")
+    return "\n".join(lines)
+
+
+def replica_exposition(texts: Iterable[tuple[str, str]]) -> str:
+    """``(replica label, its exposition)`` pairs -> every sample with its ``replica`` label, then the
+    ``cluster:<name>`` sums (so a client that sums a metric over its samples gets the cluster's
+    total, and nothing is counted twice)."""
+    families = [_families(text, replica) for replica, text in texts]
+    return "\n".join(p for p in (_exposition(families), _sums(families)) if p)
+
+
+def _family(name: str, kind: str, doc: str, samples: Iterable[tuple[Mapping[str, str], float]]) -> list[str]:
+    return [f"# HELP {name} {doc}", f"# TYPE {name} {kind}",
+            *(f"{name}{_labels(labels)} {_number(v)}" for labels, v in samples)]
+
+
+@dataclass
+class FrontEndStats:
+    """The front end's own counters (the Ray ingress's or the proxy's), exposed as ``feather_cluster_*``
+    and ``feather_router_*`` on ``/metrics``."""
+
+    #: requests answered, by (replica rank, outcome)
+    counts: Counter[tuple[str, str]] = field(default_factory=Counter)
+    #: requests retried on another replica (the first died before anything reached the client)
+    retries: int = 0
+    #: requests answered with an error, by reason
+    errors: Counter[str] = field(default_factory=Counter)
+
+    def exposition(self, router: str, replicas: int, answered: int,
+                   router_stats: Iterable[Mapping[str, float]] = (),
+                   replica_states: Mapping[str, int] | None = None) -> str:
+        """The counters, the replicas listed and answering ``/metrics`` (plus ``replica_states``:
+        more ``feather_cluster_replicas`` states), and each prefix router's :meth:`stats`."""
+        states = {"listed": replicas, "answered": answered, **(replica_states or {})}
+        lines = _family("feather_cluster_replicas", "gauge", "Engine replicas listed / answering /metrics",
+                        [({"state": s}, n) for s, n in states.items()])
+        lines += _family("feather_cluster_requests_total", "counter",
+                         "Requests answered, by replica rank and outcome",
+                         [({"replica": r, "outcome": o}, n) for (r, o), n in sorted(self.counts.items())])
+        lines += _family("feather_cluster_retries_total", "counter",
+                         "Requests retried on another replica (the first died before streaming anything)",
+                         [({}, self.retries)])
+        lines += _family("feather_cluster_errors_total", "counter",
+                         "Requests answered with an error, by reason",
+                         [({"reason": k}, n) for k, n in sorted(self.errors.items())])
+        lines += _family("feather_cluster_router_info", "gauge", "The router of the engine replicas",
+                         [({"router": router}, 1)])
+        for stats in router_stats:
+            lines += _family("feather_router_decisions_total", "counter", "Prefix router decisions, by kind",
+                             [({"kind": k}, stats[k]) for k in ("affinity", "spilled", "new") if k in stats])
+            lines += _family("feather_router_decision_seconds_total", "counter",
+                             "Time spent choosing replicas",
+                             [({}, stats["decision_seconds"])])
+            if "table_keys" in stats:
+                lines += _family("feather_router_table_keys", "gauge",
+                                 "Chunk keys in the prefix router's table",
+                                 [({}, stats["table_keys"])])
+        return "\n".join(lines)
+
+
+def gpu_groups(replicas: int, gpus_per_replica: float, visible: Sequence[str]) -> list[str | None]:
+    """Per replica, the ``CUDA_VISIBLE_DEVICES`` of the proxy's replica ``k`` (its ``k``-th group of
+    ``gpus_per_replica`` of the ``visible`` devices); ``None`` each without GPUs.
+
+    Raises ValueError for a fractional count or too few devices (the proxy does not share a GPU).
+    """
+    if gpus_per_replica <= 0:
+        return [None] * replicas
+    if gpus_per_replica != math.floor(gpus_per_replica):
+        raise ValueError(f"--replica-gpus {gpus_per_replica}: the proxy data plane gives each replica whole "
+                         "GPUs (use --data-plane ray to share one)")
+    g = int(gpus_per_replica)
+    if replicas * g > len(visible):
+        raise ValueError(f"{replicas} replicas x {g} GPUs need {replicas * g} GPUs, {len(visible)} visible")
+    return [",".join(visible[k * g:(k + 1) * g]) for k in range(replicas)]

@@ -1,0 +1,745 @@
+"""The lean data plane of ``feather-serve --replicas N``: N plain replica processes behind one asyncio proxy.
+
+``feather-serve --replicas N`` on one machine (``--data-plane proxy``, the default without
+``--ray-address``) starts N plain ``feather-serve`` engine processes, each on its own port of
+127.0.0.1 (replica ``k`` pinned to the ``k``-th entry of ``--replica-cores``, its vLLM OpenMP threads
+too), and serves one OpenAI-compatible endpoint from this process, an aiohttp server on uvloop:
+
+* ``POST /v1/completions`` and ``POST /v1/chat/completions`` are routed by the
+  :class:`~scheduler_runtime.router.PrefixAffinityRouter` (``--router prefix``, the class and shipped
+  knobs the simulator runs) or :class:`~scheduler_runtime.router.PowerOfTwoRouter` (``--router pow2``)
+  on the requests each replica is serving, counted from the proxy's own forwarding; the body goes to
+  the replica unchanged and the replica's bytes come back unchanged (an SSE stream chunk by chunk), with
+  ``x-feather-replica: RANK/ID`` and ``x-feather-attempts``. Nothing is tokenized here: the prefix
+  keys are cumulative hashes of fixed-size chunks of what the request carries (:func:`request_keys`):
+  the Chunked Hash Tree's keys of a prompt of token ids, or hashes of 2,048-byte chunks of a text
+  prompt or of the chat messages (~512 tokens at 4 bytes a token), so a replica tokenizes each
+  request once, as a plain ``feather-serve`` does.
+* ``GET /health`` (200 while at least one replica is healthy, with the counts), ``GET /v1/models``
+  (a healthy replica's), ``GET /metrics`` (every replica's exposition with a ``replica`` label, their
+  sums and the proxy's counters: :mod:`scheduler_runtime.cluster_base`), ``GET /replicas`` (each
+  replica's rank, process, port, cores and state) and ``POST /reset_prefix_cache`` (every replica;
+  vLLM's dev mode). Any other path goes to the least loaded healthy replica as it is.
+
+Supervision. A replica is routed to only once its ``/health`` answers 200. When its process exits,
+its process group (its vLLM engine core) is killed, the router forgets the prefixes it held, and it
+is started again on the same cores and port (after 1 s, doubling up to 30 s while it keeps dying
+within a minute of starting); a replica whose ``/health`` fails three times in a row is killed and
+restarted the same way. A replica that dies before it ever became healthy at start-up ends the
+command (exit 1): its arguments are wrong.
+
+Faults, the contract of :mod:`scheduler_runtime.cluster`: a request whose replica is lost (its
+connection refused or broken) before anything reached the client is retried once on another replica
+(``x-feather-attempts: 2``); a stream is answered only once the replica's first chunk is in, so until
+then the client has seen nothing. Otherwise a clear error: HTTP 503 with vLLM's error body, or,
+mid-stream, an SSE ``data: {"error": ...}`` event and ``data: [DONE]``. Nothing is served twice: a retry
+follows only a lost connection, and a replica that loses its client (a dead proxy connection) aborts
+the request. A replica's own answer (an HTTP 400, say) is the client's answer, not retried.
+
+``python -m scheduler_runtime.proxy --worker-urls URL [URL ...]`` fronts replicas that are already
+running (health-checked, never restarted), as ``sglang-router --worker-urls`` does; the stand-in
+benchmark (``benchmarks.frontend_overhead``) measures it so. See ``docs/cluster.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import numpy as np
+import xxhash
+from aiohttp import web
+
+from scheduler_runtime.cluster_base import (
+    ROUTER_CHOICES,
+    ClusterConfig,
+    FrontEndStats,
+    core_binding,
+    error_body,
+    gpu_groups,
+    replica_exposition,
+)
+from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
+from scheduler_runtime.router import PowerOfTwoRouter, PrefixAffinityRouter, PrefixHasher, ReplicaRouter
+
+__all__ = ["CHARS_PER_TOKEN", "Replica", "ReplicaProxy", "main", "replica_command", "replicas_for",
+           "request_keys", "run_proxy"]
+
+#: Bytes of text counted as one token: a text prompt's routing chunk is ``chunk_size`` x this many bytes.
+CHARS_PER_TOKEN = 4
+#: Seconds between health probes of a healthy replica, and of one that is starting or suspect.
+HEALTH_PERIOD_S, PROBE_PERIOD_S = 5.0, 0.5
+#: A probe's time limit, and the consecutive failed probes of a replica that served after which it
+#: is killed and restarted (it is out of routing from the first): about Ray Serve's 30 s.
+PROBE_TIMEOUT_S, HEALTH_FAILURES = 10.0, 3
+#: Restart back-off: the first delay, the longest, and how long a replica must live to reset it.
+RESTART_DELAY_S, MAX_RESTART_DELAY_S, STABLE_S = 1.0, 30.0, 60.0
+#: Request headers not forwarded to a replica, and response headers not passed back (hop by hop).
+_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade",
+                  "proxy-connection", "te", "trailer", "date", "server"})
+_REPLICA_PROGRAM = ("import sys; from scheduler_runtime.serve import run_vllm_server; "
+                    "run_vllm_server(sys.argv[1:])")
+
+
+# ------------------------------------------------------------------------------------ routing keys
+
+
+def _text_keys(data: bytes, chunk_bytes: int) -> np.ndarray:
+    """Cumulative xxh3 hashes of ``data``'s ``chunk_bytes``-byte chunks (``H[k]`` names chunks 0..k)."""
+    keys, h = [], 0
+    for start in range(0, len(data), chunk_bytes):
+        h = xxhash.xxh3_64_intdigest(data[start:start + chunk_bytes], seed=h)
+        keys.append(h)
+    return np.array(keys, dtype=np.uint64)
+
+
+def _message_text(messages: Sequence[Any]) -> bytes:
+    """The chat messages as one byte string whose prefixes are the conversation's prefixes."""
+    parts = []
+    for m in messages:
+        if not isinstance(m, Mapping):
+            raise ValueError("each chat message must be a JSON object")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: their text, anything else as JSON
+            content = "".join(p["text"] if isinstance(p, Mapping) and isinstance(p.get("text"), str)
+                              else json.dumps(p, sort_keys=True) for p in content)
+        parts.append(f"{m.get('role')}\x1f{'' if content is None else content}\x1e")
+    return "".join(parts).encode()
+
+
+def request_keys(body: Mapping[str, Any], chat: bool,
+                 hasher: PrefixHasher) -> tuple[np.ndarray | None, int | None]:
+    """A request's routing key and length, read from its JSON body without tokenizing.
+
+    Returns ``(hashes, tokens)``: a prompt of token ids gets the Chunked Hash Tree's cumulative chunk
+    hashes (``hasher``) and its length; a text prompt or chat messages get cumulative hashes of
+    ``hasher.chunk_size x CHARS_PER_TOKEN``-byte chunks of its UTF-8 bytes and its length in bytes /
+    ``CHARS_PER_TOKEN``, so that the router's ``min_match`` compares like with like. A batch
+    (``prompt`` a list of prompts) is keyed by its first prompt. ``(None, None)`` when there is nothing
+    to key (the replica answers that request's errors).
+    """
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return None, None
+        try:
+            data = _message_text(messages)
+        except ValueError:
+            return None, None
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+            prompt = prompt[0]
+        if isinstance(prompt, list) and prompt:
+            try:
+                return hasher.hash(prompt), len(prompt)
+            except (ValueError, TypeError, OverflowError):
+                return None, None
+        if not isinstance(prompt, str) or not prompt:
+            return None, None
+        data = prompt.encode()
+    return _text_keys(data, hasher.chunk_size * CHARS_PER_TOKEN), -(-len(data) // CHARS_PER_TOKEN)
+
+
+# ------------------------------------------------------------------------------------ replicas
+
+
+def replica_command(vllm_args: Sequence[str], port: int) -> list[str]:
+    """One replica process: vLLM's server with ``feather-serve``'s arguments, on 127.0.0.1:``port``."""
+    args = _without(vllm_args, ("--host", "--port"))
+    return [sys.executable, "-c", _REPLICA_PROGRAM, *args, "--host", "127.0.0.1", "--port", str(port)]
+
+
+def _without(args: Sequence[str], flags: Sequence[str]) -> list[str]:
+    """``args`` without ``flags`` (``--flag value``, ``--flag=value``, underscores too)."""
+    names = {f for flag in flags for f in (flag, "--" + flag[2:].replace("-", "_"))}
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a in names:
+            skip = True
+        elif a.split("=", 1)[0] not in names:
+            out.append(a)
+    return out
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Replica:
+    """One engine replica: a process this proxy supervises (``command``), or a running server (``url``).
+
+    Attributes:
+        rank: its index (its ``replica`` label, stable across restarts).
+        url: ``http://127.0.0.1:PORT``.
+        command: the process to run (``None``: a server someone else runs; never restarted).
+        env: its extra environment; cores: the CPU cores it is pinned to (``None``: not pinned).
+    """
+
+    rank: int
+    url: str
+    command: list[str] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    cores: list[int] | None = None
+    process: subprocess.Popen[bytes] | None = None
+    healthy: bool = False
+    in_flight: int = 0
+    restarts: int = 0
+    failures: int = 0
+    #: this incarnation has passed a health check (until then failed probes only wait for it)
+    ever_healthy: bool = False
+    started_at: float = 0.0
+    next_start: float = 0.0
+    restart_delay: float = RESTART_DELAY_S
+    last_probe: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return str(self.rank)
+
+    @property
+    def replica_id(self) -> str:
+        """This incarnation: ``pid-PID`` for a process of ours, else the URL's port."""
+        if self.process is not None:
+            return f"pid-{self.process.pid}"
+        return "port-" + self.url.rsplit(":", 1)[-1]
+
+    def start(self) -> None:
+        """Start the process (its own process group, pinned, dying with this process on Linux)."""
+        assert self.command is not None
+        cores = self.cores
+        death_signal = _parent_death_signal()
+
+        def prepare() -> None:  # in the child, before exec
+            if cores is not None and hasattr(os, "sched_setaffinity"):
+                os.sched_setaffinity(0, cores)
+            death_signal()
+
+        self.process = subprocess.Popen(self.command, env={**os.environ, **self.env}, start_new_session=True,
+                                        preexec_fn=prepare)
+        self.started_at = time.monotonic()
+        self.healthy = self.ever_healthy = False  # a starting engine fails probes for a while
+        self.failures = 0
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the process's whole group (the vLLM server and its engine core)."""
+        if self.process is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, sig)
+
+    def info(self) -> dict[str, Any]:
+        """What ``GET /replicas`` says of it."""
+        pid = self.process.pid if self.process is not None else None
+        affinity = None
+        if pid is not None and hasattr(os, "sched_getaffinity"):
+            with contextlib.suppress(OSError):
+                affinity = sorted(os.sched_getaffinity(pid))
+        return {"rank": self.rank, "replica_id": self.replica_id, "url": self.url, "pid": pid,
+                "cores": self.cores, "affinity": affinity, "healthy": self.healthy,
+                "in_flight": self.in_flight, "restarts": self.restarts}
+
+
+def _parent_death_signal() -> Callable[[], None]:
+    """A function for the child that asks Linux for SIGTERM when this process dies (no-op elsewhere)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return lambda: None
+    pr_set_pdeathsig = 1
+    return lambda: prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+class _ReplicaLost(Exception):
+    """The replica's connection was refused or broke before anything reached the client."""
+
+
+# ------------------------------------------------------------------------------------ the proxy
+
+
+class ReplicaProxy:
+    """The endpoint over ``replicas`` (see the module docstring). :meth:`serve` runs it until stopped.
+
+    Args:
+        replicas: the replicas (processes to supervise, or running servers).
+        router: ``"prefix"`` or ``"pow2"``, or a :class:`ReplicaRouter` instance.
+        chunk_size: tokens per routing chunk (the scheduler's CHT chunk size).
+        max_ongoing_requests: requests one replica is sent at most (the rest wait in the proxy).
+        load_factor, slack: the prefix router's load bound (its shipped defaults).
+    """
+
+    def __init__(self, replicas: Sequence[Replica], router: str | ReplicaRouter = "prefix", *,
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, max_ongoing_requests: int = 1024,
+                 load_factor: float = 5.0, slack: int = 2) -> None:
+        if not replicas:
+            raise ValueError("the proxy needs at least one replica")
+        if max_ongoing_requests < 1:
+            raise ValueError(f"max_ongoing_requests must be >= 1, got {max_ongoing_requests}")
+        self.replicas = list(replicas)
+        if isinstance(router, ReplicaRouter):
+            self.router = router
+        elif router == "prefix":
+            self.router = PrefixAffinityRouter(load_factor=load_factor, slack=slack, chunk_size=chunk_size)
+        elif router == "pow2":
+            self.router = PowerOfTwoRouter()
+        else:
+            raise ValueError(f"router must be one of {list(ROUTER_CHOICES)}, got {router!r}")
+        self.router_name = self.router.name
+        self.hasher = PrefixHasher(chunk_size)
+        self.max_ongoing = int(max_ongoing_requests)
+        self.stats = FrontEndStats()
+        self.decision_seconds = 0.0
+        self.decisions = 0
+        self.dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0")
+        self.session: aiohttp.ClientSession | None = None
+        self._freed = asyncio.Event()
+        self._wake = asyncio.Event()
+        self.failed_start: str | None = None
+
+    # -- the application --------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        """The aiohttp application (its start-up opens the client session and starts supervising)."""
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/replicas", self.replica_list)
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        app.router.add_route("*", "/{tail:.*}", self.passthrough)
+        app.cleanup_ctx.append(self._lifetime)
+        return app
+
+    async def _lifetime(self, app: web.Application) -> Any:
+        # keep-alive under the replicas' own (uvicorn's 5 s), so the proxy never reuses a connection
+        # the replica has just closed
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0)
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0))
+        supervisor = asyncio.create_task(self.supervise())
+        yield
+        supervisor.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await supervisor
+        await self.session.close()
+
+    async def serve(self, host: str, port: int, stop: asyncio.Event,
+                    on_ready: Callable[[], None] | None = None) -> int:
+        """Serve on ``host:port`` until ``stop`` is set (or a replica fails at start); stop the replicas.
+
+        ``on_ready`` is called once every replica is healthy. Returns the exit status (1: a replica
+        failed to start)."""
+        runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
+        await runner.setup()  # the supervisor starts the replicas
+        try:
+            await web.TCPSite(runner, host, port).start()
+            while not (stop.is_set() or self.failed_start):
+                if on_ready is not None and all(r.healthy for r in self.replicas):
+                    on_ready()
+                    on_ready = None
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 0.2)
+        finally:
+            await runner.cleanup()
+            await asyncio.to_thread(self.stop_replicas)
+        return 1 if self.failed_start else 0
+
+    def stop_replicas(self, grace_s: float = 20.0) -> None:
+        """SIGTERM every replica's process group, SIGKILL what is left after ``grace_s``."""
+        own = [r for r in self.replicas if r.process is not None]
+        for r in own:
+            r.kill(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for r in own:
+            assert r.process is not None
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                r.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            r.kill(signal.SIGKILL)  # its engine core too, whatever the server did
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                r.process.wait(timeout=5.0)
+
+    # -- supervision ------------------------------------------------------------------------------
+    async def supervise(self) -> None:
+        """Start, probe and restart the replicas (module docstring), forever."""
+        while True:
+            now = time.monotonic()
+            await asyncio.gather(*(self._check(r, now) for r in self.replicas))
+            self._wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), PROBE_PERIOD_S)
+
+    async def _check(self, r: Replica, now: float) -> None:
+        if r.process is not None and r.process.poll() is not None:
+            self._died(r, now)
+            return
+        if r.command is not None and r.process is None:
+            if now >= r.next_start:
+                r.restarts += r.started_at > 0
+                r.start()
+            return
+        if r.healthy and now - r.last_probe < HEALTH_PERIOD_S:
+            return
+        r.last_probe = now
+        ok = await self._probe(r)
+        if ok:
+            r.failures = 0
+            if not r.healthy:
+                r.healthy = r.ever_healthy = True
+                self._freed.set()
+            if now - r.started_at > STABLE_S:
+                r.restart_delay = RESTART_DELAY_S
+            return
+        if r.healthy or r.ever_healthy:
+            r.failures += 1
+            r.healthy = False
+            if r.failures >= HEALTH_FAILURES and r.process is not None:
+                print(f"feather-serve: replica {r.rank} failed {r.failures} health checks: restarting it",
+                      file=sys.stderr, flush=True)
+                r.kill()
+
+    def _died(self, r: Replica, now: float) -> None:
+        assert r.process is not None
+        code = r.process.returncode
+        r.kill()  # the engine core, if the server died alone
+        r.healthy = False
+        self.router.forget(r.name)
+        if not r.ever_healthy and r.restarts == 0:
+            self.failed_start = f"replica {r.rank} exited with status {code} before it served"
+            print(f"feather-serve: error: {self.failed_start}", file=sys.stderr, flush=True)
+            return
+        print(f"feather-serve: replica {r.rank} exited with status {code}: restarting it in "
+              f"{r.restart_delay:.0f} s", file=sys.stderr, flush=True)
+        r.process = None
+        r.next_start = now + r.restart_delay
+        if now - r.started_at < STABLE_S:
+            r.restart_delay = min(MAX_RESTART_DELAY_S, 2 * r.restart_delay)
+        else:
+            r.restart_delay = RESTART_DELAY_S
+
+    async def _probe(self, r: Replica) -> bool:
+        assert self.session is not None
+        try:
+            limit = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+            async with self.session.get(r.url + "/health", timeout=limit) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return False
+
+    def _lost(self, r: Replica) -> None:
+        """A connection to ``r`` failed: out of routing until a probe (now) says otherwise."""
+        r.healthy = False
+        r.last_probe = 0.0
+        self._wake.set()
+
+    # -- routing ----------------------------------------------------------------------------------
+    async def _pick(self, hashes: np.ndarray | None, tokens: int | None, avoid: list[str]) -> Replica | None:
+        """The replica for a request, counted in flight; ``None`` when no replica is healthy."""
+        while True:
+            healthy = {r.name: r for r in self.replicas if r.healthy and r.name not in avoid}
+            if not healthy:
+                return None
+            loads = {name: r.in_flight for name, r in healthy.items()}
+            t0 = time.perf_counter()
+            name = self.router.choose(hashes, loads, avoid, tokens=tokens)
+            if loads[name] >= self.max_ongoing:  # full: the least loaded one with room, or wait
+                name = min(loads, key=lambda k: (loads[k], k))
+            self.decision_seconds += time.perf_counter() - t0
+            self.decisions += 1
+            if loads[name] < self.max_ongoing:
+                replica = healthy[name]
+                replica.in_flight += 1
+                self.router.routed(hashes, name, tokens=tokens)
+                return replica
+            self._freed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._freed.wait(), PROBE_PERIOD_S)
+
+    def _done(self, r: Replica) -> None:
+        r.in_flight -= 1
+        self._freed.set()
+
+    # -- requests ---------------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.route(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.route(request, chat=True)
+
+    async def route(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        """Route, forward and relay one completion request (module docstring for faults)."""
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            return self._error("the request body is not JSON", 400, "BadRequestError", "bad_request")
+        if not isinstance(body, dict):
+            return self._error("the request body must be a JSON object", 400, "BadRequestError",
+                               "bad_request")
+        hashes, tokens = request_keys(body, chat, self.hasher)
+        return await self.forward(request, raw, hashes, tokens, stream=bool(body.get("stream")))
+
+    async def passthrough(self, request: web.Request) -> web.StreamResponse:
+        """Any other path: to the least loaded healthy replica, as it is."""
+        return await self.forward(request, await request.read(), None, None, stream=False)
+
+    async def forward(self, request: web.Request, raw: bytes, hashes: np.ndarray | None, tokens: int | None,
+                      stream: bool) -> web.StreamResponse:
+        """Send ``raw`` to a replica (one retry if it is lost before answering) and relay its answer."""
+        assert self.session is not None
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        avoid: list[str] = []
+        for attempt in (1, 2):
+            replica = await self._pick(hashes, tokens, avoid)
+            if replica is None:
+                if attempt == 1:
+                    return self._error("no engine replica is healthy to serve this request", 503,
+                                       "ServiceUnavailableError", "no_replica")
+                return self._error("the engine replica serving this request failed before answering, and no "
+                                   "other replica is healthy", 503, "ServiceUnavailableError", "replica_lost")
+            upstream: aiohttp.ClientResponse | None = None
+            try:
+                try:
+                    upstream = await self.session.request(request.method, replica.url + request.path_qs,
+                                                          data=raw, headers=headers)
+                    if stream and upstream.status == 200:
+                        first = await upstream.content.readany()
+                    else:
+                        first = await upstream.read()
+                except (aiohttp.ClientError, OSError) as exc:
+                    raise _ReplicaLost(f"{type(exc).__name__}: {exc}") from exc
+            except _ReplicaLost as exc:
+                if upstream is not None:
+                    upstream.close()
+                self._done(replica)
+                self._lost(replica)
+                if attempt == 1:
+                    self.stats.retries += 1
+                    avoid.append(replica.name)
+                    continue
+                return self._error(f"the engine replica serving this request failed before answering, on the "
+                                   f"retry too ({exc})", 503, "ServiceUnavailableError", "replica_lost")
+            except BaseException:  # the client went away while waiting
+                if upstream is not None:
+                    upstream.close()
+                self._done(replica)
+                raise
+            return await self._relay(request, replica, upstream, first, attempt, stream)
+        raise AssertionError("unreachable")
+
+    async def _relay(self, request: web.Request, replica: Replica, upstream: aiohttp.ClientResponse,
+                     first: bytes, attempt: int, stream: bool) -> web.StreamResponse:
+        """The replica's answer to the client: whole, or streamed on from its first chunk."""
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP}
+        headers["x-feather-replica"] = f"{replica.rank}/{replica.replica_id}"
+        headers["x-feather-attempts"] = str(attempt)
+        rank, outcome = replica.name, "ok" if upstream.status < 400 else "error_response"
+        if not (stream and upstream.status == 200):
+            upstream.release()
+            self._done(replica)
+            self.stats.counts[(rank, outcome)] += 1
+            return web.Response(body=first, status=upstream.status, headers=headers)
+        response = web.StreamResponse(status=upstream.status, headers=headers)
+        clean = False
+        try:
+            await response.prepare(request)
+            chunk = first
+            while chunk:
+                await response.write(chunk)
+                try:
+                    chunk = await upstream.content.readany()
+                except (aiohttp.ClientError, OSError) as exc:
+                    outcome = "failed_mid_stream"
+                    self.stats.errors["replica_lost_mid_stream"] += 1
+                    self._lost(replica)
+                    message = (f"the engine replica {rank} serving this request failed mid-stream "
+                               f"({type(exc).__name__}); not retried, as it had started answering")
+                    event = json.dumps(error_body(message, 503, "ServiceUnavailableError"))
+                    await response.write(f"data: {event}\n\ndata: [DONE]\n\n".encode())
+                    break
+            await response.write_eof()
+            clean = outcome == "ok"
+        except asyncio.CancelledError:  # the client went away: so does the request
+            outcome = "client_gone"
+            raise
+        except ConnectionError:  # the same, seen while writing to it
+            outcome = "client_gone"
+        finally:
+            if clean:
+                upstream.release()
+            else:
+                upstream.close()  # the replica sees its client gone and aborts the request
+            self._done(replica)
+            self.stats.counts[(rank, outcome)] += 1
+        return response
+
+    def _error(self, message: str, status: int, err_type: str, reason: str) -> web.Response:
+        self.stats.errors[reason] += 1
+        return web.json_response(error_body(message, status, err_type), status=status)
+
+    # -- the rest of the API ----------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        healthy = sum(r.healthy for r in self.replicas)
+        return web.json_response({"healthy_replicas": healthy, "replicas": len(self.replicas)},
+                                 status=200 if healthy else 503)
+
+    async def replica_list(self, request: web.Request) -> web.Response:
+        return web.json_response([r.info() for r in self.replicas])
+
+    async def _each(self, method: str, path: str) -> list[tuple[Replica, int, bytes] | None]:
+        """``method path`` on every healthy replica: ``(replica, status, body)``, ``None`` where it failed."""
+        assert self.session is not None
+
+        async def one(r: Replica) -> tuple[Replica, int, bytes] | None:
+            try:
+                async with self.session.request(method, r.url + path,
+                                                timeout=aiohttp.ClientTimeout(total=30.0)) as resp:
+                    return r, resp.status, await resp.read()
+            except (TimeoutError, aiohttp.ClientError, OSError):
+                return None
+
+        return list(await asyncio.gather(*(one(r) for r in self.replicas if r.healthy)))
+
+    async def metrics_text(self) -> str:
+        """Every healthy replica's exposition with its ``replica`` label, the sums, the proxy's counters."""
+        results = await self._each("GET", "/metrics")
+        answered = sorted((x[0].name, x[2].decode()) for x in results if x is not None and x[1] == 200)
+        stats = {**self.router.state(), "decision_seconds": self.decision_seconds,
+                 "decisions": self.decisions}
+        states = {"healthy": sum(r.healthy for r in self.replicas),
+                  "restarts": sum(r.restarts for r in self.replicas)}
+        own = self.stats.exposition(self.router_name, len(self.replicas), len(answered), [stats], states)
+        return "\n".join(p for p in (replica_exposition(answered), own) if p) + "\n"
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=(await self.metrics_text()).encode(),
+                            headers={"content-type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        if not self.dev_mode:
+            return self._error("POST /reset_prefix_cache needs VLLM_SERVER_DEV_MODE=1", 404, "NotFoundError",
+                               "bad_request")
+        results = await self._each("POST", "/reset_prefix_cache")
+        ok = bool(results) and all(x is not None and x[1] == 200 for x in results)
+        return web.Response(status=200 if ok else 503)
+
+
+# ------------------------------------------------------------------------------------ running it
+
+
+def _run(proxy: ReplicaProxy, host: str, port: int, on_ready: Callable[[], None] | None) -> int:
+    """Serve ``proxy`` on uvloop (when installed) until SIGTERM or SIGINT."""
+    async def main() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        return await proxy.serve(host, port, stop, on_ready)
+
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main())
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main())
+
+
+def replicas_for(config: ClusterConfig, command: Callable[[Sequence[str], int], list[str]] = replica_command,
+                 visible_gpus: Sequence[str] | None = None) -> list[Replica]:
+    """``config``'s replica processes (not started): ports, cores, OpenMP binding, GPUs."""
+    if visible_gpus is None:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        visible_gpus = visible.split(",") if visible else [str(i) for i in range(_cuda_devices())]
+    gpus = gpu_groups(config.replicas, config.replica_gpus, visible_gpus)
+    replicas = []
+    for k in range(config.replicas):
+        port = free_port()
+        env: dict[str, str] = {}
+        cores = None
+        if config.replica_cores:
+            cores, env = core_binding(config.replica_cores[k % len(config.replica_cores)])
+        if gpus[k] is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus[k]
+        replicas.append(Replica(rank=k, url=f"http://127.0.0.1:{port}",
+                                command=command(config.vllm_args, port), env=env, cores=cores))
+    return replicas
+
+
+def _cuda_devices() -> int:
+    with contextlib.suppress(ImportError):
+        import torch
+
+        return int(torch.cuda.device_count())
+    return 0
+
+
+def run_proxy(config: ClusterConfig) -> int:
+    """``feather-serve --replicas N`` with the proxy data plane: start, serve until SIGTERM or SIGINT,
+    stop every replica; returns the exit status."""
+    started = time.monotonic()
+    try:
+        replicas = replicas_for(config)
+    except ValueError as exc:
+        print(f"feather-serve: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    proxy = ReplicaProxy(replicas, config.router, chunk_size=config.chunk_size,
+                         max_ongoing_requests=config.max_ongoing_requests, load_factor=config.load_factor,
+                         slack=config.slack)
+
+    def ready() -> None:
+        print(f"feather-serve: {config.replicas} engine replicas behind the {config.router} router (proxy), "
+              f"serving on http://{config.host}:{config.port} ({time.monotonic() - started:.0f} s to start)",
+              flush=True)
+
+    try:
+        status = _run(proxy, config.host, config.port, ready)
+    except OSError as exc:  # the port is taken, say
+        print(f"feather-serve: error: the proxy failed: {exc}", file=sys.stderr, flush=True)
+        proxy.stop_replicas()
+        status = 1
+    print(f"feather-serve: stopped ({time.monotonic() - started:.0f} s after start)", flush=True)
+    return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m scheduler_runtime.proxy --worker-urls URL ...``: the proxy over running servers."""
+    parser = argparse.ArgumentParser(prog="python -m scheduler_runtime.proxy", description=main.__doc__)
+    parser.add_argument("--worker-urls", nargs="+", required=True, help="the replicas, http://HOST:PORT")
+    parser.add_argument("--router", choices=ROUTER_CHOICES, default="prefix")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
+    parser.add_argument("--max-ongoing-requests", type=int, default=1024)
+    args = parser.parse_args(argv)
+    for url in args.worker_urls:
+        if not url.startswith(("http://", "https://")):
+            parser.error(f"--worker-urls: {url!r} is not http://HOST:PORT")
+    replicas = [Replica(rank=k, url=url.rstrip("/")) for k, url in enumerate(args.worker_urls)]
+    proxy = ReplicaProxy(replicas, args.router, chunk_size=args.chunk_size,
+                         max_ongoing_requests=args.max_ongoing_requests)
+    return _run(proxy, args.host, args.port, lambda: print(f"proxy: serving on {args.port}", flush=True))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
