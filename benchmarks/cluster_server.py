@@ -57,7 +57,7 @@ class ClusterServer:
         self.router = router
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.command = [sys.executable, "-m", "scheduler_runtime.serve", "--replicas", str(replicas),
+        self.command = [sys.executable, "-m", "scheduler_runtime.serving.serve", "--replicas", str(replicas),
                         "--router", router, "--port", str(self.port), *args]
         self.log_path = Path(log_path)
         self.proc: subprocess.Popen[bytes] | None = None

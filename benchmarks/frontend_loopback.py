@@ -123,7 +123,8 @@ def plain_replicas(log_dir: Path) -> Iterator[list[str]]:
             env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": core, "VLLM_SERVER_DEV_MODE": "1"}
             env.pop("PROMETHEUS_MULTIPROC_DIR", None)
             log = (log_dir / f"replica{k}.log").open("wb")
-            command = ["taskset", "-c", core, sys.executable, "-m", "scheduler_runtime.serve", "--port",
+            command = ["taskset", "-c", core, sys.executable, "-m", "scheduler_runtime.serving.serve",
+                       "--port",
                        str(port), *SERVER_ARGS, *SERVED]
             procs.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                           start_new_session=True))

@@ -5,8 +5,9 @@
 Two stand-in replicas (:mod:`benchmarks.standin`: they answer at once, so the front end is all there
 is to measure) behind each front end in turn:
 
-* ``proxy``: ``feather-serve``'s proxy data plane (``python -m scheduler_runtime.proxy --worker-urls``,
-  the same :class:`~scheduler_runtime.proxy.ReplicaProxy` that ``feather-serve --replicas N`` runs);
+* ``proxy``: ``feather-serve``'s proxy data plane
+  (``python -m scheduler_runtime.serving.proxy --worker-urls``,
+  the same :class:`~scheduler_runtime.serving.proxy.ReplicaProxy` that ``feather-serve --replicas N`` runs);
 * ``sglang-router``: ``sglang-router --policy cache_aware`` (the ``peers`` extra; skipped when
   ``sglang_router`` does not import);
 * ``ray``: ``feather-serve``'s Ray Serve data plane (``--data-plane ray``): the ingress deployment
@@ -46,7 +47,7 @@ import psutil
 from benchmarks import measured
 from benchmarks.standin import REPO, StandIns, answer, stream_events
 from feather_env.reporting import format_table, machine_info, write_json
-from scheduler_runtime.proxy import free_port
+from scheduler_runtime.serving.replicas import free_port
 
 FRONT_ENDS = ("direct", "proxy", "sglang-router", "ray")
 DOCUMENTS, DOC_WORDS, QUESTION_WORDS, OUTPUT_TOKENS, CLIENTS = 12, 3000, 30, 16, 8
@@ -184,7 +185,7 @@ def measure(front_end: str, requests: int, warmup: int, seed: int) -> dict[str, 
                 port = free_port()
                 urls = [f"http://127.0.0.1:{port}"]
                 if front_end == "proxy":
-                    command = [sys.executable, "-m", "scheduler_runtime.proxy", "--port", str(port),
+                    command = [sys.executable, "-m", "scheduler_runtime.serving.proxy", "--port", str(port),
                                "--worker-urls", *standins.urls]
                 elif front_end == "sglang-router":
                     command = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
@@ -221,7 +222,8 @@ def measure(front_end: str, requests: int, warmup: int, seed: int) -> dict[str, 
 
 
 class StandInEngine:
-    """A Ray Serve engine deployment answering at once (:class:`scheduler_runtime.cluster.EngineReplica`'s
+    """A Ray Serve engine deployment answering at once
+    (:class:`scheduler_runtime.serving.cluster.EngineReplica`'s
     methods, :mod:`benchmarks.standin`'s answers)."""
 
     def __init__(self, vllm_args: Sequence[str], replica_cores: Sequence[str] | None = None) -> None:
@@ -264,8 +266,8 @@ def serve_ray(port: int) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from ray import serve
 
-    from scheduler_runtime.cluster import APP_NAME, ClusterConfig, _start_ray, build_app
-    from scheduler_runtime.serve import vllm_arguments
+    from scheduler_runtime.serving.cluster import APP_NAME, ClusterConfig, _start_ray, build_app
+    from scheduler_runtime.serving.serve import vllm_arguments
 
     config = ClusterConfig(replicas=2, data_plane="ray", vllm_args=tuple(vllm_arguments([])[0]), port=port,
                            replica_cpus=0.5)

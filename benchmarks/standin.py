@@ -16,7 +16,7 @@ answering), ``hang_on`` (never answer), ``die_after`` (``{name: k}``: exit after
 it answered in full, so a test can check that nothing is served twice.
 
 :class:`StandIns` starts ``n`` of them as processes on free ports (a context manager), and
-:func:`standin_command` is a replica command for :func:`scheduler_runtime.proxy.replicas_for`.
+:func:`standin_command` is a replica command for :func:`scheduler_runtime.serving.replicas.replicas_for`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any
 
 from aiohttp import web
 
-from scheduler_runtime.proxy import free_port
+from scheduler_runtime.serving.replicas import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "stand-in"

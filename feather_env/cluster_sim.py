@@ -6,7 +6,7 @@ admission, prefix cache, eviction and persistent batch modelled exactly, steps t
 calibrated step model),
 each with the Feather scheduler's batching core in front of it as in ``feather-serve``, behind a
 :class:`~scheduler_runtime.router.ReplicaRouter`: the very router code the Ray Serve application
-runs (:mod:`scheduler_runtime.cluster`), fed with what the ingress feeds it there, the request's
+runs (:mod:`scheduler_runtime.serving.cluster`), fed with what the ingress feeds it there, the request's
 chunked prefix hashes and the requests each replica is serving.
 
 The replicas share one clock. Before each arrival every replica runs up to the arrival's time (a

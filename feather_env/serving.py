@@ -24,7 +24,7 @@ twice, with the wrong number of tokens, or never, is an
 
 The two engines are in :mod:`feather_env.engines`: the real in-process vLLM engine
 (:class:`~feather_env.engines.vllm_backend.VLLMBackend`, running the very
-:class:`~scheduler_runtime.vllm_scheduler.FeatherScheduler` that serves) and the simulator
+:class:`~scheduler_runtime.serving.vllm_scheduler.FeatherScheduler` that serves) and the simulator
 (:class:`~feather_env.engines.sim_backend.SimBackend`).
 """
 

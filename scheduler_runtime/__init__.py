@@ -27,7 +27,7 @@ def __getattr__(name: str):
 
         return getattr(decision, name)
     if name in ("FeatherScheduler", "FeatherAsyncScheduler"):
-        from scheduler_runtime import vllm_scheduler
+        from scheduler_runtime.serving import vllm_scheduler
 
         return getattr(vllm_scheduler, name)
     raise AttributeError(f"module 'scheduler_runtime' has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """The batching core: which waiting requests join the running batch, one ADD/STOP decision at a time.
 
-This is the engine-free logic behind every scheduler of :mod:`scheduler_runtime.vllm_scheduler`
+This is the engine-free logic behind every scheduler of :mod:`scheduler_runtime.serving.vllm_scheduler`
 (Feather and the baselines) and behind the environment (``feather_env.env``), which steps it
 decision by decision. vLLM's subclass only moves requests between its queues; every decision is
 taken here, so it can be tested, benchmarked and trained on without an engine.

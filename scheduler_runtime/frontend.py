@@ -1,7 +1,7 @@
 """The serving front end: the requests a scheduler holds back from its engine, and who answers the rounds.
 
 Both engines the batching core serves in put it in front of their queue the same way: vLLM's
-scheduler subclass (:mod:`scheduler_runtime.vllm_scheduler`) and the simulator's backend
+scheduler subclass (:mod:`scheduler_runtime.serving.vllm_scheduler`) and the simulator's backend
 (``feather_env.engines.sim_backend``). A new request is *held* (:class:`HeldRequests`) while the core decides;
 the ids a round releases leave the hold in release order, into the engine's own queue (the
 ``enqueue`` callable: vLLM's ``_enqueue_waiting_request``, the simulator's ``add_request``); a

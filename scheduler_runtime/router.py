@@ -1,7 +1,7 @@
 """Which engine replica serves a request: prefix affinity bounded by load, and the routers it is compared to.
 
 Engine-free (plain Python + numpy): the Ray Serve request router of ``feather-serve --replicas N``
-(:mod:`scheduler_runtime.cluster`) and the multi-replica simulator (:mod:`feather_env.cluster_sim`)
+(:mod:`scheduler_runtime.serving.cluster`) and the multi-replica simulator (:mod:`feather_env.cluster_sim`)
 run this very code, so what the simulator measures is what serves.
 
 A request is keyed by the chunked cumulative prefix hashes the scheduler's Chunked Hash Tree keys

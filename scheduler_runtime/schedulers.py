@@ -107,8 +107,8 @@ DEFAULT_MAX_WAIT = 60.0
 MAX_SOURCE_CHARS = 128
 VLLM_SCHEDULER = "vllm.v1.core.sched.scheduler.Scheduler"
 VLLM_ASYNC_SCHEDULER = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
-FEATHER_SCHEDULER = "scheduler_runtime.vllm_scheduler.FeatherScheduler"
-FEATHER_ASYNC_SCHEDULER = "scheduler_runtime.vllm_scheduler.FeatherAsyncScheduler"
+FEATHER_SCHEDULER = "scheduler_runtime.serving.vllm_scheduler.FeatherScheduler"
+FEATHER_ASYNC_SCHEDULER = "scheduler_runtime.serving.vllm_scheduler.FeatherAsyncScheduler"
 
 #: name -> (ordering, output lengths, admission) of every baseline but fcfs.
 _BASELINES: dict[str, tuple[str, str, str]] = {

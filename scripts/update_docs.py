@@ -6,7 +6,7 @@ around it is written by hand and holds no figure. :data:`BLOCKS` says what fills
 - a benchmark's figures: ``render(payload)`` of the module that writes ``results/<file>.json`` (a block
   whose JSON is missing says so);
 - the environment's manual: ``FeatherEnv``'s docstring; the schedulers' and the metrics' tables: the
-  docstrings of ``scheduler_runtime.schedulers`` and ``scheduler_runtime.metrics`` (reST turned into
+  docstrings of ``scheduler_runtime.schedulers`` and ``scheduler_runtime.serving.metrics`` (reST turned into
   markdown);
 - the scenarios: ``configs/scenarios/*.yaml``; the output-length predictor's held-out figures:
   ``configs/predictors/output_len.json``.
@@ -174,8 +174,8 @@ def render_schedulers(_: Path) -> str:
 
 
 def render_metrics(_: Path) -> str:
-    """The scheduler's Prometheus metrics, from ``scheduler_runtime.metrics``' docstring."""
-    import scheduler_runtime.metrics as module
+    """The scheduler's Prometheus metrics, from ``scheduler_runtime.serving.metrics``' docstring."""
+    import scheduler_runtime.serving.metrics as module
 
     return first_table(module.__doc__ or "", ("metric", "meaning"), module.__name__)
 

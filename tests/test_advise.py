@@ -21,7 +21,7 @@ from feather_env.evaluation.advise import (
 from feather_env.scenarios import load_scenario
 from feather_env.serving_metrics import serving_metrics
 from scheduler_runtime.config import ConfigError
-from scheduler_runtime.serve import vllm_arguments
+from scheduler_runtime.serving.serve import vllm_arguments
 
 REPO = Path(__file__).resolve().parent.parent
 SLOS = {"ttft": 5000.0, "tpot": 50.0}

@@ -1,5 +1,6 @@
 """``feather-serve --replicas 2`` on loopback: two vLLM engines with Feather behind the prefix router,
-started once per data plane (the proxy, scheduler_runtime/proxy.py; Ray Serve, scheduler_runtime/cluster.py),
+started once per data plane (the proxy, scheduler_runtime/serving/proxy.py; Ray Serve,
+scheduler_runtime/serving/cluster.py),
 driven over HTTP as a client would (``FEATHER_TEST_REPLICA_CORES="0;0"`` pins both replicas to core 0).
 
 The unit tests at the top need no engine: the exposition of ``/metrics`` and the command line.
@@ -25,8 +26,8 @@ from benchmarks.cluster_server import REPO, ClusterServer  # noqa: E402
 from feather_env.evaluation.endpoint import EndpointConfig, evaluate_endpoint, parse_prometheus  # noqa: E402
 from feather_env.evaluation.report import summarize  # noqa: E402
 from feather_env.workloads import Request, Workload  # noqa: E402
-from scheduler_runtime import cluster, cluster_base  # noqa: E402
-from scheduler_runtime.cluster_base import parse_cores  # noqa: E402
+from scheduler_runtime.serving import cluster, cluster_base  # noqa: E402
+from scheduler_runtime.serving.cluster_base import parse_cores  # noqa: E402
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 SERVER_ARGS = ["--kv-cache-memory-bytes", str(128 << 20), "--max-model-len", "4096", "--max-num-seqs", "32",
@@ -83,7 +84,8 @@ def test_replica_loss_is_told_apart_from_other_errors():
 
 
 def test_cluster_command_line(capsys):
-    out = subprocess.run([sys.executable, "-m", "scheduler_runtime.serve", "--replicas", "3", "--router",
+    out = subprocess.run([sys.executable, "-m", "scheduler_runtime.serving.serve", "--replicas", "3",
+                          "--router",
                           "pow2", "--data-plane", "ray", "--replica-cores", "0;1;0-1", "--print-command"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -91,7 +93,7 @@ def test_cluster_command_line(capsys):
     for bad, message in ((["--replicas", "0"], "--replicas must be >= 1"),
                          (["--replicas", "2", "--replica-cores", "0;x"], "bad CPU core list 'x'"),
                          (["--replicas", "2", "--router", "random"], "invalid choice: 'random'")):
-        out = subprocess.run([sys.executable, "-m", "scheduler_runtime.serve", *bad], cwd=REPO,
+        out = subprocess.run([sys.executable, "-m", "scheduler_runtime.serving.serve", *bad], cwd=REPO,
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and message in out.stderr, out.stderr
     with pytest.raises(ValueError, match="--router"):

@@ -1,4 +1,5 @@
-"""The proxy data plane of ``feather-serve --replicas N`` (scheduler_runtime/proxy.py), with stand-ins.
+"""The proxy data plane of ``feather-serve --replicas N`` (scheduler_runtime/serving/proxy.py),
+with stand-ins.
 
 No engine: the replicas are :mod:`benchmarks.standin` processes the proxy starts and supervises, as it
 would start vLLM servers. The faults are asked through the request body (a stand-in exits before
@@ -28,17 +29,10 @@ import pytest
 from benchmarks.cluster_server import REPO
 from benchmarks.standin import standin_command
 from feather_env.evaluation.endpoint import parse_prometheus
-from scheduler_runtime.cluster_base import ClusterConfig
-from scheduler_runtime.proxy import (
-    CHARS_PER_TOKEN,
-    Replica,
-    ReplicaProxy,
-    free_port,
-    replica_command,
-    replicas_for,
-    request_keys,
-)
 from scheduler_runtime.router import PrefixHasher
+from scheduler_runtime.serving.cluster_base import ClusterConfig
+from scheduler_runtime.serving.proxy import CHARS_PER_TOKEN, ReplicaProxy, request_keys
+from scheduler_runtime.serving.replicas import Replica, free_port, replica_command, replicas_for
 
 
 class Running:
@@ -186,7 +180,7 @@ def test_replica_command_and_configuration():
 
 def test_feather_serve_chooses_the_data_plane():
     def serve(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "scheduler_runtime.serve", *args], cwd=REPO,
+        return subprocess.run([sys.executable, "-m", "scheduler_runtime.serving.serve", *args], cwd=REPO,
                               capture_output=True, text=True, timeout=120)
 
     out = serve("--replicas", "2", "--replica-cores", "0;1", "--print-command")

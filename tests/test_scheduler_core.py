@@ -637,7 +637,7 @@ def test_resolve_maps_every_name():
     for name in ("sjf", "oracle-sjf", "svf", "svf-1bit", "oracle-svf", "lpm", "dfs-weight",
                  "feather-heuristic", "feather-heuristic+svf", "feather:/x/p.json+svf-1bit"):
         cls, cfg = resolve(name)
-        assert cls == "scheduler_runtime.vllm_scheduler.FeatherScheduler" and cfg["name"] == name
+        assert cls == "scheduler_runtime.serving.vllm_scheduler.FeatherScheduler" and cfg["name"] == name
         assert resolve(name, async_scheduling=True)[0].endswith("FeatherAsyncScheduler")
     c = SchedulerConfig.for_name("feather:/x/p.json+oracle-svf")
     assert (c.policy, c.lengths, c.admission, c.svf_seed) == ("/x/p.json", "oracle", "peak", True)

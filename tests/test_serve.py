@@ -1,6 +1,6 @@
 """End to end: ``feather-serve`` with FeatherScheduler on loopback, 240 concurrent L-Eval requests.
 
-The server runs as a subprocess (``python -m scheduler_runtime.serve``, what the
+The server runs as a subprocess (``python -m scheduler_runtime.serving.serve``, what the
 ``feather-serve`` console script calls), with its engine core in a process of its own, as in
 production. Prompts are L-Eval questions (documents cut to 1,024 tokens so the test stays
 fast), sent as token ids so that every question of a document shares the document exactly.
@@ -39,7 +39,7 @@ def server(tmp_path_factory):
     # another document once its floor is reached, and requests are really held back.
     config = tmp / "scheduler.yaml"
     config.write_text("chunk_size: 64\nmax_wait: 20\n")
-    cmd = [sys.executable, "-m", "scheduler_runtime.serve", "--scheduler", "feather-heuristic+svf",
+    cmd = [sys.executable, "-m", "scheduler_runtime.serving.serve", "--scheduler", "feather-heuristic+svf",
            "--scheduler-config", str(config), *SMALL_SERVER]
     with running_server(cmd, log_path) as (base, proc):
         yield base, proc, log_path

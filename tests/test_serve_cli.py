@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_runtime.serve import vllm_arguments
+from scheduler_runtime.serving.serve import vllm_arguments
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -85,7 +85,7 @@ def test_good_options_reach_vllm(files, capsys):
                         "--additional-config", '{"x": 1}', "--port", "8123", "--print-command"])
     assert exit_info.value.code == 0
     command = capsys.readouterr().out
-    assert "--scheduler-cls scheduler_runtime.vllm_scheduler.FeatherScheduler" in command
+    assert "--scheduler-cls scheduler_runtime.serving.vllm_scheduler.FeatherScheduler" in command
     assert "--port 8123" in command and '"max_wait": 30.0' in command and '"x": 1' in command
     args, config = vllm_arguments(["--scheduler", "svf", "--scheduler-config", str(files["ok"])])
     assert config == {"name": "svf", "max_wait": 30.0}
@@ -101,7 +101,7 @@ def test_the_console_script_refuses_a_bad_policy_before_importing_vllm(tmp_path)
     run = subprocess.run([script, "--scheduler", "feather:/nonexistent/p.feather"], capture_output=True,
                          text=True, cwd=REPO, timeout=120)
     assert run.returncode == 2 and "feather-serve: error: " in run.stderr and "no such file" in run.stderr
-    code = ("import sys\nfrom scheduler_runtime.serve import main\n"
+    code = ("import sys\nfrom scheduler_runtime.serving.serve import main\n"
             "try:\n    main(['--scheduler', 'feather:py:fault_policies:FailsToBuild'])\n"
             "except SystemExit as e:\n    print(e.code, 'vllm' in sys.modules)\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,

@@ -11,7 +11,7 @@ from feather_env.evaluation.simulated import SimConfig, evaluate_simulated
 from feather_env.scenarios import load_scenario
 from scheduler_runtime.config import ConfigError
 from scheduler_runtime.schedulers import SchedulerConfig, split_budget, with_budget
-from scheduler_runtime.serve import vllm_arguments
+from scheduler_runtime.serving.serve import vllm_arguments
 
 
 @pytest.mark.parametrize("name, base, budget", [

@@ -1,11 +1,11 @@
 """The schedulers inside the real vLLM engine: every name serves a shared-prefix workload exactly once.
 
-One engine with :class:`~scheduler_runtime.vllm_scheduler.FeatherScheduler` and a small KV cache
+One engine with :class:`~scheduler_runtime.serving.vllm_scheduler.FeatherScheduler` and a small KV cache
 (64 blocks of 128 tokens) is built for the module; each test switches the scheduler's
 configuration between workloads (``feather_configure``), so every name runs in the same engine.
 The fault-isolation tests make Feather's own code raise inside that engine (a plug-in policy
 that raises, or a hook made to raise) and check that the engine serves on. The last test
-builds a second engine with :class:`~scheduler_runtime.vllm_scheduler.FeatherAsyncScheduler`.
+builds a second engine with :class:`~scheduler_runtime.serving.vllm_scheduler.FeatherAsyncScheduler`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 :class:`VLLMBackend` is the :class:`~feather_env.serving.ServingBackend` of the real engine:
 ``vllm.LLM`` built once (with the scenario's KV cache, batch size and token budget) and reused by
-every episode, its scheduler a :class:`~scheduler_runtime.vllm_scheduler.FeatherScheduler` whose
+every episode, its scheduler a :class:`~scheduler_runtime.serving.vllm_scheduler.FeatherScheduler` whose
 rounds the environment answers (:class:`~scheduler_runtime.frontend.AnsweredRounds`), on an
 engine clock that is the sum of the measured step times. :meth:`VLLMBackend.serve` serves a whole
 episode the other way, as in production: the scheduler answers its own decisions inside the

@@ -1,6 +1,6 @@
 """A local OpenAI-compatible server in a subprocess, sized like an in-process engine (tests, benchmarks).
 
-:class:`LocalServer` starts ``feather-serve`` (``python -m scheduler_runtime.serve``, a Feather
+:class:`LocalServer` starts ``feather-serve`` (``python -m scheduler_runtime.serving.serve``, a Feather
 scheduler or ``fcfs``) or vLLM's own server with no Feather in it (``python -m
 vllm.entrypoints.launchers.api_server.entry``, what ``vllm serve`` runs) on a free loopback port,
 with its engine core in a process of its own as in production, waits until ``/health`` answers,
@@ -92,7 +92,8 @@ class LocalServer:
         if scheduler is None:
             self.command = [sys.executable, "-m", VLLM_SERVER_MODULE, *args]
         else:
-            self.command = [sys.executable, "-m", "scheduler_runtime.serve", "--scheduler", scheduler, *args]
+            self.command = [sys.executable, "-m", "scheduler_runtime.serving.serve", "--scheduler", scheduler,
+                        *args]
             if scheduler_config is not None:
                 self.command += ["--scheduler-config", str(scheduler_config)]
         self.proc: subprocess.Popen[bytes] | None = None

@@ -60,13 +60,13 @@ from vllm.v1.request import Request, RequestStatus
 
 from scheduler_runtime.decision import BatchingPolicy
 from scheduler_runtime.frontend import HeldRequests, Planner, free_slots
-from scheduler_runtime.metrics import SchedulerMetrics
 from scheduler_runtime.schedulers import (
     DEFAULT_NAME,
     FeatherRuntime,
     SchedulerConfig,
     load_scheduler_config,
 )
+from scheduler_runtime.serving.metrics import SchedulerMetrics
 
 __all__ = [
     "DFSWeightScheduler",

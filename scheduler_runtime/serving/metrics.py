@@ -30,7 +30,7 @@ Exported (label ``scheduler``: the scheduler name):
 ``feather_scheduler_faults_total``         exceptions in Feather's own code, label ``stage``
                                            (``arrive``, ``plan``, ``freed``, ``preempted``,
                                            ``metrics``, ``restart``); see
-                                           ``scheduler_runtime.vllm_scheduler``
+                                           ``scheduler_runtime.serving.vllm_scheduler``
 ``feather_scheduler_held_requests``        requests held back now (gauge)
 ``feather_scheduler_batch_requests``       requests in the formed batch now (gauge)
 =========================================  ====================================================

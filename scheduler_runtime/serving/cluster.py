@@ -1,8 +1,8 @@
 """``feather-serve --replicas N --data-plane ray``: one OpenAI endpoint over N vLLM engines on Ray Serve.
 
 The data plane for several machines (``--ray-address``); on one machine ``feather-serve --replicas N``
-runs the lean proxy of :mod:`scheduler_runtime.proxy` instead, with the same options, router, fault
-contract and ``/metrics`` (:mod:`scheduler_runtime.cluster_base`).
+runs the lean proxy of :mod:`scheduler_runtime.serving.proxy` instead, with the same options, router, fault
+contract and ``/metrics`` (:mod:`scheduler_runtime.serving.cluster_base`).
 
 One Ray Serve application (``feather``) of two deployments:
 
@@ -21,7 +21,7 @@ One Ray Serve application (``feather``) of two deployments:
 
 The router (the engine deployment's ``RequestRouter``, which runs in the ingress process):
 
-* ``--router prefix`` (default): :class:`~scheduler_runtime.ray_router.PrefixRequestRouter`, a Ray
+* ``--router prefix`` (default): :class:`~scheduler_runtime.serving.ray_router.PrefixRequestRouter`, a Ray
   Serve ``RequestRouter`` whose ``choose_replicas`` asks
   :class:`~scheduler_runtime.router.PrefixAffinityRouter` (the code the simulator runs) with the
   request's prefix hashes and the requests each replica is serving (counted from the router's own
@@ -75,8 +75,9 @@ except ImportError as exc:  # the optional extra
     raise ImportError("feather-serve --replicas needs Ray Serve: pip install 'feather-toolkit[cluster]' "
                       f"(ray[serve]==2.60.*; never ray[llm], which replaces vLLM): {exc}") from exc
 
-from scheduler_runtime import cluster_base
-from scheduler_runtime.cluster_base import (
+from scheduler_runtime.router import PrefixHasher
+from scheduler_runtime.serving import cluster_base
+from scheduler_runtime.serving.cluster_base import (
     ROUTER_CHOICES,
     ClusterConfig,
     FrontEndStats,
@@ -84,8 +85,7 @@ from scheduler_runtime.cluster_base import (
     error_body,
     replica_exposition,
 )
-from scheduler_runtime.ray_router import PrefixRequestRouter
-from scheduler_runtime.router import PrefixHasher
+from scheduler_runtime.serving.ray_router import PrefixRequestRouter
 
 __all__ = ["APP_NAME", "ROUTER_CHOICES", "ClusterConfig", "EngineReplica", "FeatherIngress",
            "PrefixRequestRouter",

@@ -4,7 +4,7 @@
 :class:`~scheduler_runtime.router.PrefixAffinityRouter` (the code the simulator runs). Ray Serve
 builds it in the process that holds the engine deployment's handle (the ingress) and copies this
 module there by value, so the module keeps to the router; its instances register with
-:data:`scheduler_runtime.cluster_base.LIVE_ROUTERS`, imported at run time, for ``/metrics``.
+:data:`scheduler_runtime.serving.cluster_base.LIVE_ROUTERS`, imported at run time, for ``/metrics``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class PrefixRequestRouter(RequestRouter):
     """
 
     def initialize_state(self, **kwargs: Any) -> None:
-        from scheduler_runtime import cluster_base  # the real module (this one is a copy)
+        from scheduler_runtime.serving import cluster_base  # the real module (this one is a copy)
 
         self.affinity = PrefixAffinityRouter(**kwargs)
         self.in_flight: Counter[str] = Counter()

@@ -17,7 +17,7 @@ too), and serves one OpenAI-compatible endpoint from this process, an aiohttp se
   request once, as a plain ``feather-serve`` does.
 * ``GET /health`` (200 while at least one replica is healthy, with the counts), ``GET /v1/models``
   (a healthy replica's), ``GET /metrics`` (every replica's exposition with a ``replica`` label, their
-  sums and the proxy's counters: :mod:`scheduler_runtime.cluster_base`), ``GET /replicas`` (each
+  sums and the proxy's counters: :mod:`scheduler_runtime.serving.cluster_base`), ``GET /replicas`` (each
   replica's rank, process, port, cores and state) and ``POST /reset_prefix_cache`` (every replica;
   vLLM's dev mode). Any other path goes to the least loaded healthy replica as it is.
 
@@ -28,7 +28,7 @@ within a minute of starting); a replica whose ``/health`` fails three times in a
 restarted the same way. A replica that dies before it ever became healthy at start-up ends the
 command (exit 1): its arguments are wrong.
 
-Faults, the contract of :mod:`scheduler_runtime.cluster`: a request whose replica is lost (its
+Faults, the contract of :mod:`scheduler_runtime.serving.cluster`: a request whose replica is lost (its
 connection refused or broken) before anything reached the client is retried once on another replica
 (``x-feather-attempts: 2``); a stream is answered only once the replica's first chunk is in, so until
 then the client has seen nothing. Otherwise a clear error: HTTP 503 with vLLM's error body, or,
@@ -36,7 +36,7 @@ mid-stream, an SSE ``data: {"error": ...}`` event and ``data: [DONE]``. Nothing 
 follows only a lost connection, and a replica that loses its client (a dead proxy connection) aborts
 the request. A replica's own answer (an HTTP 400, say) is the client's answer, not retried.
 
-``python -m scheduler_runtime.proxy --worker-urls URL [URL ...]`` fronts replicas that are already
+``python -m scheduler_runtime.serving.proxy --worker-urls URL [URL ...]`` fronts replicas that are already
 running (health-checked, never restarted), as ``sglang-router --worker-urls`` does; the stand-in
 benchmark (``benchmarks.frontend_overhead``) measures it so. See ``docs/cluster.md``.
 """
@@ -49,12 +49,10 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -62,19 +60,24 @@ import numpy as np
 import xxhash
 from aiohttp import web
 
-from scheduler_runtime.cluster_base import (
+from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
+from scheduler_runtime.router import PowerOfTwoRouter, PrefixAffinityRouter, PrefixHasher, ReplicaRouter
+from scheduler_runtime.serving.cluster_base import (
     ROUTER_CHOICES,
     ClusterConfig,
     FrontEndStats,
-    core_binding,
     error_body,
-    gpu_groups,
     replica_exposition,
 )
-from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
-from scheduler_runtime.router import PowerOfTwoRouter, PrefixAffinityRouter, PrefixHasher, ReplicaRouter
+from scheduler_runtime.serving.replicas import (
+    MAX_RESTART_DELAY_S,
+    RESTART_DELAY_S,
+    STABLE_S,
+    Replica,
+    replicas_for,
+)
 
-__all__ = ["CHARS_PER_TOKEN", "Replica", "ReplicaProxy", "main", "replica_command", "replicas_for",
+__all__ = ["CHARS_PER_TOKEN", "ReplicaProxy", "main",
            "request_keys", "run_proxy"]
 
 #: Bytes of text counted as one token: a text prompt's routing chunk is ``chunk_size`` x this many bytes.
@@ -84,13 +87,9 @@ HEALTH_PERIOD_S, PROBE_PERIOD_S = 5.0, 0.5
 #: A probe's time limit, and the consecutive failed probes of a replica that served after which it
 #: is killed and restarted (it is out of routing from the first): about Ray Serve's 30 s.
 PROBE_TIMEOUT_S, HEALTH_FAILURES = 10.0, 3
-#: Restart back-off: the first delay, the longest, and how long a replica must live to reset it.
-RESTART_DELAY_S, MAX_RESTART_DELAY_S, STABLE_S = 1.0, 30.0, 60.0
 #: Request headers not forwarded to a replica, and response headers not passed back (hop by hop).
 _HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade",
                   "proxy-connection", "te", "trailer", "date", "server"})
-_REPLICA_PROGRAM = ("import sys; from scheduler_runtime.serve import run_vllm_server; "
-                    "run_vllm_server(sys.argv[1:])")
 
 
 # ------------------------------------------------------------------------------------ routing keys
@@ -151,124 +150,6 @@ def request_keys(body: Mapping[str, Any], chat: bool,
             return None, None
         data = prompt.encode()
     return _text_keys(data, hasher.chunk_size * CHARS_PER_TOKEN), -(-len(data) // CHARS_PER_TOKEN)
-
-
-# ------------------------------------------------------------------------------------ replicas
-
-
-def replica_command(vllm_args: Sequence[str], port: int) -> list[str]:
-    """One replica process: vLLM's server with ``feather-serve``'s arguments, on 127.0.0.1:``port``."""
-    args = _without(vllm_args, ("--host", "--port"))
-    return [sys.executable, "-c", _REPLICA_PROGRAM, *args, "--host", "127.0.0.1", "--port", str(port)]
-
-
-def _without(args: Sequence[str], flags: Sequence[str]) -> list[str]:
-    """``args`` without ``flags`` (``--flag value``, ``--flag=value``, underscores too)."""
-    names = {f for flag in flags for f in (flag, "--" + flag[2:].replace("-", "_"))}
-    out, skip = [], False
-    for a in args:
-        if skip:
-            skip = False
-        elif a in names:
-            skip = True
-        elif a.split("=", 1)[0] not in names:
-            out.append(a)
-    return out
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Replica:
-    """One engine replica: a process this proxy supervises (``command``), or a running server (``url``).
-
-    Attributes:
-        rank: its index (its ``replica`` label, stable across restarts).
-        url: ``http://127.0.0.1:PORT``.
-        command: the process to run (``None``: a server someone else runs; never restarted).
-        env: its extra environment; cores: the CPU cores it is pinned to (``None``: not pinned).
-    """
-
-    rank: int
-    url: str
-    command: list[str] | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    cores: list[int] | None = None
-    process: subprocess.Popen[bytes] | None = None
-    healthy: bool = False
-    in_flight: int = 0
-    restarts: int = 0
-    failures: int = 0
-    #: this incarnation has passed a health check (until then failed probes only wait for it)
-    ever_healthy: bool = False
-    started_at: float = 0.0
-    next_start: float = 0.0
-    restart_delay: float = RESTART_DELAY_S
-    last_probe: float = 0.0
-
-    @property
-    def name(self) -> str:
-        return str(self.rank)
-
-    @property
-    def replica_id(self) -> str:
-        """This incarnation: ``pid-PID`` for a process of ours, else the URL's port."""
-        if self.process is not None:
-            return f"pid-{self.process.pid}"
-        return "port-" + self.url.rsplit(":", 1)[-1]
-
-    def start(self) -> None:
-        """Start the process (its own process group, pinned, dying with this process on Linux)."""
-        assert self.command is not None
-        cores = self.cores
-        death_signal = _parent_death_signal()
-
-        def prepare() -> None:  # in the child, before exec
-            if cores is not None and hasattr(os, "sched_setaffinity"):
-                os.sched_setaffinity(0, cores)
-            death_signal()
-
-        self.process = subprocess.Popen(self.command, env={**os.environ, **self.env}, start_new_session=True,
-                                        preexec_fn=prepare)
-        self.started_at = time.monotonic()
-        self.healthy = self.ever_healthy = False  # a starting engine fails probes for a while
-        self.failures = 0
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Signal the process's whole group (the vLLM server and its engine core)."""
-        if self.process is None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, sig)
-
-    def info(self) -> dict[str, Any]:
-        """What ``GET /replicas`` says of it."""
-        pid = self.process.pid if self.process is not None else None
-        affinity = None
-        if pid is not None and hasattr(os, "sched_getaffinity"):
-            with contextlib.suppress(OSError):
-                affinity = sorted(os.sched_getaffinity(pid))
-        return {"rank": self.rank, "replica_id": self.replica_id, "url": self.url, "pid": pid,
-                "cores": self.cores, "affinity": affinity, "healthy": self.healthy,
-                "in_flight": self.in_flight, "restarts": self.restarts}
-
-
-def _parent_death_signal() -> Callable[[], None]:
-    """A function for the child that asks Linux for SIGTERM when this process dies (no-op elsewhere)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        return lambda: None
-    pr_set_pdeathsig = 1
-    return lambda: prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 class _ReplicaLost(Exception):
@@ -665,35 +546,6 @@ def _run(proxy: ReplicaProxy, host: str, port: int, on_ready: Callable[[], None]
         return runner.run(main())
 
 
-def replicas_for(config: ClusterConfig, command: Callable[[Sequence[str], int], list[str]] = replica_command,
-                 visible_gpus: Sequence[str] | None = None) -> list[Replica]:
-    """``config``'s replica processes (not started): ports, cores, OpenMP binding, GPUs."""
-    if visible_gpus is None:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        visible_gpus = visible.split(",") if visible else [str(i) for i in range(_cuda_devices())]
-    gpus = gpu_groups(config.replicas, config.replica_gpus, visible_gpus)
-    replicas = []
-    for k in range(config.replicas):
-        port = free_port()
-        env: dict[str, str] = {}
-        cores = None
-        if config.replica_cores:
-            cores, env = core_binding(config.replica_cores[k % len(config.replica_cores)])
-        if gpus[k] is not None:
-            env["CUDA_VISIBLE_DEVICES"] = gpus[k]
-        replicas.append(Replica(rank=k, url=f"http://127.0.0.1:{port}",
-                                command=command(config.vllm_args, port), env=env, cores=cores))
-    return replicas
-
-
-def _cuda_devices() -> int:
-    with contextlib.suppress(ImportError):
-        import torch
-
-        return int(torch.cuda.device_count())
-    return 0
-
-
 def run_proxy(config: ClusterConfig) -> int:
     """``feather-serve --replicas N`` with the proxy data plane: start, serve until SIGTERM or SIGINT,
     stop every replica; returns the exit status."""
@@ -723,8 +575,9 @@ def run_proxy(config: ClusterConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m scheduler_runtime.proxy --worker-urls URL ...``: the proxy over running servers."""
-    parser = argparse.ArgumentParser(prog="python -m scheduler_runtime.proxy", description=main.__doc__)
+    """``python -m scheduler_runtime.serving.proxy --worker-urls URL ...``: the proxy over running servers."""
+    parser = argparse.ArgumentParser(prog="python -m scheduler_runtime.serving.proxy",
+                                     description=main.__doc__)
     parser.add_argument("--worker-urls", nargs="+", required=True, help="the replicas, http://HOST:PORT")
     parser.add_argument("--router", choices=ROUTER_CHOICES, default="prefix")
     parser.add_argument("--host", default="127.0.0.1")
