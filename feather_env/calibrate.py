@@ -273,8 +273,15 @@ def fit_profile(steps: Sequence[tuple[Sequence[StepRequest], float]],
         "fit": {"step_mape": mape, "steps": len(steps), "episodes": list(episodes),
                 "total_seconds_real": float(times.sum()), "total_seconds_pred": float(pred.sum())},
         "measured_on": machine_info(),
-        "command": "python -m feather_env.calibrate " + " ".join(sys.argv[1:]),
+        "command": _command_line(),
     }
+
+
+def _command_line() -> str:
+    """The command that is running, as a user typed it (``calibrate`` or ``evaluate.py advise``)."""
+    program = Path(sys.argv[0]).name
+    head = "python -m feather_env.calibrate" if program == "calibrate.py" else f"python {program}"
+    return " ".join([head, *sys.argv[1:]])
 
 
 def validate(profile_path: str | Path, plan: Sequence[EpisodeSpec], *, backend: Any = None,
