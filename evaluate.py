@@ -461,6 +461,9 @@ def run_advise(argv: Sequence[str], backend: Any = None) -> int:
     p.add_argument("--confirm", action="store_true", help="serve the recommendation and the default on the "
                    "real engine (alternating, --repeats runs each) and print the measured ratio")
     p.add_argument("--repeats", type=int, default=3, help="--confirm: runs of each (default 3)")
+    p.add_argument("--confirm-top", type=int, default=None, metavar="K",
+                   help="serve the simulator's best K settings too and recommend the engine's pick among "
+                   "them (implies --confirm)")
     p.add_argument("--windows", type=int, default=4, help="held-out windows (episodes) the best settings "
                    "are served on (default 4)")
     p.add_argument("--first-seed", type=int, default=100,
@@ -495,7 +498,8 @@ def run_advise(argv: Sequence[str], backend: Any = None) -> int:
     config = AdviseConfig(slos=parse_goodput(args.goodput), windows=args.windows, first_seed=args.first_seed,
                           schedulers=names(args.schedulers), policies=names(args.policies) or (),
                           budgets=budgets, shortlist=args.shortlist, noise=args.noise, profile=args.profile,
-                          what_if=not args.no_what_if, confirm=args.confirm, repeats=args.repeats,
+                          what_if=not args.no_what_if, confirm=args.confirm or args.confirm_top is not None,
+                          repeats=args.repeats, confirm_top=args.confirm_top or 1,
                           probe_window_s=args.probe_window_s)
     scenario = load_scenario(args.scenario)
     payload = advise(scenario, config, out, backend=backend, progress=not args.no_progress)

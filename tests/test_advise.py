@@ -16,6 +16,8 @@ from feather_env.evaluation.advise import (
     candidate_names,
     check_profile,
     confirm,
+    confirm_names,
+    engine_choice,
     recommend,
 )
 from feather_env.scenarios import load_scenario
@@ -175,3 +177,32 @@ def test_confirm_serves_both_settings_on_the_engine_with_every_request(on_test_e
         run = measured["runs"][name]
         assert run["completed"] == n and len(run["request_goodput_per_run"]) == 1
         assert run["request_goodput"] >= 0
+
+
+# -- the engine's last word among the simulator's best (--confirm-top) -------------------------------
+def test_engine_choice_takes_the_simplest_within_noise_of_the_best_measured():
+    runs = {"fcfs": {"request_goodput": 1.0}, "group-cap-8@512": {"request_goodput": 1.30},
+            "lpm": {"request_goodput": 1.28}, "feather:/p.feather": {"request_goodput": 1.31}}
+    name, why = engine_choice(runs, "fcfs", 0.03)
+    assert name == "lpm" and "measured on the engine" in why and "1.28x" in why
+
+
+def test_engine_choice_keeps_the_default_unless_beaten_beyond_noise():
+    runs = {"fcfs": {"request_goodput": 1.0}, "lpm": {"request_goodput": 1.02}}
+    assert engine_choice(runs, "fcfs", 0.03)[0] == "fcfs"
+    runs["lpm"]["request_goodput"] = 1.05
+    assert engine_choice(runs, "fcfs", 0.03)[0] == "lpm"
+    # a default that meets the SLOs for no request: any goodput beats it
+    assert engine_choice({"fcfs": {"request_goodput": 0.0}, "lpm": {"request_goodput": 0.1}},
+                         "fcfs", 0.03)[0] == "lpm"
+    assert engine_choice({"fcfs": {"request_goodput": 0.0}, "lpm": {"request_goodput": 0.0}},
+                         "fcfs", 0.03)[0] == "fcfs"
+
+
+def test_confirm_names_are_the_simulators_best_the_recommendation_and_the_default():
+    rows = {n: {"stage": "every window", "request_goodput": g}
+            for n, g in (("fcfs", 1.0), ("a", 3.0), ("b", 2.0), ("c", 2.5))}
+    rows["d"] = {"stage": "first windows", "request_goodput": 9.0}  # not served on every window
+    assert confirm_names(rows, "b", "fcfs", 2) == ["b", "a", "c", "fcfs"]
+    assert confirm_names(rows, "a", "fcfs", 1) == ["a", "fcfs"]
+    assert confirm_names(rows, "fcfs", "fcfs", 1) == ["fcfs", "a"]

@@ -153,6 +153,12 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
             f"on this window {_fmt(c['predicted_goodput_this_window'], '.2f')} req/s against "
             f"{_fmt(c['measured_goodput'], '.2f')} measured.",
         ]
+        if "simulator_recommendation" in c:
+            lines += [
+                "",
+                f"The engine decided among the simulator's best: it recommends `{rec['scheduler']}`; "
+                f"the simulator alone picked `{c['simulator_recommendation']}`.",
+            ]
     lines += [
         "",
         f"Made on {payload['machine'].get('date', '')} ({payload['machine'].get('cpu', '')}) in "

@@ -30,7 +30,10 @@ them best on this traffic, by how much over vLLM's default, and how sure that is
    (arrival-bound load, reuse beyond the cache, ...).
 5. ``--confirm``: the recommendation and the default served on the real engine on the first
    held-out window, alternating, ``--repeats`` runs each; the measured goodput ratio beside the
-   predicted one.
+   predicted one. ``--confirm-top K`` serves the simulator's best K settings too, and the engine
+   decides among them (:func:`engine_choice`: the simplest within the noise of the best measured,
+   or the default when nothing beats it beyond the noise): for settings the simulator cannot tell
+   apart (within a few percent), the engine's own measurement is the better judge.
 
 ``DIR/advice.json`` (scripts read it): ``recommendation`` = {``scheduler``, ``max_num_batched_tokens``,
 ``serve_command``, ``predicted_goodput`` (requests/s), ``predicted_goodput_ratio``, ...},
@@ -117,6 +120,8 @@ class AdviseConfig:
         what_if: serve the what-ifs (2x KV cache, 2 and 4 replicas).
         confirm: serve the recommendation and the default on the real engine.
         repeats: runs of each in ``confirm``.
+        confirm_top: with ``confirm``, also serve the simulator's best ``confirm_top`` settings and
+            recommend the engine's pick among them (:func:`engine_choice`); 1: the simulator's pick.
     """
 
     slos: Mapping[str, float]
@@ -134,11 +139,12 @@ class AdviseConfig:
     what_if: bool = True
     confirm: bool = False
     repeats: int = 3
+    confirm_top: int = 1
 
     def __post_init__(self) -> None:
         if not self.slos:
             raise ConfigError("advise needs the SLOs it optimizes: --goodput ttft:MS tpot:MS (vLLM's names)")
-        for name in ("windows", "search_windows", "shortlist", "top", "repeats"):
+        for name in ("windows", "search_windows", "shortlist", "top", "repeats", "confirm_top"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"advise: {name} must be >= 1, got {getattr(self, name)}")
         if self.first_seed < 1:
@@ -498,8 +504,15 @@ def recommend(
                 f"{median:.2f}x its goodput in the median window (windows {min(ratios):.2f}-"
                 f"{max(ratios):.2f}x)"
             )
-    r = rows[chosen]
-    chosen_ratios = _ratios(r, rows[default])
+    return _recommendation(rows, chosen, default, best, why)
+
+
+def _recommendation(
+    rows: Mapping[str, Mapping[str, Any]], chosen: str, default: str, best: str, why: str
+) -> dict[str, Any]:
+    """The ``recommendation`` record of ``chosen`` with its simulated figures."""
+    r, d = rows[chosen], rows[default]
+    chosen_ratios = _ratios(r, d)
     return {
         "scheduler": chosen,
         "max_num_batched_tokens": split_budget(chosen)[1],
@@ -513,6 +526,39 @@ def recommend(
         "best_searched": best,
         "why": why,
     }
+
+
+def confirm_names(
+    rows: Mapping[str, Mapping[str, Any]], recommended: str, default: str, top: int
+) -> list[str]:
+    """What ``--confirm`` serves on the engine: the simulator's ``top`` settings by goodput (of those
+    served on every window), the recommendation if it is not among them, and the default."""
+    full = sorted(
+        (n for n, r in rows.items() if r["stage"] == "every window"),
+        key=lambda n: -(rows[n]["request_goodput"] or 0.0),
+    )
+    return list(dict.fromkeys([recommended, *full[:top], default]))
+
+
+def engine_choice(runs: Mapping[str, Mapping[str, Any]], default: str, noise: float) -> tuple[str, str]:
+    """The engine's pick among the confirmed settings (``runs``: name -> its median ``request_goodput``):
+    the simplest of those within ``noise`` of the best measured, or the default when that does not
+    beat the default's goodput by more than ``noise``. Returns (name, why)."""
+    good = {n: r["request_goodput"] or 0.0 for n, r in runs.items()}
+    top = max(good.values())
+    best = min((n for n, g in good.items() if g >= (1 - noise) * top), key=simplicity)
+    base = good[default]
+    if best != default and (base == 0 and good[best] > 0 or good[best] > (1 + noise) * base):
+        ratio = f"{good[best] / base:.2f}x" if base else "more than"
+        return best, (
+            f"measured on the engine: {best} meets the SLOs for {ratio} the requests per second of "
+            f"vLLM's default ({good[best]:.2f} against {base:.2f}), the simplest of the settings within "
+            f"{noise:.0%} of the best measured ({max(good, key=good.get)}, {top:.2f})"
+        )
+    return default, (
+        f"measured on the engine: no confirmed setting beats vLLM's default beyond noise ({noise:.0%}): "
+        f"the best, {max(good, key=good.get)}, served {top:.2f} requests/s within the SLOs against {base:.2f}"
+    )
 
 
 def confirm(
@@ -632,11 +678,22 @@ def advise(
             scenario, list(dict.fromkeys([rec["scheduler"], default])), config, profile
         )
     if config.confirm:
+        served = confirm_names(rows, rec["scheduler"], default, config.confirm_top)
         log(
-            f"confirming on the real engine: {rec['scheduler']} and {default}, {config.repeats} runs each, "
+            f"confirming on the real engine: {', '.join(served)}, {config.repeats} runs each, "
             f"window {config.seeds[0]} ..."
         )
-        measured = confirm(scenario, [rec["scheduler"], default], config, backend=backend, log=log)
+        measured = confirm(scenario, served, config, backend=backend, log=log)
+        if config.confirm_top > 1:  # the engine has the last word among the simulator's best
+            chosen, why = engine_choice(measured["runs"], default, config.noise)
+            measured["simulator_recommendation"] = rec["scheduler"]
+            if chosen != rec["scheduler"]:
+                rec = {**_recommendation(rows, chosen, default, best, why),
+                       "serve_command": serve_command(scenario, chosen)}
+            else:
+                rec = {**rec, "why": why}
+            rec["decided_by"] = "engine"
+            payload["recommendation"] = rec
         mine, theirs = measured["runs"][rec["scheduler"]], measured["runs"][default]
         measured["measured_goodput"] = mine["request_goodput"]
         measured["measured_goodput_ratio"] = (
