@@ -18,6 +18,7 @@ from feather_env.evaluation.advise import (
     confirm,
     confirm_names,
     engine_choice,
+    probe_overrides,
     recommend,
 )
 from feather_env.scenarios import load_scenario
@@ -206,3 +207,12 @@ def test_confirm_names_are_the_simulators_best_the_recommendation_and_the_defaul
     assert confirm_names(rows, "b", "fcfs", 2) == ["b", "a", "c", "fcfs"]
     assert confirm_names(rows, "a", "fcfs", 1) == ["a", "fcfs"]
     assert confirm_names(rows, "fcfs", "fcfs", 1) == ["fcfs", "a"]
+
+
+def test_the_probe_shortens_a_traces_window_and_serves_an_episode_scenario_whole():
+    config = AdviseConfig(SLOS, probe_window_s=20)
+    trace = load_scenario("mooncake-synthetic")
+    assert probe_overrides(trace, config) == {"episode": {"window_s": 20}}
+    episodes = load_scenario("leval-kv-pressure")
+    assert probe_overrides(episodes, config) == {}
+    load_scenario("leval-kv-pressure", probe_overrides(episodes, config))  # loads: no window on a non-trace

@@ -116,7 +116,8 @@ class AdviseConfig:
         top: settings reported beside the default.
         noise: the relative goodput difference taken as noise (median and worst window).
         profile: the simulator's profile; ``None``: chosen by the engine probe.
-        probe_window_s: the probe's window (trace seconds; shorter than the scenario's).
+        probe_window_s: the probe's window (trace seconds; shorter than the scenario's); a scenario
+            without windows (whole episodes) is probed on one whole episode.
         what_if: serve the what-ifs (2x KV cache, 2 and 4 replicas).
         confirm: serve the recommendation and the default on the real engine.
         repeats: runs of each in ``confirm``.
@@ -349,6 +350,13 @@ def probe_names(scenario: Scenario) -> tuple[str, ...]:
     return ("fcfs",) + (("fcfs@512",) if engine_budget > 512 else ())
 
 
+def probe_overrides(scenario: Scenario, config: AdviseConfig) -> dict[str, Any]:
+    """The probe's episode: the trace's window shortened to ``probe_window_s``; a scenario of whole
+    episodes (no window) is probed on one episode as it is."""
+    window = scenario.episode.window_s
+    return {"episode": {"window_s": min(config.probe_window_s, window)}} if window is not None else {}
+
+
 def check_profile(
     scenario: Scenario,
     config: AdviseConfig,
@@ -364,7 +372,7 @@ def check_profile(
     from feather_env.calibrate import EpisodeSpec, _Engines, _serve, fit_profile
     from feather_env.engines.sim_backend import SimBackend
 
-    overrides = {"episode": {"window_s": min(config.probe_window_s, scenario.episode.window_s or math.inf)}}
+    overrides = probe_overrides(scenario, config)
     seed = config.first_seed - 1
     specs = [EpisodeSpec(scenario, name, seed, overrides, f"probe-{name}") for name in probe_names(scenario)]
     engines = _Engines(backend)
@@ -417,7 +425,7 @@ def check_profile(
         "candidates": candidates,
         "probe": {
             "seed": seed,
-            "window_s": overrides["episode"]["window_s"],
+            "window_s": overrides["episode"]["window_s"] if overrides else None,
             "schedulers": [s.scheduler for s in specs],
             "real": {
                 k: {
