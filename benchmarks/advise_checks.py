@@ -12,6 +12,13 @@ the recommended setting in ``results/evaluation.json`` (episode 0, the median of
 3% of the best setting's there. The simulator profile is the one of the host each scenario was
 measured on (``--profile-for``), so the simulator speaks for the same machine as the engine's table.
 
+Part 1 on this machine's engine (``--engine --json results/advise_checks_engine.json``): the
+table above is another host's, measured on episode 0, while ``advise`` predicts held-out windows.
+Here ``advise --confirm-top`` serves every setting on the real engine on the first held-out window
+(alternating, ``--repeats`` runs each, medians), with the profile its probe picks on this machine;
+reported are the simulator's own pick and the engine's pick among the simulator's best ``--top``
+(what ``advise --confirm-top 3`` recommends), each as a share of the best measured.
+
 Part 2, a trace where nothing should win (ShareGPT: no shared prefixes): for throughput (the SLO
 no request misses) and every budget, ``advise`` must recommend vLLM's default, or a setting whose
 goodput is within the noise (3%) of it. The same with latency SLOs (TTFT <= 5 s, TPOT <= 50 ms) is
@@ -106,6 +113,64 @@ def check_scenario(
     }
 
 
+def check_scenario_on_engine(name: str, windows: int, noise: float, repeats: int, top: int) -> dict[str, Any]:
+    """Part 1 on this machine's engine (``--engine``): ``advise --confirm-top`` over every setting the
+    evaluation serves, so the engine measures all of them on the first held-out window (alternating,
+    ``repeats`` runs each, medians), with the profile its own probe picks on this machine. Reported:
+    the simulator's pick and the engine's pick among the simulator's best ``top`` (what
+    ``--confirm-top top`` recommends), each as a share of the best measured."""
+    from feather_env.evaluation.advise import confirm_names, engine_choice
+
+    scenario = load_scenario(name)
+    policies = policy_files(name)
+    labels = {b: b for b in BASELINES}
+    labels.update({f"feather:{path}": label for label, path in policies.items()})
+    config = AdviseConfig(
+        LOOSE,
+        windows=windows,
+        search_windows=windows,
+        schedulers=BASELINES,
+        policies=tuple(policies.values()),
+        budgets=(scenario.engine.max_num_batched_tokens,),
+        shortlist=len(labels),
+        what_if=False,
+        noise=noise,
+        confirm=True,
+        repeats=repeats,
+        confirm_top=len(labels),
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        payload = advise(scenario, config, Path(tmp), progress=False, log=lambda _: None)
+    runs = payload["confirm"]["runs"]
+    measured = {n: r["output_throughput"] for n, r in runs.items()}
+    best = max(measured, key=measured.get)
+    sim_pick = payload["confirm"]["simulator_recommendation"]
+    shortlist = confirm_names(payload["candidates"], sim_pick, "fcfs", top)
+    top_pick, why = engine_choice({n: runs[n] for n in shortlist}, "fcfs", noise)
+    default = payload["candidates"]["fcfs"]["request_goodput"]
+    return {
+        "scenario": name,
+        "window": payload["confirm"]["seed"],
+        "repeats": repeats,
+        "profile": payload["profile"]["profile"],
+        "probe_error": payload["profile"]["error"],
+        "engine_tok_s": {labels[n]: measured[n] for n in measured},
+        "engine_tok_s_per_run": {labels[n]: r.get("output_throughput_per_run") for n, r in runs.items()},
+        "best_label": labels[best],
+        "simulator_pick": labels[sim_pick],
+        "simulator_pick_ratio_to_best": measured[sim_pick] / measured[best],
+        f"confirm_top_{top}": [labels[n] for n in shortlist],
+        "confirm_top_pick": labels[top_pick],
+        "confirm_top_pick_ratio_to_best": measured[top_pick] / measured[best],
+        "confirm_top_why": why,
+        "within_3pct": measured[top_pick] >= 0.97 * measured[best],
+        "simulated_ratio_to_fcfs": {
+            labels[n]: r["request_goodput"] / default for n, r in payload["candidates"].items() if n in labels
+        },
+        "wall_s": payload["wall_s"],
+    }
+
+
 def check_never_worse(name: str, windows: int, slos: dict[str, float]) -> dict[str, Any]:
     """Part 2: the recommendation on a trace without shared prefixes, for ``slos``."""
     scenario = load_scenario(name)
@@ -178,8 +243,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--never-worse", default="sharegpt")
     p.add_argument("--noise", type=float, default=0.03, help="advise's noise for part 1 (part 2 keeps 3%%)")
+    p.add_argument("--engine", action="store_true", help="part 1 on this machine's engine (advise "
+                   "--confirm-top over every setting; no part 2)")
+    p.add_argument("--repeats", type=int, default=3, help="--engine: runs of each setting (default 3)")
+    p.add_argument("--top", type=int, default=3, help="--engine: the --confirm-top K reported (default 3)")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
+    if args.engine:
+        return main_engine(args, t0)
     evaluation = json.loads((REPO / "results" / "evaluation.json").read_text())
     out: dict[str, Any] = {
         "benchmark": "advise_checks",
@@ -199,6 +270,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             out["never_worse"].append(check_never_worse(name, args.windows, slos))
     out["wall_s"] = time.perf_counter() - t0
     print(render(out))
+    write_json(args.json, out)
+    return 0
+
+
+def main_engine(args: argparse.Namespace, t0: float) -> int:
+    """``--engine``: part 1 measured on this machine (:func:`check_scenario_on_engine`)."""
+    out: dict[str, Any] = {"benchmark": "advise_checks --engine", "machine": machine_info(), "leval": []}
+    for name in (s for s in args.scenarios.split(",") if s):
+        r = check_scenario_on_engine(name, args.windows, args.noise, args.repeats, args.top)
+        out["leval"].append(r)
+        print(f"  {name}: simulator {r['simulator_pick']} ({r['simulator_pick_ratio_to_best']:.3f} of the "
+              f"engine's best, {r['best_label']}), --confirm-top {args.top}: {r['confirm_top_pick']} "
+              f"({r['confirm_top_pick_ratio_to_best']:.3f})", flush=True)
+        write_json(args.json, {**out, "wall_s": time.perf_counter() - t0})
+    out["wall_s"] = time.perf_counter() - t0
+    rows = [[r["scenario"], f"`{r['simulator_pick']}`", f"{r['simulator_pick_ratio_to_best']:.3f}",
+             f"`{r['confirm_top_pick']}`", f"{r['confirm_top_pick_ratio_to_best']:.3f}",
+             f"`{r['best_label']}`", f"{r['engine_tok_s'][r['best_label']]:.1f}",
+             "yes" if r["within_3pct"] else "no"] for r in out["leval"]]
+    print(f"`advise` on this machine's engine ({out['machine']['date']}, {out['machine']['cpu']}; every "
+          f"setting served on the first held-out window, {args.repeats} alternating runs, medians):\n")
+    print(format_table(["scenario", "simulator's pick", "share of best", f"--confirm-top {args.top}",
+                        "share of best", "engine's best", "best tok/s", "within 3%"], rows))
     write_json(args.json, out)
     return 0
 

@@ -598,6 +598,8 @@ def confirm(
         per = run.extra.get("repeats", {}).get("request_goodput") or [m["request_goodput"]]
         out["runs"][name] = {
             "request_goodput_per_run": per,
+            "output_throughput_per_run": run.extra.get("repeats", {}).get("output_throughput")
+            or [m["output_throughput"]],
             "request_goodput": statistics.median(per),
             **{k: m.get(k) for k in ROW_METRICS if k != "request_goodput"},
         }
