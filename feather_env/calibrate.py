@@ -163,7 +163,7 @@ class _Engines:
             self.close()
             self.backend = VLLMBackend(config)
             self.config = config
-            _serve(EpisodeSpec(spec.scenario, spec.scheduler, spec.seed + 500_000, spec.overrides),
+            _serve(EpisodeSpec(spec.scenario, spec.scheduler, spec.seed + 500_000, _warm_up(spec)),
                    self.backend, record=False)
         return self.backend
 
@@ -172,6 +172,19 @@ class _Engines:
             self.backend.close()
             self.backend = None
             self.config = None
+
+
+#: A trace's throw-away warm-up episode is a window this long (trace seconds), not a whole one.
+WARM_UP_WINDOW_S = 20.0
+
+
+def _warm_up(spec: EpisodeSpec) -> dict[str, dict[str, Any]]:
+    """The warm-up episode's overrides: ``spec``'s, with a trace's window cut to
+    :data:`WARM_UP_WINDOW_S` (start-up is over within it; a whole window could take minutes)."""
+    window = spec.load().episode.window_s
+    if window is None or window <= WARM_UP_WINDOW_S:
+        return spec.overrides
+    return {**spec.overrides, "episode": {**spec.overrides.get("episode", {}), "window_s": WARM_UP_WINDOW_S}}
 
 
 def _serve(spec: EpisodeSpec, backend: Any, record: bool) -> tuple[dict[str, Any], Any, float]:

@@ -161,8 +161,9 @@ def test_the_probe_scores_every_profile_on_the_engine_and_picks_the_best(on_test
     scored = {c["profile"]: c["error"] for c in info["candidates"]}
     assert shipped <= set(scored)
     assert info["error"] == min(scored.values()) and info["profile"] in scored
-    assert info["probe"]["schedulers"] == ["fcfs", "fcfs@512"] and info["probe"]["steps"] > 0
-    for name in ("fcfs", "fcfs@512"):
+    assert info["probe"]["schedulers"] == ["fcfs", "fcfs@512", "group-cap-8@256"]
+    assert info["probe"]["steps"] > 0
+    for name in ("fcfs", "fcfs@512", "group-cap-8@256"):
         assert info["probe"]["real"][name]["completed"] > 0
     if info["refitted"]:  # refitted on the probe's own steps: a profile the simulator loads
         assert Path(info["profile"]).is_file() and info["profile"].startswith(str(tmp_path))

@@ -193,3 +193,16 @@ def test_calibration_refuses_bad_schedulers_before_an_engine_starts(args, messag
 
     assert calibrate.main(["--validate", str(DEFAULT_PROFILE), *args]) == 2  # no backend: none is built
     assert message in capsys.readouterr().err
+
+
+def test_a_traces_warm_up_episode_is_a_short_window_and_an_episode_scenarios_is_whole():
+    from feather_env.calibrate import WARM_UP_WINDOW_S, EpisodeSpec, _warm_up
+
+    trace = EpisodeSpec("mooncake-synthetic", "fcfs", 1, {"engine": {"kv_cache_gib": 0.5}})
+    warm = _warm_up(trace)
+    assert warm["episode"]["window_s"] == WARM_UP_WINDOW_S and warm["engine"] == {"kv_cache_gib": 0.5}
+    assert trace.overrides == {"engine": {"kv_cache_gib": 0.5}}  # the measured episode keeps its window
+    short = EpisodeSpec("mooncake-synthetic", "fcfs", 1, {"episode": {"window_s": 6}})
+    assert _warm_up(short) == short.overrides
+    episodes = EpisodeSpec("leval-kv-pressure", "fcfs", 1)
+    assert _warm_up(episodes) == {}

@@ -8,8 +8,8 @@ it meets every one; goodput is good requests per second). ``advise`` answers: wh
 them best on this traffic, by how much over vLLM's default, and how sure that is.
 
 1. **The simulator fitted to this machine** (:func:`check_profile`): a short probe (one window of
-   the trace, shortened, at the engine's budget and at 512 tokens, vLLM's own fcfs) is served on
-   the real engine and on the simulator with every profile in ``configs/profiles/``; the profile
+   the trace, shortened: vLLM's own fcfs at the engine's budget and at 512 tokens, and a document
+   cap at 256 tokens) is served on the real engine and on the simulator with every profile in ``configs/profiles/``; the profile
    with the smallest error (the worst of the makespan, mean TTFT and mean TPOT errors) is used. Over
    :data:`MAX_PROFILE_ERROR` the probe's own steps are fitted into a new profile, written to the
    output folder, and its in-sample error reported. ``--profile`` skips the probe.
@@ -345,9 +345,13 @@ def _errors(real: Mapping[str, Any], sim: Mapping[str, Any]) -> dict[str, float]
 
 def probe_names(scenario: Scenario) -> tuple[str, ...]:
     """The probe's settings: vLLM's fcfs at the engine's budget and at 512 tokens (the two ends the
-    search moves between: one prefill at once, prefill chunks interleaved with decode steps)."""
+    search moves between: one prefill at once, prefill chunks interleaved with decode steps), and a
+    document cap at the smallest budget searched (256: many running requests and few tokens a step,
+    which pins down the per-request cost of a step that the two fcfs runs leave open)."""
     engine_budget = scenario.engine.max_num_batched_tokens
-    return ("fcfs",) + (("fcfs@512",) if engine_budget > 512 else ())
+    small = [n for n, b in (("fcfs@512", 512), (f"group-cap-8@{DEFAULT_BUDGETS[0]}", DEFAULT_BUDGETS[0]))
+             if engine_budget > b]
+    return ("fcfs", *small)
 
 
 def probe_overrides(scenario: Scenario, config: AdviseConfig) -> dict[str, Any]:
