@@ -3,6 +3,7 @@
     python -m feather_env.calibrate --out configs/profiles/cpu-tiny-llama.json
     python -m feather_env.calibrate --validate configs/profiles/cpu-tiny-llama.json --json PATH
     python -m feather_env.calibrate --scenario mine.yaml --out mine-profile.json   # on your workload
+    python -m feather_env.calibrate --validate NEW.json --rescore OLD-VALIDATION.json  # no engine
 
 Calibration serves episodes of several scenarios on the real engine
 (:class:`~feather_env.engines.vllm_backend.VLLMBackend`, the engine pinned to one core) with several
@@ -26,6 +27,10 @@ simulator with the new profile, the same episode and the same policy, and writes
   mean TTFT and mean TPOT (what a goodput SLO reads);
 - ``n``: episodes compared (runs under foreign CPU load above ``MAX_FOREIGN_LOAD`` are re-run once,
   then left out and counted in ``excluded_under_load``).
+
+``--rescore`` scores another profile on the engine episodes an earlier ``--validate --scenario
+... --json`` recorded: each re-simulated (same scenario, scheduler and seed) against the recorded
+figures, so profiles are compared on the very same engine runs without serving them again.
 
 ``--scenario NAME`` (a name or a scenario file, e.g. your own trace's) replaces both plans by that
 scenario's episodes (:func:`scenario_plan`): the engine is then calibrated, and validated, on the
@@ -326,23 +331,12 @@ def validate(profile_path: str | Path, plan: Sequence[EpisodeSpec], *, backend: 
             ep_apes = [abs(sim_lat[r] - real_lat[r]) / real_lat[r] for r in real_lat if real_lat[r] > 0]
             apes.extend(ep_apes)
             real_m = serving_metrics(real_env.backend.timelines())
-            sim_m = serving_metrics(sim_env.backend.timelines())
-            latency = {}
-            for k in ("ttft", "tpot"):
-                r, m = real_m[f"mean_{k}_ms"], sim_m[f"mean_{k}_ms"]
-                latency[f"{k}_ape"] = abs(m - r) / r if r else None
-            row = {"label": spec.label, "scheduler": spec.scheduler, "seed": spec.seed,
-                   "real_mean_ttft_ms": real_m["mean_ttft_ms"], "sim_mean_ttft_ms": sim_m["mean_ttft_ms"],
-                   "real_mean_tpot_ms": real_m["mean_tpot_ms"], "sim_mean_tpot_ms": sim_m["mean_tpot_ms"],
-                   "mean_ttft_ape": latency["ttft_ape"], "mean_tpot_ape": latency["tpot_ape"],
-                   "requests": real["completed"], "real_duration_s": real["duration"],
-                   "sim_duration_s": sim["duration"],
-                   "makespan_ape": abs(sim["duration"] - real["duration"]) / real["duration"],
-                   "real_hit_rate": real["prefix_hit_rate"], "sim_hit_rate": sim["prefix_hit_rate"],
-                   "hit_rate_abs_err": abs(sim["prefix_hit_rate"] - real["prefix_hit_rate"]),
+            real_fig = {"mean_ttft_ms": real_m["mean_ttft_ms"], "mean_tpot_ms": real_m["mean_tpot_ms"],
+                        "requests": real["completed"], "duration_s": real["duration"],
+                        "hit_rate": real["prefix_hit_rate"], "output_throughput": real["output_throughput"]}
+            row = {**_compared(spec, real_fig, sim, serving_metrics(sim_env.backend.timelines())),
                    "latency_median_ape": float(np.median(ep_apes)) if ep_apes else None,
-                   "real_output_throughput": real["output_throughput"],
-                   "sim_output_throughput": sim["output_throughput"], "foreign_cpu": foreign}
+                   "foreign_cpu": foreign}
             rows.append(row)
             _log(f"[validate {i + 1}/{len(plan)} {time.perf_counter() - t0:5.0f}s] {spec.label}: "
                  f"makespan real {real['duration']:.1f} s sim {sim['duration']:.1f} s "
@@ -354,17 +348,66 @@ def validate(profile_path: str | Path, plan: Sequence[EpisodeSpec], *, backend: 
         raise RuntimeError(f"no validation episode ran with other processes using at most {max_foreign:.0%} "
                            "of the machine: run it on a quieter machine, or raise --max-foreign")
     return {
-        "makespan_mape": float(np.mean([r["makespan_ape"] for r in rows])),
+        **_summary(rows, profile_path),
         "latency_median_ape": float(np.median(apes)) if apes else None,
+        "excluded_under_load": excluded,
+    }
+
+
+def _compared(spec: EpisodeSpec, real: dict[str, Any], sim: dict[str, Any],
+              sim_m: dict[str, Any]) -> dict[str, Any]:
+    """One validation row: the engine's figures of an episode (``real``: ``mean_ttft_ms``,
+    ``mean_tpot_ms``, ``requests``, ``duration_s``, ``hit_rate``, ``output_throughput``) beside the
+    simulator's (its episode metrics ``sim`` and serving metrics ``sim_m``), and their errors."""
+    ape = {k: abs(sim_m[f"mean_{k}_ms"] - real[f"mean_{k}_ms"]) / real[f"mean_{k}_ms"]
+           if real[f"mean_{k}_ms"] else None for k in ("ttft", "tpot")}
+    return {"label": spec.label, "scheduler": spec.scheduler, "seed": spec.seed,
+            "real_mean_ttft_ms": real["mean_ttft_ms"], "sim_mean_ttft_ms": sim_m["mean_ttft_ms"],
+            "real_mean_tpot_ms": real["mean_tpot_ms"], "sim_mean_tpot_ms": sim_m["mean_tpot_ms"],
+            "mean_ttft_ape": ape["ttft"], "mean_tpot_ape": ape["tpot"],
+            "requests": real["requests"], "real_duration_s": real["duration_s"],
+            "sim_duration_s": sim["duration"],
+            "makespan_ape": abs(sim["duration"] - real["duration_s"]) / real["duration_s"],
+            "real_hit_rate": real["hit_rate"], "sim_hit_rate": sim["prefix_hit_rate"],
+            "hit_rate_abs_err": abs(sim["prefix_hit_rate"] - real["hit_rate"]),
+            "real_output_throughput": real["output_throughput"],
+            "sim_output_throughput": sim["output_throughput"]}
+
+
+def _summary(rows: Sequence[dict[str, Any]], profile_path: str | Path) -> dict[str, Any]:
+    return {
+        "makespan_mape": float(np.mean([r["makespan_ape"] for r in rows])),
         "hit_rate_abs_err": float(np.mean([r["hit_rate_abs_err"] for r in rows])),
         "mean_ttft_mape": _mean_of(rows, "mean_ttft_ape"),
         "mean_tpot_mape": _mean_of(rows, "mean_tpot_ape"),
         "n": len(rows),
-        "excluded_under_load": excluded,
         "profile": str(profile_path),
         "machine": machine_info(),
         "episodes": rows,
     }
+
+
+def rescore(profile_path: str | Path, validation: dict[str, Any]) -> dict[str, Any]:
+    """Score ``profile_path`` on the engine episodes a ``--validate --scenario ... --json`` run recorded
+    (``validation``): each episode re-simulated (same scenario, scheduler and seed) against the
+    engine's recorded figures; no engine. The same figures as :func:`validate`, without the
+    per-request latency error (the recording keeps episode figures only)."""
+    from feather_env.engines.sim_backend import SimBackend
+    from scheduler_runtime.config import ConfigError
+
+    load_profile(profile_path)
+    if not validation.get("plan"):
+        raise ConfigError("--rescore needs a validation of one scenario (--validate --scenario ... --json)")
+    rows = []
+    for old in validation["episodes"]:
+        spec = EpisodeSpec(validation["plan"]["scenario"], old["scheduler"], old["seed"], {}, old["label"])
+        sim, sim_env, _ = _serve(spec, SimBackend(spec.load().engine_config(), profile_path), record=False)
+        real = {k: old[f"real_{k}"] for k in ("mean_ttft_ms", "mean_tpot_ms", "duration_s", "hit_rate",
+                                              "output_throughput")}
+        rows.append({**_compared(spec, {**real, "requests": old["requests"]}, sim,
+                                 serving_metrics(sim_env.backend.timelines())),
+                     "foreign_cpu": old.get("foreign_cpu")})
+    return {**_summary(rows, profile_path), "rescored": validation.get("command")}
 
 
 def _mean_of(rows: Sequence[dict[str, Any]], key: str) -> float | None:
@@ -435,6 +478,9 @@ def main(argv: Sequence[str] | None = None, backend: Any = None) -> int:
     mode.add_argument("--out", help="serve the calibration episodes, fit, and write a profile here")
     mode.add_argument("--validate", help="profile to validate on fresh episodes")
     p.add_argument("--json", help="with --validate: write the error figures here")
+    p.add_argument("--rescore", default=None, metavar="VALIDATION_JSON",
+                   help="with --validate: no engine; score the profile on the engine episodes that an "
+                   "earlier --validate --scenario ... --json recorded (re-simulated with this profile)")
     p.add_argument("--steps-out", help="with --out: also write every measured step here (JSON)")
     p.add_argument("--from-steps", help="with --out: fit the steps of a --steps-out file (no engine)")
     p.add_argument("--scenario", default=None, help="calibrate (or validate) on this scenario's episodes "
@@ -451,6 +497,8 @@ def main(argv: Sequence[str] | None = None, backend: Any = None) -> int:
                         f"{len(VALIDATION_PLAN)}, calibration {len(CALIBRATION_PLAN)}); with --scenario: N "
                         "episodes per scheduler (default 1)")
     args = p.parse_args(argv)
+    if args.rescore:
+        return _rescore_main(args)
     use_in_process_engine()
     try:
         plan = _check_args(args)
@@ -481,6 +529,31 @@ def main(argv: Sequence[str] | None = None, backend: Any = None) -> int:
                  ("--episodes", args.episodes), ("--json", args.json)]
         result["command"] = " ".join(["python -m feather_env.calibrate --validate", args.validate,
                                       *(f"{flag} {value}" for flag, value in flags if value is not None)])
+        write_json(args.json, result)
+    return 0
+
+
+def _rescore_main(args: argparse.Namespace) -> int:
+    """``--validate PROFILE --rescore VALIDATION_JSON [--json OUT]`` (:func:`rescore`)."""
+    from scheduler_runtime.config import ConfigError, load_mapping
+
+    try:
+        if not args.validate or args.out or args.scenario or args.schedulers or args.episodes:
+            raise ConfigError("--rescore goes with --validate PROFILE (and --json); the episodes are the "
+                              "file's")
+        load_profile(args.validate)
+        result = rescore(args.validate, load_mapping(args.rescore))
+    except (ConfigError, OSError, KeyError, TypeError) as exc:
+        print(f"calibrate: error: {args.rescore}: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    for r in result["episodes"]:
+        print(f"  {r['label']}: makespan {r['makespan_ape']:.1%}, mean TTFT {r['mean_ttft_ape']:.1%}, "
+              f"mean TPOT {r['mean_tpot_ape']:.1%}")
+    print(f"rescored on {result['n']} recorded episodes: makespan MAPE {result['makespan_mape']:.3f}, "
+          f"mean TTFT MAPE {result['mean_ttft_mape']:.3f}, mean TPOT MAPE {result['mean_tpot_mape']:.3f}")
+    if args.json:
+        result["command"] = (f"python -m feather_env.calibrate --validate {args.validate} "
+                             f"--rescore {args.rescore} --json {args.json}")
         write_json(args.json, result)
     return 0
 

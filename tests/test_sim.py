@@ -206,3 +206,36 @@ def test_a_traces_warm_up_episode_is_a_short_window_and_an_episode_scenarios_is_
     assert _warm_up(short) == short.overrides
     episodes = EpisodeSpec("leval-kv-pressure", "fcfs", 1)
     assert _warm_up(episodes) == {}
+
+
+def test_rescore_reproduces_the_recorded_figures_and_scores_another_profile(tmp_path):
+    """A recording whose 'engine' figures are the simulator's own under one profile: rescored with
+    that profile every error is 0; with another the errors are those of a direct comparison."""
+    from feather_env.calibrate import EpisodeSpec, _serve, rescore
+    from feather_env.serving_metrics import serving_metrics
+
+    scenario = str(tmp_path / "short.yaml")
+    (tmp_path / "short.yaml").write_text(
+        "workload: {kind: custom, path: traces/mooncake/synthetic_trace.jsonl, format: mooncake, "
+        "block_tokens: 64, max_prompt_tokens: 2048}\nepisode: {window_s: 8, rate_scale: 1}\n"
+        "engine: {kv_cache_gib: 0.25, max_num_seqs: 16, max_num_batched_tokens: 2048}\n")
+    other = str(next(p for p in DEFAULT_PROFILE.parent.glob("*.json") if p != DEFAULT_PROFILE))
+    episodes = []
+    for scheduler, seed in (("fcfs", 1000), ("group-cap-2@256", 1001)):
+        spec = EpisodeSpec(scenario, scheduler, seed, {}, f"short-{scheduler}")
+        m, env, _ = _serve(spec, SimBackend(spec.load().engine_config(), DEFAULT_PROFILE), record=False)
+        sm = serving_metrics(env.backend.timelines())
+        episodes.append({"label": spec.label, "scheduler": scheduler, "seed": seed,
+                         "requests": m["completed"],
+                         "real_mean_ttft_ms": sm["mean_ttft_ms"], "real_mean_tpot_ms": sm["mean_tpot_ms"],
+                         "real_duration_s": m["duration"], "real_hit_rate": m["prefix_hit_rate"],
+                         "real_output_throughput": m["output_throughput"]})
+    recording = {"plan": {"scenario": scenario}, "episodes": episodes, "command": "test"}
+    same = rescore(DEFAULT_PROFILE, recording)
+    assert same["n"] == 2 and same["makespan_mape"] == 0 and same["mean_ttft_mape"] == 0
+    assert same["mean_tpot_mape"] == 0 and same["hit_rate_abs_err"] == 0
+    moved = rescore(other, recording)
+    assert moved["makespan_mape"] > 0
+    for row in moved["episodes"]:
+        assert row["makespan_ape"] == pytest.approx(abs(row["sim_duration_s"] - row["real_duration_s"])
+                                                    / row["real_duration_s"])
