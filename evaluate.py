@@ -76,9 +76,10 @@ from feather_env.evaluation import (  # noqa: E402
     validate_schedulers,
     write_results,
 )
-from feather_env.reporting import check_output_dir  # noqa: E402
+from feather_env.reporting import check_output_dir, machine_info  # noqa: E402
 from feather_env.scenarios import Scenario, load_scenario  # noqa: E402
 from feather_env.serving_metrics import parse_goodput  # noqa: E402
+from feather_env.step_model import profile_note  # noqa: E402
 from feather_env.workloads import DataNotFoundError, Workload, WorkloadConfig, WorkloadError  # noqa: E402
 from feather_env.workloads import build_workload as _build_workload  # noqa: E402
 from scheduler_runtime.config import ConfigError  # noqa: E402
@@ -316,6 +317,9 @@ def run_simulated(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any], 
     print(f"simulator: KV cache {engine.kv_cache_gib:g} GiB, max {engine.max_num_seqs} running, "
           f"{engine.max_num_batched_tokens} tokens/step, profile {config.profile or 'shipped'}; "
           f"episode(s) {', '.join(map(str, config.seeds))}")
+    note = profile_note(config.profile, machine_info())
+    if note:
+        print(note)
     runs = evaluate_simulated(scenario, config)
     record = {"mode": "simulator", "scenario": scenario.to_dict(), "episode_seed": config.seeds[0],
               "engine": engine.to_dict(), "simulator": config.to_dict(),

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from scheduler_runtime.hardware import cpu_isa
+
 
 def machine_info() -> dict[str, Any]:
     """Where and when a figure was measured (goes into every benchmark JSON)."""
@@ -32,6 +34,7 @@ def machine_info() -> dict[str, Any]:
     return {
         "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": cpu,
+        "isa": cpu_isa(),
         "cores": os.cpu_count(),
         "memory_gib": mem_gib,
         "python": platform.python_version(),

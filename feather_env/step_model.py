@@ -37,7 +37,7 @@ from feather_env.records import StepRequest
 from scheduler_runtime.config import ConfigError
 
 __all__ = ["DEFAULT_PROFILE", "FEATURE_NAMES", "PROFILE_VERSION", "StepCostModel", "features_from_columns",
-           "fit_step_model", "load_profile", "step_features"]
+           "fit_step_model", "load_profile", "profile_note", "same_machine", "step_features"]
 
 FEATURE_NAMES = ("const", "requests", "tokens", "decode_kv", "decode_kv_miss", "prefill_attn")
 #: Cache sizes (tokens) the calibration tries for the locality term (10**9: no misses of shared KV).
@@ -204,6 +204,32 @@ def fit_step_model(steps: Sequence[tuple[Sequence[StepRequest], float]]) -> tupl
 PROFILE_VERSION = 2
 #: The shipped profile (fitted on a CPU with a tiny Llama).
 DEFAULT_PROFILE = Path(__file__).resolve().parents[1] / "configs" / "profiles" / "cpu-tiny-llama.json"
+
+
+def same_machine(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Two ``machine_info`` records known to be one kind of machine: the same CPU model name and the
+    same vector ISA, both recorded (one model name covers AVX2-only and AVX-512 hosts)."""
+    return a.get("isa") is not None and a.get("cpu") == b.get("cpu") and a.get("isa") == b.get("isa")
+
+
+def profile_note(path: str | Path | None, here: dict[str, Any]) -> str | None:
+    """A line for a user about to simulate with the profile at ``path`` on machine ``here`` (a
+    ``machine_info`` record) unless it was measured on this kind of machine (:func:`same_machine`):
+    its step times may then be off several-fold. It names the shipped profiles of this kind of
+    machine, if any, else how to check or fit one."""
+    path = Path(path or DEFAULT_PROFILE)
+    there = load_profile(path).get("measured_on") or {}
+    if same_machine(there, here):
+        return None
+    mine = [p.name for p in sorted(DEFAULT_PROFILE.parent.glob("*.json"))
+            if same_machine(load_profile(p).get("measured_on") or {}, here)]
+    advice = (f"shipped for this kind of machine: {', '.join(mine)} (--profile)" if mine else
+              "check it with `python -m feather_env.calibrate --validate PROFILE --scenario S`, or let "
+              "`evaluate.py advise` probe the engine and pick or fit one")
+    return (f"note: the simulator's profile {path.name} was measured on {there.get('cpu', 'a machine')} "
+            f"({there.get('isa') or 'vector ISA not recorded'}); this machine is {here.get('cpu')} "
+            f"({here.get('isa') or 'vector ISA unknown'}), where its step times may be off several-fold; "
+            f"{advice}")
 
 
 def load_profile(path: str | Path | None = None) -> dict[str, Any]:

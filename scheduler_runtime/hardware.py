@@ -16,7 +16,7 @@ import functools
 import os
 import platform
 
-__all__ = ["DTYPE_ENV", "compute_dtype", "kv_bytes_factor"]
+__all__ = ["DTYPE_ENV", "compute_dtype", "cpu_isa", "kv_bytes_factor"]
 
 DTYPE_ENV = "FEATHER_ENGINE_DTYPE"
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
@@ -32,6 +32,20 @@ def _cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+#: Vector instruction sets that change the engine's speed, best first (what :func:`cpu_isa` names).
+ISA_LEVELS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
+
+
+def cpu_isa() -> str | None:
+    """The best of :data:`ISA_LEVELS` this CPU has (``"other"`` for none of them); ``None`` where the
+    CPU's flags cannot be read. Two machines of one model name can differ here (AVX2-only and AVX-512
+    AMD EPYC hosts), and the engine's step times with them."""
+    flags = _cpu_flags()
+    if not flags:
+        return None
+    return next((isa for isa in ISA_LEVELS if isa in flags), "other")
 
 
 def _slow_bfloat16() -> bool:

@@ -239,3 +239,19 @@ def test_rescore_reproduces_the_recorded_figures_and_scores_another_profile(tmp_
     for row in moved["episodes"]:
         assert row["makespan_ape"] == pytest.approx(abs(row["sim_duration_s"] - row["real_duration_s"])
                                                     / row["real_duration_s"])
+
+
+def test_a_profile_of_another_kind_of_machine_gets_a_note_naming_this_ones(tmp_path):
+    from feather_env.step_model import profile_note, same_machine
+
+    here = {"cpu": "AMD EPYC", "isa": "avx512_bf16"}
+    assert same_machine(here, dict(here)) and not same_machine(here, {**here, "isa": "avx2"})
+    assert not same_machine({"cpu": "AMD EPYC", "isa": None}, {"cpu": "AMD EPYC", "isa": None})
+    profiles = {p.name: json.loads(p.read_text()) for p in DEFAULT_PROFILE.parent.glob("*.json")}
+    mine = [n for n, d in profiles.items() if same_machine(d.get("measured_on") or {}, here)]
+    assert mine == ["cpu-tiny-llama-epyc-avx512.json"]
+    assert profile_note(DEFAULT_PROFILE.parent / mine[0], here) is None
+    note = profile_note(DEFAULT_PROFILE, here)
+    assert note is not None and "cpu-tiny-llama-epyc-avx512.json" in note and "off several-fold" in note
+    unknown = profile_note(DEFAULT_PROFILE, {"cpu": "Some ARM", "isa": "other"})
+    assert unknown is not None and "calibrate --validate" in unknown
