@@ -9,10 +9,11 @@ them best on this traffic, by how much over vLLM's default, and how sure that is
 
 1. **The simulator fitted to this machine** (:func:`check_profile`): a short probe (one window of
    the trace, shortened: vLLM's own fcfs at the engine's budget and at 512 tokens, and a document
-   cap at 256 tokens) is served on the real engine and on the simulator with every profile in ``configs/profiles/``; the profile
-   with the smallest error (the worst of the makespan, mean TTFT and mean TPOT errors) is used. Over
-   :data:`MAX_PROFILE_ERROR` the probe's own steps are fitted into a new profile, written to the
-   output folder, and its in-sample error reported. ``--profile`` skips the probe.
+   cap at 256 tokens) is served on the real engine and on the simulator with every profile in
+   ``configs/profiles/``; the profile with the smallest error (the worst of the makespan, mean TTFT
+   and mean TPOT errors) is used. Over :data:`MAX_PROFILE_ERROR` the probe's own steps are fitted
+   into a new profile, written to the output folder, and its in-sample error reported.
+   ``--profile`` skips the probe.
 2. **The search** (:func:`search`), in the simulator, on held-out windows of the trace (episode
    seeds from ``--first-seed``, never the probe's): every base scheduler (``fcfs``, ``lpm``,
    ``group-cap-K``, learned policy files) x every token budget (``NAME@TOKENS``) on the first
