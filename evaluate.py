@@ -503,7 +503,8 @@ def run_advise(argv: Sequence[str], backend: Any = None) -> int:
                           schedulers=names(args.schedulers), policies=names(args.policies) or (),
                           budgets=budgets, shortlist=args.shortlist, noise=args.noise, profile=args.profile,
                           what_if=not args.no_what_if, confirm=args.confirm or args.confirm_top is not None,
-                          repeats=args.repeats, confirm_top=args.confirm_top or 1,
+                          repeats=args.repeats,
+                          confirm_top=1 if args.confirm_top is None else args.confirm_top,
                           probe_window_s=args.probe_window_s)
     scenario = load_scenario(args.scenario)
     payload = advise(scenario, config, out, backend=backend, progress=not args.no_progress)

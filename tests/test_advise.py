@@ -132,6 +132,8 @@ def test_the_what_ifs_serve_more_kv_and_more_replicas(small, tmp_path):
     (["--scenario", "nosuch", "--goodput", "ttft:5000", "--out", "{out}"], "unknown scenario"),
     (["--scenario", "mooncake-synthetic", "--goodput", "ttft:5000", "--schedulers", "fcfs@512",
       "--out", "{out}"], "names its own budget"),
+    (["--scenario", "mooncake-synthetic", "--goodput", "ttft:5000", "--confirm-top", "0", "--out", "{out}"],
+     "confirm_top must be >= 1"),
 ])
 def test_bad_input_is_one_line_and_exit_2_before_anything_is_written(tmp_path, capsys, args, message):
     out = tmp_path / "never"
