@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agents.envs import RunEnvs
 from feather_env.resolved import ResolvedEnv, check_settings, resolve_envs
 from scheduler_runtime.config import ConfigError, from_mapping, load_yaml
 from scheduler_runtime.orderings import BASELINE_ORDERINGS, OrderingName
@@ -154,6 +155,13 @@ class RunConfig:
     def is_mix(self) -> bool:
         """Whether the run trains on a mix of scenarios (:class:`~feather_env.env.ScenarioMix`)."""
         return isinstance(self.scenario["name"], list | tuple)
+
+    @property
+    def environments(self) -> RunEnvs:
+        """The run's environment resolved (:attr:`envs`, with a mix's names as given), on
+        ``train.backend``: what every environment of the run is built from."""
+        names = tuple(str(n) for n in self.scenario["name"]) if self.is_mix else None
+        return RunEnvs(self.envs, names)
 
     @property
     def scenario_name(self) -> str:
