@@ -12,12 +12,13 @@ environments here.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from feather_env.resolved import ResolvedEnv
 
-__all__ = ["RunEnvs", "make_env"]
+__all__ = ["RunEnvs", "RunStages", "make_env"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,11 @@ class RunEnvs:
         """The same environments serving scheduler ``name`` (a reference agent's own decision)."""
         return RunEnvs(tuple(e.with_scheduler(name) for e in self.resolved), self.names)
 
+    @property
+    def kind(self) -> str:
+        """The backend they are served on (``"sim"`` or ``"vllm"``)."""
+        return self.resolved[0].backend.kind
+
     def build(self, backend: Any = None) -> Any:
         """A raw ``FeatherEnv`` (a ``ScenarioMix`` for a mix) on its backend, or on ``backend`` (an
         object to share)."""
@@ -51,6 +57,28 @@ class RunEnvs:
 
     def __call__(self) -> Any:
         return self.build()
+
+
+@dataclass(frozen=True)
+class RunStages:
+    """The environment of every stage of a run, derived before the run starts from its resolved
+    environment (:attr:`agents.run_config.RunConfig.stages`): a stage builds its own, and reads no
+    configuration.
+
+    Attributes:
+        probe: on the simulator: the check, before anything is written, that episodes ask decisions.
+        train: on ``train.backend``: training (and the evaluation, when it is served there too).
+        evaluation: on ``train.eval_backend``: the held-out evaluation.
+        references: each reference agent of ``train.compare_with``: its own environment (its own
+            scheduler, any backend), or ``None`` (it answers the evaluation environment's decisions).
+        real: on the real engine: the confirmation of a simulator evaluation (``None``: none).
+    """
+
+    probe: RunEnvs
+    train: RunEnvs
+    evaluation: RunEnvs
+    references: Mapping[str, RunEnvs | None]
+    real: RunEnvs | None
 
 
 class _Run(Protocol):

@@ -56,7 +56,7 @@ import yaml
 
 from agents.envs import RunEnvs, make_env
 from agents.parallel import learn_parallel_tabular
-from agents.run_config import ORDERING_REFERENCES, REFERENCES, RunConfig
+from agents.run_config import ORDERING_REFERENCES, REFERENCES, RunConfig, TrainSection
 from scheduler_runtime.config import ConfigError, load_mapping, load_yaml
 
 __all__ = ["TrainResult", "comparison_table", "make_env", "reference_policy", "run"]
@@ -212,6 +212,29 @@ def _check_decisions(envs: RunEnvs, seed: int) -> None:
         env.close()
 
 
+def _check_inputs(out: Path, cls: Any, saved: Mapping[str, Any], probe: RunEnvs, train: TrainSection, *,
+                  resume: bool, shared: Any) -> tuple[Path, Any, str] | None:
+    """Every input of a run checked before anything is written: the output folder, the saved config
+    and the checkpoint of a resume (loaded), and that the environment asks decisions (``probe``, on
+    the simulator). Returns the checkpoint to resume, the agent loaded from it and the backend it was
+    trained on (``None``: a fresh run)."""
+    from feather_env.reporting import check_output_dir
+
+    if shared is not None and train.n_envs > 1:
+        raise ConfigError("a shared backend object needs n_envs == 1 (each worker builds its own)")
+    try:
+        check_output_dir(out, "the run folder")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    start = None
+    if resume:
+        trained_on = _check_resume_config(out, saved)
+        checkpoint = _resume_checkpoint(out / "checkpoints")
+        start = checkpoint, _load_checkpoint(cls, checkpoint), trained_on
+    _check_decisions(probe, train.seed)
+    return start
+
+
 def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any = None,
         verbose: bool = True, vllm_log: str | Path | None = None) -> TrainResult:
     """Train, evaluate, checkpoint and export as ``cfg`` says (what ``python train.py`` does).
@@ -239,29 +262,14 @@ def _run(cfg: RunConfig, out: str | Path, *, resume: bool, backend: Any, verbose
     """The run, its configuration taken apart once, here: every stage below receives the pieces it
     needs (the saved config, the train section, the resolved environments), never ``cfg``."""
     from agents.registry import agent_class, make_agent
-    from feather_env.reporting import check_output_dir
 
     t0 = time.perf_counter()
     out = Path(out)
     name, agent_config, train, saved = cfg.agent_name, cfg.agent, cfg.train, cfg.to_dict()
     scenario, source = cfg.scenario_name, cfg.source
-    envs = cfg.environments  # resolved once (parse_config), on train.backend
-    if backend is not None and train.n_envs > 1:
-        raise ConfigError("a shared backend object needs n_envs == 1 (each worker builds its own)")
-    try:
-        check_output_dir(out, "the run folder")
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    stages = cfg.stages  # every environment of the run, from the ones parse_config resolved
     cls = agent_class(name)
-    checkpoint_to_resume = None
-    trained_on = None
-    resumed_from: dict[str, Any] | None = None
-    loaded = None
-    if resume:
-        trained_on = _check_resume_config(out, saved)
-        checkpoint_to_resume = _resume_checkpoint(out / "checkpoints")
-        loaded = _load_checkpoint(cls, checkpoint_to_resume)
-    _check_decisions(envs.on("sim"), train.seed)
+    start = _check_inputs(out, cls, saved, stages.probe, train, resume=resume, shared=backend)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
     if vllm_log is not None:
@@ -282,17 +290,19 @@ def _run(cfg: RunConfig, out: str | Path, *, resume: bool, backend: Any, verbose
     )
 
     # One backend per kind serves the training env, the evaluation env and the references.
-    eval_kind = train.eval_backend or train.backend
+    envs, eval_kind = stages.train, stages.evaluation.kind
     train_probe = envs.build(backend)
     # The real engine is one per process, shared by every env (an evaluation then interrupts the
     # training episode, which truncates); each simulated env gets a simulator of its own.
-    shared = train_probe.backend if backend is not None or train.backend != "sim" else None
-    eval_env = train_probe if eval_kind == train.backend else envs.on(eval_kind).build()
+    shared = train_probe.backend if backend is not None or envs.kind != "sim" else None
+    eval_env = train_probe if eval_kind == envs.kind else stages.evaluation.build()
     ckpt_dir = out / "checkpoints"
 
     train_env = cls.training_env(lambda: envs.build(shared), lambda: [envs] * train.n_envs,
                                  train.n_envs, train.seed)
-    if checkpoint_to_resume is not None:
+    resumed_from: dict[str, Any] | None = None
+    if start is not None:
+        checkpoint_to_resume, loaded, trained_on = start
         agent = cls.resume(checkpoint_to_resume, loaded, train_env)
         resumed_from = {"backend": trained_on, "timesteps": int(agent.num_timesteps)}
         if verbose:
@@ -337,18 +347,14 @@ def _run(cfg: RunConfig, out: str | Path, *, resume: bool, backend: Any, verbose
         if train_env is not None and train_env is not eval_env:
             train_env.close()
     final_eval = _without_episodes(final)
-    # The references of train.compare_with: a Feather scheduler or an ordering serves on an
-    # environment of its own (its own scheduler), the others answer the evaluation's.
-    references = {ref: envs.with_scheduler(ref) if _own_scheduler(ref) else None
-                  for ref in train.compare_with}
-    comparison = {name: final_eval, **_compare(references, eval_env, eval_kind, seeds, train.seed)}
+    comparison = {name: final_eval, **_compare(stages.references, eval_env, eval_kind, seeds, train.seed)}
     confirmed: dict[str, dict[str, Any]] = {}
-    if train.confirm_episodes and eval_kind == "sim":
-        real_env = envs.on("vllm").build()
+    if stages.real is not None:  # the simulator's evaluation confirmed on the real engine
+        real_env = stages.real.build()
         try:
             real_seeds = seeds[: train.confirm_episodes]
             confirmed[name] = _without_episodes(evaluate(agent, real_env, real_seeds))
-            confirmed.update(_compare(references, real_env, "vllm", real_seeds, train.seed))
+            confirmed.update(_compare(stages.references, real_env, stages.real.kind, real_seeds, train.seed))
         finally:
             real_env.close()
     policy_path = agent.export(out / "policy.feather", meta={
@@ -401,12 +407,6 @@ def _skipped_episodes(env: Any) -> int | None:
 
 def _without_episodes(result: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in result.items() if k != "episodes"}
-
-
-def _own_scheduler(name: str) -> bool:
-    """Whether reference ``name`` serves with a scheduler of its own (a baseline's ordering, or a
-    Feather scheduler's rule), on an environment of its own."""
-    return name in ORDERING_REFERENCES or name not in REFERENCES
 
 
 def _compare(references: Mapping[str, RunEnvs | None], env: Any, kind: str, seeds: Sequence[int],
