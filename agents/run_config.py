@@ -176,7 +176,7 @@ class RunConfig:
         envs, train = self.environments, self.train
         evaluation = envs.on(train.eval_backend or train.backend)
         return RunStages(
-            probe=envs.on("sim"), train=envs, evaluation=evaluation,
+            probe=envs.on("sim"), train=envs.on(train.backend), evaluation=evaluation,
             references={name: envs.with_scheduler(name) if own_scheduler(name) else None
                         for name in train.compare_with},
             real=envs.on("vllm") if train.confirm_episodes and evaluation.kind == "sim" else None)
