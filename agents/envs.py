@@ -1,42 +1,100 @@
-"""A training run's environments, built from its configuration: the one place a run makes a
-``FeatherEnv`` (or a :class:`~feather_env.env.ScenarioMix`), in this process or in a worker's.
+"""A training run's environments, built from what its configuration resolved to: the one place a
+run makes a ``FeatherEnv`` (or a :class:`~feather_env.env.ScenarioMix`), in this process or in a
+worker's.
 
-:mod:`agents.training` (the run) and :mod:`agents.parallel` (its worker processes) both build
-their environments here.
+:class:`RunEnvs` is the run's environment resolved (one :class:`~feather_env.resolved.ResolvedEnv`
+per scenario, :attr:`agents.run_config.RunConfig.environments`); the run derives from it the
+environments of each of its stages (the probe, training, evaluation, the references, the real
+engine) and builds them, without its configuration: no scenario is read again.
+:mod:`agents.training` (the run) and :mod:`agents.parallel` (its worker processes) both build their
+environments here.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from agents.run_config import RunConfig
+from feather_env.resolved import ResolvedEnv
 
-__all__ = ["EnvFactory", "make_env"]
-
-
-def make_env(cfg: RunConfig, backend: Any = None, *, scheduler: str | None = None) -> Any:
-    """A raw ``FeatherEnv`` (or a ``ScenarioMix``) for the run, built from its resolved environments
-    (:attr:`RunConfig.envs`): on ``train.backend``, on another one (``"sim"``, ``"vllm"``), or on a
-    backend object to share; ``scheduler``: a reference agent's own scheduler (its own decision)."""
-    from feather_env.env import FeatherEnv, ScenarioMix
-
-    envs = cfg.envs
-    if scheduler is not None:
-        envs = tuple(e.with_scheduler(scheduler) for e in envs)
-    if isinstance(backend, str):
-        envs = tuple(e.on(backend) for e in envs)
-        backend = None
-    if cfg.is_mix:  # one environment per scenario, one drawn per episode
-        return ScenarioMix.from_resolved(envs, backend, names=cfg.scenario["name"])
-    return FeatherEnv.from_resolved(envs[0], backend)
+__all__ = ["RunEnvs", "RunStages", "make_env"]
 
 
-class EnvFactory:
-    """Picklable ``FeatherEnv`` factory for a worker process (it builds its own backend from the run's
-    resolved environments: no scenario is read again)."""
+@dataclass(frozen=True)
+class RunEnvs:
+    """A run's environment, resolved: one :class:`ResolvedEnv` per scenario, and for a mix the names
+    its scenarios were given (``None``: a single scenario).
 
-    def __init__(self, cfg: RunConfig) -> None:
-        self.cfg = cfg
+    An instance is also a picklable factory (``envs()``): what a worker process builds its own
+    environment (and backend) with.
+    """
+
+    resolved: tuple[ResolvedEnv, ...]
+    names: tuple[str, ...] | None = None
+
+    def on(self, backend: str) -> RunEnvs:
+        """The same environments on another backend (``"sim"``, ``"vllm"``)."""
+        return RunEnvs(tuple(e.on(backend) for e in self.resolved), self.names)
+
+    def with_scheduler(self, name: str) -> RunEnvs:
+        """The same environments serving scheduler ``name`` (a reference agent's own decision)."""
+        return RunEnvs(tuple(e.with_scheduler(name) for e in self.resolved), self.names)
+
+    @property
+    def kind(self) -> str:
+        """The backend they are served on (``"sim"`` or ``"vllm"``)."""
+        return self.resolved[0].backend.kind
+
+    def build(self, backend: Any = None) -> Any:
+        """A raw ``FeatherEnv`` (a ``ScenarioMix`` for a mix) on its backend, or on ``backend`` (an
+        object to share)."""
+        from feather_env.env import FeatherEnv, ScenarioMix
+
+        if self.names is not None:  # one environment per scenario, one drawn per episode
+            return ScenarioMix.from_resolved(self.resolved, backend, names=self.names)
+        return FeatherEnv.from_resolved(self.resolved[0], backend)
 
     def __call__(self) -> Any:
-        return make_env(self.cfg)
+        return self.build()
+
+
+@dataclass(frozen=True)
+class RunStages:
+    """The environment of every stage of a run, derived before the run starts from its resolved
+    environment (:attr:`agents.run_config.RunConfig.stages`): a stage builds its own, and reads no
+    configuration.
+
+    Attributes:
+        probe: on the simulator: the check, before anything is written, that episodes ask decisions.
+        train: on ``train.backend``: training (and the evaluation, when it is served there too).
+        evaluation: on ``train.eval_backend``: the held-out evaluation.
+        references: each reference agent of ``train.compare_with``: its own environment (its own
+            scheduler, any backend), or ``None`` (it answers the evaluation environment's decisions).
+        real: on the real engine: the confirmation of a simulator evaluation (``None``: none).
+    """
+
+    probe: RunEnvs
+    train: RunEnvs
+    evaluation: RunEnvs
+    references: Mapping[str, RunEnvs | None]
+    real: RunEnvs | None
+
+
+class _Run(Protocol):
+    """What :func:`make_env` reads of a run's config (:class:`agents.run_config.RunConfig`)."""
+
+    @property
+    def environments(self) -> RunEnvs: ...
+
+
+def make_env(cfg: _Run, backend: Any = None, *, scheduler: str | None = None) -> Any:
+    """A raw ``FeatherEnv`` (or a ``ScenarioMix``) for run ``cfg`` (its ``environments``):
+    on ``train.backend``, on another one (``"sim"``, ``"vllm"``), or on a backend object to share;
+    ``scheduler``: a reference agent's own scheduler (its own decision)."""
+    envs = cfg.environments
+    if scheduler is not None:
+        envs = envs.with_scheduler(scheduler)
+    if isinstance(backend, str):
+        return envs.on(backend).build()
+    return envs.build(backend)

@@ -10,20 +10,20 @@ from __future__ import annotations
 import multiprocessing as mp
 from typing import Any
 
-from agents.envs import make_env
-from agents.run_config import RunConfig
+from agents.envs import RunEnvs
 
 __all__ = ["learn_parallel_tabular"]
 
 
-def _tabular_worker(conn: Any, cfg: RunConfig, rank: int) -> None:
-    """Worker process: own env + agent copy; trains ``steps`` from the state it is sent, returns
-    its state and the infos of the episodes it finished."""
+def _tabular_worker(conn: Any, envs: RunEnvs, name: str, config: Any, seed: int) -> None:
+    """Worker process: own env + agent copy (agent ``name`` of ``config``, seeded with ``seed``);
+    trains ``steps`` from the state it is sent, returns its state and the infos of the episodes it
+    finished."""
     from agents.callbacks import InfoCollector
     from agents.registry import make_agent
 
-    env = make_env(cfg)
-    agent = make_agent(cfg.agent_name, cfg.agent, seed=cfg.train.seed + 1000 * (rank + 1))
+    env = envs.build()
+    agent = make_agent(name, config, seed=seed)
     collector = InfoCollector()
     try:
         while True:
@@ -43,14 +43,18 @@ def _tabular_worker(conn: Any, cfg: RunConfig, rank: int) -> None:
         conn.close()
 
 
-def learn_parallel_tabular(agent: Any, cfg: RunConfig, total: int, callback: Any) -> None:
-    """Independent workers, merged every ``sync_every`` steps each (see the module docstring)."""
-    n = cfg.train.n_envs
+def learn_parallel_tabular(agent: Any, envs: RunEnvs, total: int, callback: Any, *, n_envs: int,
+                           sync_every: int, seed: int) -> None:
+    """``n_envs`` independent workers on ``envs``, merged every ``sync_every`` steps each (see the
+    module docstring); worker ``rank``'s agent is seeded with ``seed + 1000 * (rank + 1)``."""
+    n = n_envs
     ctx = mp.get_context("spawn")
     conns, procs = [], []
     for rank in range(n):
         parent, child = ctx.Pipe()
-        p = ctx.Process(target=_tabular_worker, args=(child, cfg, rank), daemon=True)
+        worker_seed = seed + 1000 * (rank + 1)
+        p = ctx.Process(target=_tabular_worker, args=(child, envs, agent.name, agent.config, worker_seed),
+                        daemon=True)
         p.start()
         conns.append(parent)
         procs.append(p)
@@ -60,7 +64,7 @@ def learn_parallel_tabular(agent: Any, cfg: RunConfig, total: int, callback: Any
         callback.init_callback(agent)
         callback.on_training_start({"total_timesteps": total}, {})
         while agent.num_timesteps < total:
-            per_worker = min(cfg.train.sync_every, max(1, (total - agent.num_timesteps) // n))
+            per_worker = min(sync_every, max(1, (total - agent.num_timesteps) // n))
             base = agent.state_dict()
             exploration = getattr(agent, "exploration_timesteps", None)
             for conn in conns:

@@ -16,12 +16,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agents.envs import RunEnvs, RunStages
 from feather_env.resolved import ResolvedEnv, check_settings, resolve_envs
 from scheduler_runtime.config import ConfigError, from_mapping, load_yaml
 from scheduler_runtime.orderings import BASELINE_ORDERINGS, OrderingName
 
 __all__ = ["ORDERING_REFERENCES", "REFERENCES", "SECTIONS", "EnvSection", "RunConfig", "TrainSection",
-           "load_config", "parse_config"]
+           "load_config", "own_scheduler", "parse_config"]
 
 SECTIONS = ("scenario", "env", "agent", "train")
 #: What ``train.compare_with`` accepts: a policy answering the trained agent's own decisions
@@ -32,6 +33,12 @@ SECTIONS = ("scenario", "env", "agent", "train")
 REFERENCES = ("always-add", "heuristic", "oracle", "random", *BASELINE_ORDERINGS)
 #: The references served by a baseline's ordering (answered by always-add).
 ORDERING_REFERENCES = BASELINE_ORDERINGS
+
+
+def own_scheduler(name: str) -> bool:
+    """Whether reference ``name`` serves with a scheduler of its own (a baseline's ordering, or a
+    Feather scheduler's rule), on an environment of its own."""
+    return name in ORDERING_REFERENCES or name not in REFERENCES
 
 
 def _scheduler_reference(name: str) -> bool:
@@ -154,6 +161,25 @@ class RunConfig:
     def is_mix(self) -> bool:
         """Whether the run trains on a mix of scenarios (:class:`~feather_env.env.ScenarioMix`)."""
         return isinstance(self.scenario["name"], list | tuple)
+
+    @property
+    def environments(self) -> RunEnvs:
+        """The run's environment resolved (:attr:`envs`, with a mix's names as given), on
+        ``train.backend``: what every environment of the run is built from."""
+        names = tuple(str(n) for n in self.scenario["name"]) if self.is_mix else None
+        return RunEnvs(self.envs, names)
+
+    @property
+    def stages(self) -> RunStages:
+        """The environment of every stage of the run (:class:`~agents.envs.RunStages`), derived from
+        :attr:`environments` and the ``train`` section."""
+        envs, train = self.environments, self.train
+        evaluation = envs.on(train.eval_backend or train.backend)
+        return RunStages(
+            probe=envs.on("sim"), train=envs.on(train.backend), evaluation=evaluation,
+            references={name: envs.with_scheduler(name) if own_scheduler(name) else None
+                        for name in train.compare_with},
+            real=envs.on("vllm") if train.confirm_episodes and evaluation.kind == "sim" else None)
 
     @property
     def scenario_name(self) -> str:

@@ -54,9 +54,9 @@ from typing import Any
 
 import yaml
 
-from agents.envs import EnvFactory, make_env
+from agents.envs import RunEnvs, make_env
 from agents.parallel import learn_parallel_tabular
-from agents.run_config import ORDERING_REFERENCES, REFERENCES, RunConfig
+from agents.run_config import ORDERING_REFERENCES, REFERENCES, RunConfig, TrainSection
 from scheduler_runtime.config import ConfigError, load_mapping, load_yaml
 
 __all__ = ["TrainResult", "comparison_table", "make_env", "reference_policy", "run"]
@@ -76,20 +76,21 @@ def reference_policy(name: str, env: Any, seed: int = 0) -> Any:
 
 
 # -- logging ------------------------------------------------------------------------------------
-def make_logger(out: Path, cfg: RunConfig) -> Any:
-    """SB3 logger writing TensorBoard + CSV to ``out/tb``; the config goes in as text and hparams."""
+def make_logger(out: Path, config: Mapping[str, Any]) -> Any:
+    """SB3 logger writing TensorBoard + CSV to ``out/tb``; the run's config (as saved) goes in as text
+    and hparams."""
     from stable_baselines3.common.logger import HParam, TensorBoardOutputFormat, configure
 
     csv = out / "tb" / "progress.csv"
     if csv.exists():  # a resumed run: SB3 would truncate the earlier run's CSV
         csv.replace(csv.with_name(f"progress-{time.strftime('%Y%m%d-%H%M%S')}.csv"))
     logger = configure(str(out / "tb"), ["tensorboard", "csv"])
-    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    text = yaml.safe_dump(config, sort_keys=False)
     for fmt in logger.output_formats:
         if isinstance(fmt, TensorBoardOutputFormat):
             fmt.writer.add_text("config", "```yaml\n" + text + "```", 0)
             fmt.writer.flush()
-    flat = _flatten(cfg.to_dict())
+    flat = _flatten(config)
     hparams = {k: v if isinstance(v, bool | int | float | str) else str(v) for k, v in flat.items()}
     logger.record("hparams", HParam(hparams, {"eval/output_throughput": 0.0, "eval/mean_return": 0.0}),
                   exclude=("stdout", "log", "json", "csv"))
@@ -121,14 +122,14 @@ class TrainResult:
     wall_s: float
 
 
-def _check_resume_config(out: Path, cfg: RunConfig) -> str:
-    """Refuse a resume whose config differs from the run's in anything but bookkeeping and the
-    backends; returns the backend the run was trained on so far."""
+def _check_resume_config(out: Path, config: Mapping[str, Any]) -> str:
+    """Refuse a resume whose config (``config``, as saved) differs from the run's saved one in
+    anything but bookkeeping and the backends; returns the backend the run was trained on so far."""
     saved_path = out / "config.yaml"
     if not saved_path.is_file():
         raise ConfigError(f"--resume: {saved_path} not found (nothing to resume in {out})")
     saved = _flatten(load_yaml(saved_path))
-    now = _flatten(cfg.to_dict())
+    now = _flatten(config)
     # The run may be extended, and its bookkeeping changed; nothing that shapes learning but where
     # its episodes are served: a simulator run resumed with ``backend: vllm`` is fine-tuned on
     # the real engine (module docstring).
@@ -192,19 +193,46 @@ def _load_checkpoint(cls: Any, path: Path) -> Any:
                       f"run does: start afresh without --resume (in another --out)")
 
 
-def _check_decisions(env: Any, seed: int) -> None:
+def _check_decisions(envs: RunEnvs, seed: int) -> None:
     """Raise a :class:`ConfigError` when the scenario's episodes never ask a decision (every request
-    released as it arrives: nothing to learn); every scenario of a mix is tried."""
-    names = getattr(env, "names", None)
-    for name in names or [None]:
-        one = env.envs[name] if name is not None else env
-        if one.engine_config.max_num_seqs == 1 or one.scenario.max_episode_requests == 1:
-            why = ("engine.max_num_seqs is 1: a request is released, without asking, when the batch is "
-                   "empty" if one.engine_config.max_num_seqs == 1
-                   else "its episodes hold a single request, released without asking")
-            raise ConfigError(f"scenario {one.scenario.name!r} never asks a decision ({why}): there is "
-                              "nothing to train; serve more requests at once")
-        env.reset(seed=seed, options={"scenario": name} if name is not None else None)
+    released as it arrives: nothing to learn); every scenario of a mix is tried, on ``envs`` built
+    for the check (and closed)."""
+    env = envs.build()
+    try:
+        for name in envs.names or [None]:
+            one = env.envs[name] if name is not None else env
+            if one.engine_config.max_num_seqs == 1 or one.scenario.max_episode_requests == 1:
+                why = ("engine.max_num_seqs is 1: a request is released, without asking, when the batch is "
+                       "empty" if one.engine_config.max_num_seqs == 1
+                       else "its episodes hold a single request, released without asking")
+                raise ConfigError(f"scenario {one.scenario.name!r} never asks a decision ({why}): there is "
+                                  "nothing to train; serve more requests at once")
+            env.reset(seed=seed, options={"scenario": name} if name is not None else None)
+    finally:
+        env.close()
+
+
+def _check_inputs(out: Path, cls: Any, saved: Mapping[str, Any], probe: RunEnvs, train: TrainSection, *,
+                  resume: bool, shared: Any) -> tuple[Path, Any, str] | None:
+    """Every input of a run checked before anything is written: the output folder, the saved config
+    and the checkpoint of a resume (loaded), and that the environment asks decisions (``probe``, on
+    the simulator). Returns the checkpoint to resume, the agent loaded from it and the backend it was
+    trained on (``None``: a fresh run)."""
+    from feather_env.reporting import check_output_dir
+
+    if shared is not None and train.n_envs > 1:
+        raise ConfigError("a shared backend object needs n_envs == 1 (each worker builds its own)")
+    try:
+        check_output_dir(out, "the run folder")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    start = None
+    if resume:
+        trained_on = _check_resume_config(out, saved)
+        checkpoint = _resume_checkpoint(out / "checkpoints")
+        start = checkpoint, _load_checkpoint(cls, checkpoint), trained_on
+    _check_decisions(probe, train.seed)
+    return start
 
 
 def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any = None,
@@ -231,41 +259,25 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any =
 
 def _run(cfg: RunConfig, out: str | Path, *, resume: bool, backend: Any, verbose: bool,
          vllm_log: str | Path | None) -> TrainResult:
+    """The run, its configuration taken apart once, here: every stage below receives the pieces it
+    needs (the saved config, the train section, the resolved environments), never ``cfg``."""
     from agents.registry import agent_class, make_agent
-    from feather_env.reporting import check_output_dir
 
     t0 = time.perf_counter()
     out = Path(out)
-    if backend is not None and cfg.train.n_envs > 1:
-        raise ConfigError("a shared backend object needs n_envs == 1 (each worker builds its own)")
-    try:
-        check_output_dir(out, "the run folder")
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    cls = agent_class(cfg.agent_name)
-    checkpoint_to_resume = None
-    trained_on = None
-    resumed_from: dict[str, Any] | None = None
-    loaded = None
-    if resume:
-        trained_on = _check_resume_config(out, cfg)
-        checkpoint_to_resume = _resume_checkpoint(out / "checkpoints")
-        loaded = _load_checkpoint(cls, checkpoint_to_resume)
-    probe = make_env(cfg, backend="sim")
-    try:
-        _check_decisions(probe, cfg.train.seed)
-    finally:
-        probe.close()
+    name, agent_config, train, saved = cfg.agent_name, cfg.agent, cfg.train, cfg.to_dict()
+    scenario, source = cfg.scenario_name, cfg.source
+    stages = cfg.stages  # every environment of the run, from the ones parse_config resolved
+    cls = agent_class(name)
+    start = _check_inputs(out, cls, saved, stages.probe, train, resume=resume, shared=backend)
     out.mkdir(parents=True, exist_ok=True)
-    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-    (out / "config.yaml").write_text(text)
+    (out / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
     if vllm_log is not None:
         from feather_env.engines.vllm_engine import send_vllm_logs_to
 
         send_vllm_logs_to(vllm_log)
     if verbose:
-        print(f"# train.py --agent {cfg.agent_name} --scenario {cfg.scenario_name} (config {cfg.source})",
-              flush=True)
+        print(f"# train.py --agent {name} --scenario {scenario} (config {source})", flush=True)
     from stable_baselines3.common.callbacks import CallbackList  # after the checks: seconds to import
 
     from agents.base import evaluate
@@ -278,52 +290,50 @@ def _run(cfg: RunConfig, out: str | Path, *, resume: bool, backend: Any, verbose
     )
 
     # One backend per kind serves the training env, the evaluation env and the references.
-    train_backend = backend if backend is not None else cfg.train.backend
-    eval_kind = cfg.train.eval_backend or cfg.train.backend
-    train_probe = make_env(cfg, backend=train_backend)
+    envs, eval_kind = stages.train, stages.evaluation.kind
+    train_probe = envs.build(backend)
     # The real engine is one per process, shared by every env (an evaluation then interrupts the
     # training episode, which truncates); each simulated env gets a simulator of its own.
-    shared = train_probe.backend if train_backend != "sim" else None
-    if eval_kind == cfg.train.backend:
-        eval_env = train_probe
-    else:
-        eval_env = make_env(cfg, backend=eval_kind)
+    shared = train_probe.backend if backend is not None or envs.kind != "sim" else None
+    eval_env = train_probe if eval_kind == envs.kind else stages.evaluation.build()
     ckpt_dir = out / "checkpoints"
 
-    train_env = cls.training_env(lambda: make_env(cfg, backend=shared),
-                                 lambda: [EnvFactory(cfg)
-                                          for _ in range(cfg.train.n_envs)],
-                                 cfg.train.n_envs, cfg.train.seed)
-    if checkpoint_to_resume is not None:
+    train_env = cls.training_env(lambda: envs.build(shared), lambda: [envs] * train.n_envs,
+                                 train.n_envs, train.seed)
+    resumed_from: dict[str, Any] | None = None
+    if start is not None:
+        checkpoint_to_resume, loaded, trained_on = start
         agent = cls.resume(checkpoint_to_resume, loaded, train_env)
         resumed_from = {"backend": trained_on, "timesteps": int(agent.num_timesteps)}
         if verbose:
-            where = ("" if trained_on == cfg.train.backend else
-                     f", trained on {trained_on}, continued on {cfg.train.backend}")
+            where = ("" if trained_on == train.backend else
+                     f", trained on {trained_on}, continued on {train.backend}")
             print(f"resuming from {checkpoint_to_resume} at {agent.num_timesteps} timesteps{where}",
                   flush=True)
     else:
-        agent = make_agent(cfg.agent_name, cfg.agent, seed=cfg.train.seed)
+        agent = make_agent(name, agent_config, seed=train.seed)
     agent.prepare(train_env, eval_env)
-    logger = make_logger(out, cfg)
+    logger = make_logger(out, saved)
     agent.set_logger(logger)
 
     history: list[dict[str, Any]] = []
-    seeds = [cfg.train.eval_seed + i for i in range(cfg.train.eval_episodes)]
-    eval_cb = EvalCallback(agent, eval_env, seeds, cfg.train.eval_every, history, evaluate)
-    ckpt_cb = CheckpointCallback(agent, ckpt_dir, cfg.train.checkpoint_every)
+    seeds = [train.eval_seed + i for i in range(train.eval_episodes)]
+    eval_cb = EvalCallback(agent, eval_env, seeds, train.eval_every, history, evaluate)
+    ckpt_cb = CheckpointCallback(agent, ckpt_dir, train.checkpoint_every)
     callbacks = [EpisodeStatsCallback(), eval_cb, ckpt_cb]
-    if cfg.train.progress_bar:
-        callbacks.append(ProgressCallback(cfg.train.timesteps, history))
+    if train.progress_bar:
+        callbacks.append(ProgressCallback(train.timesteps, history))
     callback = CallbackList(callbacks)
 
-    remaining = cfg.train.timesteps - int(agent.num_timesteps)
+    remaining = train.timesteps - int(agent.num_timesteps)
     try:
         if remaining > 0:
             agent.train(train_env, remaining, callback, not resume,
-                        parallel=lambda a, cb: learn_parallel_tabular(a, cfg, cfg.train.timesteps, cb))
+                        parallel=lambda a, cb: learn_parallel_tabular(
+                            a, envs, train.timesteps, cb, n_envs=train.n_envs, sync_every=train.sync_every,
+                            seed=train.seed))
         elif verbose:
-            print(f"nothing to train: the checkpoint has {agent.num_timesteps} >= {cfg.train.timesteps} "
+            print(f"nothing to train: the checkpoint has {agent.num_timesteps} >= {train.timesteps} "
                   "timesteps", flush=True)
         checkpoint = save_checkpoint(agent, ckpt_dir)
         if history and history[-1]["timesteps"] == int(agent.num_timesteps):
@@ -336,27 +346,25 @@ def _run(cfg: RunConfig, out: str | Path, *, resume: bool, backend: Any, verbose
         skipped = _skipped_episodes(train_env)
         if train_env is not None and train_env is not eval_env:
             train_env.close()
-    comparison = {cfg.agent_name: {k: v for k, v in final.items() if k != "episodes"}}
-    comparison.update(_compare(cfg, eval_env, seeds))
+    final_eval = _without_episodes(final)
+    comparison = {name: final_eval, **_compare(stages.references, eval_env, eval_kind, seeds, train.seed)}
     confirmed: dict[str, dict[str, Any]] = {}
-    if cfg.train.confirm_episodes and eval_kind == "sim":
-        real_env = make_env(cfg, backend="vllm")
+    if stages.real is not None:  # the simulator's evaluation confirmed on the real engine
+        real_env = stages.real.build()
         try:
-            real_seeds = seeds[: cfg.train.confirm_episodes]
-            confirmed[cfg.agent_name] = _without_episodes(evaluate(agent, real_env, real_seeds))
-            confirmed.update(_compare(cfg, real_env, real_seeds))
+            real_seeds = seeds[: train.confirm_episodes]
+            confirmed[name] = _without_episodes(evaluate(agent, real_env, real_seeds))
+            confirmed.update(_compare(stages.references, real_env, stages.real.kind, real_seeds, train.seed))
         finally:
             real_env.close()
     policy_path = agent.export(out / "policy.feather", meta={
-        "config": cfg.to_dict(), "final_eval": {k: v for k, v in final.items() if k != "episodes"},
-        "resumed_from": resumed_from})
+        "config": saved, "final_eval": final_eval, "resumed_from": resumed_from})
     wall = time.perf_counter() - t0
-    summary = {"agent": cfg.agent_name, "scenario": cfg.scenario_name,
+    summary = {"agent": name, "scenario": scenario,
                "num_timesteps": int(agent.num_timesteps), "wall_s": wall, "checkpoint": str(checkpoint),
-               "policy": str(policy_path),
-               "final_eval": {k: v for k, v in final.items() if k != "episodes"}, "eval_history": history,
+               "policy": str(policy_path), "final_eval": final_eval, "eval_history": history,
                "comparison": comparison, "eval_backend": eval_kind, "confirmed_on_real_engine": confirmed,
-               "backend": cfg.train.backend, "resumed_from": resumed_from,
+               "backend": train.backend, "resumed_from": resumed_from,
                "skipped_episodes": skipped}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
     if backend is None:
@@ -364,20 +372,20 @@ def _run(cfg: RunConfig, out: str | Path, *, resume: bool, backend: Any, verbose
         if eval_env is not train_probe:
             eval_env.close()
     if verbose:
-        print(f"{cfg.agent_name}: {agent.num_timesteps} timesteps in {wall:.1f} s; held-out evaluation "
-              f"({len(seeds)} episodes of {cfg.scenario_name}, {eval_kind}): output "
+        print(f"{name}: {agent.num_timesteps} timesteps in {wall:.1f} s; held-out evaluation "
+              f"({len(seeds)} episodes of {scenario}, {eval_kind}): output "
               f"{final['output_throughput']:,.1f} tok/s, mean E2E latency {final['mean_e2el_s']:.2f} s\n"
               f"policy: {policy_path}\ncheckpoint: {checkpoint}\n"
               f"TensorBoard: tensorboard --logdir {out / 'tb'}",
               flush=True)
-        if summary["skipped_episodes"]:
-            print(f"{summary['skipped_episodes']} training episodes needed no decision (every request went "
+        if skipped:
+            print(f"{skipped} training episodes needed no decision (every request went "
                   "straight in) and were skipped", flush=True)
         if len(comparison) > 1:
-            print(comparison_table(comparison, cfg.agent_name), flush=True)
+            print(comparison_table(comparison, name), flush=True)
         if confirmed:
-            print(f"on the real engine, {cfg.train.confirm_episodes} held-out episode(s):\n"
-                  + comparison_table(confirmed, cfg.agent_name), flush=True)
+            print(f"on the real engine, {train.confirm_episodes} held-out episode(s):\n"
+                  + comparison_table(confirmed, name), flush=True)
     return TrainResult(out, policy_path, checkpoint, int(agent.num_timesteps), final, history, comparison,
                        wall)
 
@@ -401,17 +409,18 @@ def _without_episodes(result: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in result.items() if k != "episodes"}
 
 
-def _compare(cfg: RunConfig, env: Any, seeds: Sequence[int]) -> dict[str, dict[str, Any]]:
-    """The reference agents of ``train.compare_with`` on ``env``'s backend, the same episodes."""
+def _compare(references: Mapping[str, RunEnvs | None], env: Any, kind: str, seeds: Sequence[int],
+             seed: int) -> dict[str, dict[str, Any]]:
+    """The reference agents on ``env``'s backend (of ``kind``), the same episodes: each on its own
+    environment (``references[name]``), or on ``env`` (``None``)."""
     from agents.base import evaluate
 
     out = {}
     # a single environment's engine is shared; a scenario mix builds its own per scenario
-    backend = env.backend if hasattr(env, "backend") else cfg.train.backend
-    for name in cfg.train.compare_with:
-        own = name in ORDERING_REFERENCES or name not in REFERENCES
-        ref_env = make_env(cfg, backend=backend, scheduler=name) if own else env
-        policy = reference_policy(name, ref_env, seed=cfg.train.seed)
+    backend = getattr(env, "backend", None)
+    for name, own in references.items():
+        ref_env = env if own is None else own.build(backend) if backend is not None else own.on(kind).build()
+        policy = reference_policy(name, ref_env, seed=seed)
         out[name] = _without_episodes(evaluate(policy, ref_env, seeds))
     return out
 
