@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import tempfile
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -64,10 +63,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for agent in agents:
             results[agent] = {}
             for reward in REWARDS:
+                # the reward through load_config, so the run's resolved environments carry it
                 cfg = load_config(REPO_ROOT / "configs" / "runs" / f"{agent}.yaml", agent,
-                                  scenario=args.scenario, timesteps=args.timesteps, eval_every=0,
-                                  checkpoint_every=0, eval_episodes=1, progress_bar=False, compare_with=[])
-                cfg = replace(cfg, env=replace(cfg.env, reward=reward))
+                                  scenario=args.scenario, reward=reward, timesteps=args.timesteps,
+                                  eval_every=0, checkpoint_every=0, eval_episodes=1, progress_bar=False,
+                                  compare_with=[])
                 res = run(cfg, Path(tmp) / f"{agent}-{reward}", verbose=False)
                 policy = load_policy(res.policy_path)  # what would be deployed
                 ev = evaluate(policy, make_env(cfg), seeds)
