@@ -203,13 +203,18 @@ def test_engine_choice_keeps_the_default_unless_beaten_beyond_noise():
                          "fcfs", 0.03)[0] == "fcfs"
 
 
-def test_confirm_names_are_the_simulators_best_the_recommendation_and_the_default():
-    rows = {n: {"stage": "every window", "request_goodput": g}
-            for n, g in (("fcfs", 1.0), ("a", 3.0), ("b", 2.0), ("c", 2.5))}
-    rows["d"] = {"stage": "first windows", "request_goodput": 9.0}  # not served on every window
-    assert confirm_names(rows, "b", "fcfs", 2) == ["b", "a", "c", "fcfs"]
-    assert confirm_names(rows, "a", "fcfs", 1) == ["a", "fcfs"]
-    assert confirm_names(rows, "fcfs", "fcfs", 1) == ["fcfs", "a"]
+def test_confirm_names_are_the_simulators_best_distinct_the_recommendation_and_the_default():
+    def row(g: float, stage: str = "every window") -> dict:
+        return {"stage": stage, "request_goodput": g, "windows": [{"request_goodput": g, "mean_ttft_ms": g}]}
+
+    rows = {"fcfs": row(1.0), "lpm": row(3.0), "fcfs@512": row(2.0), "group-cap-2": row(2.5)}
+    rows["group-cap-3"] = row(9.0, "first windows")  # not served on every window
+    assert confirm_names(rows, "fcfs@512", "fcfs", 2) == ["fcfs@512", "lpm", "group-cap-2", "fcfs"]
+    assert confirm_names(rows, "lpm", "fcfs", 1) == ["lpm", "fcfs"]
+    assert confirm_names(rows, "fcfs", "fcfs", 1) == ["fcfs", "lpm"]
+    # settings served alike count once, by the simplest name: the next distinct one is served instead
+    rows.update({"group-cap-8@256": row(4.0), "group-cap-1@256": row(4.0), "lpm@256": row(4.0)})
+    assert confirm_names(rows, "lpm@256", "fcfs", 2) == ["lpm@256", "lpm", "fcfs"]
 
 
 def test_the_probe_shortens_a_traces_window_and_serves_an_episode_scenario_whole():

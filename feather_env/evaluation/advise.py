@@ -549,13 +549,26 @@ def _recommendation(
 def confirm_names(
     rows: Mapping[str, Mapping[str, Any]], recommended: str, default: str, top: int
 ) -> list[str]:
-    """What ``--confirm`` serves on the engine: the simulator's ``top`` settings by goodput (of those
-    served on every window), the recommendation if it is not among them, and the default."""
-    full = sorted(
-        (n for n, r in rows.items() if r["stage"] == "every window"),
-        key=lambda n: -(rows[n]["request_goodput"] or 0.0),
+    """What ``--confirm`` serves on the engine: the simulator's ``top`` distinct settings by goodput
+    (of those served on every window; settings the simulator serves identically, e.g. document caps
+    where nothing is shared, count once, by their simplest name), the recommendation if it is not
+    among them, and the default."""
+    full = [n for n, r in rows.items() if r["stage"] == "every window"]
+    alike: dict[tuple[Any, ...], list[str]] = {}
+    for n in full:
+        alike.setdefault(_served_alike(rows[n]), []).append(n)
+    distinct = sorted((min(names, key=simplicity) for names in alike.values()),
+                      key=lambda n: -(rows[n]["request_goodput"] or 0.0))
+    return list(dict.fromkeys([recommended, *distinct[:top], default]))
+
+
+def _served_alike(row: Mapping[str, Any]) -> tuple[Any, ...]:
+    """A setting's simulated figures on every window: equal for settings the simulator served alike."""
+    return tuple(
+        tuple(round(w.get(k) or 0.0, 6) for k in ("request_goodput", "output_throughput", "mean_ttft_ms",
+                                                  "mean_tpot_ms"))
+        for w in row["windows"]
     )
-    return list(dict.fromkeys([recommended, *full[:top], default]))
 
 
 def engine_choice(runs: Mapping[str, Mapping[str, Any]], default: str, noise: float) -> tuple[str, str]:
