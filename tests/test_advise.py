@@ -14,13 +14,12 @@ from feather_env.evaluation.advise import (
     AdviseConfig,
     advise,
     candidate_names,
-    check_profile,
     confirm,
     confirm_names,
     engine_choice,
-    probe_overrides,
     recommend,
 )
+from feather_env.evaluation.probe import check_profile, probe_overrides
 from feather_env.scenarios import load_scenario
 from feather_env.serving_metrics import serving_metrics
 from scheduler_runtime.config import ConfigError
@@ -158,7 +157,8 @@ def on_test_engine():
 def test_the_probe_scores_every_profile_on_the_engine_and_picks_the_best(on_test_engine, env_backend,
                                                                          tmp_path):
     config = AdviseConfig(SLOS, probe_window_s=6)
-    info = check_profile(on_test_engine, config, tmp_path, backend=env_backend, log=lambda _: None)
+    info = check_profile(on_test_engine, tmp_path, seed=config.first_seed - 1, window_s=config.probe_window_s,
+                         backend=env_backend, log=lambda _: None)
     shipped = {str(p) for p in (REPO / "configs" / "profiles").glob("*.json")}
     scored = {c["profile"]: c["error"] for c in info["candidates"]}
     assert shipped <= set(scored)
@@ -218,9 +218,8 @@ def test_confirm_names_are_the_simulators_best_distinct_the_recommendation_and_t
 
 
 def test_the_probe_shortens_a_traces_window_and_serves_an_episode_scenario_whole():
-    config = AdviseConfig(SLOS, probe_window_s=20)
     trace = load_scenario("mooncake-synthetic")
-    assert probe_overrides(trace, config) == {"episode": {"window_s": 20}}
+    assert probe_overrides(trace, 20) == {"episode": {"window_s": 20}}
     episodes = load_scenario("leval-kv-pressure")
-    assert probe_overrides(episodes, config) == {}
-    load_scenario("leval-kv-pressure", probe_overrides(episodes, config))  # loads: no window on a non-trace
+    assert probe_overrides(episodes, 20) == {}
+    load_scenario("leval-kv-pressure", probe_overrides(episodes, 20))  # loads: no window on a non-trace

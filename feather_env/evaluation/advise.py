@@ -7,12 +7,12 @@ SLOs in ``vllm bench serve``'s terms (``--goodput ttft:MS tpot:MS e2el:MS``: a r
 it meets every one; goodput is good requests per second). ``advise`` answers: which setting meets
 them best on this traffic, by how much over vLLM's default, and how sure that is.
 
-1. **The simulator fitted to this machine** (:func:`check_profile`): a short probe (one window of
-   the trace, shortened: vLLM's own fcfs at the engine's budget and at 512 tokens, and a document
-   cap at 256 tokens) is served on the real engine and on the simulator with every profile in
-   ``configs/profiles/``; the profile with the smallest error (the worst of the makespan, mean TTFT
-   and mean TPOT errors) is used. Over :data:`MAX_PROFILE_ERROR` the probe's own steps are fitted
-   into a new profile, written to the output folder, and its in-sample error reported.
+1. **The simulator fitted to this machine** (:mod:`feather_env.evaluation.probe`): a short probe
+   (one window of the trace, shortened: vLLM's own fcfs at the engine's budget and at 512 tokens,
+   and a document cap at 256 tokens) is served on the real engine and on the simulator with every
+   profile in ``configs/profiles/``; the profile with the smallest error (the worst of the makespan,
+   mean TTFT and mean TPOT errors) is used. Over :data:`MAX_PROFILE_ERROR` the probe's own steps are
+   fitted into a new profile, written to the output folder, and its in-sample error reported.
    ``--profile`` skips the probe.
 2. **The search** (:func:`search`), in the simulator, on held-out windows of the trace (episode
    seeds from ``--first-seed``, never the probe's): every base scheduler (``fcfs``, ``lpm``,
@@ -45,7 +45,6 @@ them best on this traffic, by how much over vLLM's default, and how sure that is
 
 from __future__ import annotations
 
-import json
 import math
 import shlex
 import statistics
@@ -57,8 +56,8 @@ from typing import Any
 
 import numpy as np
 
-from feather_env.engines.vllm_engine import REPO_ROOT
 from feather_env.evaluation.advice_report import render_markdown, write_advice
+from feather_env.evaluation.probe import MAX_PROFILE_ERROR, check_profile
 from feather_env.reporting import machine_info
 from feather_env.scenarios import Scenario, load_scenario
 from feather_env.serving_metrics import serving_metrics
@@ -71,13 +70,13 @@ __all__ = [
     "advise",
     "candidate_names",
     "check_profile",
+    "confirm",
+    "confirm_names",
+    "engine_choice",
     "render_markdown",
     "search",
 ]
 
-PROFILE_DIR = REPO_ROOT / "configs" / "profiles"
-#: A profile whose worst probe error (makespan, mean TTFT, mean TPOT) is above this is refitted.
-MAX_PROFILE_ERROR = 0.10
 DEFAULT_CAPS = (1, 2, 3, 4, 6, 8)
 DEFAULT_BUDGETS = (256, 512, 1024, 2048, 4096, 8192)
 #: vLLM's default on a scenario's engine: its own fcfs scheduler at the engine's token budget.
@@ -330,126 +329,6 @@ def what_if(
     return out
 
 
-# -- the simulator fitted to this machine ----------------------------------------------------------
-def _errors(real: Mapping[str, Any], sim: Mapping[str, Any]) -> dict[str, float]:
-    """Relative errors of the simulator's makespan, mean TTFT and mean TPOT against the engine's."""
-    out = {}
-    for key, metric in (
-        ("makespan", "duration"),
-        ("mean_ttft", "mean_ttft_ms"),
-        ("mean_tpot", "mean_tpot_ms"),
-    ):
-        r, s = real.get(metric), sim.get(metric)
-        out[key] = abs(s - r) / r if r and s is not None and math.isfinite(s) else math.inf
-    return out
-
-
-def probe_names(scenario: Scenario) -> tuple[str, ...]:
-    """The probe's settings: vLLM's fcfs at the engine's budget and at 512 tokens (the two ends the
-    search moves between: one prefill at once, prefill chunks interleaved with decode steps), and a
-    document cap at the smallest budget searched (256: many running requests and few tokens a step,
-    which pins down the per-request cost of a step that the two fcfs runs leave open)."""
-    engine_budget = scenario.engine.max_num_batched_tokens
-    small = [n for n, b in (("fcfs@512", 512), (f"group-cap-8@{DEFAULT_BUDGETS[0]}", DEFAULT_BUDGETS[0]))
-             if engine_budget > b]
-    return ("fcfs", *small)
-
-
-def probe_overrides(scenario: Scenario, config: AdviseConfig) -> dict[str, Any]:
-    """The probe's episode: the trace's window shortened to ``probe_window_s``; a scenario of whole
-    episodes (no window) is probed on one episode as it is."""
-    window = scenario.episode.window_s
-    return {"episode": {"window_s": min(config.probe_window_s, window)}} if window is not None else {}
-
-
-def check_profile(
-    scenario: Scenario,
-    config: AdviseConfig,
-    out_dir: Path,
-    *,
-    backend: Any = None,
-    log: Callable[[str], None] = print,
-) -> dict[str, Any]:
-    """Serve the probe (module docstring) on the real engine, score every profile of ``configs/profiles``
-    on it, and pick the best, or refit on the probe's steps when even the best is over
-    :data:`MAX_PROFILE_ERROR`. Returns ``{"profile", "error", "errors", "candidates", "refitted", ...}``.
-    """
-    from feather_env.calibrate import MAX_FOREIGN_LOAD, EpisodeSpec, _Engines, _serve, fit_profile
-    from feather_env.engines.sim_backend import SimBackend
-
-    overrides = probe_overrides(scenario, config)
-    seed = config.first_seed - 1
-    specs = [EpisodeSpec(scenario, name, seed, overrides, f"probe-{name}") for name in probe_names(scenario)]
-    engines = _Engines(backend)
-    real: dict[str, dict[str, Any]] = {}
-    steps: list[tuple[Any, float]] = []
-    t0 = time.perf_counter()
-    try:
-        for spec in specs:
-            engine = engines.get(spec)
-            for attempt in range(2):  # another process on the engine's core slows it: serve it again
-                _, env, foreign = _serve(spec, engine, record=True)
-                if foreign <= MAX_FOREIGN_LOAD or attempt:
-                    break
-                log(f"  probe {spec.scheduler}: other processes used {foreign:.0%} of the engine's cores: "
-                    "serving it again")
-            real[spec.scheduler] = {**serving_metrics(env.backend.timelines()), "foreign_cpu": foreign}
-            steps += [(m.batch, m.seconds) for m in engine.measured_steps]
-            engine.record_steps = False
-            log(
-                f"  probe {spec.scheduler} on the engine: {real[spec.scheduler]['completed']} requests in "
-                f"{real[spec.scheduler]['duration']:.1f} s ({time.perf_counter() - t0:.0f} s so far)"
-            )
-    finally:
-        engines.close()
-
-    def score(profile: str | Path) -> dict[str, Any]:
-        per = {}
-        for spec in specs:
-            _, env, _ = _serve(spec, SimBackend(spec.load().engine_config(), profile), record=False)
-            per[spec.scheduler] = _errors(real[spec.scheduler], serving_metrics(env.backend.timelines()))
-        worst = max(max(e.values()) for e in per.values())
-        return {"profile": str(profile), "error": worst, "errors": per}
-
-    candidates = [score(p) for p in sorted(PROFILE_DIR.glob("*.json"))]
-    for c in candidates:
-        log(f"  profile {Path(c['profile']).name}: worst probe error {c['error']:.1%}")
-    best = min(candidates, key=lambda c: c["error"])
-    refitted = False
-    if best["error"] > MAX_PROFILE_ERROR:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fitted = out_dir / "profile.json"
-        profile = fit_profile(
-            steps, [{"label": s.label, "seed": s.seed, "scheduler": s.scheduler} for s in specs]
-        )
-        fitted.write_text(json.dumps(profile, indent=1))
-        mine = score(fitted)
-        mine["in_sample"] = True
-        log(f"  refitted on the probe's {len(steps)} steps: {fitted} (in-sample error {mine['error']:.1%})")
-        candidates.append(mine)
-        if mine["error"] < best["error"]:
-            best, refitted = mine, True
-    return {
-        **best,
-        "refitted": refitted,
-        "candidates": candidates,
-        "probe": {
-            "seed": seed,
-            "window_s": overrides["episode"]["window_s"] if overrides else None,
-            "schedulers": [s.scheduler for s in specs],
-            "real": {
-                k: {
-                    m: v.get(m)
-                    for m in ("completed", "duration", "mean_ttft_ms", "mean_tpot_ms", "foreign_cpu")
-                }
-                for k, v in real.items()
-            },
-            "steps": len(steps),
-            "wall_s": time.perf_counter() - t0,
-        },
-    }
-
-
 # -- the recommendation ----------------------------------------------------------------------------
 def serve_command(scenario: Scenario, name: str) -> str:
     """The ``feather-serve`` command that serves ``name`` on the scenario's engine, on this machine (its
@@ -663,7 +542,9 @@ def advise(
         }
     else:
         log("checking the simulator against this machine (a short probe on the real engine) ...")
-        profile_info = {**check_profile(scenario, config, out, backend=backend, log=log), "checked": True}
+        probe = check_profile(scenario, out, seed=config.first_seed - 1, window_s=config.probe_window_s,
+                              backend=backend, log=log)
+        profile_info = {**probe, "checked": True}
     profile = profile_info["profile"]
     log(
         f"simulator profile: {profile}"
