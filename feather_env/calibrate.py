@@ -211,16 +211,18 @@ def calibrate(plan: Sequence[EpisodeSpec], steps_out: str | Path | None = None, 
               backend: Any = None, max_foreign: float = MAX_FOREIGN_LOAD) -> dict[str, Any]:
     """Serve ``plan`` on the real engine, fit the step model, and return the profile.
 
-    ``steps_out``: also write every measured step (JSON: seconds and its requests' columns), for
-    analysis of the fit. ``backend``: a :class:`~feather_env.engines.vllm_backend.VLLMBackend` to serve every
-    episode on (else one engine per engine configuration is started). ``max_foreign``: episodes
-    during which other processes used more of the machine are re-run once, then left out.
+    ``steps_out``: also write every measured step (JSON: seconds, the requests waiting as it
+    started, and its requests' columns), for analysis of the fit. ``backend``: a
+    :class:`~feather_env.engines.vllm_backend.VLLMBackend` to serve every episode on (else one engine
+    per engine configuration is started). ``max_foreign``: episodes during which other processes
+    used more of the machine are re-run once, then left out.
 
     Raises:
         RuntimeError: every episode was left out (the machine was never quiet enough).
     """
     engines = _Engines(backend)
     steps: list[tuple[list[Any], float]] = []
+    waiting: list[int] = []  # the requests waiting as each step started (in the steps file)
     episodes = []
     t0 = time.perf_counter()
     try:
@@ -236,6 +238,7 @@ def calibrate(plan: Sequence[EpisodeSpec], steps_out: str | Path | None = None, 
                 continue
             measured = [(m.batch, m.seconds) for m in backend.measured_steps]
             steps.extend(measured)
+            waiting.extend(m.waiting for m in backend.measured_steps)
             episodes.append({"label": spec.label, "seed": spec.seed, "scheduler": spec.scheduler,
                              "steps": len(measured), "duration_s": metrics["duration"],
                              "prefix_hit_rate": metrics["prefix_hit_rate"], "foreign_cpu": foreign})
@@ -253,7 +256,8 @@ def calibrate(plan: Sequence[EpisodeSpec], steps_out: str | Path | None = None, 
         columns = [[[r.num_tokens, r.num_computed, r.group, r.shared_tokens, int(r.is_prefill)] for r in b]
                    for b, _ in steps]
         write_json(steps_out, {"episodes": episodes, "steps": [
-            {"seconds": t, "batch": c} for (_, t), c in zip(steps, columns, strict=True)]})
+            {"seconds": t, "waiting": w, "batch": c}
+            for (_, t), w, c in zip(steps, waiting, columns, strict=True)]})
     return fit_profile(steps, episodes)
 
 

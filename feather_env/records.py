@@ -101,10 +101,12 @@ class StepRequest:
 
 @dataclass
 class MeasuredStep:
-    """One engine step as the calibration sees it: its requests in batch order and its time."""
+    """One engine step as the calibration sees it: its requests in batch order, its time, and the
+    requests waiting when it started (the scheduler's queue, which the step model does not price)."""
 
     batch: list[StepRequest]
     seconds: float
+    waiting: int = 0
 
 @dataclass
 class StepSample:

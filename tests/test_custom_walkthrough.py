@@ -64,11 +64,17 @@ def test_trace_to_scenario_to_policy_to_simulated_evaluation(walk):
 def test_calibrate_on_the_engine_for_the_trace(walk, env_backend, tmp_path):
     profile = tmp_path / "profile.json"
     # every episode counts, whatever else runs on the machine (a test of the plumbing, not of the fit)
-    assert calibrate.main(["--scenario", str(walk["scenario"]), "--out", str(profile), "--max-foreign", "1"],
-                          backend=env_backend) == 0
+    steps = tmp_path / "steps.json"
+    assert calibrate.main(["--scenario", str(walk["scenario"]), "--out", str(profile), "--max-foreign", "1",
+                           "--steps-out", str(steps)], backend=env_backend) == 0
     fitted = json.loads(profile.read_text())
     assert fitted["fit"]["steps"] >= 6 and [e["scheduler"] for e in fitted["fit"]["episodes"]] == [
         "fcfs", "lpm", "feather-heuristic"]
+    # every step with the queue it started with: a burst of 24 waits behind the first steps
+    recorded = json.loads(steps.read_text())["steps"]
+    assert len(recorded) == fitted["fit"]["steps"] and all(s["waiting"] >= 0 for s in recorded)
+    assert max(s["waiting"] for s in recorded) > 0
+    assert calibrate.main(["--out", str(tmp_path / "again.json"), "--from-steps", str(steps)]) == 0
     # the fit's error on the batches the trained policy forms (fresh seeds, the policy's own answers)
     validation = tmp_path / "validation.json"
     assert calibrate.main(["--scenario", str(walk["scenario"]), "--validate", str(profile), "--schedulers",

@@ -145,6 +145,7 @@ class VLLMBackend(ServingBackend):
         tap, internal = self.tap, self._internal
         tap.reset()
         in_system = self._in_system
+        waiting = len(self.scheduler.waiting) if self.record_steps else 0
         t0 = time.perf_counter()
         outputs = self._engine.step()
         dt = time.perf_counter() - t0
@@ -161,13 +162,13 @@ class VLLMBackend(ServingBackend):
                 adv.decode_tokens += tap.scheduled_reqs
                 adv.decode_seconds += dt
             if self.record_steps and tap.num_scheduled:
-                self._record_step(dt)
+                self._record_step(dt, waiting)
         for out in outputs:
             ext = internal.get(out.request_id, out.request_id)
             new = sum(len(c.token_ids) for c in out.outputs)
             self._record_tokens(ext, new, bool(out.finished), now, adv)
 
-    def _record_step(self, dt: float) -> None:
+    def _record_step(self, dt: float, waiting: int) -> None:
         tap = self.tap
         hits = {self._internal[r]: self._timelines[self._internal[r]].prefix_hit_tokens
                 for r in tap.num_scheduled}
@@ -180,7 +181,7 @@ class VLLMBackend(ServingBackend):
             batch.append(StepRequest(num_tokens=n, num_computed=computed, group=first_block,
                                      shared_tokens=hits[self._internal[rid]],
                                      is_prefill=computed < prompt))
-        self.measured_steps.append(MeasuredStep(batch, dt))
+        self.measured_steps.append(MeasuredStep(batch, dt, waiting))
 
     def persistent_order(self) -> list[str]:
         """The engine's persistent batch after the last step, by slot (our request ids)."""
