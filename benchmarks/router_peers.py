@@ -13,15 +13,17 @@ The cluster and the workload are :mod:`benchmarks.routing`'s: N simulated replic
 heuristic in every replica; 16 L-Eval documents per replica with at most 8 questions each, in a
 random order (past the data's 244 documents, copies with another first chunk); Poisson arrivals
 at ``load`` x the cluster's saturation rate, measured once per workload with a fixed reference
-router (ours as shipped before this study: ``load_factor=1.25, slack=2``, the ring), so that the
-offered load does not move with the router under test.
+router (:data:`REFERENCE`: ours as shipped before the first study, ``load_factor=1.25, slack=2``, the
+ring), so that the offered load does not move with the router under test. Ours is told each
+replica's KV tokens (its cache model's ``kv_tokens``).
 
 1. **Tuning** (:func:`tune`): a small grid per router (:func:`grids`), scored by the mean output
-   throughput at 16 replicas and loads 1.0 and 1.5 over ``--tune-seeds`` workloads whose documents
-   and arrivals are drawn with seeds disjoint from the evaluation's (at load 0.8 every good router
-   serves what arrives, so throughput does not tell settings apart there). Ours is searched in two
-   stages: every ``load_factor`` x ``slack`` x ``new_prefix`` (no match-rate threshold), then the
-   best four again with ``min_match`` 0.1 and 0.3.
+   throughput at 16 replicas and loads 0.8 and 1.0 (the targets') over ``--tune-seeds`` (6)
+   workloads whose documents and arrivals are drawn with seeds disjoint from the evaluation's (with
+   3, the search's noise, about 1.5% per setting, was as large as what it decides between). Ours is
+   searched in three stages: every ``load_factor`` x ``slack`` x ``new_prefix`` (no match-rate
+   threshold, no cache model), then the best four again with ``min_match`` 0.1 and 0.3, then the
+   best three so far with the cache model (``cache_factor`` 1 to 2).
 2. **Evaluation** (:func:`cell`): every router at its defaults and at its tuned knobs, at
    ``--loads`` (0.8, 1.0, and 1.5, past every router's capacity) on the evaluation seeds (the
    arrival draws 0, 1, 2 of :mod:`benchmarks.routing`'s workload): output throughput, mean and P99
@@ -30,7 +32,11 @@ offered load does not move with the router under test.
    (the targets), 4 and 64 (``--docs-per-replica-large`` documents per replica and ``--loads-large``
    there, to keep the run short), and a Zipf variant at 16 replicas
    (:func:`~feather_env.cluster_sim.zipf_documents`: the same number of requests over the same
-   documents, document popularity Zipf ``--zipf-s``).
+   documents, document popularity Zipf ``--zipf-s``), and the Mooncake synthetic trace at 4 and 16
+   replicas (:func:`mooncake_windows`: a window of ``--mooncake-window`` x replicas seconds of the
+   trace per seed, its own timestamps scaled to the load, :func:`at_rate`; the peers at the knobs
+   tuned on L-Eval). Beside each cell, :func:`throughput_bound`: the output throughput no router can
+   beat on those arrivals.
 
 Targets (16 replicas, loads 0.8 and 1.0, output throughput): ours (tuned) >= 1.05x the tuned SGLang
 and Ray routers and >= 1.0x the tuned LMetric and Dynamo routers.
@@ -55,13 +61,17 @@ from feather_env.cluster_sim import ClusterResult, ClusterSim, distinct_document
 from feather_env.reporting import format_table, machine_info, write_json
 from feather_env.scenarios import load_scenario
 from feather_env.serving_metrics import parse_goodput
-from feather_env.workloads import Workload, WorkloadConfig, load_workload
+from feather_env.workloads import Request, Workload, WorkloadConfig, load_workload
 from scheduler_runtime.router import PEERS, ROUTERS, PrefixAffinityRouter, ReplicaRouter, make_router
 
 OURS = "prefix"
-#: Ours as shipped before this study: the default row of ours, and the reference router that
-#: measures each workload's saturation rate.
-OURS_BEFORE: dict[str, Any] = {"load_factor": 1.25, "slack": 2, "new_prefix": "ring", "min_match": 0.0}
+#: The reference router that measures each workload's saturation rate: ours as shipped before the
+#: first study of the field's routers (fixed, so that a load means the same rate from run to run).
+REFERENCE: dict[str, Any] = {"load_factor": 1.25, "slack": 2, "new_prefix": "ring", "min_match": 0.0,
+                             "cache_factor": 0.0}
+#: Ours as shipped before this study (the first study's tuned setting, no cache model): ours' default row.
+OURS_BEFORE: dict[str, Any] = {"load_factor": 5.0, "slack": 2, "new_prefix": "least", "min_match": 0.1,
+                               "cache_factor": 0.0}
 ROUTER_ORDER = (OURS, *PEERS)
 #: Routers that draw random numbers (seeded with the arrival seed).
 SEEDED = {"pow2", "ray-prefix-affinity", "dynamo-kv"}
@@ -71,14 +81,24 @@ TARGET_REPLICAS = 16
 TUNE_SEED_BASE = 10_000
 #: Ours' second tuning stage: each of these on each of the first stage's best four settings.
 OURS_STAGE_TWO = ({"min_match": 0.1}, {"min_match": 0.3})
+#: Ours' third stage: the cache model (``cache_factor`` x the replica's KV tokens) on the best two so far.
+OURS_STAGE_THREE = tuple({"cache_factor": f} for f in (1.0, 1.25, 1.5, 1.75, 2.0))
+#: Ours' stages: the first's grid, then two (:data:`OURS_STAGE_TWO`) on its best four, then three on
+#: the best three so far (of distinct scores).
 DEFAULT_GOODPUT = "ttft:2000 e2el:10000"
+#: The Mooncake synthetic trace's scenario (its engine: 1 GiB of KV; its blocks: 64 tokens per hash id).
+MOONCAKE_SCENARIO = "mooncake-synthetic"
 
 
-def make(name: str, knobs: dict[str, Any], seed: int) -> ReplicaRouter:
+def make(name: str, knobs: dict[str, Any], seed: int, kv_tokens: int | None = None) -> ReplicaRouter:
     """Router ``name`` with ``knobs`` (its random draws seeded with ``seed`` where it makes any;
-    ``"inf"`` is infinity, as the JSON holds it)."""
+    ``"inf"`` is infinity, as the JSON holds it). Ours is told each replica's KV tokens (``kv_tokens``),
+    which its cache model needs."""
     knobs = {k: math.inf if v == "inf" else v for k, v in knobs.items()}
-    return make_router(name, **knobs, **({"seed": seed} if name in SEEDED else {}))
+    extra = {"seed": seed} if name in SEEDED else {}
+    if name == OURS and kv_tokens is not None:
+        extra["kv_tokens"] = kv_tokens
+    return make_router(name, **knobs, **extra)
 
 
 def _jsonable(knobs: dict[str, Any]) -> dict[str, Any]:
@@ -91,8 +111,8 @@ def defaults(name: str) -> dict[str, Any]:
     if name == OURS:
         return dict(OURS_BEFORE)
     params = inspect.signature(ROUTERS[name].__init__).parameters.values()
-    return _jsonable({p.name: p.default for p in params
-                      if p.default is not inspect.Parameter.empty and p.name not in ("seed", "chunk_size")})
+    return _jsonable({p.name: p.default for p in params if p.default is not inspect.Parameter.empty
+                      and p.name not in ("seed", "chunk_size", "kv_tokens")})
 
 
 def _is_default(name: str, knobs: dict[str, Any]) -> bool:
@@ -106,11 +126,20 @@ def _rank(name: str, row: dict[str, Any]) -> tuple[float, int]:
     return row["output_throughput"], sum(base.get(k) == v for k, v in _jsonable(row["knobs"]).items())
 
 
+def _top(name: str, scored: Sequence[dict[str, Any]], k: int) -> list[dict[str, Any]]:
+    """The ``k`` best tuning rows of distinct scores (settings that route alike score alike: one of them,
+    the closest to the defaults, stands for all)."""
+    out: list[dict[str, Any]] = []
+    for row in sorted(scored, key=lambda r: _rank(name, r), reverse=True):
+        if all(row["output_throughput"] != o["output_throughput"] for o in out):
+            out.append(row)
+    return out[:k]
+
+
 def grids() -> dict[str, list[dict[str, Any]]]:
     """Each router's tuning grid (ours: stage one; stage two, :data:`OURS_STAGE_TWO`, on its best four)."""
-    ours = [{"load_factor": c, "slack": s, "new_prefix": p, "min_match": 0.0}
-            for c, s, p in itertools.product((1.1, 1.25, 1.5, 2.0, 3.0, 5.0), (0, 2),
-                                             ("ring", "least", "smallest"))]
+    ours = [{"load_factor": c, "slack": s, "new_prefix": p, "min_match": 0.0, "cache_factor": 0.0}
+            for c, s, p in itertools.product((1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 8.0, 20.0), (0, 2), ("least",))]
     balance = ((64, 1.5), (32, 1.1), (8, 1.5), (4, 1.25))  # 0.3.x's RouterArgs, Rust's default, tighter
     sglang = [{"cache_threshold": t, "balance_abs_threshold": a, "balance_rel_threshold": r}
               for t, (a, r) in itertools.product((0.1, 0.3, 0.5, 0.7), balance)]
@@ -126,13 +155,68 @@ def grids() -> dict[str, list[dict[str, Any]]]:
 
 def saturation_rate(sim: ClusterSim, workload: Workload) -> float:
     """Request throughput of the cluster with the reference router when all of ``workload`` arrives."""
-    router = PrefixAffinityRouter(**OURS_BEFORE)
+    router = PrefixAffinityRouter(**REFERENCE)
     return sim.run(workload.with_arrivals("burst"), router).metrics["request_throughput"]
+
+
+def kv_tokens(sim: ClusterSim) -> int:
+    """Each replica's KV cache in tokens (what ours' cache model is told)."""
+    return int(sim.engine.usable_kv_tokens)
+
+
+def at_rate(workload: Workload, rate: float) -> Workload:
+    """A timed trace with its own timestamps scaled to a mean of ``rate`` requests per second."""
+    times = [r.arrival_time for r in workload]
+    span = max(times) - min(times)
+    scale = (len(workload) - 1) / span / rate if span > 0 else 1.0
+    t0 = min(times)
+    return Workload(f"{workload.name}@{rate:.3g}req/s",
+                    tuple(r.with_arrival((r.arrival_time - t0) * scale) for r in workload), "trace")
+
+
+def mooncake_windows(window_s: float, seeds: Sequence[int]) -> list[Workload]:
+    """Windows of ``window_s`` seconds of the Mooncake synthetic trace (one per seed, drawn as
+    :meth:`Workload.window` draws them), as ``configs/scenarios/mooncake-synthetic.yaml`` reads it
+    (64 token ids per hash id: lengths / 8)."""
+    pool = load_scenario(MOONCAKE_SCENARIO).pool
+    return [pool.window(window_s, seed) for seed in seeds]
 
 
 def uniform_workload(pool: Workload, replicas: int, docs_per_replica: int, seed: int) -> Workload:
     """:mod:`benchmarks.routing`'s workload (its evaluation draw is ``seed=replicas``)."""
     return distinct_documents(pool, docs_per_replica * replicas, seed=seed, max_per_group=8)
+
+
+# ------------------------------------------------------------------------------------ the bound
+
+
+def service_floor(engine_sim: ClusterSim, request: Request) -> float:
+    """The least end-to-end latency ``request`` can have: alone on an idle replica whose prefix cache
+    already holds its prompt (served once before with one output token), so only what is left of its
+    prefill and its decode at batch size 1 remain."""
+    warm = Request(f"{request.request_id}@warm", request.prompt_token_ids, request.prefix_group, 1, 0.0,
+                   request.source, request.meta)
+    real = Request(request.request_id, request.prompt_token_ids, request.prefix_group, request.output_len,
+                   1000.0, request.source, request.meta)
+    result = engine_sim.run(Workload("floor", (warm, real)), make_router("round-robin"))
+    return result.metrics["duration"] - 1000.0
+
+
+def throughput_bound(engine_sim: ClusterSim, timed: Workload, floors: dict[str, float],
+                     horizon_s: float = 60.0) -> float:
+    """Output tok/s no router can beat on ``timed`` (its arrivals as given): every request finishes no
+    earlier than its arrival plus :func:`service_floor`, so the run lasts at least the latest of those
+    (the requests of the last ``horizon_s`` seconds are checked: a floor is a few seconds here).
+    ``floors``: request id -> floor, filled as computed."""
+    start = min(r.arrival_time for r in timed)
+    last = max(r.arrival_time for r in timed)
+    end = last
+    for r in timed:
+        if r.arrival_time >= last - horizon_s:
+            if r.request_id not in floors:
+                floors[r.request_id] = service_floor(engine_sim, r)
+            end = max(end, r.arrival_time + floors[r.request_id])
+    return sum(r.output_len for r in timed) / (end - start)
 
 
 # ------------------------------------------------------------------------------------ measuring
@@ -158,15 +242,18 @@ def run_rows(sim: ClusterSim, timed: Sequence[tuple[int, Workload]], rows: Seque
              goodput: dict[str, float]) -> dict[str, dict[str, Any]]:
     """Each row ``(label, router, knobs)`` on each ``(seed, workload with arrivals)``: label -> summary."""
     out = {}
+    kv = kv_tokens(sim)
     for label, name, knobs in rows:
-        results = [sim.run(w, make(name, knobs, seed), goodput=goodput) for seed, w in timed]
+        results = [sim.run(w, make(name, knobs, seed, kv), goodput=goodput) for seed, w in timed]
         out[label] = {"router": name, "knobs": _jsonable(knobs), **_summary(results)}
     return out
 
 
 def tune(sim: ClusterSim, pool: Workload, args: argparse.Namespace, goodput: dict[str, float],
-         log: Callable[[str], None]) -> dict[str, Any]:
-    """Each router's grid on the tuning workloads: ``{router: {"best": knobs, "grid": [...]}}``."""
+         log: Callable[[str], None], mooncake_sim: ClusterSim | None = None) -> dict[str, Any]:
+    """Each router's grid on the tuning workloads: ``{router: {"best": knobs, "grid": [...]}}``. The
+    L-Eval workloads on ``sim`` and, with ``mooncake_sim``, ``--tune-mooncake`` windows of the Mooncake
+    trace (seeds of their own) on it; the score is the mean output tok/s over every run of both."""
     n = sim.num_replicas
     timed = []
     for s in range(args.tune_seeds):
@@ -175,40 +262,79 @@ def tune(sim: ClusterSim, pool: Workload, args: argparse.Namespace, goodput: dic
         for load in args.tune_loads:
             seed = TUNE_SEED_BASE + s
             timed.append((seed, workload.with_arrivals(f"poisson:{load * saturation}", seed)))
+    groups = [("leval", sim, timed)]
+    if mooncake_sim is not None and args.tune_mooncake > 0:
+        seeds = [TUNE_SEED_BASE + s for s in range(args.tune_mooncake)]
+        windows = mooncake_windows(args.mooncake_window * mooncake_sim.num_replicas, seeds)
+        sats = [saturation_rate(mooncake_sim, w) for w in windows]
+        runs = [(seed, at_rate(w, load * sat)) for load in args.tune_loads
+                for seed, w, sat in zip(seeds, windows, sats, strict=True)]
+        groups.append(("mooncake", mooncake_sim, runs))
+    weights = {what: len(r) for what, _, r in groups}
 
     def score(name: str, grid: list[dict[str, Any]]) -> list[dict[str, Any]]:
         t0 = time.perf_counter()
-        rows = run_rows(sim, timed, [(str(i), name, k) for i, k in enumerate(grid)], goodput)
-        log(f"  tuned {name}: {len(grid)} settings x {len(timed)} runs in {time.perf_counter() - t0:.0f} s")
-        return [{"knobs": r["knobs"], "output_throughput": r["output_throughput"],
-                 "mean_e2el_ms": r["mean_e2el_ms"], "request_goodput": r["request_goodput"]}
-                for r in rows.values()]
+        labelled = [(str(i), name, k) for i, k in enumerate(grid)]
+        parts = {what: run_rows(on, runs, labelled, goodput) for what, on, runs in groups}
+        runs = sum(len(r) for _, _, r in groups)
+        log(f"  tuned {name}: {len(grid)} settings x {runs} runs in {time.perf_counter() - t0:.0f} s")
+        out = []
+        for label, _, knobs in labelled:
+            rows = {what: p[label] for what, p in parts.items()}
+
+            def mean(key: str, rows: dict[str, dict[str, Any]] = rows) -> float:
+                return sum(weights[w] * r[key] for w, r in rows.items()) / runs
+
+            out.append({"knobs": _jsonable(knobs), "output_throughput": mean("output_throughput"),
+                        "mean_e2el_ms": mean("mean_e2el_ms"), "request_goodput": mean("request_goodput"),
+                        **{f"{w}_output_throughput": r["output_throughput"] for w, r in rows.items()}})
+        return out
 
     out: dict[str, Any] = {}
     for name, grid in grids().items():
         scored = score(name, grid)
-        if name == OURS:  # stage two: the best four with a match-rate threshold
-            top = sorted(scored, key=lambda r: _rank(name, r), reverse=True)[:4]
+        if name == OURS:  # stage two: the best four with a match-rate threshold; three: a cache model
+            top = _top(name, scored, 4)
             scored += score(name, [{**r["knobs"], **extra} for extra in OURS_STAGE_TWO for r in top])
+            top = _top(name, scored, 3)
+            scored += score(name, [{**r["knobs"], **extra} for extra in OURS_STAGE_THREE for r in top])
         best = max(scored, key=lambda r: _rank(name, r))  # of equals: the closest to the defaults
         out[name] = {"best": best["knobs"], "score": best["output_throughput"], "grid": scored}
     return out
 
 
-def cell(sim: ClusterSim, workload: Workload, loads: Sequence[float], seeds: Sequence[int],
-         tuned: dict[str, dict[str, Any]], goodput: dict[str, float], kind: str) -> list[dict[str, Any]]:
-    """Every router at its defaults and tuned, at each of ``loads``: one cell per load."""
-    saturation = saturation_rate(sim, workload)
+def cell(sim: ClusterSim, workload: Workload | Sequence[Workload], loads: Sequence[float],
+         seeds: Sequence[int], tuned: dict[str, dict[str, Any]], goodput: dict[str, float],
+         kind: str) -> list[dict[str, Any]]:
+    """Every router at its defaults and tuned, at each of ``loads``: one cell per load. One workload:
+    Poisson arrivals drawn with each seed; one timed trace per seed (a list): its own timestamps
+    scaled to the load (:func:`at_rate`)."""
+    traces = list(workload) if not isinstance(workload, Workload) else None
+    if traces is not None:
+        if len(traces) != len(seeds):
+            raise ValueError("one trace per seed")
+        sats = [saturation_rate(sim, w) for w in traces]
+        saturation = statistics.fmean(sats)
+        documents = statistics.fmean(w.num_groups for w in traces)
+        requests = statistics.fmean(len(w) for w in traces)
+    else:
+        saturation = saturation_rate(sim, workload)
+        documents, requests = workload.num_groups, len(workload)
     rows = []
     for name in ROUTER_ORDER:
         rows.append((_default_label(name), name, defaults(name)))
         if not _is_default(name, tuned[name]):
             rows.append((f"{name} (tuned)", name, tuned[name]))
     cells = []
+    floor_sim, floors = ClusterSim(1, sim.engine), {}
     for load in loads:
         rate = load * saturation
-        timed = [(seed, workload.with_arrivals(f"poisson:{rate}", seed)) for seed in seeds]
+        if traces is not None:
+            timed = [(seed, at_rate(w, load * sat)) for seed, w, sat in zip(seeds, traces, sats, strict=True)]
+        else:
+            timed = [(seed, workload.with_arrivals(f"poisson:{rate}", seed)) for seed in seeds]
         routers = run_rows(sim, timed, rows, goodput)
+        bounds = [throughput_bound(floor_sim, w, floors) for _, w in timed]
         ours = routers[_label(OURS, tuned)]
         for r in routers.values():
             r["ours_over_this"] = ours["output_throughput"] / r["output_throughput"]
@@ -217,9 +343,10 @@ def cell(sim: ClusterSim, workload: Workload, loads: Sequence[float], seeds: Seq
             r["ours_over_this_range"] = [min(paired), max(paired)]
             r["ours_over_this_goodput"] = (ours["request_goodput"] / r["request_goodput"]
                                           if r["request_goodput"] else math.inf)
-        cells.append({"kind": kind, "replicas": sim.num_replicas, "documents": workload.num_groups,
-                      "requests": len(workload), "load": load, "saturation_req_s": saturation,
-                      "rate_req_s": rate, "seeds": list(seeds), "routers": routers})
+        cells.append({"kind": kind, "replicas": sim.num_replicas, "documents": round(documents),
+                      "requests": round(requests), "load": load, "saturation_req_s": saturation,
+                      "rate_req_s": rate, "seeds": list(seeds), "routers": routers,
+                      "bound_output_throughput": statistics.fmean(bounds), "bound_runs": bounds})
     return cells
 
 
@@ -247,7 +374,7 @@ class _Lockstep(ReplicaRouter):
     def choose(self, hashes: np.ndarray | None, loads: Mapping[str, int], avoid: Collection[str] = (), *,
                tokens: int | None = None) -> str:
         choice = self.peer.choose(hashes, loads, avoid, tokens=tokens)
-        self.same += self.ours.choose(hashes, loads, avoid) == choice  # as the simulator asks ours
+        self.same += self.ours.choose(hashes, loads, avoid, tokens=tokens) == choice
         self.total += 1
         return choice
 
@@ -272,7 +399,7 @@ def agreement(sim: ClusterSim, workload: Workload, load: float, seed: int,
     timed = workload.with_arrivals(f"poisson:{load * saturation_rate(sim, workload)}", seed)
     out = {}
     for name in PEERS:
-        lockstep = _Lockstep(make(name, tuned[name], seed), make(OURS, tuned[OURS], seed))
+        lockstep = _Lockstep(make(name, tuned[name], seed), make(OURS, tuned[OURS], seed, kv_tokens(sim)))
         sim.run(timed, lockstep)
         out[name] = lockstep.same / lockstep.total
     return out
@@ -314,6 +441,48 @@ def _cell_table(c: dict[str, Any]) -> str:
     return format_table(headers, rows)
 
 
+_KIND_TEXT = {"uniform": "uniform documents", "zipf": "Zipf document popularity (s = {s:g})",
+              "mooncake": "Mooncake synthetic trace"}
+
+
+def _mooncake_text(res: dict[str, Any]) -> str:
+    if not any(c["kind"] == "mooncake" for c in res["cells"]):
+        return ""
+    return ("Mooncake: the FAST'25 synthetic trace as `configs/scenarios/mooncake-synthetic.yaml` reads it "
+            "(64 token ids per 512-token hash id, lengths / 8; its engine, 1 GiB of KV), one window of "
+            f"{res['mooncake_window_s']:g} s x replicas of the trace per seed, its own timestamps scaled to "
+            "the load x that window's saturation rate. ")
+
+
+def _tune_mooncake_text(res: dict[str, Any]) -> str:
+    k = res.get("tune_mooncake") or 0
+    return f", and on {k} windows of the Mooncake trace of other seeds, the same loads" if k else ""
+
+
+def summary_table(res: dict[str, Any]) -> str:
+    """One row per cell: ours (tuned) over each tuned peer, and the mean E2E of ours and the best peer."""
+    tuned = res["tuned"]
+    headers = ["cell", "ours tok/s", *[f"/ {p}" for p in PEERS], "bound / ours",
+               "mean E2E s: ours, best peer"]
+    rows = []
+    for c in res["cells"]:
+        routers = c["routers"]
+        ours = routers[_label(OURS, tuned)]
+        peers = [routers[_label(p, tuned)] for p in PEERS]
+        best = min(peers, key=lambda r: r["mean_e2el_ms"])
+        ratios = []
+        for r in peers:
+            good = ours["request_goodput"] / r["request_goodput"] if r["request_goodput"] else math.inf
+            ratios.append(f"{r['ours_over_this']:.3f}x ({good:.2f}x)")
+        kind = "Zipf" if c["kind"] == "zipf" else c["kind"].replace("uniform", "L-Eval")
+        e2e = f"{ours['mean_e2el_ms'] / 1000:.2f}, {best['mean_e2el_ms'] / 1000:.2f} ({best['router']})"
+        where = f"{c['replicas']} x, {kind}, load {c['load']:g}"
+        bound = c.get("bound_output_throughput")
+        bound = f"{bound / ours['output_throughput']:.3f}x" if bound else "-"
+        rows.append([where, ours["output_throughput"], *ratios, bound, e2e])
+    return format_table(headers, rows)
+
+
 def render(res: dict[str, Any]) -> str:
     """The tuned knobs, a table per cell, and the targets, in markdown."""
     slo = ", ".join(f"{'TTFT' if k == 'ttft' else k.upper()} <= {v / 1000:g} s"
@@ -323,10 +492,12 @@ def render(res: dict[str, Any]) -> str:
            f"heuristic in every replica; L-Eval, {res['docs_per_replica']} documents per replica "
            f"({res['docs_per_replica_large']} from {res['large_replicas']} replicas on) with at most 8 "
            "questions each, prompts <= 8,192 tokens; Poisson arrivals at the load x the saturation rate "
-           f"measured with ours as shipped before (`{_knobs(OURS_BEFORE)}`); means over arrival seeds "
-           f"{res['seeds']}. Goodput: vLLM's definition, requests per second meeting {slo}. Each router "
+           f"measured with a fixed reference router (`prefix`, `{_knobs(res.get('reference', REFERENCE))}`); "
+           f"means over arrival seeds {res['seeds']}. {_mooncake_text(res)}Goodput: vLLM's definition, "
+           f"requests per second meeting {slo}. Each router "
            f"tuned on {res['tune_seeds']} workloads of other seeds at {res['tune_replicas']} replicas, loads "
-           f"{tune_loads} (score: mean output tok/s); the peers' radix trees are sets of 512-token chunk "
+           f"{tune_loads}{_tune_mooncake_text(res)} (score: mean output tok/s over every run); "
+           f"the peers' radix trees are sets of 512-token chunk "
            f"keys (`scheduler_runtime/router.py`). {measured(res)}; `{res['command']}`: "
            f"{res['cpu_s'] / 60:.0f} min of CPU on one core ({res['wall_s'] / 60:.0f} min wall).", "",
            format_table(["router", "defaults (ours: previous)", "tuned (grid size)", "tuning score, tok/s"],
@@ -339,10 +510,14 @@ def render(res: dict[str, Any]) -> str:
                 "load 1, seed 0; the peer routes, ours is told every routing and answers too): the same "
                 "replica for "
                 + ", ".join(f"{100 * v:.1f}% of the requests with {k}" for k, v in same.items()) + "."]
+    out += ["", "Ours (tuned) over each peer (tuned), output tok/s (and goodput), per cell; the bound over "
+            "ours (output tok/s no router can beat: every request finishes no earlier than its arrival plus "
+            "its end-to-end latency alone on an idle replica that holds its prompt, `throughput_bound`); "
+            "mean E2E of ours and of the best peer there:", "", summary_table(res)]
     for c in res["cells"]:
-        what = ("Zipf document popularity (s = {:g})".format(res["zipf_s"]) if c["kind"] == "zipf"
-                else "uniform documents")
-        out += ["", f"**{c['replicas']} replicas, load {c['load']:g}, {what}**: {c['documents']} documents, "
+        what = _KIND_TEXT[c["kind"]].format(s=res["zipf_s"])
+        docs = f"{c['documents']} documents, " if c["kind"] != "mooncake" else ""
+        out += ["", f"**{c['replicas']} replicas, load {c['load']:g}, {what}**: {docs}"
                 f"{c['requests']} requests, {c['rate_req_s']:.1f} req/s (saturation "
                 f"{c['saturation_req_s']:.1f})", "", _cell_table(c)]
     checks = res.get("verdicts") or []
@@ -367,10 +542,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--loads-large", default="0.8,1.0", help="the loads from --large-replicas on")
     p.add_argument("--seeds", type=int, default=3, help="evaluation arrival seeds 0..N-1")
     p.add_argument("--tune-replicas", type=int, default=16)
-    p.add_argument("--tune-seeds", type=int, default=3, help="tuning workloads (own seeds)")
-    p.add_argument("--tune-loads", default="1.0,1.5")
+    p.add_argument("--tune-seeds", type=int, default=6, help="tuning workloads (own seeds)")
+    p.add_argument("--tune-loads", default="0.8,1.0")
+    p.add_argument("--tune-mooncake", type=int, default=3,
+                   help="Mooncake windows (own seeds) in the tuning score beside L-Eval's (0: none)")
     p.add_argument("--zipf-s", type=float, default=1.1, help="0: no Zipf variant")
     p.add_argument("--goodput", default=DEFAULT_GOODPUT, help="SLOs in ms, vLLM's --goodput pairs")
+    p.add_argument("--mooncake-replicas", default="4,16",
+                   help="cluster sizes on the Mooncake trace ('': none)")
+    p.add_argument("--mooncake-window", type=float, default=40.0,
+                   help="seconds of the Mooncake trace per replica (one window per seed)")
     p.add_argument("--scenario", default="leval-kv-pressure")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--json", default=None)
@@ -388,7 +569,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     seeds = list(range(args.seeds))
 
     log(f"tuning at {args.tune_replicas} replicas, loads {args.tune_loads}, {args.tune_seeds} workloads")
-    tuning = tune(ClusterSim(args.tune_replicas, engine), pool, args, goodput, log)
+    mooncake_engine = load_scenario(MOONCAKE_SCENARIO).engine_config()
+    tuning = tune(ClusterSim(args.tune_replicas, engine), pool, args, goodput, log,
+                  ClusterSim(args.tune_replicas, mooncake_engine))
     tuned = {name: t["best"] for name, t in tuning.items()}
     for name, t in tuning.items():
         log(f"  {name}: {_knobs(t['best'])} ({t['score']:.0f} tok/s)")
@@ -414,14 +597,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         cells += cell(ClusterSim(n, engine), workload, loads, seeds, tuned, goodput, "zipf")
         log(f"{n} replicas, Zipf: {time.perf_counter() - t0:.0f} s")
+    for n in (int(x) for x in args.mooncake_replicas.split(",") if x.strip()):
+        t0 = time.perf_counter()
+        windows = mooncake_windows(args.mooncake_window * n, seeds)
+        cells += cell(ClusterSim(n, mooncake_engine), windows, loads, seeds, tuned, goodput, "mooncake")
+        log(f"{n} replicas, Mooncake: {time.perf_counter() - t0:.0f} s")
 
     out = {"benchmark": "router_peers", "machine": machine_info(), "scenario_engine": args.scenario,
            "engine": engine.to_dict(), "command": "python -m benchmarks.router_peers " + " ".join(
                argv if argv is not None else sys.argv[1:]),
            "docs_per_replica": args.docs_per_replica, "docs_per_replica_large": args.docs_per_replica_large,
            "large_replicas": args.large_replicas, "loads": loads, "seeds": seeds, "goodput": goodput,
-           "tune_replicas": args.tune_replicas, "tune_seeds": args.tune_seeds, "tune_loads": args.tune_loads,
-           "zipf_s": args.zipf_s, "ours_before": OURS_BEFORE, "tuning": tuning, "tuned": tuned,
+           "tune_replicas": args.tune_replicas, "tune_seeds": args.tune_seeds,
+           "tune_mooncake": args.tune_mooncake, "tune_loads": args.tune_loads,
+           "zipf_s": args.zipf_s, "mooncake_window_s": args.mooncake_window,
+           "mooncake_engine": mooncake_engine.to_dict(), "reference": REFERENCE, "ours_before": OURS_BEFORE,
+           "tuning": tuning, "tuned": tuned,
            "defaults": {name: defaults(name) for name in ROUTER_ORDER}, "cells": cells,
            "agreement": same, "targets": TARGETS, "target_replicas": TARGET_REPLICAS}
     out["verdicts"] = verdicts(out)

@@ -14,9 +14,10 @@ replica stops at the first engine step that reaches it, as a real engine finishe
 it sees a new request), the router chooses with the loads of that moment, and the request enters
 that replica's scheduler. After the last arrival every replica runs until it has served all of its
 requests. Each replica's scheduler answers its own ADD/STOP decisions with its policy (Feather's
-heuristic by default), as it does inside vLLM. A router that reads the request's life
+heuristic by default), as it does inside vLLM. Every router is given the prompt's length (as
+``feather-serve``'s proxy gives it, from the body); a router that reads the request's life
 (:attr:`~scheduler_runtime.router.ReplicaRouter.tracks_requests`: the field's routers) gets the
-prompt's length and the request's id with each choice, and hears of
+request's id with each routing, and hears of
 every first token (:meth:`~scheduler_runtime.router.ReplicaRouter.prefilled`) and finish
 (:meth:`~scheduler_runtime.router.ReplicaRouter.finished`) that happened before the next arrival,
 as a router watching the responses stream would.
@@ -218,13 +219,9 @@ class ClusterSim:
                     tell(replica)
             loads = {r.name: r.in_flight for r in replicas}
             hashes = hasher.hash(request.prompt_token_ids) if router.uses_hashes and hasher else None
-            if tracks:
-                n = len(request.prompt_token_ids)
-                name = router.choose(hashes, loads, tokens=n)
-                router.routed(hashes, name, tokens=n, request_id=request.request_id)
-            else:
-                name = router.choose(hashes, loads)
-                router.routed(hashes, name)
+            n = len(request.prompt_token_ids)  # every router gets the length, as the proxy gives it
+            name = router.choose(hashes, loads, tokens=n)
+            router.routed(hashes, name, tokens=n, request_id=request.request_id if tracks else None)
             by_name[name].submit(request)
         for replica in replicas:
             replica.run_until(math.inf)

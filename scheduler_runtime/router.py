@@ -23,14 +23,19 @@ The routers (:data:`ROUTERS`, :func:`make_router`):
   longest known prefix (a table of chunk keys, longest match by binary search over depths, as the
   keys are chained) if that prefix covers at least ``min_match`` of the prompt (10%), as long as
   its load stays under the bound of consistent hashing with bounded loads (Mirrokni, Thorup,
-  Zadimoghaddam, SODA 2018): ``ceil(load_factor * (total + 1) / n)`` (``load_factor`` 5), and never
-  below the mean plus ``slack`` (2). Past the bound the request walks the hash ring from its
-  deepest known key to the first replica under the bound (a hot prefix spills to the same second
-  replica every time, which then holds it too); a new prefix goes to the least loaded replica
-  (``new_prefix="least"``; ``"ring"``: walk the ring from its first chunk's key; ``"smallest"``:
-  the replica sent the fewest prompt tokens). The defaults are the best of a tuning search on the
-  cluster simulator beside the field's routers (``benchmarks.router_peers``; before it
-  ``load_factor=1.25``, ``new_prefix="ring"``, no ``min_match``).
+  Zadimoghaddam, SODA 2018): ``ceil(load_factor * (total + 1) / n)`` (``load_factor`` 20: a
+  bound for outliers only), and never below the mean plus ``slack`` (2), and, where the caller
+  gives each replica's KV size (``kv_tokens``), as long as a model of that replica's prefix cache (an
+  LRU of ``cache_factor`` 1.5 x its KV tokens of what it was sent) still holds half of that prefix:
+  a document the replica has evicted by now goes where a new one goes, as it is prefilled again
+  wherever it goes. Past the bound the request walks the hash ring from its deepest known key to the
+  first replica under the bound (a hot prefix spills to the same second replica every time, which
+  then holds it too); a new prefix goes to the least loaded replica (``new_prefix="least"``;
+  ``"ring"``: walk the ring from its first chunk's key; ``"smallest"``: the replica sent the fewest
+  prompt tokens). The defaults are the best of a tuning search on the cluster simulator beside the
+  field's routers (``benchmarks.router_peers``, L-Eval and the Mooncake trace; before the first
+  ``load_factor=1.25``, ``new_prefix="ring"``, no ``min_match``; before the second
+  ``load_factor=5``, no cache model).
 
 The field's routers, as peers to measure ours against (each class's docstring names the rule it
 follows, its source and version, its default knobs and where this version approximates it):
@@ -160,13 +165,16 @@ class PrefixHashRouter(ReplicaRouter):
 class PrefixAffinityRouter(ReplicaRouter):
     """Ours: longest known prefix, bounded by load (see the module docstring).
 
-    The defaults (``load_factor=5, slack=2, new_prefix="least", min_match=0.1``) won the tuning search
-    of ``benchmarks.router_peers`` (16 simulated replicas, L-Eval, with SGLang's, Ray Serve's,
-    LMetric's and Dynamo's rules tuned beside it) and beat the previous ones (``1.25, 2, "ring", 0``)
-    on held-out seeds at 4, 16 and 64 replicas (``docs/results.md``). A load counted in tokens
-    (pending prefill plus the distinct KV tokens in flight) was tried there too and dropped: a hot
-    document's replica looked light (its document counted once, its questions cached) while its
-    queue grew.
+    The defaults (``load_factor=20, slack=2, new_prefix="least", min_match=0.1, cache_factor=1.5,
+    cache_keep=0.5``) won the tuning search of ``benchmarks.router_peers`` (16 simulated replicas,
+    L-Eval and the Mooncake trace, with SGLang's, Ray Serve's, LMetric's and Dynamo's rules tuned
+    beside it) and beat the previous ones (``5, 2, "least", 0.1``, no cache model) on held-out seeds
+    (``docs/results.md``). Tried there and dropped: a load counted in tokens (pending prefill plus the
+    distinct KV tokens in flight: a hot document's replica looked light while its queue grew), a cost
+    of new prefill tokens plus the tokens and requests in flight (LMetric's and Dynamo's terms on our
+    table: better at 80% load, worse at 100%), and placing a new document by the new tokens in flight.
+    A tighter request-count bound (``load_factor`` 3-5) spilled the Mooncake trace's hot long
+    conversations, prefilling them again elsewhere.
 
     Args:
         load_factor: ``c`` of consistent hashing with bounded loads: no replica is sent a request
@@ -186,6 +194,15 @@ class PrefixAffinityRouter(ReplicaRouter):
             the request goes where a new prefix goes (SGLang's and Ray's match-rate threshold: a
             shared preamble of a few hundred tokens does not pull a new document onto its replica).
             Default 0.1; ``0``: any known prefix is followed.
+        kv_tokens: each replica's KV cache in tokens, where the caller knows it (the simulator
+            does; ``None``: unknown, and the cache model below is off).
+        cache_factor: with ``kv_tokens``, a model of each replica's prefix cache: an LRU of
+            ``cache_factor x kv_tokens`` tokens of the prompts it was sent (the chunks past what it
+            already held, :class:`PrefixHistory`). A known prefix whose replica has, by this model,
+            kept less than ``cache_keep`` of it (it was sent that many other tokens since) is followed
+            no further: the request goes where a new prefix goes, to the least loaded replica, and the
+            document with it (it was to be prefilled again anyway). ``0``: off. Default 1.5 (tuned).
+        cache_keep: the share of the known prefix the model must still hold (default 0.5).
         chunk_size: tokens per chunk of the hashes (the scheduler's chunk size; ``min_match`` and
             ``new_prefix="smallest"`` count tokens by it).
     """
@@ -193,8 +210,9 @@ class PrefixAffinityRouter(ReplicaRouter):
     name = "prefix"
     uses_hashes = True
 
-    def __init__(self, load_factor: float = 5.0, slack: int = 2, max_keys: int = MAX_TABLE_KEYS,
-                 new_prefix: str = "least", min_match: float = 0.1,
+    def __init__(self, load_factor: float = 20.0, slack: int = 2, max_keys: int = MAX_TABLE_KEYS,
+                 new_prefix: str = "least", min_match: float = 0.1, kv_tokens: int | None = None,
+                 cache_factor: float = 1.5, cache_keep: float = 0.5,
                  chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
         super().__init__()
         if not load_factor > 1.0:
@@ -205,6 +223,18 @@ class PrefixAffinityRouter(ReplicaRouter):
             raise ValueError(f"new_prefix must be 'ring', 'least' or 'smallest', got {new_prefix!r}")
         if not 0.0 <= min_match <= 1.0:
             raise ValueError(f"min_match must be in [0, 1], got {min_match}")
+        if kv_tokens is not None and kv_tokens < 1:
+            raise ValueError(f"kv_tokens must be >= 1 or None, got {kv_tokens}")
+        if cache_factor < 0 or not 0.0 <= cache_keep <= 1.0:
+            raise ValueError(f"cache_factor must be >= 0 and cache_keep in [0, 1], got {cache_factor}, "
+                             f"{cache_keep}")
+        self.kv_tokens = kv_tokens
+        self.cache_factor = float(cache_factor)
+        self.cache_keep = float(cache_keep)
+        #: The cache model (``kv_tokens`` and ``cache_factor``): what each replica still holds, LRU.
+        self.cached: PrefixHistory | None = None
+        if kv_tokens is not None and cache_factor > 0:
+            self.cached = PrefixHistory(chunk_size, max(1, round(cache_factor * kv_tokens)))
         self.min_match = float(min_match)
         self.new_prefix = new_prefix
         self.load_factor = float(load_factor)
@@ -220,7 +250,7 @@ class PrefixAffinityRouter(ReplicaRouter):
         self._old: dict[int, str] = {}
         #: replica -> prompt tokens it was sent (``new_prefix="smallest"``; see the class docstring)
         self.sent_tokens: Counter[str] = Counter()
-        self.counts = {"affinity": 0, "spilled": 0, "new": 0}
+        self.counts = {"affinity": 0, "spilled": 0, "new": 0, "evicted": 0}
 
     def bound(self, total: int, n: int) -> int:
         """The most requests one of ``n`` replicas may hold after this one joins ``total``."""
@@ -266,6 +296,13 @@ class PrefixAffinityRouter(ReplicaRouter):
             n = prompt_tokens(hashes, tokens, self.chunk_size)
             if min((level + 1) * self.chunk_size, n) < self.min_match * n:
                 level, owner = -1, None  # too little of it known: a new prefix
+        if owner is not None and self.cached is not None:
+            n = prompt_tokens(hashes, tokens, self.chunk_size)
+            known = min((level + 1) * self.chunk_size, n)
+            kept = min(self.cached.match(hashes).get(owner, 0) * self.chunk_size, n)
+            if kept < max(1.0, self.cache_keep * known):
+                self.counts["evicted"] += 1  # evicted there by now: prefilled again wherever it goes
+                level, owner = -1, None
         if owner is not None and owner in ok and loads[owner] < cap:
             self.counts["affinity"] += 1
             return owner
@@ -292,6 +329,8 @@ class PrefixAffinityRouter(ReplicaRouter):
         if hashes is None:
             return
         keys = hashes.tolist()
+        if self.cached is not None:
+            self.cached.insert(hashes, replica, tokens)
         if self.new_prefix == "smallest":  # the keys past the deepest one the replica already owns
             get, chunk = self._get, self.chunk_size
             n, added = prompt_tokens(hashes, tokens, chunk), 0
@@ -310,6 +349,8 @@ class PrefixAffinityRouter(ReplicaRouter):
             for key in [k for k, r in table.items() if r == replica]:
                 del table[key]
         self.sent_tokens.pop(replica, None)
+        if self.cached is not None:
+            self.cached.forget(replica)
 
     def state(self) -> dict[str, Any]:
         return {**self.counts, "table_keys": len(self._young) + len(self._old)}

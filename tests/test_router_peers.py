@@ -273,8 +273,34 @@ def test_ours_smallest_sends_a_new_document_to_the_replica_sent_the_fewest_token
 
 def test_ours_defaults_are_the_tuned_setting():
     r = PrefixAffinityRouter()
-    assert (r.load_factor, r.slack, r.new_prefix, r.min_match) == (5.0, 2, "least", 0.1)
+    assert (r.load_factor, r.slack, r.new_prefix, r.min_match) == (20.0, 2, "least", 0.1)
+    assert (r.cache_factor, r.cache_keep) == (1.5, 0.5)
+    assert r.cached is None  # no KV size given: the cache model is off
     assert not r.tracks_requests  # what the Ray Serve router can feed it: hashes and requests in flight
+
+
+def test_ours_cache_model_sends_an_evicted_document_to_the_least_loaded_replica():
+    # each replica keeps 1.0 x 5 chunks: a's LRU model holds DOC (4 chunks); 4 more leave 1 of them
+    r = PrefixAffinityRouter(kv_tokens=5 * CHUNK, cache_factor=1.0, min_match=0.0, chunk_size=CHUNK)
+    r.routed(h(DOC), "a", tokens=4 * CHUNK)
+    loads = {"a": 2, "b": 0, "c": 1}
+    follow = with_question(DOC, 4)
+    assert r.choose(h(follow), loads, tokens=len(follow)) == "a"  # still held: affinity
+    r.routed(h(OTHER), "a", tokens=4 * CHUNK)  # 8 chunks sent to a: 1 of DOC's 4 left, < cache_keep
+    assert r.choose(h(follow), loads, tokens=len(follow)) == "b"  # a new prefix: the least loaded
+    assert r.state()["evicted"] == 1 and r.state()["affinity"] == 1
+    r.routed(h(follow), "b", tokens=len(follow))
+    assert r.choose(h(follow), {"a": 0, "b": 3, "c": 0}, tokens=len(follow)) == "b"  # it moved with it
+    off = PrefixAffinityRouter(kv_tokens=6 * CHUNK, cache_factor=0, min_match=0.0, chunk_size=CHUNK)
+    for prompt in (DOC, OTHER):
+        off.routed(h(prompt), "a", tokens=4 * CHUNK)
+    assert off.cached is None and off.choose(h(follow), loads, tokens=len(follow)) == "a"
+    r.forget("b")
+    assert r.cached.match(h(follow)) == {"a": 1}  # b's copy gone, a's first chunk left
+    with pytest.raises(ValueError, match="cache_factor"):
+        PrefixAffinityRouter(cache_factor=-1)
+    with pytest.raises(ValueError, match="kv_tokens"):
+        PrefixAffinityRouter(kv_tokens=0)
 
 
 def test_ours_min_match_does_not_follow_a_shared_preamble():
@@ -371,3 +397,33 @@ def test_zipf_documents_skews_popularity_over_the_same_documents(data_dir):
     assert counts[0] > 400 * 0.1 > counts[len(counts) // 2]  # the hottest ~1/H(40, 1.1) of them
     with pytest.raises(ValueError):
         zipf_documents(pool, 4, 0, 1.1, seed=0)
+
+
+def test_router_peers_scales_a_trace_to_a_rate_and_reads_mooncake_windows(data_dir):
+    from benchmarks.router_peers import at_rate, mooncake_windows
+
+    windows = mooncake_windows(20.0, [0, 1])
+    assert len(windows) == 2 and all(len(w) > 10 for w in windows)
+    assert [r.request_id for r in windows[0]] != [r.request_id for r in windows[1]]
+    w = at_rate(windows[0], 50.0)
+    times = [r.arrival_time for r in w]
+    assert times[0] == 0 and times == sorted(times)
+    assert (len(w) - 1) / times[-1] == pytest.approx(50.0)
+    ratios = np.diff([r.arrival_time for r in windows[0]])[1:] / np.maximum(np.diff(times)[1:], 1e-12)
+    assert np.allclose(ratios[np.diff(times)[1:] > 0], ratios[np.diff(times)[1:] > 0][0])  # shape kept
+
+
+def test_router_peers_bound_is_above_every_router(data_dir):
+    from benchmarks.router_peers import throughput_bound
+    from feather_env.cluster_sim import ClusterSim
+    from feather_env.scenarios import load_scenario
+
+    scenario = load_scenario("leval-kv-pressure", SMALL)
+    workload = scenario.episode_workload(0)
+    engine = scenario.engine_config()
+    floors: dict[str, float] = {}
+    bound = throughput_bound(ClusterSim(1, engine), workload, floors)
+    assert floors and all(f > 0 for f in floors.values())
+    for name in ("prefix", "sglang-cache-aware", "round-robin"):
+        served = ClusterSim(2, engine).run(workload, make_router(name)).metrics["output_throughput"]
+        assert served <= bound * (1 + 1e-9)
