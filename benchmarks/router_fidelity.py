@@ -3,9 +3,10 @@ reimplementations in :mod:`scheduler_runtime.router`, on one replayed request se
 
     python -m benchmarks.router_fidelity --json results/router_fidelity.json
 
-Stand-in workers (:class:`StandInWorkers`: OpenAI-compatible HTTP servers on loopback that answer
-``/v1/completions`` at once with a tiny valid completion, ``/health`` with 200 and anything else with
-404, and record which worker received which request) sit behind the real router:
+Stand-in workers (:class:`benchmarks.standin.StandInWorkers`: :mod:`benchmarks.standin`'s
+OpenAI-compatible servers, in this process, on loopback; they answer ``/v1/completions`` at once
+with a tiny valid completion, ``/health`` with 200, ``/get_model_info`` and ``/get_server_info``
+with 404, and record which worker received which request) sit behind the real router:
 
 * **SGLang**: ``python -m sglang_router.launch_router --policy cache_aware --worker-urls ...`` (the
   ``peers`` extra's sglang-router), at its default thresholds and at non-default ones, in front of 2
@@ -49,10 +50,8 @@ Workloads: the L-Eval cluster workload (documents with at most 8 questions each,
 from __future__ import annotations
 
 import argparse
-import asyncio
 import itertools
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -66,10 +65,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from aiohttp import web
 
 from benchmarks import measured
 from benchmarks.cluster_server import free_port
+from benchmarks.standin import Received, StandInWorkers  # noqa: F401 - Received: re-exported
 from feather_env.cluster_sim import distinct_documents
 from feather_env.reporting import format_table, machine_info, write_json
 from feather_env.workloads import Workload, WorkloadConfig, load_workload
@@ -96,128 +95,6 @@ ID_FIELD = "feather_request_id"
 #: neither is model ``unknown``, and a request naming another model finds no tree: sglang-router 0.3.2
 #: then sends it to the first worker, every time, without prefix matching (measured here).
 MODEL = "unknown"
-
-
-# ------------------------------------------------------------------------------------ stand-in workers
-
-
-@dataclass(frozen=True)
-class Received:
-    """One request a stand-in worker received: the worker's index, the request's id (the body's
-    :data:`ID_FIELD`, which the client sets), the body as it arrived and the answer it was given."""
-
-    worker: int
-    request_id: str
-    body: dict[str, Any]
-    answer: dict[str, Any]
-
-
-def completion(worker: int, serial: int, body: Mapping[str, Any]) -> dict[str, Any]:
-    """The stand-in's answer: a valid one-token OpenAI completion that names the worker."""
-    return {"id": f"cmpl-standin-{worker}-{serial}", "object": "text_completion", "created": int(time.time()),
-            "model": body.get("model", "stand-in"),
-            "choices": [{"index": 0, "text": " ok", "logprobs": None, "finish_reason": "length"}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
-
-
-class _NoHttp2Probes(logging.Filter):
-    """sglang-router opens each worker with an HTTP/2 preface (``PRI * HTTP/2.0``) before falling back
-    to HTTP/1.1; aiohttp answers 400 and logs an error per connection: drop those records only."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "PRI/Upgrade" not in record.getMessage() and not (
-            record.exc_info and "PRI/Upgrade" in str(record.exc_info[1]))
-
-
-logging.getLogger("aiohttp.server").addFilter(_NoHttp2Probes())
-
-
-class StandInWorkers:
-    """``n`` OpenAI-compatible stand-in workers on free loopback ports, served by one event loop in a
-    background thread (a context manager). ``received`` lists what each got, in order of arrival.
-
-    ``hold``: a worker answers a request only once :meth:`release` is called with its id (so that a
-    replay controls how many requests each worker has in flight); otherwise at once.
-    """
-
-    def __init__(self, n: int, hold: bool = False) -> None:
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        self.n = n
-        self.hold = hold
-        self.ports = [free_port() for _ in range(n)]
-        self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
-        self.received: list[Received] = []
-        self._arrived = threading.Condition()
-        self._gates: dict[str, asyncio.Event] = {}
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="stand-in-workers", daemon=True)
-        self._runners: list[web.AppRunner] = []
-
-    def _app(self, worker: int) -> web.Application:
-        async def completions(request: web.Request) -> web.Response:
-            body = await request.json()
-            rid = str(body.get(ID_FIELD, ""))
-            gate = self._gates.setdefault(rid, asyncio.Event()) if self.hold else None
-            with self._arrived:
-                answer = completion(worker, len(self.received), body)
-                self.received.append(Received(worker, rid, body, answer))
-                self._arrived.notify_all()
-            if gate is not None:
-                await gate.wait()
-                del self._gates[rid]
-            return web.json_response(answer)
-
-        async def health(request: web.Request) -> web.Response:
-            return web.Response(text="ok")
-
-        app = web.Application(client_max_size=1 << 28)
-        app.router.add_post("/v1/completions", completions)
-        app.router.add_get("/health", health)
-        return app
-
-    async def _start(self) -> None:
-        for i, port in enumerate(self.ports):
-            runner = web.AppRunner(self._app(i), access_log=None)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
-            self._runners.append(runner)
-
-    async def _stop(self) -> None:
-        for gate in self._gates.values():
-            gate.set()
-        for runner in self._runners:
-            await runner.cleanup()
-
-    def __enter__(self) -> StandInWorkers:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=30)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(timeout=30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=30)
-
-    def worker_of(self, request_id: str, timeout: float = 0.0) -> int | None:
-        """The worker that received ``request_id`` (the last one, if it came twice), waiting up to
-        ``timeout`` seconds for it; ``None`` if none did."""
-        deadline = time.monotonic() + timeout
-        with self._arrived:
-            while True:
-                for r in reversed(self.received):
-                    if r.request_id == request_id:
-                        return r.worker
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._arrived.wait(left):
-                    return None
-
-    def release(self, request_id: str) -> None:
-        """Let a held request be answered (``hold`` mode)."""
-        async def open_gate() -> None:
-            self._gates.setdefault(request_id, asyncio.Event()).set()
-
-        asyncio.run_coroutine_threadsafe(open_gate(), self._loop).result(timeout=30)
 
 
 # ------------------------------------------------------------------------------------ the real routers
@@ -312,7 +189,8 @@ def replay_sglang(prompts: Sequence[tuple[str, str]], workers: int, knobs: Mappi
     rng = np.random.default_rng(seed)
     chosen: list[int] = []
     in_flight_seen: list[list[str]] = []
-    with StandInWorkers(workers, hold=True) as stand_ins, SGLangRouter(stand_ins.urls, knobs) as router:
+    with (StandInWorkers(workers, hold=True, id_field=ID_FIELD) as stand_ins,
+          SGLangRouter(stand_ins.urls, knobs) as router):
         order = worker_order(router.url, stand_ins.urls)
         inflight: dict[str, tuple[threading.Thread, int]] = {}
         errors: list[BaseException] = []

@@ -15,8 +15,15 @@ answering), ``hang_on`` (never answer), ``die_after`` (``{name: k}``: exit after
 ``delay_s`` (wait before answering). ``GET /standin/served`` lists the ``user`` field of every request
 it answered in full, so a test can check that nothing is served twice.
 
-:class:`StandIns` starts ``n`` of them as processes on free ports (a context manager), and
-:func:`standin_command` is a replica command for :func:`scheduler_runtime.serving.replicas.replicas_for`.
+Two ways to run them, one server class (:class:`StandIn`):
+
+* as processes: :class:`StandIns` starts ``n`` of them on free ports (a context manager), and
+  :func:`standin_command` is a replica command for :func:`scheduler_runtime.serving.replicas.replicas_for`
+  (the front-end benchmarks and the proxy's tests);
+* in this process: :class:`StandInWorkers` serves ``n`` of them from one event loop in a background
+  thread and records what each received (:class:`Received`, the request's id read from a body field),
+  optionally holding every request until it is released, so that a replay controls how many requests
+  each worker has in flight (``benchmarks.router_fidelity``, ``tests/test_sglang_router.py``).
 """
 
 from __future__ import annotations
@@ -28,9 +35,11 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,13 +57,17 @@ def standin_command(vllm_args: Sequence[str], port: int) -> list[str]:
 
 
 class StandIn:
-    """The server (see the module docstring)."""
+    """The server (see the module docstring). ``before_answer``: awaited with each completion's body and
+    the whole answer it is about to get (streamed or not), before anything is sent back (a recording and
+    a gate: :class:`StandInWorkers`)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, before_answer: Callable[[dict[str, Any], dict[str, Any]],
+                                                          Awaitable[None]] | None = None) -> None:
         self.name = name
         self.served: list[Any] = []
         self.prompt_tokens = 0
         self._n = 0
+        self._before_answer = before_answer
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30)
@@ -98,9 +111,12 @@ class StandIn:
             await asyncio.sleep(float(control["delay_s"]))
         self._n += 1
         rid = f"cmpl-{self.name}-{self._n}"
+        whole = answer(body, rid)
+        if self._before_answer is not None:
+            await self._before_answer(body, whole)
         if not body.get("stream"):
             self._served(body)
-            return web.json_response(answer(body, rid))
+            return web.json_response(whole)
         response = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await response.prepare(request)
         die_after = (control.get("die_after") or {}).get(self.name)
@@ -175,6 +191,108 @@ class StandIns:
         for p in self.procs:
             p.kill()
             p.wait()
+
+
+@dataclass(frozen=True)
+class Received:
+    """One request a worker of :class:`StandInWorkers` received: the worker's index, the request's id
+    (the body's ``id_field``, which the client sets), the body as it arrived and the answer it got."""
+
+    worker: int
+    request_id: str
+    body: dict[str, Any]
+    answer: dict[str, Any]
+
+
+class _NoHttp2Probes(logging.Filter):
+    """sglang-router opens each worker with an HTTP/2 preface (``PRI * HTTP/2.0``) before falling back
+    to HTTP/1.1; aiohttp answers 400 and logs an error per connection: drop those records only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "PRI/Upgrade" not in record.getMessage() and not (
+            record.exc_info and "PRI/Upgrade" in str(record.exc_info[1]))
+
+
+class StandInWorkers:
+    """``n`` stand-ins (:class:`StandIn`, named ``"0"``, ``"1"``, ...) on free loopback ports, served by
+    one event loop in a background thread (a context manager). ``received`` lists what each got, in
+    order of arrival; a request's id is its body's ``id_field``.
+
+    ``hold``: a worker answers a request only once :meth:`release` is called with its id (so that a
+    replay controls how many requests each worker has in flight); otherwise at once.
+    """
+
+    def __init__(self, n: int, hold: bool = False, id_field: str = "feather_request_id") -> None:
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        self.n = n
+        self.hold = hold
+        self.id_field = id_field
+        self.ports = [free_port() for _ in range(n)]
+        self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
+        self.received: list[Received] = []
+        self._arrived = threading.Condition()
+        self._gates: dict[str, asyncio.Event] = {}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="stand-in-workers", daemon=True)
+        self._runners: list[web.AppRunner] = []
+        logging.getLogger("aiohttp.server").addFilter(_NoHttp2Probes())
+
+    def _recorder(self, worker: int) -> Callable[[dict[str, Any], dict[str, Any]], Awaitable[None]]:
+        async def before_answer(body: dict[str, Any], whole: dict[str, Any]) -> None:
+            rid = str(body.get(self.id_field, ""))
+            gate = self._gates.setdefault(rid, asyncio.Event()) if self.hold else None
+            with self._arrived:
+                self.received.append(Received(worker, rid, body, whole))
+                self._arrived.notify_all()
+            if gate is not None:
+                await gate.wait()
+                del self._gates[rid]
+
+        return before_answer
+
+    async def _start(self) -> None:
+        for i, port in enumerate(self.ports):
+            runner = web.AppRunner(StandIn(str(i), self._recorder(i)).app(), access_log=None)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            self._runners.append(runner)
+
+    async def _stop(self) -> None:
+        for gate in self._gates.values():
+            gate.set()
+        for runner in self._runners:
+            await runner.cleanup()
+
+    def __enter__(self) -> StandInWorkers:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=30)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(timeout=30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+
+    def worker_of(self, request_id: str, timeout: float = 0.0) -> int | None:
+        """The worker that received ``request_id`` (the last one, if it came twice), waiting up to
+        ``timeout`` seconds for it; ``None`` if none did."""
+        deadline = time.monotonic() + timeout
+        with self._arrived:
+            while True:
+                for r in reversed(self.received):
+                    if r.request_id == request_id:
+                        return r.worker
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._arrived.wait(left):
+                    return None
+
+    def release(self, request_id: str) -> None:
+        """Let a held request be answered (``hold`` mode)."""
+        async def open_gate() -> None:
+            self._gates.setdefault(request_id, asyncio.Event()).set()
+
+        asyncio.run_coroutine_threadsafe(open_gate(), self._loop).result(timeout=30)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

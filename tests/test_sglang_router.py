@@ -9,17 +9,18 @@ import importlib.util
 import pytest
 
 from benchmarks.router_fidelity import (
+    ID_FIELD,
     SGLANG_DEFAULT,
     TARGET,
     RealRun,
     SGLangRouter,
-    StandInWorkers,
     compare,
     leval_replay,
     post_json,
     replay_sglang,
     request_body,
 )
+from benchmarks.standin import StandInWorkers
 from scheduler_runtime.router import make_router
 
 pytestmark = pytest.mark.skipif(
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_one_completion_through_the_router_reaches_one_worker_unchanged():
-    with StandInWorkers(2) as workers, SGLangRouter(workers.urls) as router:
+    with StandInWorkers(2, id_field=ID_FIELD) as workers, SGLangRouter(workers.urls) as router:
         body = request_body("only-one", "A document. " * 50 + "\n\nQuestion: what?\nAnswer:")
         answer = post_json(router.url + "/v1/completions", body)
         assert len(workers.received) == 1
