@@ -68,7 +68,7 @@ class ClusterConfig:
     replica_gpus: float = 0.0
     ray_address: str | None = None
     max_ongoing_requests: int = 1024
-    load_factor: float = 5.0
+    load_factor: float = 20.0
     slack: int = 2
     object_store_mb: int = 200
 

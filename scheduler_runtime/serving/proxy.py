@@ -172,7 +172,7 @@ class ReplicaProxy:
 
     def __init__(self, replicas: Sequence[Replica], router: str | ReplicaRouter = "prefix", *,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, max_ongoing_requests: int = 1024,
-                 load_factor: float = 5.0, slack: int = 2) -> None:
+                 load_factor: float = 20.0, slack: int = 2) -> None:
         if not replicas:
             raise ValueError("the proxy needs at least one replica")
         if max_ongoing_requests < 1:
