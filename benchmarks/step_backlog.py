@@ -10,8 +10,9 @@ The step model (:mod:`feather_env.step_model`) prices what a step computes: its 
 KV reads and prefill attention. It has no term for the requests waiting in the scheduler's queue,
 yet the measured time is the engine's whole ``step()``: scheduling included. This reads a
 ``--steps-out`` file (each step with the requests waiting as it started), predicts every step with
-the profile, and reports the residual (measured - predicted) by backlog, and a least-squares line
-``residual = a + b * waiting``: ``b`` is what each waiting request adds to a step.
+the profile, and reports the residual (measured - predicted) by backlog and by the step's batch
+size, with least-squares lines ``residual = a + b * waiting`` and ``a' + b' * scheduled``: ``b``
+is what each waiting request adds to a step, ``b'`` what each scheduled one adds beyond the model.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from feather_env.step_model import StepCostModel, load_profile, step_features
 
 #: Backlog bins (requests waiting as the step started): [low, high).
 BINS = ((0, 1), (1, 50), (50, 200), (200, 500), (500, 10**9))
+#: Batch-size bins (requests the step scheduled).
+SCHEDULED_BINS = ((1, 2), (2, 16), (16, 32), (32, 48), (48, 10**9))
 
 
 def analyse(steps_path: str | Path, profile_path: str | Path) -> dict[str, Any]:
@@ -43,23 +46,33 @@ def analyse(steps_path: str | Path, profile_path: str | Path) -> dict[str, Any]:
     measured = np.array([t for _, t in steps])
     predicted = np.array([float(step_features(b, model.cache_tokens) @ coef) for b, _ in steps])
     residual = measured - predicted
+    running = np.array([len(b) for b, _ in steps], dtype=np.float64)
     slope, intercept = np.polyfit(waiting, residual, 1)
-    rows = []
-    for lo, hi in BINS:
-        sel = (waiting >= lo) & (waiting < hi)
-        if not sel.any():
-            continue
-        rows.append({"waiting": [lo, hi], "steps": int(sel.sum()), "mean_waiting": float(waiting[sel].mean()),
-                     "mean_measured_ms": float(measured[sel].mean() * 1e3),
-                     "mean_predicted_ms": float(predicted[sel].mean() * 1e3),
-                     "mean_residual_ms": float(residual[sel].mean() * 1e3),
-                     "residual_share": float(residual[sel].sum() / measured[sel].sum())})
+    per_request, at_none = np.polyfit(running, residual, 1)
+
+    def binned(values: np.ndarray, bins: Sequence[tuple[int, int]], key: str) -> list[dict[str, Any]]:
+        rows = []
+        for lo, hi in bins:
+            sel = (values >= lo) & (values < hi)
+            if sel.any():
+                rows.append({key: [lo, hi], "steps": int(sel.sum()),
+                             "mean_measured_ms": float(measured[sel].mean() * 1e3),
+                             "mean_predicted_ms": float(predicted[sel].mean() * 1e3),
+                             "mean_residual_ms": float(residual[sel].mean() * 1e3),
+                             "residual_share": float(residual[sel].sum() / measured[sel].sum())})
+        return rows
+
     return {"steps": len(steps), "episodes": episodes, "profile": str(profile_path),
             "total_measured_s": float(measured.sum()), "total_predicted_s": float(predicted.sum()),
             "residual_per_waiting_request_us": float(slope * 1e6),
             "residual_at_no_backlog_ms": float(intercept * 1e3),
             "correlation": float(np.corrcoef(waiting, residual)[0, 1]) if waiting.std() > 0 else None,
-            "by_backlog": rows}
+            "residual_per_scheduled_request_us": float(per_request * 1e6),
+            "residual_at_empty_batch_ms": float(at_none * 1e3),
+            "correlation_scheduled": (float(np.corrcoef(running, residual)[0, 1]) if running.std() > 0
+                                      else None),
+            "by_backlog": binned(waiting, BINS, "waiting"),
+            "by_scheduled": binned(running, SCHEDULED_BINS, "scheduled")}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -76,11 +89,15 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{out['total_predicted_s']:.1f} s; residual = {out['residual_at_no_backlog_ms']:.2f} ms + "
           f"{out['residual_per_waiting_request_us']:.2f} us x waiting "
           f"(correlation {out['correlation']:.2f})\n")
-    rows = [[f"{lo}-{hi if hi < 10**9 else ''}", r["steps"], f"{r['mean_measured_ms']:.2f}",
-             f"{r['mean_predicted_ms']:.2f}", f"{r['mean_residual_ms']:.2f}", f"{r['residual_share']:.1%}"]
-            for r in out["by_backlog"] for lo, hi in [r["waiting"]]]
-    print(format_table(["waiting", "steps", "mean measured ms", "mean predicted ms", "mean residual ms",
-                        "residual share"], rows))
+    print(f"by the batch: residual = {out['residual_at_empty_batch_ms']:.2f} ms + "
+          f"{out['residual_per_scheduled_request_us']:.2f} us x scheduled requests "
+          f"(correlation {out['correlation_scheduled']:.2f})\n")
+    for key, name in (("by_backlog", "waiting"), ("by_scheduled", "scheduled")):
+        rows = [[f"{lo}-{hi - 1 if hi < 10**9 else ''}", r["steps"], f"{r['mean_measured_ms']:.2f}",
+                 f"{r['mean_predicted_ms']:.2f}", f"{r['mean_residual_ms']:.2f}",
+                 f"{r['residual_share']:.1%}"] for r in out[key] for lo, hi in [r[name]]]
+        print(format_table([name, "steps", "mean measured ms", "mean predicted ms", "mean residual ms",
+                            "residual share"], rows) + "\n")
     write_json(args.json, out)
     return 0
 
