@@ -77,7 +77,14 @@ def check_profile(
     on the probe's steps (into ``out_dir/profile.json``) when even the best is over
     :data:`MAX_PROFILE_ERROR`. Returns ``{"profile", "error", "errors", "candidates", "refitted", ...}``.
     """
-    from feather_env.calibrate import MAX_FOREIGN_LOAD, EpisodeSpec, _Engines, _serve, fit_profile
+    from feather_env.calibrate import (
+        MAX_FOREIGN_LOAD,
+        EpisodeSpec,
+        _Engines,
+        _serve,
+        _serve_quiet,
+        fit_profile,
+    )
     from feather_env.engines.sim_backend import SimBackend
 
     overrides = probe_overrides(scenario, window_s)
@@ -89,12 +96,7 @@ def check_profile(
     try:
         for spec in specs:
             engine = engines.get(spec)
-            for attempt in range(2):  # another process on the engine's core slows it: serve it again
-                _, env, foreign = _serve(spec, engine, record=True)
-                if foreign <= MAX_FOREIGN_LOAD or attempt:
-                    break
-                log(f"  probe {spec.scheduler}: other processes used {foreign:.0%} of the engine's cores: "
-                    "serving it again")
+            _, env, foreign = _serve_quiet(spec, engine, MAX_FOREIGN_LOAD, record=True, log=log)
             real[spec.scheduler] = {**serving_metrics(env.backend.timelines()), "foreign_cpu": foreign}
             steps += [(m.batch, m.seconds) for m in engine.measured_steps]
             engine.record_steps = False
