@@ -65,35 +65,48 @@ def policy_files(scenario: str) -> dict[str, str]:
     return {label: str(path) for label, path in files.items() if path.is_file()}
 
 
+def _advise_over(
+    name: str, baselines: Sequence[str], policies: dict[str, str], windows: int, noise: float, **extra: Any
+) -> tuple[dict[str, str], dict[str, Any]]:
+    """``advise`` on scenario ``name`` over ``baselines`` and the ``policies`` files (label -> path) at
+    the scenario's own budget, every setting on every window, with no SLO missed (``extra``: more
+    :class:`AdviseConfig` fields). Returns (setting name -> its label, the advice)."""
+    labels = {b: b for b in baselines}
+    labels.update({f"feather:{path}": label for label, path in policies.items()})
+    scenario = load_scenario(name)
+    config = AdviseConfig(
+        LOOSE,
+        windows=windows,
+        search_windows=windows,
+        schedulers=tuple(baselines),
+        policies=tuple(policies.values()),
+        budgets=(scenario.engine.max_num_batched_tokens,),
+        shortlist=len(labels),
+        what_if=False,
+        noise=noise,
+        **extra,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        return labels, advise(scenario, config, Path(tmp), progress=False, log=lambda _: None)
+
+
+def _simulated_ratios(payload: dict[str, Any], labels: dict[str, str]) -> dict[str, float]:
+    """Each searched setting's simulated goodput over fcfs's, by label."""
+    default = payload["candidates"]["fcfs"]["request_goodput"]
+    return {labels[n]: r["request_goodput"] / default
+            for n, r in payload["candidates"].items() if n in labels}
+
+
 def check_scenario(
     name: str, profile: str, evaluation: dict[str, Any], windows: int, noise: float
 ) -> dict[str, Any]:
     """Part 1 for one scenario."""
     measured = {label: m["output_throughput"] for label, m in evaluation["scenarios"][name]["runs"].items()}
     policies = {label: path for label, path in policy_files(name).items() if label in measured}
-    by_name = {b: b for b in BASELINES if b in measured}
-    by_name.update({f"feather:{path}": label for label, path in policies.items()})
-    scenario = load_scenario(name)
-    config = AdviseConfig(
-        LOOSE,
-        windows=windows,
-        search_windows=windows,
-        schedulers=tuple(b for b in by_name if b in BASELINES),
-        policies=tuple(policies.values()),
-        budgets=(scenario.engine.max_num_batched_tokens,),
-        shortlist=len(by_name),
-        profile=str(REPO / "configs" / "profiles" / profile),
-        what_if=False,
-        noise=noise,
-    )
-    with tempfile.TemporaryDirectory() as tmp:
-        payload = advise(scenario, config, Path(tmp), progress=False, log=lambda _: None)
+    by_name, payload = _advise_over(name, [b for b in BASELINES if b in measured], policies, windows, noise,
+                                    profile=str(REPO / "configs" / "profiles" / profile))
     rec = payload["recommendation"]["scheduler"]
     label = by_name[rec]
-    default = payload["candidates"]["fcfs"]["request_goodput"]
-    simulated = {
-        by_name[n]: r["request_goodput"] / default for n, r in payload["candidates"].items() if n in by_name
-    }
     best = max(measured, key=measured.get)
     return {
         "scenario": name,
@@ -108,7 +121,7 @@ def check_scenario(
         "predicted_ratio_to_default": payload["recommendation"]["predicted_goodput_ratio"],
         "why": payload["recommendation"]["why"],
         "noise": noise,
-        "simulated_ratio_to_fcfs": simulated,
+        "simulated_ratio_to_fcfs": _simulated_ratios(payload, by_name),
         "wall_s": payload["wall_s"],
     }
 
@@ -121,33 +134,15 @@ def check_scenario_on_engine(name: str, windows: int, noise: float, repeats: int
     ``--confirm-top top`` recommends), each as a share of the best measured."""
     from feather_env.evaluation.advise import confirm_names, engine_choice
 
-    scenario = load_scenario(name)
     policies = policy_files(name)
-    labels = {b: b for b in BASELINES}
-    labels.update({f"feather:{path}": label for label, path in policies.items()})
-    config = AdviseConfig(
-        LOOSE,
-        windows=windows,
-        search_windows=windows,
-        schedulers=BASELINES,
-        policies=tuple(policies.values()),
-        budgets=(scenario.engine.max_num_batched_tokens,),
-        shortlist=len(labels),
-        what_if=False,
-        noise=noise,
-        confirm=True,
-        repeats=repeats,
-        confirm_top=len(labels),
-    )
-    with tempfile.TemporaryDirectory() as tmp:
-        payload = advise(scenario, config, Path(tmp), progress=False, log=lambda _: None)
+    labels, payload = _advise_over(name, BASELINES, policies, windows, noise, confirm=True, repeats=repeats,
+                                   confirm_top=len(BASELINES) + len(policies))
     runs = payload["confirm"]["runs"]
     measured = {n: r["output_throughput"] for n, r in runs.items()}
     best = max(measured, key=measured.get)
     sim_pick = payload["confirm"]["simulator_recommendation"]
     shortlist = confirm_names(payload["candidates"], sim_pick, "fcfs", top)
     top_pick, why = engine_choice({n: runs[n] for n in shortlist}, "fcfs", noise)
-    default = payload["candidates"]["fcfs"]["request_goodput"]
     return {
         "scenario": name,
         "window": payload["confirm"]["seed"],
@@ -164,9 +159,7 @@ def check_scenario_on_engine(name: str, windows: int, noise: float, repeats: int
         "confirm_top_pick_ratio_to_best": measured[top_pick] / measured[best],
         "confirm_top_why": why,
         "within_3pct": measured[top_pick] >= 0.97 * measured[best],
-        "simulated_ratio_to_fcfs": {
-            labels[n]: r["request_goodput"] / default for n, r in payload["candidates"].items() if n in labels
-        },
+        "simulated_ratio_to_fcfs": _simulated_ratios(payload, labels),
         "wall_s": payload["wall_s"],
     }
 
