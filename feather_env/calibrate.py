@@ -550,10 +550,12 @@ def _rescore_main(args: argparse.Namespace) -> int:
         if not args.validate or args.out or args.scenario or args.schedulers or args.episodes:
             raise ConfigError("--rescore goes with --validate PROFILE (and --json); the episodes are the "
                               "file's")
-        load_profile(args.validate)
-        result = rescore(args.validate, load_mapping(args.rescore))
-    except (ConfigError, OSError, KeyError, TypeError) as exc:
-        print(f"calibrate: error: {args.rescore}: {' '.join(str(exc).split())}", file=sys.stderr)
+        result = rescore(args.validate, load_mapping(args.rescore))  # checks the profile first
+    except ConfigError as exc:  # names its own file (the profile or the validation)
+        print(f"calibrate: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except (OSError, KeyError, TypeError) as exc:  # a validation file without the recorded figures
+        print(f"calibrate: error: {args.rescore}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     for r in result["episodes"]:
         print(f"  {r['label']}: makespan {r['makespan_ape']:.1%}, mean TTFT {r['mean_ttft_ape']:.1%}, "
