@@ -13,10 +13,12 @@ same; only the step times change (which the simulator's per-machine profile abso
 from __future__ import annotations
 
 import functools
+import json
 import os
 import platform
+from pathlib import Path
 
-__all__ = ["DTYPE_ENV", "compute_dtype", "cpu_isa", "kv_bytes_factor"]
+__all__ = ["DTYPE_ENV", "compute_dtype", "cpu_isa", "kv_bytes_factor", "kv_bytes_per_token"]
 
 DTYPE_ENV = "FEATHER_ENGINE_DTYPE"
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
@@ -78,3 +80,20 @@ def compute_dtype(dtype: str) -> str:
 def kv_bytes_factor(dtype: str, computed: str) -> float:
     """How many times the bytes of a ``dtype`` KV cache the same tokens take in ``computed``."""
     return _ITEMSIZE.get(computed, 2) / _ITEMSIZE.get(dtype, 2)
+
+
+def kv_bytes_per_token(model_dir: str | Path, dtype: str = "bfloat16", *, tensor_parallel: int = 1,
+                       pipeline_parallel: int = 1) -> int:
+    """Bytes of KV cache one token occupies on one worker: layers x 2 (K and V) x kv heads x head dim x
+    the dtype's size, from the model's ``config.json`` (``dtype``: a model dtype, or a KV cache dtype
+    such as ``fp8``, one byte). With ``tensor_parallel`` ranks each holds its share of the KV heads (at
+    least one), with ``pipeline_parallel`` stages each its share of the layers, as vLLM shards them.
+
+    Raises OSError / KeyError / ValueError when ``model_dir`` has no readable model config."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    kv_heads = max(1, kv_heads // max(1, tensor_parallel))
+    layers = -(-int(cfg["num_hidden_layers"]) // max(1, pipeline_parallel))
+    itemsize = 1 if dtype.startswith("fp8") else _ITEMSIZE.get(dtype, 2)
+    return int(layers * 2 * kv_heads * head_dim * itemsize)

@@ -83,6 +83,26 @@ def test_replica_loss_is_told_apart_from_other_errors():
     assert not cluster._replica_lost(RayTaskError("f", "traceback", ValueError("x")))
 
 
+def test_the_ray_router_is_told_each_replicas_kv_tokens():
+    from scheduler_runtime.serving.ray_router import PrefixRequestRouter
+    from scheduler_runtime.serving.serve import vllm_arguments
+
+    args, _ = vllm_arguments(["--replicas", "2", "--data-plane", "ray"])
+    config = cluster.ClusterConfig(replicas=2, data_plane="ray", vllm_args=tuple(args), chunk_size=256)
+    assert config.kv_tokens == (2 * 1024 ** 3 // (128 * 4096) - 1) * 128  # 2 GiB, blocks of 128, less one
+    app = cluster.build_app(config)  # the ingress bound to the engine deployment; nothing started
+    engine = app._bound_deployment.init_args[0]._bound_deployment
+    kwargs = engine._deployment_config.request_router_config.request_router_kwargs
+    assert kwargs == config.router_kwargs()
+    router = PrefixRequestRouter.__new__(PrefixRequestRouter)  # Ray's constructor needs a running Serve
+    try:
+        router.initialize_state(**kwargs)
+        assert router.affinity.kv_tokens == config.kv_tokens and router.affinity.cached is not None
+        assert router.affinity.chunk_size == 256
+    finally:
+        cluster_base.LIVE_ROUTERS.remove(router)
+
+
 def test_cluster_command_line(capsys):
     out = subprocess.run([sys.executable, "-m", "scheduler_runtime.serving.serve", "--replicas", "3",
                           "--router",

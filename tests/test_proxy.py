@@ -28,11 +28,13 @@ import pytest
 
 from benchmarks.cluster_server import REPO
 from benchmarks.standin import standin_command
+from feather_env.engines.vllm_engine import DEFAULT_MODEL_DIR, EngineConfig
 from feather_env.evaluation.endpoint import parse_prometheus
 from scheduler_runtime.router import PrefixHasher
-from scheduler_runtime.serving.cluster_base import ClusterConfig
-from scheduler_runtime.serving.proxy import CHARS_PER_TOKEN, ReplicaProxy, request_keys
+from scheduler_runtime.serving.cluster_base import ClusterConfig, flag_value, replica_kv_tokens
+from scheduler_runtime.serving.proxy import CHARS_PER_TOKEN, ReplicaProxy, proxy_for, request_keys
 from scheduler_runtime.serving.replicas import Replica, free_port, replica_command, replicas_for
+from scheduler_runtime.serving.serve import vllm_arguments
 
 
 class Running:
@@ -176,6 +178,35 @@ def test_replica_command_and_configuration():
         ClusterConfig(replicas=2, data_plane="grpc")
     with pytest.raises(ValueError, match="router"):
         ReplicaProxy([Replica(0, "http://127.0.0.1:1")], "random")
+
+
+def test_the_prefix_router_is_told_each_replicas_kv_tokens():
+    # feather-serve's defaults: 2 GiB of KV (twice that where the engine computes in float32, the
+    # same tokens), blocks of 128: what the simulator's engine of that size holds
+    args, _ = vllm_arguments(["--replicas", "2"])
+    config = ClusterConfig(replicas=2, vllm_args=tuple(args), chunk_size=256)
+    usable = EngineConfig(kv_cache_gib=2.0, block_size=128).usable_kv_tokens
+    assert config.kv_tokens == usable == (2 * 1024 ** 3 // (128 * 4096) - 1) * 128
+    proxy = proxy_for(config, replicas_for(config, command=standin_command, visible_gpus=[]))
+    assert proxy.router.kv_tokens == usable and proxy.router.cached is not None
+    assert proxy.router.chunk_size == 256 and proxy.router.load_factor == config.load_factor
+    assert proxy_for(ClusterConfig(replicas=2, router="pow2", vllm_args=tuple(args)),
+                     [Replica(0, "http://127.0.0.1:1")]).router.name == "pow2"
+
+    model, kv = ("--model", str(DEFAULT_MODEL_DIR)), ("--kv-cache-memory-bytes", str(128 << 20))
+    base = (*model, *kv, "--dtype", "bfloat16", "--block-size", "16")
+    assert replica_kv_tokens(base) == EngineConfig(kv_cache_gib=0.125, block_size=16).usable_kv_tokens
+    assert replica_kv_tokens((*base, "--dtype=float32")) == replica_kv_tokens(base) // 2 - 8  # 2x bytes/token
+    assert replica_kv_tokens((*base, "--kv_cache_dtype", "fp8")) == 2 * replica_kv_tokens(base) + 16
+    # two tensor-parallel ranks: each holds half of the KV heads in the same bytes
+    assert replica_kv_tokens((*base, "--tensor-parallel-size", "2")) == 2 * replica_kv_tokens(base) + 16
+    # unknown: vLLM sizes the cache at start, a hub model, dtype auto; then the cache model is off
+    assert replica_kv_tokens((*model, "--dtype", "bfloat16")) is None
+    assert replica_kv_tokens(("--model", "meta-llama/Llama-3.1-8B", *kv, "--dtype", "bfloat16")) is None
+    assert replica_kv_tokens((*model, *kv)) is None
+    external = ReplicaProxy([Replica(0, "http://127.0.0.1:1"), Replica(1, "http://127.0.0.1:2")])
+    assert external.router.kv_tokens is None and external.router.cached is None
+    assert flag_value(["--port", "1", "--port=2"], "--port", "0") == "2"
 
 
 def test_feather_serve_chooses_the_data_plane():

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler_runtime.config import ConfigError, from_mapping, load_yaml
-from scheduler_runtime.hardware import compute_dtype, kv_bytes_factor
+from scheduler_runtime.hardware import compute_dtype, kv_bytes_factor, kv_bytes_per_token
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 #: The process environment every in-process engine of the project runs with (set before vLLM
@@ -127,17 +127,6 @@ def _resolve_path(path: str | Path) -> Path:
     """Relative model paths are taken from the repository root, so configs work from any cwd."""
     p = Path(path)
     return p if p.is_absolute() or p.exists() else REPO_ROOT / p
-
-
-def kv_bytes_per_token(model_dir: str | Path, dtype: str = "bfloat16") -> int:
-    """Bytes of KV cache one token occupies: layers x 2 (K and V) x kv heads x head dim x dtype."""
-    import json
-
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    itemsize = 4 if dtype in ("float32", "float") else 2
-    return int(cfg["num_hidden_layers"] * 2 * kv_heads * head_dim * itemsize)
 
 
 def engine_dtype_and_kv_bytes(config: EngineConfig) -> tuple[str, int]:

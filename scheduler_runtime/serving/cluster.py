@@ -469,7 +469,7 @@ def build_app(config: ClusterConfig, engine_cls: type = EngineReplica) -> Any:
     if config.router == "prefix":
         engine_options["request_router_config"] = RequestRouterConfig(
             request_router_class=PrefixRequestRouter,
-            request_router_kwargs={"load_factor": config.load_factor, "slack": config.slack})
+            request_router_kwargs=config.router_kwargs())
     engine = serve.deployment(engine_cls, **engine_options)
     ingress = serve.deployment(FeatherIngress, name=INGRESS_DEPLOYMENT, num_replicas=1,
                                max_ongoing_requests=max(4096, config.max_ongoing_requests * config.replicas),

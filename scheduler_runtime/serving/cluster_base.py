@@ -20,10 +20,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler_runtime.hardware import kv_bytes_per_token
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 
 __all__ = ["DATA_PLANES", "LIVE_ROUTERS", "ROUTER_CHOICES", "ClusterConfig", "FrontEndStats", "core_binding",
-           "error_body", "gpu_groups", "parse_cores", "replica_exposition"]
+           "error_body", "flag_value", "gpu_groups", "parse_cores", "replica_exposition", "replica_kv_tokens"]
 
 ROUTER_CHOICES = ("prefix", "pow2")
 #: ``proxy``: :mod:`scheduler_runtime.serving.proxy` (one machine);
@@ -52,7 +53,8 @@ class ClusterConfig:
             proxy, ``replica_gpus`` >= 1 gives replica ``k`` the ``k``-th group of that many GPUs.
         ray_address: a running Ray cluster (``auto``, ``HOST:PORT``); ``None``: start one here.
         max_ongoing_requests: requests one engine replica is sent at most (the rest wait).
-        load_factor, slack: the prefix router's load bound (:class:`PrefixAffinityRouter`).
+        load_factor, slack: the prefix router's load bound (:class:`PrefixAffinityRouter`); its cache
+            model is told each replica's KV tokens, :attr:`kv_tokens`.
         object_store_mb: the local Ray instance's object store.
     """
 
@@ -85,6 +87,62 @@ class ClusterConfig:
             raise ValueError(f"--max-ongoing-requests must be >= 1, got {self.max_ongoing_requests}")
         for spec in self.replica_cores or ():
             parse_cores(spec)
+
+    @property
+    def kv_tokens(self) -> int | None:
+        """Each replica's KV cache in tokens, from the engine arguments it is started with
+        (:func:`replica_kv_tokens`; ``None``: not known from them)."""
+        return replica_kv_tokens(self.vllm_args)
+
+    def router_kwargs(self) -> dict[str, Any]:
+        """The prefix router's arguments (:class:`~scheduler_runtime.router.PrefixAffinityRouter`), the
+        same for both data planes: the load bound, the chunk size, and each replica's KV tokens, which
+        its cache model needs (:attr:`kv_tokens`)."""
+        return {"load_factor": self.load_factor, "slack": self.slack, "chunk_size": self.chunk_size,
+                "kv_tokens": self.kv_tokens}
+
+
+def flag_value(args: Sequence[str], flag: str, default: str) -> str:
+    """The value of ``flag`` in a vLLM command line (``--flag value`` or ``--flag=value``, underscores
+    too; the last one wins), or ``default``."""
+    names = {flag, "--" + flag[2:].replace("-", "_")}
+    value = default
+    for i, a in enumerate(args):
+        if a in names and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.split("=", 1)[0] in names and "=" in a:
+            value = a.split("=", 1)[1]
+    return value
+
+
+def replica_kv_tokens(vllm_args: Sequence[str]) -> int | None:
+    """The KV cache of a replica started with ``vllm_args`` (``feather-serve``'s, as
+    :func:`scheduler_runtime.serving.serve.vllm_arguments` completes them), in tokens requests can hold:
+    vLLM's blocks of ``--block-size`` tokens in ``--kv-cache-memory-bytes`` (bytes per token from the
+    ``--model`` directory's ``config.json``, in ``--kv-cache-dtype`` or else ``--dtype``, sharded over
+    ``--tensor-parallel-size`` and ``--pipeline-parallel-size``), less vLLM's null block: what the
+    simulator's engine holds for the same configuration (``EngineConfig.usable_kv_tokens``).
+
+    ``None`` where the arguments do not say: no ``--kv-cache-memory-bytes`` (vLLM sizes the cache from
+    the free memory it finds at start), a model that is not a local directory with a ``config.json``
+    (a hub name), or a dtype ``auto``. The prefix router's cache model is then off.
+    """
+    kv_bytes = flag_value(vllm_args, "--kv-cache-memory-bytes", "")
+    model = flag_value(vllm_args, "--model", "")
+    dtype = flag_value(vllm_args, "--kv-cache-dtype", "auto")
+    if dtype == "auto":
+        dtype = flag_value(vllm_args, "--dtype", "auto")
+    if not kv_bytes or not model or dtype == "auto":
+        return None
+    try:
+        per_token = kv_bytes_per_token(
+            model, dtype, tensor_parallel=int(flag_value(vllm_args, "--tensor-parallel-size", "1")),
+            pipeline_parallel=int(flag_value(vllm_args, "--pipeline-parallel-size", "1")))
+        block = int(flag_value(vllm_args, "--block-size", "16"))  # vLLM's default: only rounding moves
+        blocks = int(kv_bytes) // (block * per_token)
+    except (OSError, KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    return (blocks - 1) * block if blocks > 1 else None
 
 
 def parse_cores(spec: str) -> list[int]:

@@ -7,7 +7,8 @@ too), and serves one OpenAI-compatible endpoint from this process, an aiohttp se
 
 * ``POST /v1/completions`` and ``POST /v1/chat/completions`` are routed by the
   :class:`~scheduler_runtime.router.PrefixAffinityRouter` (``--router prefix``, the class and shipped
-  knobs the simulator runs) or :class:`~scheduler_runtime.router.PowerOfTwoRouter` (``--router pow2``)
+  knobs the simulator runs, told each replica's KV tokens from the engine arguments it starts them
+  with, for its cache model) or :class:`~scheduler_runtime.router.PowerOfTwoRouter` (``--router pow2``)
   on the requests each replica is serving, counted from the proxy's own forwarding; the body goes to
   the replica unchanged and the replica's bytes come back unchanged (an SSE stream chunk by chunk), with
   ``x-feather-replica: RANK/ID`` and ``x-feather-attempts``. Nothing is tokenized here: the prefix
@@ -37,8 +38,9 @@ follows only a lost connection, and a replica that loses its client (a dead prox
 the request. A replica's own answer (an HTTP 400, say) is the client's answer, not retried.
 
 ``python -m scheduler_runtime.serving.proxy --worker-urls URL [URL ...]`` fronts replicas that are already
-running (health-checked, never restarted), as ``sglang-router --worker-urls`` does; the stand-in
-benchmark (``benchmarks.frontend_overhead``) measures it so. See ``docs/cluster.md``.
+running (health-checked, never restarted), as ``sglang-router --worker-urls`` does (their KV size is
+unknown there unless ``--kv-tokens`` gives it: without it the prefix router's cache model is off); the
+stand-in benchmark (``benchmarks.frontend_overhead``) measures it so. See ``docs/cluster.md``.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ from scheduler_runtime.serving.replicas import (
     replicas_for,
 )
 
-__all__ = ["CHARS_PER_TOKEN", "ReplicaProxy", "main",
+__all__ = ["CHARS_PER_TOKEN", "ReplicaProxy", "main", "proxy_for",
            "request_keys", "run_proxy"]
 
 #: Bytes of text counted as one token: a text prompt's routing chunk is ``chunk_size`` x this many bytes.
@@ -168,11 +170,15 @@ class ReplicaProxy:
         chunk_size: tokens per routing chunk (the scheduler's CHT chunk size).
         max_ongoing_requests: requests one replica is sent at most (the rest wait in the proxy).
         load_factor, slack: the prefix router's load bound (its shipped defaults).
+        kv_tokens: each replica's KV cache in tokens, for the prefix router's model of each replica's
+            prefix cache (:func:`run_proxy` works it out from the engine arguments the replicas are
+            started with, :attr:`ClusterConfig.kv_tokens`). ``None``: unknown, as for servers someone
+            else runs (``--worker-urls`` without ``--kv-tokens``), and the cache model is off.
     """
 
     def __init__(self, replicas: Sequence[Replica], router: str | ReplicaRouter = "prefix", *,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, max_ongoing_requests: int = 1024,
-                 load_factor: float = 20.0, slack: int = 2) -> None:
+                 load_factor: float = 20.0, slack: int = 2, kv_tokens: int | None = None) -> None:
         if not replicas:
             raise ValueError("the proxy needs at least one replica")
         if max_ongoing_requests < 1:
@@ -181,7 +187,8 @@ class ReplicaProxy:
         if isinstance(router, ReplicaRouter):
             self.router = router
         elif router == "prefix":
-            self.router = PrefixAffinityRouter(load_factor=load_factor, slack=slack, chunk_size=chunk_size)
+            self.router = PrefixAffinityRouter(load_factor=load_factor, slack=slack, chunk_size=chunk_size,
+                                               kv_tokens=kv_tokens)
         elif router == "pow2":
             self.router = PowerOfTwoRouter()
         else:
@@ -546,6 +553,14 @@ def _run(proxy: ReplicaProxy, host: str, port: int, on_ready: Callable[[], None]
         return runner.run(main())
 
 
+def proxy_for(config: ClusterConfig, replicas: Sequence[Replica]) -> ReplicaProxy:
+    """The proxy of ``config`` over ``replicas`` (not serving yet): its router, chunk size, queue bound,
+    and the prefix router's knobs, each replica's KV tokens included (:meth:`ClusterConfig.router_kwargs`)."""
+    knobs = config.router_kwargs()
+    return ReplicaProxy(replicas, config.router, max_ongoing_requests=config.max_ongoing_requests,
+                        **knobs)
+
+
 def run_proxy(config: ClusterConfig) -> int:
     """``feather-serve --replicas N`` with the proxy data plane: start, serve until SIGTERM or SIGINT,
     stop every replica; returns the exit status."""
@@ -555,9 +570,7 @@ def run_proxy(config: ClusterConfig) -> int:
     except ValueError as exc:
         print(f"feather-serve: error: {exc}", file=sys.stderr, flush=True)
         return 2
-    proxy = ReplicaProxy(replicas, config.router, chunk_size=config.chunk_size,
-                         max_ongoing_requests=config.max_ongoing_requests, load_factor=config.load_factor,
-                         slack=config.slack)
+    proxy = proxy_for(config, replicas)
 
     def ready() -> None:
         print(f"feather-serve: {config.replicas} engine replicas behind the {config.router} router (proxy), "
@@ -584,13 +597,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
     parser.add_argument("--max-ongoing-requests", type=int, default=1024)
+    parser.add_argument("--kv-tokens", type=int, default=None,
+                        help="each worker's KV cache in tokens, for the prefix router's cache model "
+                             "(default: unknown, the model off)")
     args = parser.parse_args(argv)
+    if args.kv_tokens is not None and args.kv_tokens < 1:
+        parser.error(f"--kv-tokens must be >= 1, got {args.kv_tokens}")
     for url in args.worker_urls:
         if not url.startswith(("http://", "https://")):
             parser.error(f"--worker-urls: {url!r} is not http://HOST:PORT")
     replicas = [Replica(rank=k, url=url.rstrip("/")) for k, url in enumerate(args.worker_urls)]
     proxy = ReplicaProxy(replicas, args.router, chunk_size=args.chunk_size,
-                         max_ongoing_requests=args.max_ongoing_requests)
+                         max_ongoing_requests=args.max_ongoing_requests, kv_tokens=args.kv_tokens)
     return _run(proxy, args.host, args.port, lambda: print(f"proxy: serving on {args.port}", flush=True))
 
 

@@ -29,7 +29,10 @@ class PrefixRequestRouter(RequestRouter):
     router sent it that have not completed (Ray's routed/completed callbacks). Ray sends the request
     to the first rank's replica unless its queue is full (``max_ongoing_requests``), else to the
     least loaded of the second rank. No FIFO hand-off (Ray's ``FIFOMixin``): a replica chosen for a
-    request serves that request. ``request_router_kwargs`` are :class:`PrefixAffinityRouter`'s.
+    request serves that request. ``request_router_kwargs`` are :class:`PrefixAffinityRouter`'s
+    (:meth:`ClusterConfig.router_kwargs <scheduler_runtime.serving.cluster_base.ClusterConfig.router_kwargs>`:
+    the load bound, the chunk size and each replica's KV tokens for its cache model, ``None`` where the
+    engine arguments do not tell them; every replica of the deployment is started with the same ones).
     """
 
     def initialize_state(self, **kwargs: Any) -> None:

@@ -64,7 +64,7 @@ from typing import Any
 
 from scheduler_runtime.hardware import compute_dtype, kv_bytes_factor
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
-from scheduler_runtime.serving.cluster_base import DATA_PLANES, ROUTER_CHOICES, parse_cores
+from scheduler_runtime.serving.cluster_base import DATA_PLANES, ROUTER_CHOICES, flag_value, parse_cores
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO_ROOT / "configs" / "models" / "tiny-llama"
@@ -152,7 +152,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], argpa
     args = list(rest)
     budget = checked.max_num_batched_tokens  # NAME@TOKENS
     if budget is not None:
-        given = _flag_value(args, "--max-num-batched-tokens", str(budget))
+        given = flag_value(args, "--max-num-batched-tokens", str(budget))
         if given != str(budget):
             parser.error(f"--scheduler {ours.scheduler} serves with a budget of {budget} tokens per step, "
                          f"but --max-num-batched-tokens {given} was given: give one")
@@ -161,7 +161,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], argpa
     # the model's dtype on this machine (scheduler_runtime.hardware), and the default KV cache's bytes
     # in it, so it holds the same tokens
     defaults = dict(DEFAULT_VLLM_ARGS)
-    dtype = _flag_value(args, "--dtype", compute_dtype("bfloat16"))
+    dtype = flag_value(args, "--dtype", compute_dtype("bfloat16"))
     defaults["--dtype"] = dtype
     kv_bytes = int(DEFAULT_KV_CACHE_BYTES * kv_bytes_factor("bfloat16", dtype))
     defaults["--kv-cache-memory-bytes"] = str(kv_bytes)
@@ -256,16 +256,6 @@ def _prometheus_multiprocess_dir() -> None:
     atexit.register(shutil.rmtree, path, ignore_errors=True)
 
 
-def _flag_value(args: Sequence[str], flag: str, default: str) -> str:
-    value = default
-    for i, a in enumerate(args):
-        if a == flag and i + 1 < len(args):
-            value = args[i + 1]
-        elif a.startswith(flag + "="):
-            value = a.split("=", 1)[1]
-    return value
-
-
 def _serve_cluster(args: list[str], scheduler_config: dict[str, Any], ours: argparse.Namespace) -> None:
     """``--replicas N`` > 1: the proxy (:mod:`scheduler_runtime.serving.proxy`) or the Ray Serve application
     (:mod:`scheduler_runtime.serving.cluster`) over N replicas."""
@@ -277,7 +267,7 @@ def _serve_cluster(args: list[str], scheduler_config: dict[str, Any], ours: argp
     gpus = ours.replica_gpus if ours.replica_gpus is not None else (1.0 if cuda else 0.0)
     config = ClusterConfig(
         replicas=ours.replicas, router=ours.router, data_plane=ours.data_plane, vllm_args=tuple(args),
-        host=_flag_value(args, "--host", "127.0.0.1"), port=int(_flag_value(args, "--port", "8000")),
+        host=flag_value(args, "--host", "127.0.0.1"), port=int(flag_value(args, "--port", "8000")),
         chunk_size=int(scheduler_config.get("chunk_size") or DEFAULT_CHUNK_SIZE),
         replica_cores=tuple(cores) if (cores := _replica_cores(ours, cuda)) else None,
         replica_cpus=ours.replica_cpus, replica_gpus=gpus, ray_address=ours.ray_address,
