@@ -288,6 +288,23 @@ def load_steps(path: str | Path) -> tuple[list[tuple[list[StepRequest], float]],
     return steps, list(data.get("episodes", []))
 
 
+def load_steps_files(paths: str) -> tuple[list[tuple[list[StepRequest], float]], list[dict[str, Any]]]:
+    """The steps and episodes of comma-separated ``--steps-out`` files, in order (:func:`load_steps`
+    on each): a fit over several runs, e.g. whole windows served by different schedulers."""
+    from scheduler_runtime.config import ConfigError
+
+    names = [name.strip() for name in paths.split(",")]
+    if not all(names) or len(set(names)) != len(names):
+        raise ConfigError(f"--from-steps {paths!r}: distinct comma-separated files")
+    steps: list[tuple[list[StepRequest], float]] = []
+    episodes: list[dict[str, Any]] = []
+    for name in names:
+        more, eps = load_steps(name)
+        steps += more
+        episodes += eps
+    return steps, episodes
+
+
 def fit_profile(steps: Sequence[tuple[Sequence[StepRequest], float]],
                 episodes: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Fit the step model to measured steps; the profile JSON (see the module docstring)."""
@@ -448,7 +465,7 @@ def _check_args(args: argparse.Namespace) -> tuple[EpisodeSpec, ...]:
     if args.validate:
         load_profile(args.validate)
     if args.from_steps:
-        load_steps(args.from_steps)
+        load_steps_files(args.from_steps)
         return ()
     schedulers = None
     if args.schedulers is not None:
@@ -491,7 +508,8 @@ def main(argv: Sequence[str] | None = None, backend: Any = None) -> int:
                    help="with --validate: no engine; score the profile on the engine episodes that an "
                    "earlier --validate --scenario ... --json recorded (re-simulated with this profile)")
     p.add_argument("--steps-out", help="with --out: also write every measured step here (JSON)")
-    p.add_argument("--from-steps", help="with --out: fit the steps of a --steps-out file (no engine)")
+    p.add_argument("--from-steps", help="with --out: fit the steps of --steps-out files, comma-separated "
+                   "(no engine)")
     p.add_argument("--scenario", default=None, help="calibrate (or validate) on this scenario's episodes "
                    "(a name or a scenario file) instead of the built-in plan")
     p.add_argument("--schedulers", default=None, help="with --scenario: comma-separated schedulers to "
@@ -516,7 +534,7 @@ def main(argv: Sequence[str] | None = None, backend: Any = None) -> int:
         return 2
     try:
         if args.out:
-            profile = (fit_profile(*load_steps(args.from_steps)) if args.from_steps
+            profile = (fit_profile(*load_steps_files(args.from_steps)) if args.from_steps
                        else calibrate(plan, args.steps_out, backend=backend, max_foreign=args.max_foreign))
         else:
             result = validate(args.validate, plan, backend=backend, max_foreign=args.max_foreign)

@@ -10,7 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from feather_env.calibrate import DEFAULT_PROFILE, PROFILE_VERSION, fit_profile, load_profile, load_steps
+from feather_env.calibrate import (
+    DEFAULT_PROFILE,
+    PROFILE_VERSION,
+    fit_profile,
+    load_profile,
+    load_steps,
+    load_steps_files,
+)
 from feather_env.engines.sim_backend import SimBackend, _steps_to_reach
 from feather_env.env import FeatherEnv, play_episode
 from feather_env.records import StepRequest
@@ -82,6 +89,16 @@ def test_fit_profile_round_trips_through_a_steps_file(tmp_path):
     out = tmp_path / "profile.json"
     out.write_text(json.dumps(profile))
     assert load_profile(out)["step_model"]["features"] == list(FEATURE_NAMES)
+    # several runs fit as one (whole windows served by different schedulers), in the order named
+    other = tmp_path / "other.json"
+    first_ten = json.loads(path.read_text())["steps"][:10]
+    write_json(other, {"episodes": [{"label": "y", "steps": 10}], "steps": first_ten})
+    both, eps = load_steps_files(f"{path}, {other}")
+    assert len(both) == 60 and [e["label"] for e in eps] == ["x", "y"]
+    assert fit_profile(both, eps)["fit"]["steps"] == 60
+    for bad in (f"{path},{path}", f"{path},", str(tmp_path / "missing.json")):
+        with pytest.raises(ConfigError):
+            load_steps_files(bad)
 
 
 @settings(max_examples=200, deadline=None)
