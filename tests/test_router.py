@@ -213,6 +213,33 @@ def test_prefix_router_spills_a_hot_document_to_one_second_replica():
     assert router.state()["spilled"] == 5
 
 
+def test_the_imbalance_bound_spills_only_a_hot_prefix():
+    rng = np.random.default_rng(2)
+    names = [f"r{i}" for i in range(4)]
+    loads = dict.fromkeys(names, 2)
+    hot_doc, cold_doc = (hashes_of(rng.integers(3, 500, 4 * CHUNK)) for _ in range(2))
+    router = PrefixAffinityRouter(balance_abs=4, balance_rel=1.5, hot_window=8, hot_min=3)
+    owners = {}
+    for doc in (hot_doc, cold_doc):
+        owners[id(doc)] = router.choose(doc, loads)
+        router.routed(doc, owners[id(doc)])
+    piled = {**loads, owners[id(cold_doc)]: 7}  # 7 > max(2 + 4, 1.5 x 2): imbalanced
+    assert router.choose(cold_doc, piled) == owners[id(cold_doc)]  # seen twice in 8: not hot, followed
+    piled = {**loads, owners[id(hot_doc)]: 7}
+    for _ in range(2):  # its 1st and 2nd matches of the last 8: not hot yet
+        assert router.choose(hot_doc, piled) == owners[id(hot_doc)]
+    spill = {router.choose(hot_doc, piled) for _ in range(3)}  # hot now: one second replica
+    assert len(spill) == 1 and owners[id(hot_doc)] not in spill
+    assert router.choose(hot_doc, {**loads, owners[id(hot_doc)]: 6}) == owners[id(hot_doc)]  # within it
+    everything = PrefixAffinityRouter(balance_abs=4, balance_rel=1.5)  # hot_window 0: every prefix
+    owner = everything.choose(cold_doc, loads)
+    everything.routed(cold_doc, owner)
+    assert everything.choose(cold_doc, {**loads, owner: 7}) != owner
+    for bad in ({"balance_abs": -1}, {"balance_rel": 0.5}, {"hot_window": -1}, {"hot_min": 0}):
+        with pytest.raises(ValueError):
+            PrefixAffinityRouter(**bad)
+
+
 @given(events=st.lists(st.tuples(st.booleans(), prompt_st()), min_size=1, max_size=120),
        n=st.integers(1, 8))
 @SETTINGS

@@ -1,0 +1,73 @@
+"""Variants of ours (``prefix``) on one cell of :mod:`benchmarks.router_peers`, without its tuning.
+
+    python -m benchmarks.router_variants zipf:16:1.0 0,1,2 '{"base": {}, "hot": {"balance_abs": 8, ...}}'
+
+A cell is ``KIND:REPLICAS:LOAD`` (``uniform``: L-Eval, ``zipf``: its Zipf variant, s = 1.1, ``mooncake``:
+the Mooncake synthetic trace), built as :mod:`benchmarks.router_peers` builds it. Seeds below 10,000 are
+the evaluation's (its workload, those arrival draws); a seed ``s`` from 10,000 on draws a workload of its
+own (seed ``s + 100 x replicas``, as the tuning's are drawn) with those arrivals, so variants can be chosen
+on seeds the evaluation never sees. Each variant (knobs over ours' defaults, told the replica's KV
+tokens) prints its mean output tok/s, its ratio to the first variant (the range per seed), mean E2E,
+prefix hit rate and max/mean requests per replica.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+
+from benchmarks import router_peers as rp
+from feather_env.cluster_sim import ClusterSim, zipf_documents
+from feather_env.scenarios import load_scenario
+from feather_env.serving_metrics import parse_goodput
+from feather_env.workloads import Workload, WorkloadConfig, load_workload
+
+#: Seeds from here draw workloads of their own (the evaluation's are below).
+OWN_WORKLOAD_SEEDS = 10_000
+
+
+def timed_runs(kind: str, n: int, load: float,
+               seeds: Sequence[int]) -> tuple[ClusterSim, list[tuple[int, Workload]]]:
+    """The simulator of cell ``kind:n:load`` and its ``(seed, workload with arrivals)`` runs."""
+    if kind == "mooncake":
+        sim = ClusterSim(n, load_scenario(rp.MOONCAKE_SCENARIO).engine_config())
+        windows = rp.mooncake_windows(40.0 * n, seeds)
+        return sim, [(s, rp.at_rate(w, load * rp.saturation_rate(sim, w)))
+                     for s, w in zip(seeds, windows, strict=True)]
+    if kind not in ("uniform", "zipf"):
+        raise ValueError(f"unknown cell kind {kind!r}")
+    sim = ClusterSim(n, load_scenario("leval-kv-pressure").engine_config())
+    pool = load_workload(WorkloadConfig(kind="leval", max_prompt_tokens=8192))
+    docs = 8 if n >= 64 else 16
+    runs = []
+    for s in seeds:
+        ws = n if s < OWN_WORKLOAD_SEEDS else s + 100 * n
+        base = rp.uniform_workload(pool, n, docs, seed=ws)
+        w = zipf_documents(pool, base.num_groups, len(base), 1.1, seed=ws) if kind == "zipf" else base
+        runs.append((s, w.with_arrivals(f"poisson:{load * rp.saturation_rate(sim, w)}", s)))
+    return sim, runs
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("cell", help="KIND:REPLICAS:LOAD, e.g. zipf:16:1.0")
+    p.add_argument("seeds", help="comma-separated seeds")
+    p.add_argument("variants", help="JSON object: label -> ours' knobs (the first is the baseline)")
+    args = p.parse_args(argv)
+    kind, n, load = args.cell.split(":")
+    sim, runs = timed_runs(kind, int(n), float(load), [int(x) for x in args.seeds.split(",")])
+    rows = [(label, rp.OURS, knobs) for label, knobs in json.loads(args.variants).items()]
+    out = rp.run_rows(sim, runs, rows, parse_goodput(rp.DEFAULT_GOODPUT))
+    base = out[rows[0][0]]
+    for label, r in out.items():
+        per = [a / b for a, b in zip(r["output_throughput_runs"], base["output_throughput_runs"],
+                                     strict=True)]
+        print(f"{args.cell} {label:10s} {r['output_throughput']:8.1f} tok/s "
+              f"x{r['output_throughput'] / base['output_throughput']:.4f} ({min(per):.3f}-{max(per):.3f}) "
+              f"E2E {r['mean_e2el_ms'] / 1000:.2f} s, hit {r['prefix_hit_rate']:.3f}, "
+              f"max/mean {r['max_over_mean']:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
