@@ -277,9 +277,7 @@ class FeatherEnv(gym.Env):
         #: The latency SLOs (ms) of the goodput reward and of ``info["episode"]["request_goodput"]``.
         self.goodput_slos = reward_spec.goodput_slos
         self.reward_kind = reward_spec.kind
-        self.reward_fn: Reward = (GoodputReward(reward_spec.goodput_slos, self._finished_timeline)
-                                  if reward_spec.kind == GoodputReward.name
-                                  else REWARD_CLASSES[reward_spec.kind]())
+        self.reward_fn: Reward = reward_spec.fn
         self._timeline_index: dict[str, RequestTimeline] = {}
         self.reward_scale = reward_spec.scale
         self.obs_kind = resolved.obs_kind
@@ -472,7 +470,7 @@ class FeatherEnv(gym.Env):
                 return reward
 
     def _reward(self, adv: Advance) -> float:
-        return self.reward_fn(adv, self._episode_requests) * self.reward_scale
+        return self.reward_fn(adv, self._episode_requests, self._finished_timeline) * self.reward_scale
 
     def _finished_timeline(self, request_id: str) -> RequestTimeline:
         """The timeline of a request the backend reported finished (the goodput reward's lookup):

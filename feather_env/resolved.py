@@ -19,11 +19,18 @@ import dataclasses
 import inspect
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from feather_env.engines.vllm_engine import EngineConfig
-from feather_env.rewards import GOODPUT_NEEDS_SLOS, REWARDS, GoodputReward, parse_goodput_slos
+from feather_env.rewards import (
+    GOODPUT_NEEDS_SLOS,
+    REWARDS,
+    GoodputReward,
+    Reward,
+    make_reward,
+    parse_goodput_slos,
+)
 from feather_env.scenarios import EpisodeConfig, Scenario, load_scenario
 from feather_env.serving import env_scheduler_config
 from scheduler_runtime.config import ConfigError
@@ -41,11 +48,16 @@ BACKENDS = ("sim", "vllm")
 @dataclass(frozen=True)
 class RewardSpec:
     """The reward (:data:`~feather_env.rewards.REWARDS`), its scale, and the goodput SLOs (ms) it and
-    ``info["episode"]["request_goodput"]`` read."""
+    ``info["episode"]["request_goodput"]`` read; ``fn``, the reward itself, is made here, once, and
+    every environment built from the spec calls it."""
 
     kind: str = "latency"
     scale: float = 1.0
     goodput_slos: Mapping[str, float] | None = None
+    fn: Reward = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fn", make_reward(self.kind, self.goodput_slos))
 
 
 @dataclass(frozen=True)

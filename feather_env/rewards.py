@@ -14,17 +14,26 @@ from feather_env.serving_metrics import check_slos, meets_slos, parse_goodput
 from scheduler_runtime.config import ConfigError
 
 __all__ = ["GOODPUT_NEEDS_SLOS", "REWARDS", "REWARD_CLASSES", "DecodeThroughputReward", "GoodputReward",
-           "LatencyReward", "MakespanReward", "Reward", "parse_goodput_slos"]
+           "LatencyReward", "MakespanReward", "Reward", "TimelineLookup", "make_reward",
+           "parse_goodput_slos"]
+
+
+#: How a reward reads the timeline of a request the engine finished (the environment's lookup).
+TimelineLookup = Callable[[str], RequestTimeline]
 
 
 class Reward:
     """A reward: what one advance of the engine (:class:`~feather_env.records.Advance`) is worth
-    (CompilerGym's pattern: rewards are named, swappable classes). ``units`` is its unit."""
+    (CompilerGym's pattern: rewards are named, swappable classes). ``units`` is its unit.
+
+    A reward holds no state of an episode: it is made once, when an environment is resolved
+    (:func:`make_reward`), and every environment built from that resolution calls the same object,
+    with the episode's request count and its lookup of finished requests' timelines."""
 
     name = ""
     units = ""
 
-    def __call__(self, adv: Advance, episode_requests: int) -> float:
+    def __call__(self, adv: Advance, episode_requests: int, timeline: TimelineLookup) -> float:
         raise NotImplementedError
 
 
@@ -33,7 +42,7 @@ class LatencyReward(Reward):
 
     name, units = "latency", "s per request"
 
-    def __call__(self, adv: Advance, episode_requests: int) -> float:
+    def __call__(self, adv: Advance, episode_requests: int, timeline: TimelineLookup) -> float:
         return -adv.request_seconds / max(episode_requests, 1)
 
 
@@ -42,7 +51,7 @@ class MakespanReward(Reward):
 
     name, units = "makespan", "s"
 
-    def __call__(self, adv: Advance, episode_requests: int) -> float:
+    def __call__(self, adv: Advance, episode_requests: int, timeline: TimelineLookup) -> float:
         return -adv.seconds
 
 
@@ -51,7 +60,7 @@ class DecodeThroughputReward(Reward):
 
     name, units = "decode_throughput", "ktok/s"
 
-    def __call__(self, adv: Advance, episode_requests: int) -> float:
+    def __call__(self, adv: Advance, episode_requests: int, timeline: TimelineLookup) -> float:
         return adv.decode_tokens / adv.decode_seconds * 1e-3 if adv.decode_seconds > 0 else 0.0
 
 
@@ -92,25 +101,20 @@ class GoodputReward(Reward):
     finishes soon after them, whatever the order); when the engine is the bottleneck, a policy that
     also shortens the makespan has a higher goodput than its return alone says.
 
-    ``timeline`` gives the :class:`~feather_env.records.RequestTimeline` of a finished request's id
-    (the environment passes its backend's); TTFT and TPOT are read from it.
+    ``timeline`` (a call's) gives the :class:`~feather_env.records.RequestTimeline` of a finished
+    request's id (the environment passes its backend's); TTFT and TPOT are read from it.
     """
 
     name, units = "goodput", "good requests"
 
-    def __init__(self, slos: Mapping[str, float] | None = None,
-                 timeline: Callable[[str], RequestTimeline] | None = None) -> None:
+    def __init__(self, slos: Mapping[str, float] | None = None) -> None:
         if not slos:
             raise ConfigError(GOODPUT_NEEDS_SLOS)
         self.slos = check_slos(slos)
-        self.timeline = timeline
 
-    def __call__(self, adv: Advance, episode_requests: int) -> float:
+    def __call__(self, adv: Advance, episode_requests: int, timeline: TimelineLookup) -> float:
         if not adv.finished:
             return 0.0
-        timeline = self.timeline
-        if timeline is None:
-            raise RuntimeError("GoodputReward needs a timeline lookup (FeatherEnv gives its backend's)")
         slos = self.slos
         good = 0
         for rid in adv.finished:
@@ -123,3 +127,10 @@ class GoodputReward(Reward):
 REWARD_CLASSES: dict[str, type[Reward]] = {r.name: r for r in (LatencyReward, MakespanReward,
                                                                DecodeThroughputReward, GoodputReward)}
 REWARDS = tuple(REWARD_CLASSES)
+
+
+def make_reward(kind: str, slos: Mapping[str, float] | None = None) -> Reward:
+    """The reward named ``kind`` (:data:`REWARDS`); the goodput reward with ``slos`` (ms, checked)."""
+    if kind == GoodputReward.name:
+        return GoodputReward(slos)
+    return REWARD_CLASSES[kind]()
