@@ -347,6 +347,9 @@ def _run(cfg: RunConfig, out: str | Path, *, resume: bool, backend: Any, verbose
         if train_env is not None and train_env is not eval_env:
             train_env.close()
     final_eval = _without_episodes(final)
+    # the trained policy is exported as soon as it is evaluated: the comparisons below only report
+    policy_path = agent.export(out / "policy.feather", meta={
+        "config": saved, "final_eval": final_eval, "resumed_from": resumed_from})
     comparison = {name: final_eval, **_compare(stages.references, eval_env, eval_kind, seeds, train.seed)}
     confirmed: dict[str, dict[str, Any]] = {}
     if stages.real is not None:  # the simulator's evaluation confirmed on the real engine
@@ -357,8 +360,6 @@ def _run(cfg: RunConfig, out: str | Path, *, resume: bool, backend: Any, verbose
             confirmed.update(_compare(stages.references, real_env, stages.real.kind, real_seeds, train.seed))
         finally:
             real_env.close()
-    policy_path = agent.export(out / "policy.feather", meta={
-        "config": saved, "final_eval": final_eval, "resumed_from": resumed_from})
     wall = time.perf_counter() - t0
     summary = {"agent": name, "scenario": scenario,
                "num_timesteps": int(agent.num_timesteps), "wall_s": wall, "checkpoint": str(checkpoint),
