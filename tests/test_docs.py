@@ -64,8 +64,10 @@ def test_no_issue_numbers_in_the_docs() -> None:
 
 
 def test_local_links_resolve() -> None:
-    """Every relative link of the pages this script writes points at a file that exists."""
-    for page in ("README.md", "docs/results.md", "docs/env.md", "docs/serving.md"):
+    """Every relative link of the pages this script writes, of the design and of every dated
+    study points at a file that exists."""
+    notes = sorted(str(p.relative_to(REPO)) for p in (REPO / "docs" / "notes").glob("*.md"))
+    for page in ("README.md", "docs/results.md", "docs/env.md", "docs/serving.md", "docs/design.md", *notes):
         base = (REPO / page).parent
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", (REPO / page).read_text()):
             if "://" in target:
