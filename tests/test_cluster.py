@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -101,6 +103,31 @@ def test_the_ray_router_is_told_each_replicas_kv_tokens():
         assert router.affinity.chunk_size == 256
     finally:
         cluster_base.LIVE_ROUTERS.remove(router)
+
+
+def test_rays_own_prefix_router_is_deployed_and_reads_the_prompt():
+    from ray.serve.llm.request_router import PrefixCacheAffinityRouter
+
+    from scheduler_runtime.serving.serve import vllm_arguments
+
+    args, _ = vllm_arguments(["--replicas", "2", "--data-plane", "ray"])
+    config = cluster.ClusterConfig(replicas=2, router="ray-prefix-affinity", data_plane="ray",
+                                   vllm_args=tuple(args))
+    app = cluster.build_app(config)  # nothing started
+    engine = app._bound_deployment.init_args[0]._bound_deployment
+    routed_by = engine._deployment_config.request_router_config.request_router_class
+    assert routed_by == f"{PrefixCacheAffinityRouter.__module__}.{PrefixCacheAffinityRouter.__name__}"
+    with pytest.raises(ValueError, match="needs --data-plane ray"):
+        cluster.ClusterConfig(replicas=2, router="ray-prefix-affinity", data_plane="proxy")
+    # the call's arguments as the ingress makes them: Ray's router finds the prompt (or the messages)
+    router = PrefixCacheAffinityRouter.__new__(PrefixCacheAffinityRouter)
+    for body, text in (({"model": "m", "prompt": "the document", "max_tokens": 4}, "the document"),
+                       ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, "hi")):
+        call = SimpleNamespace(args=("completion", cluster.TextBody(body), None))
+        assert text in router._extract_text_from_request(call)
+        again = pickle.loads(pickle.dumps(cluster.TextBody(body)))  # as Ray sends it to the replica
+        assert again == body and isinstance(again, cluster.TextBody)
+    assert not hasattr(cluster.TextBody({"model": "m"}), "prompt")
 
 
 def test_cluster_command_line(capsys):

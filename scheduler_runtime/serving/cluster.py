@@ -27,7 +27,9 @@ The router (the engine deployment's ``RequestRouter``, which runs in the ingress
   request's prefix hashes and the requests each replica is serving (counted from the router's own
   routed/completed callbacks); Ray then sends the request to that
   replica unless its queue is full (``--max-ongoing-requests``), else to the least loaded other one;
-* ``--router pow2``: Ray Serve's default router (power of two choices on queue lengths), untouched.
+* ``--router pow2``: Ray Serve's default router (power of two choices on queue lengths), untouched;
+* ``--router ray-prefix-affinity``: Ray Serve LLM's ``PrefixCacheAffinityRouter`` (its defaults), the
+  field's router to measure ours against; it reads the prompt text from the call (:class:`TextBody`).
 
 Faults. When an engine replica's process dies, Ray Serve starts a new one (a new vLLM engine: its
 ``__init__`` runs again on the freed core) and routes to it only once it is healthy; until then the
@@ -87,7 +89,7 @@ from scheduler_runtime.serving.cluster_base import (
 )
 from scheduler_runtime.serving.ray_router import PrefixRequestRouter
 
-__all__ = ["APP_NAME", "ROUTER_CHOICES", "ClusterConfig", "EngineReplica", "FeatherIngress",
+__all__ = ["APP_NAME", "ROUTER_CHOICES", "ClusterConfig", "EngineReplica", "FeatherIngress", "TextBody",
            "PrefixRequestRouter",
            "build_app", "run_cluster"]
 
@@ -279,6 +281,20 @@ async def _json_body(raw: Request) -> dict[str, Any] | JSONResponse:
     return body
 
 
+class TextBody(dict):
+    """A request's JSON body with the ``prompt`` (completions) or ``messages`` (chat) attribute that
+    Ray Serve LLM's ``PrefixCacheAffinityRouter`` reads from a call's arguments (``--router
+    ray-prefix-affinity``); to everything else, the plain dict."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("prompt", "messages") and name in self:
+            return self[name]
+        raise AttributeError(name)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return TextBody, (dict(self),)
+
+
 @serve.ingress(app)
 class FeatherIngress:
     """The HTTP API (the ``FeatherIngress`` deployment's class; see the module docstring)."""
@@ -371,6 +387,8 @@ class FeatherIngress:
         first_input = inputs[0] if inputs else None
         if isinstance(first_input, dict) and first_input.get("prompt_token_ids"):
             route = self.hasher.hash(np.asarray(first_input["prompt_token_ids"], dtype=np.int64)).tolist()
+        if self.router_name == "ray-prefix-affinity":
+            body = TextBody(body)
         avoid: list[str] = []
         attempt = 0
         while True:
@@ -470,6 +488,11 @@ def build_app(config: ClusterConfig, engine_cls: type = EngineReplica) -> Any:
         engine_options["request_router_config"] = RequestRouterConfig(
             request_router_class=PrefixRequestRouter,
             request_router_kwargs=config.router_kwargs())
+    elif config.router == "ray-prefix-affinity":
+        from ray.serve.llm.request_router import PrefixCacheAffinityRouter
+
+        engine_options["request_router_config"] = RequestRouterConfig(
+            request_router_class=PrefixCacheAffinityRouter)
     engine = serve.deployment(engine_cls, **engine_options)
     ingress = serve.deployment(FeatherIngress, name=INGRESS_DEPLOYMENT, num_replicas=1,
                                max_ongoing_requests=max(4096, config.max_ongoing_requests * config.replicas),

@@ -23,10 +23,14 @@ from typing import Any
 from scheduler_runtime.hardware import kv_bytes_per_token
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 
-__all__ = ["DATA_PLANES", "LIVE_ROUTERS", "ROUTER_CHOICES", "ClusterConfig", "FrontEndStats", "core_binding",
-           "error_body", "flag_value", "gpu_groups", "parse_cores", "replica_exposition", "replica_kv_tokens"]
+__all__ = ["DATA_PLANES", "LIVE_ROUTERS", "RAY_ONLY_ROUTERS", "ROUTER_CHOICES", "ClusterConfig",
+           "FrontEndStats", "core_binding", "error_body", "flag_value", "gpu_groups", "parse_cores",
+           "replica_exposition", "replica_kv_tokens"]
 
-ROUTER_CHOICES = ("prefix", "pow2")
+ROUTER_CHOICES = ("prefix", "pow2", "ray-prefix-affinity")
+#: Routers that only the Ray data plane has: Ray Serve LLM's ``PrefixCacheAffinityRouter`` (ray 2.60,
+#: its defaults; importing it needs ``pyarrow``, the ``peers`` extra), to measure ours against.
+RAY_ONLY_ROUTERS = ("ray-prefix-affinity",)
 #: ``proxy``: :mod:`scheduler_runtime.serving.proxy` (one machine);
 #: ``ray``: :mod:`scheduler_runtime.serving.cluster`.
 DATA_PLANES = ("proxy", "ray")
@@ -42,7 +46,7 @@ class ClusterConfig:
 
     Attributes:
         replicas: engine replicas (>= 1; ``feather-serve`` runs 1 as the plain server).
-        router: ``"prefix"`` or ``"pow2"``.
+        router: ``"prefix"`` (ours), ``"pow2"``, or ``"ray-prefix-affinity"`` (Ray's, ``ray`` only).
         data_plane: ``"proxy"`` (replica processes on this machine behind an asyncio proxy) or
             ``"ray"`` (a Ray Serve application, on a Ray cluster or a local instance).
         vllm_args: the vLLM API server arguments every replica is built from (``feather-serve``'s).
@@ -81,6 +85,8 @@ class ClusterConfig:
             raise ValueError(f"--router must be one of {list(ROUTER_CHOICES)}, got {self.router!r}")
         if self.data_plane not in DATA_PLANES:
             raise ValueError(f"--data-plane must be one of {list(DATA_PLANES)}, got {self.data_plane!r}")
+        if self.data_plane == "proxy" and self.router in RAY_ONLY_ROUTERS:
+            raise ValueError(f"--router {self.router} is Ray Serve's own router: it needs --data-plane ray")
         if self.data_plane == "proxy" and self.ray_address is not None:
             raise ValueError("--ray-address needs --data-plane ray (the proxy serves local replicas)")
         if self.max_ongoing_requests < 1:

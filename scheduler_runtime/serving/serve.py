@@ -18,10 +18,11 @@ defaults below):
   scheduler (and vLLM's async scheduling) or not; default: on when torch sees a CUDA device
   (vLLM's own default there), off on CPU (where vLLM does not support it);
 * ``--print-command``: print the vLLM arguments and exit;
-* ``--replicas N`` (default 1) with ``--router {prefix,pow2}``: N engine replicas behind one endpoint
-  (``docs/cluster.md``); every other option applies to every replica. ``--replicas 1`` is the plain
-  server. ``--data-plane proxy`` (the default without ``--ray-address``): N plain replica processes on
-  this machine behind an asyncio proxy in this process (:mod:`scheduler_runtime.serving.proxy`);
+* ``--replicas N`` (default 1) with ``--router {prefix,pow2,ray-prefix-affinity}``: N engine replicas
+  behind one endpoint (``docs/cluster.md``); every other option applies to every replica.
+  ``--replicas 1`` is the plain server. ``--data-plane proxy`` (the default without
+  ``--ray-address``): N plain replica processes on this machine behind an asyncio proxy in this
+  process (:mod:`scheduler_runtime.serving.proxy`);
   ``--data-plane ray``: a Ray Serve application (:mod:`scheduler_runtime.serving.cluster`, the ``[cluster]``
   extra), the default with ``--ray-address`` (a running Ray cluster; default: a local instance).
   Cluster options: ``--replica-cores`` (semicolon-separated CPU core lists, one per replica of a node;
@@ -117,7 +118,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], argpa
     cluster = parser.add_argument_group("several engine replicas behind one endpoint")
     cluster.add_argument("--replicas", type=int, default=1, help="engine replicas (default 1: plain server)")
     cluster.add_argument("--router", choices=ROUTER_CHOICES, default="prefix",
-                         help="prefix: prefix affinity bounded by load (ours); pow2: power of two choices")
+                         help="prefix: prefix affinity bounded by load (ours); pow2: power of two choices; "
+                         "ray-prefix-affinity: Ray Serve LLM's PrefixCacheAffinityRouter (--data-plane ray)")
     cluster.add_argument("--data-plane", choices=DATA_PLANES, default=None,
                          help="proxy: replica processes on this machine behind an asyncio proxy; ray: Ray "
                               "Serve (several machines). Default: ray with --ray-address, else proxy")
