@@ -16,7 +16,9 @@ reports, and vLLM reports none (:mod:`benchmarks.router_fidelity`).
 Front ends, alternated, fresh processes per run (``--repeats``, default 3):
 
 * ``feather-proxy``: ``feather-serve --replicas 2 --router prefix`` (the proxy data plane; add
-  ``--front-ends feather-ray`` for ``--data-plane ray``);
+  ``--front-ends feather-ray`` for ``--data-plane ray``, ``feather-proxy-pow2`` for ``--router pow2``);
+* ``ray-prefix-affinity``: ``feather-serve --replicas 2 --data-plane ray --router ray-prefix-affinity``,
+  Ray Serve LLM's own ``PrefixCacheAffinityRouter`` in front of the same engines;
 * ``sglang-cache-aware``: ``python -m sglang_router.launch_router --policy cache_aware`` (its defaults)
   in front of two ``feather-serve`` processes, replica ``k`` on the ``k``-th core of this command's
   affinity (``taskset``, and its OpenMP threads there too).
@@ -51,7 +53,12 @@ from feather_env.reporting import format_table, machine_info, write_json
 from feather_env.workloads.build import WorkloadConfig, build_workload
 from feather_env.workloads.tokenizer import load_tokenizer
 
-FRONT_ENDS = ("feather-proxy", "sglang-cache-aware", "feather-ray")
+#: Our front ends: ``feather-serve --replicas 2`` with (data plane, router).
+FEATHER_FRONT_ENDS = {"feather-proxy": ("proxy", "prefix"), "feather-ray": ("ray", "prefix"),
+                      "ray-prefix-affinity": ("ray", "ray-prefix-affinity"),
+                      "feather-proxy-pow2": ("proxy", "pow2")}
+FRONT_ENDS = ("feather-proxy", "sglang-cache-aware", *(f for f in FEATHER_FRONT_ENDS if f != "feather-proxy"))
+DEFAULT_FRONT_ENDS = "feather-proxy,sglang-cache-aware"
 MODEL = "unknown"
 SERVED = ["--served-model-name", "tiny-llama", MODEL]
 CONCURRENCY = 8
@@ -160,8 +167,8 @@ def run_once(front_end: str, requests: Sequence[tuple[str, int]], log_dir: Path)
             result = asyncio.run(drive(router.url, requests))
             after = hit_counts([http_get(u + "/metrics") for u in urls])
     else:
-        plane = "ray" if front_end == "feather-ray" else "proxy"
-        with ClusterServer(2, "prefix", [*SERVER_ARGS, *SERVED, "--data-plane", plane],
+        plane, router = FEATHER_FRONT_ENDS[front_end]
+        with ClusterServer(2, router, [*SERVER_ARGS, *SERVED, "--data-plane", plane],
                            log_path=log_dir / "server.log") as server:
             before = hit_counts([server.metrics()])
             result = asyncio.run(drive(server.url, requests))
@@ -184,12 +191,16 @@ def render(res: dict[str, Any]) -> str:
                       f"{ours['output_throughput'] / theirs['output_throughput']:.3f} (target >= 0.95)",
                   f"- hit rate, ours minus sglang-router's: "
                   f"{100 * (ours['prefix_hit_rate'] - theirs['prefix_hit_rate']):+.1f} points (target >= -2)"]
+    if "feather-proxy" in med and "ray-prefix-affinity" in med:
+        ours, ray = med["feather-proxy"], med["ray-prefix-affinity"]
+        lines += [f"- hit rate, ours minus Ray Serve's PrefixCacheAffinityRouter's: "
+                  f"{100 * (ours['prefix_hit_rate'] - ray['prefix_hit_rate']):+.1f} points (target >= 0)"]
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--front-ends", default="feather-proxy,sglang-cache-aware",
+    p.add_argument("--front-ends", default=DEFAULT_FRONT_ENDS,
                    help=f"of {','.join(FRONT_ENDS)}")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
@@ -207,7 +218,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         mid = sorted(mine, key=lambda r: r["output_throughput"])[len(mine) // 2]
         median[f] = {"output_throughput": statistics.median(r["output_throughput"] for r in mine),
                      "prefix_hit_rate": mid["prefix_hit_rate"] or 0.0}
-    out = {"benchmark": "frontend_loopback", "command": COMMAND, "machine": machine_info(), "seed": args.seed,
+    command = COMMAND + ("" if args.front_ends == DEFAULT_FRONT_ENDS else f" --front-ends {args.front_ends}")
+    out = {"benchmark": "frontend_loopback", "command": command, "machine": machine_info(), "seed": args.seed,
            "server_args": [*SERVER_ARGS, *SERVED], "workload_args": WORKLOAD_ARGS, "concurrency": CONCURRENCY,
            "runs": runs, "median": median}
     print(render(out))
