@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,15 +22,11 @@ from typing import Any
 
 import psutil
 
+from scheduler_runtime.serving.replicas import die_with_parent, free_port
+
 REPO = Path(__file__).resolve().parent.parent
 #: Replicas that start each a vLLM engine: minutes on a loaded 2-core machine at worst.
 START_TIMEOUT_S = 420.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def http_get(url: str, timeout: float = 10.0) -> str:
@@ -73,7 +68,8 @@ class ClusterServer:
         t0 = time.monotonic()
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(self.command, cwd=REPO, env=env, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=die_with_parent)
         try:
             self.wait_healthy(self.replicas, START_TIMEOUT_S)
         except BaseException:

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 
 from benchmarks.cluster_server import REPO
@@ -413,3 +414,30 @@ def test_pow2_router_and_the_max_ongoing_bound():
     finally:
         running.stop()
     assert all(r.process.poll() is not None for r in proxy.replicas)  # stopped with the proxy
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl's parent-death signal is Linux's")
+def test_a_child_started_with_die_with_parent_does_not_outlive_a_killed_parent(tmp_path):
+    # the parent (a test, a benchmark, feather-serve) is SIGKILLed: no finally runs, yet its server goes
+    parent_program = (
+        "import subprocess, sys, time\n"
+        "from scheduler_runtime.serving.replicas import die_with_parent\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'],"
+        " start_new_session=True, preexec_fn=die_with_parent)\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(300)\n")
+    parent = subprocess.Popen([sys.executable, "-c", parent_program], cwd=REPO, stdout=subprocess.PIPE)
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    assert psutil.pid_exists(child)
+    parent.kill()
+    parent.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if psutil.Process(child).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        assert time.monotonic() < deadline, "the child outlived its killed parent"
+        time.sleep(0.1)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,19 +27,13 @@ from types import TracebackType
 
 from feather_env.engines.vllm_engine import EngineConfig, engine_dtype_and_kv_bytes
 from feather_env.hostload import pinned_cores
+from scheduler_runtime.serving.replicas import die_with_parent, free_port
 
 __all__ = ["LocalServer", "free_port", "server_args"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VLLM_SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 SERVED_MODEL_NAME = "tiny-llama"
-
-
-def free_port() -> int:
-    """A TCP port free on loopback now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def server_args(engine: EngineConfig) -> list[str]:
@@ -110,6 +103,7 @@ class LocalServer:
         cores = self.other_cores
 
         def pin() -> None:  # in the child, before exec: its processes inherit the mask
+            die_with_parent()
             if cores and hasattr(os, "sched_setaffinity"):
                 os.sched_setaffinity(0, cores)
 

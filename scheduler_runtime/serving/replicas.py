@@ -20,8 +20,8 @@ from typing import Any
 
 from scheduler_runtime.serving.cluster_base import ClusterConfig, core_binding, gpu_groups
 
-__all__ = ["MAX_RESTART_DELAY_S", "RESTART_DELAY_S", "STABLE_S", "Replica", "free_port", "replica_command",
-           "replicas_for"]
+__all__ = ["MAX_RESTART_DELAY_S", "RESTART_DELAY_S", "STABLE_S", "Replica", "die_with_parent", "free_port",
+           "replica_command", "replicas_for"]
 
 #: Restart back-off: the first delay, the longest, and how long a replica must live to reset it.
 RESTART_DELAY_S, MAX_RESTART_DELAY_S, STABLE_S = 1.0, 30.0, 60.0
@@ -100,12 +100,11 @@ class Replica:
         """Start the process (its own process group, pinned, dying with this process on Linux)."""
         assert self.command is not None
         cores = self.cores
-        death_signal = _parent_death_signal()
 
         def prepare() -> None:  # in the child, before exec
             if cores is not None and hasattr(os, "sched_setaffinity"):
                 os.sched_setaffinity(0, cores)
-            death_signal()
+            die_with_parent()
 
         self.process = subprocess.Popen(self.command, env={**os.environ, **self.env}, start_new_session=True,
                                         preexec_fn=prepare)
@@ -133,7 +132,8 @@ class Replica:
 
 
 def _parent_death_signal() -> Callable[[], None]:
-    """A function for the child that asks Linux for SIGTERM when this process dies (no-op elsewhere)."""
+    """A function for the child that asks Linux for SIGTERM when this process dies (no-op elsewhere);
+    looked up in the parent, as a ``preexec_fn`` should import nothing."""
     try:
         import ctypes
 
@@ -143,6 +143,12 @@ def _parent_death_signal() -> Callable[[], None]:
         return lambda: None
     pr_set_pdeathsig = 1
     return lambda: prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+#: For ``subprocess.Popen(preexec_fn=...)``: the child is sent SIGTERM when the process that started
+#: it dies, even by SIGKILL or by a SIGTERM that skips every ``finally``. A replica then never
+#: outlives its ``feather-serve``, nor a server the test or benchmark that started it.
+die_with_parent: Callable[[], None] = _parent_death_signal()
 
 
 def replicas_for(config: ClusterConfig, command: Callable[[Sequence[str], int], list[str]] = replica_command,
