@@ -20,10 +20,13 @@ replica's KV tokens (its cache model's ``kv_tokens``).
 1. **Tuning** (:func:`tune`): a small grid per router (:func:`grids`), scored by the mean output
    throughput at 16 replicas and loads 0.8 and 1.0 (the targets') over ``--tune-seeds`` (6)
    workloads whose documents and arrivals are drawn with seeds disjoint from the evaluation's (with
-   3, the search's noise, about 1.5% per setting, was as large as what it decides between). Ours is
-   searched in three stages: every ``load_factor`` x ``slack`` x ``new_prefix`` (no match-rate
-   threshold, no cache model), then the best four again with ``min_match`` 0.1 and 0.3, then the
-   best three so far with the cache model (``cache_factor`` 1 to 2).
+   3, the search's noise, about 1.5% per setting, was as large as what it decides between), beside
+   ``--tune-zipf`` Zipf-popularity workloads and ``--tune-mooncake`` Mooncake windows of tuning seeds
+   too (every router scored on all three). Ours is searched in four stages: every ``load_factor`` x
+   ``slack`` x ``new_prefix`` (no match-rate threshold, no cache model), then the best four again
+   with ``min_match`` 0.1 and 0.3, then the best three so far with the cache model (``cache_factor``
+   1 to 2), then the best two so far with the imbalance bound on a hot prefix
+   (:data:`OURS_STAGE_FOUR`).
 2. **Evaluation** (:func:`cell`): every router at its defaults and at its tuned knobs, at
    ``--loads`` (0.8, 1.0, and 1.5, past every router's capacity) on the evaluation seeds (the
    arrival draws 0, 1, 2 of :mod:`benchmarks.routing`'s workload): output throughput, mean and P99
@@ -66,12 +69,13 @@ from scheduler_runtime.router import PEERS, ROUTERS, PrefixAffinityRouter, Repli
 
 OURS = "prefix"
 #: The reference router that measures each workload's saturation rate: ours as shipped before the
-#: first study of the field's routers (fixed, so that a load means the same rate from run to run).
+#: first study of the field's routers (fixed, so that a load means the same rate from run to run; every
+#: knob ours' defaults could change is stated, the imbalance bound off).
 REFERENCE: dict[str, Any] = {"load_factor": 1.25, "slack": 2, "new_prefix": "ring", "min_match": 0.0,
-                             "cache_factor": 0.0}
+                             "cache_factor": 0.0, "balance_abs": math.inf}
 #: Ours as shipped before this study (the first study's tuned setting, no cache model): ours' default row.
 OURS_BEFORE: dict[str, Any] = {"load_factor": 5.0, "slack": 2, "new_prefix": "least", "min_match": 0.1,
-                               "cache_factor": 0.0}
+                               "cache_factor": 0.0, "balance_abs": math.inf}
 ROUTER_ORDER = (OURS, *PEERS)
 #: Routers that draw random numbers (seeded with the arrival seed).
 SEEDED = {"pow2", "ray-prefix-affinity", "dynamo-kv"}
@@ -83,6 +87,10 @@ TUNE_SEED_BASE = 10_000
 OURS_STAGE_TWO = ({"min_match": 0.1}, {"min_match": 0.3})
 #: Ours' third stage: the cache model (``cache_factor`` x the replica's KV tokens) on the best two so far.
 OURS_STAGE_THREE = tuple({"cache_factor": f} for f in (1.0, 1.25, 1.5, 1.75, 2.0))
+#: Ours' fourth stage: the imbalance bound on a hot prefix only (``balance_abs`` x ``hot_min``, SGLang's
+#: ``balance_rel`` 1.5, the last 64 matched requests) on the best two so far.
+OURS_STAGE_FOUR = tuple({"balance_abs": a, "balance_rel": 1.5, "hot_window": 64, "hot_min": m}
+                        for a, m in itertools.product((4, 8, 16), (4, 8)))
 #: Ours' stages: the first's grid, then two (:data:`OURS_STAGE_TWO`) on its best four, then three on
 #: the best three so far (of distinct scores).
 DEFAULT_GOODPUT = "ttft:2000 e2el:10000"
@@ -109,7 +117,7 @@ def defaults(name: str) -> dict[str, Any]:
     """The knobs of a router's default row: ours as shipped before the study, a peer's published ones
     (its class's defaults)."""
     if name == OURS:
-        return dict(OURS_BEFORE)
+        return _jsonable(OURS_BEFORE)
     params = inspect.signature(ROUTERS[name].__init__).parameters.values()
     return _jsonable({p.name: p.default for p in params if p.default is not inspect.Parameter.empty
                       and p.name not in ("seed", "chunk_size", "kv_tokens")})
@@ -138,7 +146,8 @@ def _top(name: str, scored: Sequence[dict[str, Any]], k: int) -> list[dict[str, 
 
 def grids() -> dict[str, list[dict[str, Any]]]:
     """Each router's tuning grid (ours: stage one; stage two, :data:`OURS_STAGE_TWO`, on its best four)."""
-    ours = [{"load_factor": c, "slack": s, "new_prefix": p, "min_match": 0.0, "cache_factor": 0.0}
+    ours = [{"load_factor": c, "slack": s, "new_prefix": p, "min_match": 0.0, "cache_factor": 0.0,
+             "balance_abs": math.inf}
             for c, s, p in itertools.product((1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 8.0, 20.0), (0, 2), ("least",))]
     balance = ((64, 1.5), (32, 1.1), (8, 1.5), (4, 1.25))  # 0.3.x's RouterArgs, Rust's default, tighter
     sglang = [{"cache_threshold": t, "balance_abs_threshold": a, "balance_rel_threshold": r}
@@ -252,17 +261,28 @@ def run_rows(sim: ClusterSim, timed: Sequence[tuple[int, Workload]], rows: Seque
 def tune(sim: ClusterSim, pool: Workload, args: argparse.Namespace, goodput: dict[str, float],
          log: Callable[[str], None], mooncake_sim: ClusterSim | None = None) -> dict[str, Any]:
     """Each router's grid on the tuning workloads: ``{router: {"best": knobs, "grid": [...]}}``. The
-    L-Eval workloads on ``sim`` and, with ``mooncake_sim``, ``--tune-mooncake`` windows of the Mooncake
-    trace (seeds of their own) on it; the score is the mean output tok/s over every run of both."""
+    L-Eval workloads on ``sim``, ``--tune-zipf`` of their Zipf-popularity variants (``--zipf-s``, the
+    first of those workloads' documents and seeds) on it and, with ``mooncake_sim``, ``--tune-mooncake``
+    windows of the Mooncake trace (seeds of their own) on it; the score is the mean output tok/s over
+    every run of all three."""
     n = sim.num_replicas
-    timed = []
+    timed: list[tuple[int, Workload]] = []
+    zipf: list[tuple[int, Workload]] = []
     for s in range(args.tune_seeds):
         workload = uniform_workload(pool, n, args.docs_per_replica, TUNE_SEED_BASE + 100 * n + s)
-        saturation = saturation_rate(sim, workload)
-        for load in args.tune_loads:
-            seed = TUNE_SEED_BASE + s
-            timed.append((seed, workload.with_arrivals(f"poisson:{load * saturation}", seed)))
+        variants: list[tuple[list[tuple[int, Workload]], Workload]] = [(timed, workload)]
+        if s < args.tune_zipf and args.zipf_s > 0:  # as benchmarks.router_variants draws seed 10,000 + s
+            skewed = zipf_documents(pool, workload.num_groups, len(workload), args.zipf_s,
+                                    seed=TUNE_SEED_BASE + 100 * n + s)
+            variants.append((zipf, skewed))
+        for runs, w in variants:
+            saturation = saturation_rate(sim, w)
+            for load in args.tune_loads:
+                seed = TUNE_SEED_BASE + s
+                runs.append((seed, w.with_arrivals(f"poisson:{load * saturation}", seed)))
     groups = [("leval", sim, timed)]
+    if zipf:
+        groups.append(("zipf", sim, zipf))
     if mooncake_sim is not None and args.tune_mooncake > 0:
         seeds = [TUNE_SEED_BASE + s for s in range(args.tune_mooncake)]
         windows = mooncake_windows(args.mooncake_window * mooncake_sim.num_replicas, seeds)
@@ -298,6 +318,8 @@ def tune(sim: ClusterSim, pool: Workload, args: argparse.Namespace, goodput: dic
             scored += score(name, [{**r["knobs"], **extra} for extra in OURS_STAGE_TWO for r in top])
             top = _top(name, scored, 3)
             scored += score(name, [{**r["knobs"], **extra} for extra in OURS_STAGE_THREE for r in top])
+            top = _top(name, scored, 2)  # four: the imbalance bound on a hot prefix
+            scored += score(name, [{**r["knobs"], **extra} for extra in OURS_STAGE_FOUR for r in top])
         best = max(scored, key=lambda r: _rank(name, r))  # of equals: the closest to the defaults
         out[name] = {"best": best["knobs"], "score": best["output_throughput"], "grid": scored}
     return out
@@ -455,8 +477,9 @@ def _mooncake_text(res: dict[str, Any]) -> str:
 
 
 def _tune_mooncake_text(res: dict[str, Any]) -> str:
-    k = res.get("tune_mooncake") or 0
-    return f", and on {k} windows of the Mooncake trace of other seeds, the same loads" if k else ""
+    z, k = res.get("tune_zipf") or 0, res.get("tune_mooncake") or 0
+    out = f", on {z} of their Zipf-popularity variants (s = {res['zipf_s']:g})" if z else ""
+    return out + (f", and on {k} windows of the Mooncake trace of other seeds, the same loads" if k else "")
 
 
 def summary_table(res: dict[str, Any]) -> str:
@@ -544,6 +567,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--tune-replicas", type=int, default=16)
     p.add_argument("--tune-seeds", type=int, default=6, help="tuning workloads (own seeds)")
     p.add_argument("--tune-loads", default="0.8,1.0")
+    p.add_argument("--tune-zipf", type=int, default=3,
+                   help="Zipf variants (--zipf-s) of the first tuning workloads in the score (0: none)")
     p.add_argument("--tune-mooncake", type=int, default=3,
                    help="Mooncake windows (own seeds) in the tuning score beside L-Eval's (0: none)")
     p.add_argument("--zipf-s", type=float, default=1.1, help="0: no Zipf variant")
@@ -609,9 +634,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
            "docs_per_replica": args.docs_per_replica, "docs_per_replica_large": args.docs_per_replica_large,
            "large_replicas": args.large_replicas, "loads": loads, "seeds": seeds, "goodput": goodput,
            "tune_replicas": args.tune_replicas, "tune_seeds": args.tune_seeds,
-           "tune_mooncake": args.tune_mooncake, "tune_loads": args.tune_loads,
+           "tune_zipf": args.tune_zipf if args.zipf_s > 0 else 0, "tune_mooncake": args.tune_mooncake,
+           "tune_loads": args.tune_loads,
            "zipf_s": args.zipf_s, "mooncake_window_s": args.mooncake_window,
-           "mooncake_engine": mooncake_engine.to_dict(), "reference": REFERENCE, "ours_before": OURS_BEFORE,
+           "mooncake_engine": mooncake_engine.to_dict(), "reference": _jsonable(REFERENCE),
+           "ours_before": _jsonable(OURS_BEFORE),
            "tuning": tuning, "tuned": tuned,
            "defaults": {name: defaults(name) for name in ROUTER_ORDER}, "cells": cells,
            "agreement": same, "targets": TARGETS, "target_replicas": TARGET_REPLICAS}

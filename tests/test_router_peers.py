@@ -279,6 +279,19 @@ def test_ours_defaults_are_the_tuned_setting():
     assert not r.tracks_requests  # what the Ray Serve router can feed it: hashes and requests in flight
 
 
+def test_ours_defaults_are_what_router_peers_tuned():
+    """The shipped defaults equal the setting benchmarks.router_peers tuned (results/router_peers.json)."""
+    import json
+    from pathlib import Path
+
+    from benchmarks.router_peers import OURS, make
+
+    res = json.loads((Path(__file__).resolve().parents[1] / "results" / "router_peers.json").read_text())
+    knobs = res["tuned"][OURS]
+    tuned, shipped = make(OURS, knobs, seed=0), PrefixAffinityRouter()
+    assert {k: getattr(tuned, k) for k in knobs} == {k: getattr(shipped, k) for k in knobs}
+
+
 def test_ours_cache_model_sends_an_evicted_document_to_the_least_loaded_replica():
     # each replica keeps 1.0 x 5 chunks: a's LRU model holds DOC (4 chunks); 4 more leave 1 of them
     r = PrefixAffinityRouter(kv_tokens=5 * CHUNK, cache_factor=1.0, min_match=0.0, chunk_size=CHUNK)
