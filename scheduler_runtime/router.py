@@ -166,13 +166,17 @@ class PrefixAffinityRouter(ReplicaRouter):
     """Ours: longest known prefix, bounded by load (see the module docstring).
 
     The defaults (``load_factor=20, slack=2, new_prefix="least", min_match=0.1, cache_factor=1.5,
-    cache_keep=0.5``) won the tuning search of ``benchmarks.router_peers`` (16 simulated replicas,
-    L-Eval and the Mooncake trace, with SGLang's, Ray Serve's, LMetric's and Dynamo's rules tuned
-    beside it) and beat the previous ones (``5, 2, "least", 0.1``, no cache model) on held-out seeds
-    (``docs/results.md``). Tried there and dropped: a load counted in tokens (pending prefill plus the
-    distinct KV tokens in flight: a hot document's replica looked light while its queue grew), a cost
-    of new prefill tokens plus the tokens and requests in flight (LMetric's and Dynamo's terms on our
-    table: better at 80% load, worse at 100%), and placing a new document by the new tokens in flight.
+    cache_keep=0.5``, and the imbalance bound on a hot prefix ``balance_abs=16, balance_rel=1.5,
+    hot_window=64, hot_min=8``) won the tuning search of ``benchmarks.router_peers`` (16 simulated
+    replicas, L-Eval, its Zipf-popularity variant and the Mooncake trace, with SGLang's, Ray Serve's,
+    LMetric's and Dynamo's rules tuned beside it) and beat the previous ones (``5, 2, "least", 0.1``,
+    no cache model) on held-out seeds (``docs/results.md``). The hot bound won by a hair (score +0.2%:
+    +0.6% on the Zipf tuning workloads, L-Eval and Mooncake routed identically; held out, +0.7% on
+    Zipf at load 1.0, every other cell identical). Tried there and dropped: a load counted in tokens
+    (pending prefill plus the distinct KV tokens in flight: a hot document's replica looked light while
+    its queue grew), a cost of new prefill tokens plus the tokens and requests in flight (LMetric's and
+    Dynamo's terms on our table: better at 80% load, worse at 100%), and placing a new document by the
+    new tokens in flight.
     A tighter request-count bound (``load_factor`` 3-5) spilled the Mooncake trace's hot long
     conversations, prefilling them again elsewhere.
 
@@ -206,15 +210,14 @@ class PrefixAffinityRouter(ReplicaRouter):
         balance_abs, balance_rel: an imbalance bound (SGLang's and Ray's thresholds, on the requests in
             flight): a replica serving more than ``max(least + balance_abs, balance_rel x least)``
             (``least``: the least loaded candidate's load) is not followed or spilled to; the request
-            walks the ring as past the load bound. Default ``inf``: off.
+            walks the ring as past the load bound. Default 16 and 1.5 (tuned, on a hot prefix only);
+            ``balance_abs=inf``: off.
         hot_window, hot_min: with the imbalance bound, apply it only to a hot prefix: one whose deepest
             known key was the match of at least ``hot_min`` of the last ``hot_window`` requests that
             matched a known prefix (a popular document's questions; a conversation's next turn, whose
-            key is new each turn, is never hot). ``hot_window`` 0 (default): every prefix.
-            ``balance_abs=8, balance_rel=1.5, hot_window=64, hot_min=4`` was +2.4% / +7.5% at 16
-            replicas, Zipf popularity, loads 0.8 / 1.0 (evaluation seeds), unchanged on L-Eval and the
-            Mooncake trace, +0.2% on Zipf workloads of other seeds: not (yet) a default; without
-            ``hot_window`` the bound lost up to 30% on the Mooncake trace (``benchmarks.router_variants``).
+            key is new each turn, is never hot). Default 64 and 8 (tuned); ``hot_window`` 0: every
+            prefix. Without ``hot_window`` the bound lost up to 30% on the Mooncake trace
+            (``benchmarks.router_variants``).
         chunk_size: tokens per chunk of the hashes (the scheduler's chunk size; ``min_match`` and
             ``new_prefix="smallest"`` count tokens by it).
     """
@@ -225,8 +228,8 @@ class PrefixAffinityRouter(ReplicaRouter):
     def __init__(self, load_factor: float = 20.0, slack: int = 2, max_keys: int = MAX_TABLE_KEYS,
                  new_prefix: str = "least", min_match: float = 0.1, kv_tokens: int | None = None,
                  cache_factor: float = 1.5, cache_keep: float = 0.5,
-                 balance_abs: float = math.inf, balance_rel: float = 1.0, hot_window: int = 0,
-                 hot_min: int = 1,
+                 balance_abs: float = 16.0, balance_rel: float = 1.5, hot_window: int = 64,
+                 hot_min: int = 8,
                  chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
         super().__init__()
         if not load_factor > 1.0:

@@ -231,7 +231,7 @@ def test_the_imbalance_bound_spills_only_a_hot_prefix():
     spill = {router.choose(hot_doc, piled) for _ in range(3)}  # hot now: one second replica
     assert len(spill) == 1 and owners[id(hot_doc)] not in spill
     assert router.choose(hot_doc, {**loads, owners[id(hot_doc)]: 6}) == owners[id(hot_doc)]  # within it
-    everything = PrefixAffinityRouter(balance_abs=4, balance_rel=1.5)  # hot_window 0: every prefix
+    everything = PrefixAffinityRouter(balance_abs=4, balance_rel=1.5, hot_window=0)  # every prefix
     owner = everything.choose(cold_doc, loads)
     everything.routed(cold_doc, owner)
     assert everything.choose(cold_doc, {**loads, owner: 7}) != owner
