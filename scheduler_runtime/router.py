@@ -309,6 +309,18 @@ class PrefixAffinityRouter(ReplicaRouter):
             return -1, None
         return level, self._get(int(hashes[level]))
 
+    def _hot(self, key: int) -> bool:
+        """Count ``key`` as the match of one more request, over the last ``hot_window``; whether it is
+        hot (matched at least ``hot_min`` times there)."""
+        self._recent.append(key)
+        self._recent_count[key] += 1
+        if len(self._recent) > self.hot_window:
+            old = self._recent.popleft()
+            self._recent_count[old] -= 1
+            if not self._recent_count[old]:
+                del self._recent_count[old]
+        return self._recent_count[key] >= self.hot_min
+
     def choose(self, hashes: np.ndarray | None, loads: Mapping[str, int],
                avoid: Collection[str] = (), *, tokens: int | None = None) -> str:
         ok = self._allowed(loads, avoid)
@@ -316,37 +328,25 @@ class PrefixAffinityRouter(ReplicaRouter):
             return min(ok, key=lambda r: (loads[r], r))
         cap = self.bound(sum(loads.values()), len(loads))
         level, owner = self.owner(hashes)
-        if owner is not None and self.min_match > 0.0:
-            n = prompt_tokens(hashes, tokens, self.chunk_size)
-            if min((level + 1) * self.chunk_size, n) < self.min_match * n:
-                level, owner = -1, None  # too little of it known: a new prefix
-        if owner is not None and self.cached is not None:
+        if owner is not None and (self.min_match > 0.0 or self.cached is not None):
             n = prompt_tokens(hashes, tokens, self.chunk_size)
             known = min((level + 1) * self.chunk_size, n)
-            kept = min(self.cached.match(hashes).get(owner, 0) * self.chunk_size, n)
-            if kept < max(1.0, self.cache_keep * known):
-                self.counts["evicted"] += 1  # evicted there by now: prefilled again wherever it goes
-                level, owner = -1, None
-        balance = self.balance_abs < math.inf
-        if balance and self.hot_window > 0 and owner is not None:
-            key = int(hashes[level])
-            self._recent.append(key)
-            self._recent_count[key] += 1
-            if len(self._recent) > self.hot_window:
-                old = self._recent.popleft()
-                self._recent_count[old] -= 1
-                if not self._recent_count[old]:
-                    del self._recent_count[old]
-            balance = self._recent_count[key] >= self.hot_min  # only a hot prefix is balanced
-        if balance:
+            if known < self.min_match * n:
+                level, owner = -1, None  # too little of it known: a new prefix
+            elif self.cached is not None:
+                kept = min(self.cached.match(hashes).get(owner, 0) * self.chunk_size, n)
+                if kept < max(1.0, self.cache_keep * known):
+                    self.counts["evicted"] += 1  # evicted there by now: prefilled again wherever it goes
+                    level, owner = -1, None
+        floor = math.inf  # the imbalance bound: with hot_window, on a known prefix only if it is hot
+        if self.balance_abs < math.inf and (self.hot_window == 0 or owner is None
+                                            or self._hot(int(hashes[level]))):
             least = min(loads[r] for r in ok)
             floor = max(least + self.balance_abs, self.balance_rel * least)
 
-            def under(r: str) -> bool:
-                return loads[r] < cap and loads[r] <= floor
-        else:
-            def under(r: str) -> bool:
-                return loads[r] < cap
+        def under(r: str) -> bool:
+            return loads[r] < cap and loads[r] <= floor
+
         if owner is not None and owner in ok and under(owner):
             self.counts["affinity"] += 1
             return owner
@@ -358,8 +358,8 @@ class PrefixAffinityRouter(ReplicaRouter):
                 return next(r for r in ring.walk(int(hashes[-1])) if r in ok and loads[r] == least)
             if self.new_prefix == "smallest":
                 sent = self.sent_tokens
-                under = [r for r in ok if loads[r] < cap] or list(ok)
-                return min(under, key=lambda r: (sent[r], loads[r], r))
+                room = [r for r in ok if loads[r] < cap] or list(ok)
+                return min(room, key=lambda r: (sent[r], loads[r], r))
             level = 0
         else:
             self.counts["spilled"] += 1
