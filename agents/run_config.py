@@ -156,6 +156,16 @@ class RunConfig:
     #: The run's environments resolved once (one per scenario of a mix; :func:`parse_config`), on
     #: ``train.backend``: every environment of the run is built from them.
     envs: tuple[ResolvedEnv, ...] = field(default=(), repr=False, compare=False)
+    #: The agent's class (:func:`agents.registry.agent_class`), resolved with the config.
+    agent_cls: type = field(init=False, repr=False, compare=False)
+    #: The effective config as saved (:meth:`to_dict`), made once, with the config.
+    saved: dict[str, Any] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        from agents.registry import agent_class
+
+        object.__setattr__(self, "agent_cls", agent_class(self.agent_name))
+        object.__setattr__(self, "saved", self.to_dict())
 
     @property
     def is_mix(self) -> bool:

@@ -261,14 +261,13 @@ def _run(cfg: RunConfig, out: str | Path, *, resume: bool, backend: Any, verbose
          vllm_log: str | Path | None) -> TrainResult:
     """The run, its configuration taken apart once, here: every stage below receives the pieces it
     needs (the saved config, the train section, the resolved environments), never ``cfg``."""
-    from agents.registry import agent_class, make_agent
+    from agents.registry import make_agent
 
     t0 = time.perf_counter()
     out = Path(out)
-    name, agent_config, train, saved = cfg.agent_name, cfg.agent, cfg.train, cfg.to_dict()
+    name, agent_config, train, saved, cls = cfg.agent_name, cfg.agent, cfg.train, cfg.saved, cfg.agent_cls
     scenario, source = cfg.scenario_name, cfg.source
     stages = cfg.stages  # every environment of the run, from the ones parse_config resolved
-    cls = agent_class(name)
     start = _check_inputs(out, cls, saved, stages.probe, train, resume=resume, shared=backend)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))

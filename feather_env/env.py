@@ -42,7 +42,6 @@ from scheduler_runtime.decision import (
     STOP,
     BatchingPolicy,
     observation_kind,
-    observation_names,
 )
 from scheduler_runtime.plugins import default_policy
 
@@ -293,7 +292,7 @@ class FeatherEnv(gym.Env):
             self.spec = EnvSpec("feather/Batching-v0", entry_point="feather_env.env:FeatherEnv",
                                 nondeterministic=True)
         n_max = resolved.obs_max_requests
-        names = observation_names(self.obs_kind)
+        names = resolved.obs_names
         if self.obs_kind == "group":
             # the oldest wait's bound: max_wait releases a request by then (2 minutes without it)
             max_wait = self.scenario.scheduler.max_wait

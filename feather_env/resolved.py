@@ -34,6 +34,7 @@ from feather_env.rewards import (
 from feather_env.scenarios import EpisodeConfig, Scenario, load_scenario
 from feather_env.serving import env_scheduler_config
 from scheduler_runtime.config import ConfigError
+from scheduler_runtime.decision import observation_names
 from scheduler_runtime.schedulers import SchedulerConfig
 
 __all__ = ["BACKENDS", "DEFAULT_GROUP_SCHEDULER", "SETTING_DEFAULTS", "BackendSpec", "ResolvedEnv",
@@ -79,7 +80,8 @@ class ResolvedEnv:
         scheduler: the scheduler's configuration inside the environment (the scenario's knobs applied).
         reward: the reward, its scale and the goodput SLOs.
         backend: the backend's kind and the simulator's profile.
-        obs_kind: ``base``, ``extended`` or ``group`` (the observation's names).
+        obs_kind: ``base``, ``extended`` or ``group``.
+        obs_names: the observation's names (``obs_kind``'s, set from it).
         delta_clip: the bound of ``delta`` and the chunk counts (chunks).
         obs_max_requests: the bound of the request counts (the scenario's largest episode, or given).
         max_episode_seconds: truncate an episode there (``None``: never).
@@ -96,6 +98,10 @@ class ResolvedEnv:
     obs_max_requests: int
     max_episode_seconds: float | None
     engine_slowdown: tuple[float, float]
+    obs_names: tuple[str, ...] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "obs_names", tuple(observation_names(self.obs_kind)))
 
     @property
     def episode(self) -> EpisodeConfig:
