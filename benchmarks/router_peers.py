@@ -48,6 +48,7 @@ and Ray routers and >= 1.0x the tuned LMetric and Dynamo routers.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import itertools
 import math
@@ -82,7 +83,16 @@ SEEDED = {"pow2", "ray-prefix-affinity", "dynamo-kv"}
 #: ours (tuned) over each tuned peer, at 16 replicas and every evaluated load.
 TARGETS = {"sglang-cache-aware": 1.05, "ray-prefix-affinity": 1.05, "lmetric": 1.0, "dynamo-kv": 1.0}
 TARGET_REPLICAS = 16
+#: Seeds from here draw workloads of their own (the tuning's, and ``benchmarks.router_variants``'
+#: held-out ones); the evaluation's are below.
 TUNE_SEED_BASE = 10_000
+#: L-Eval documents per replica, and from :data:`LARGE_REPLICAS` replicas on.
+DOCS_PER_REPLICA, DOCS_PER_REPLICA_LARGE, LARGE_REPLICAS = 16, 8, 64
+#: The Zipf variant's popularity exponent.
+ZIPF_S = 1.1
+#: Seconds of the Mooncake trace per replica in one window.
+MOONCAKE_WINDOW_S = 40.0
+DEFAULT_SCENARIO = "leval-kv-pressure"
 #: Ours' second tuning stage: each of these on each of the first stage's best four settings.
 OURS_STAGE_TWO = ({"min_match": 0.1}, {"min_match": 0.3})
 #: Ours' third stage: the cache model (``cache_factor`` x the replica's KV tokens) on the best two so far.
@@ -196,6 +206,79 @@ def uniform_workload(pool: Workload, replicas: int, docs_per_replica: int, seed:
     return distinct_documents(pool, docs_per_replica * replicas, seed=seed, max_per_group=8)
 
 
+@dataclasses.dataclass
+class CellRuns:
+    """A cell's simulator and its workloads, one per seed (:func:`cell_runs`), each with its saturation
+    rate; :meth:`timed` gives them arrivals at a load."""
+
+    kind: str
+    sim: ClusterSim
+    seeds: list[int]
+    workloads: list[Workload]
+    saturations: list[float]
+
+    def distinct(self) -> list[tuple[Workload, float]]:
+        """Each distinct workload (the evaluation's seeds share one) with its saturation rate."""
+        seen: dict[int, tuple[Workload, float]] = {}
+        for w, sat in zip(self.workloads, self.saturations, strict=True):
+            seen.setdefault(id(w), (w, sat))
+        return list(seen.values())
+
+    def timed(self, load: float) -> list[tuple[int, Workload]]:
+        """``(seed, workload with arrivals)`` at ``load`` x its saturation rate: Poisson arrivals drawn
+        with the seed (L-Eval, Zipf), or the trace's own timestamps scaled (:func:`at_rate`, Mooncake)."""
+        runs = zip(self.seeds, self.workloads, self.saturations, strict=True)
+        if self.kind == "mooncake":
+            return [(seed, at_rate(w, load * sat)) for seed, w, sat in runs]
+        return [(seed, w.with_arrivals(f"poisson:{load * sat}", seed)) for seed, w, sat in runs]
+
+
+def cell_runs(kind: str, replicas: int, seeds: Sequence[int], *, pool: Workload | None = None,
+              scenario: str = DEFAULT_SCENARIO, docs_per_replica: int = DOCS_PER_REPLICA,
+              docs_per_replica_large: int = DOCS_PER_REPLICA_LARGE, large_replicas: int = LARGE_REPLICAS,
+              zipf_s: float = ZIPF_S, mooncake_window: float = MOONCAKE_WINDOW_S,
+              sim: ClusterSim | None = None) -> CellRuns:
+    """The simulator of a cell (``kind``: ``"uniform"``, L-Eval; ``"zipf"``, its Zipf-popularity
+    variant, ``zipf_s``; ``"mooncake"``, the Mooncake synthetic trace) of ``replicas`` and its workload
+    per seed. A seed below :data:`TUNE_SEED_BASE` is the evaluation's: L-Eval's one workload (documents
+    drawn with ``seed=replicas``; ``docs_per_replica``, ``docs_per_replica_large`` from
+    ``large_replicas`` on), its arrivals drawn with the seed; from there on, the tuning's: a workload of
+    its own (documents drawn with ``seed + 100 x replicas``). A Mooncake seed draws its window of
+    ``mooncake_window`` x replicas seconds either way. ``pool``: the L-Eval pool (read if not given);
+    ``sim``: the simulator to use (one of ``replicas`` of the right engine)."""
+    if kind == "mooncake":
+        sim = sim or ClusterSim(replicas, load_scenario(MOONCAKE_SCENARIO).engine_config())
+        workloads = mooncake_windows(mooncake_window * replicas, seeds)
+    elif kind in ("uniform", "zipf"):
+        sim = sim or ClusterSim(replicas, load_scenario(scenario).engine_config())
+        if pool is None:
+            pool = load_workload(WorkloadConfig(kind="leval", max_prompt_tokens=8192))
+        docs = docs_per_replica_large if replicas >= large_replicas else docs_per_replica
+        drawn: dict[int, Workload] = {}
+
+        def draw(seed: int) -> Workload:
+            base = uniform_workload(pool, replicas, docs, seed=seed)
+            if kind == "zipf":
+                return zipf_documents(pool, base.num_groups, len(base), zipf_s, seed=seed)
+            return base
+
+        workloads = []
+        for seed in seeds:
+            ws = replicas if seed < TUNE_SEED_BASE else seed + 100 * replicas
+            if ws not in drawn:
+                drawn[ws] = draw(ws)
+            workloads.append(drawn[ws])
+    else:
+        raise ValueError(f"unknown cell kind {kind!r}")
+    if sim.num_replicas != replicas:
+        raise ValueError(f"sim has {sim.num_replicas} replicas, not {replicas}")
+    rates: dict[int, float] = {}  # one saturation run per distinct workload
+    for w in workloads:
+        if id(w) not in rates:
+            rates[id(w)] = saturation_rate(sim, w)
+    return CellRuns(kind, sim, list(seeds), workloads, [rates[id(w)] for w in workloads])
+
+
 # ------------------------------------------------------------------------------------ the bound
 
 
@@ -266,30 +349,20 @@ def tune(sim: ClusterSim, pool: Workload, args: argparse.Namespace, goodput: dic
     windows of the Mooncake trace (seeds of their own) on it; the score is the mean output tok/s over
     every run of all three."""
     n = sim.num_replicas
-    timed: list[tuple[int, Workload]] = []
-    zipf: list[tuple[int, Workload]] = []
-    for s in range(args.tune_seeds):
-        workload = uniform_workload(pool, n, args.docs_per_replica, TUNE_SEED_BASE + 100 * n + s)
-        variants: list[tuple[list[tuple[int, Workload]], Workload]] = [(timed, workload)]
-        if s < args.tune_zipf and args.zipf_s > 0:  # as benchmarks.router_variants draws seed 10,000 + s
-            skewed = zipf_documents(pool, workload.num_groups, len(workload), args.zipf_s,
-                                    seed=TUNE_SEED_BASE + 100 * n + s)
-            variants.append((zipf, skewed))
-        for runs, w in variants:
-            saturation = saturation_rate(sim, w)
-            for load in args.tune_loads:
-                seed = TUNE_SEED_BASE + s
-                runs.append((seed, w.with_arrivals(f"poisson:{load * saturation}", seed)))
-    groups = [("leval", sim, timed)]
-    if zipf:
-        groups.append(("zipf", sim, zipf))
+    own = [TUNE_SEED_BASE + s for s in range(args.tune_seeds)]
+    kinds = [("leval", "uniform", sim, own)]
+    if args.tune_zipf > 0 and args.zipf_s > 0:  # the first workloads' Zipf variants, the same seeds
+        kinds.append(("zipf", "zipf", sim, own[:args.tune_zipf]))
     if mooncake_sim is not None and args.tune_mooncake > 0:
-        seeds = [TUNE_SEED_BASE + s for s in range(args.tune_mooncake)]
-        windows = mooncake_windows(args.mooncake_window * mooncake_sim.num_replicas, seeds)
-        sats = [saturation_rate(mooncake_sim, w) for w in windows]
-        runs = [(seed, at_rate(w, load * sat)) for load in args.tune_loads
-                for seed, w, sat in zip(seeds, windows, sats, strict=True)]
-        groups.append(("mooncake", mooncake_sim, runs))
+        kinds.append(("mooncake", "mooncake", mooncake_sim,
+                      [TUNE_SEED_BASE + s for s in range(args.tune_mooncake)]))
+    groups = []
+    for what, kind, on, seeds in kinds:
+        runs = cell_runs(kind, n, seeds, pool=pool, docs_per_replica=args.docs_per_replica,
+                         docs_per_replica_large=args.docs_per_replica_large,
+                         large_replicas=args.large_replicas, zipf_s=args.zipf_s,
+                         mooncake_window=args.mooncake_window, sim=on)
+        groups.append((what, on, [r for load in args.tune_loads for r in runs.timed(load)]))
     weights = {what: len(r) for what, _, r in groups}
 
     def score(name: str, grid: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -325,23 +398,15 @@ def tune(sim: ClusterSim, pool: Workload, args: argparse.Namespace, goodput: dic
     return out
 
 
-def cell(sim: ClusterSim, workload: Workload | Sequence[Workload], loads: Sequence[float],
-         seeds: Sequence[int], tuned: dict[str, dict[str, Any]], goodput: dict[str, float],
-         kind: str) -> list[dict[str, Any]]:
-    """Every router at its defaults and tuned, at each of ``loads``: one cell per load. One workload:
-    Poisson arrivals drawn with each seed; one timed trace per seed (a list): its own timestamps
-    scaled to the load (:func:`at_rate`)."""
-    traces = list(workload) if not isinstance(workload, Workload) else None
-    if traces is not None:
-        if len(traces) != len(seeds):
-            raise ValueError("one trace per seed")
-        sats = [saturation_rate(sim, w) for w in traces]
-        saturation = statistics.fmean(sats)
-        documents = statistics.fmean(w.num_groups for w in traces)
-        requests = statistics.fmean(len(w) for w in traces)
-    else:
-        saturation = saturation_rate(sim, workload)
-        documents, requests = workload.num_groups, len(workload)
+def cell(runs: CellRuns, loads: Sequence[float], tuned: dict[str, dict[str, Any]],
+         goodput: dict[str, float]) -> list[dict[str, Any]]:
+    """Every router at its defaults and tuned, at each of ``loads``, on a cell's runs
+    (:func:`cell_runs`): one cell per load."""
+    sim, seeds, kind = runs.sim, runs.seeds, runs.kind
+    distinct = runs.distinct()
+    saturation = statistics.fmean(sat for _, sat in distinct)
+    documents = statistics.fmean(w.num_groups for w, _ in distinct)
+    requests = statistics.fmean(len(w) for w, _ in distinct)
     rows = []
     for name in ROUTER_ORDER:
         rows.append((_default_label(name), name, defaults(name)))
@@ -351,10 +416,7 @@ def cell(sim: ClusterSim, workload: Workload | Sequence[Workload], loads: Sequen
     floor_sim, floors = ClusterSim(1, sim.engine), {}
     for load in loads:
         rate = load * saturation
-        if traces is not None:
-            timed = [(seed, at_rate(w, load * sat)) for seed, w, sat in zip(seeds, traces, sats, strict=True)]
-        else:
-            timed = [(seed, workload.with_arrivals(f"poisson:{rate}", seed)) for seed in seeds]
+        timed = runs.timed(load)
         routers = run_rows(sim, timed, rows, goodput)
         bounds = [throughput_bound(floor_sim, w, floors) for _, w in timed]
         ours = routers[_label(OURS, tuned)]
@@ -414,11 +476,12 @@ class _Lockstep(ReplicaRouter):
         self.ours.finished(request_id)
 
 
-def agreement(sim: ClusterSim, workload: Workload, load: float, seed: int,
-              tuned: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """Each tuned peer routes ``workload`` at ``load``; ours (tuned), told every routing, answers each
-    request too: the fraction of requests on which it would have chosen the same replica."""
-    timed = workload.with_arrivals(f"poisson:{load * saturation_rate(sim, workload)}", seed)
+def agreement(runs: CellRuns, load: float, tuned: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Each tuned peer routes the first run of a cell (:func:`cell_runs`) at ``load``; ours (tuned),
+    told every routing, answers each request too: the fraction of requests on which it would have
+    chosen the same replica."""
+    sim = runs.sim
+    seed, timed = runs.timed(load)[0]
     out = {}
     for name in PEERS:
         lockstep = _Lockstep(make(name, tuned[name], seed), make(OURS, tuned[OURS], seed, kv_tokens(sim)))
@@ -558,9 +621,10 @@ def render(res: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--replicas", default="4,16,64", help="cluster sizes evaluated")
-    p.add_argument("--large-replicas", type=int, default=64, help="from here: --docs-per-replica-large")
-    p.add_argument("--docs-per-replica", type=int, default=16)
-    p.add_argument("--docs-per-replica-large", type=int, default=8)
+    p.add_argument("--large-replicas", type=int, default=LARGE_REPLICAS,
+                   help="from here: --docs-per-replica-large")
+    p.add_argument("--docs-per-replica", type=int, default=DOCS_PER_REPLICA)
+    p.add_argument("--docs-per-replica-large", type=int, default=DOCS_PER_REPLICA_LARGE)
     p.add_argument("--loads", default="0.8,1.0,1.5")
     p.add_argument("--loads-large", default="0.8,1.0", help="the loads from --large-replicas on")
     p.add_argument("--seeds", type=int, default=3, help="evaluation arrival seeds 0..N-1")
@@ -571,13 +635,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                    help="Zipf variants (--zipf-s) of the first tuning workloads in the score (0: none)")
     p.add_argument("--tune-mooncake", type=int, default=3,
                    help="Mooncake windows (own seeds) in the tuning score beside L-Eval's (0: none)")
-    p.add_argument("--zipf-s", type=float, default=1.1, help="0: no Zipf variant")
+    p.add_argument("--zipf-s", type=float, default=ZIPF_S, help="0: no Zipf variant")
     p.add_argument("--goodput", default=DEFAULT_GOODPUT, help="SLOs in ms, vLLM's --goodput pairs")
     p.add_argument("--mooncake-replicas", default="4,16",
                    help="cluster sizes on the Mooncake trace ('': none)")
-    p.add_argument("--mooncake-window", type=float, default=40.0,
+    p.add_argument("--mooncake-window", type=float, default=MOONCAKE_WINDOW_S,
                    help="seconds of the Mooncake trace per replica (one window per seed)")
-    p.add_argument("--scenario", default="leval-kv-pressure")
+    p.add_argument("--scenario", default=DEFAULT_SCENARIO)
     p.add_argument("--data-dir", default=None)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -602,30 +666,34 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         log(f"  {name}: {_knobs(t['best'])} ({t['score']:.0f} tok/s)")
 
     cells = []
+
+    def runs(kind: str, n: int) -> CellRuns:
+        return cell_runs(kind, n, seeds, pool=pool, scenario=args.scenario,
+                         docs_per_replica=args.docs_per_replica,
+                         docs_per_replica_large=args.docs_per_replica_large,
+                         large_replicas=args.large_replicas, zipf_s=args.zipf_s,
+                         mooncake_window=args.mooncake_window)
+
+    target: CellRuns | None = None
     for n in (int(x) for x in args.replicas.split(",")):
         large = n >= args.large_replicas
         docs = args.docs_per_replica_large if large else args.docs_per_replica
         at = [float(x) for x in args.loads_large.split(",")] if large else loads
         t0 = time.perf_counter()
-        cells += cell(ClusterSim(n, engine), uniform_workload(pool, n, docs, seed=n), at, seeds, tuned,
-                      goodput, "uniform")
+        uniform = runs("uniform", n)
+        target = uniform if n == TARGET_REPLICAS else target
+        cells += cell(uniform, at, tuned, goodput)
         log(f"{n} replicas ({docs} documents each): {time.perf_counter() - t0:.0f} s for loads {at}")
     t0 = time.perf_counter()
-    n = TARGET_REPLICAS
-    same = agreement(ClusterSim(n, engine), uniform_workload(pool, n, args.docs_per_replica, seed=n), 1.0,
-                     seeds[0], tuned)
+    same = agreement(target or runs("uniform", TARGET_REPLICAS), 1.0, tuned)
     log(f"lockstep agreement: {time.perf_counter() - t0:.0f} s")
     if args.zipf_s > 0:
-        n = TARGET_REPLICAS
-        base = uniform_workload(pool, n, args.docs_per_replica, seed=n)
-        workload = zipf_documents(pool, base.num_groups, len(base), args.zipf_s, seed=n)
         t0 = time.perf_counter()
-        cells += cell(ClusterSim(n, engine), workload, loads, seeds, tuned, goodput, "zipf")
-        log(f"{n} replicas, Zipf: {time.perf_counter() - t0:.0f} s")
+        cells += cell(runs("zipf", TARGET_REPLICAS), loads, tuned, goodput)
+        log(f"{TARGET_REPLICAS} replicas, Zipf: {time.perf_counter() - t0:.0f} s")
     for n in (int(x) for x in args.mooncake_replicas.split(",") if x.strip()):
         t0 = time.perf_counter()
-        windows = mooncake_windows(args.mooncake_window * n, seeds)
-        cells += cell(ClusterSim(n, mooncake_engine), windows, loads, seeds, tuned, goodput, "mooncake")
+        cells += cell(runs("mooncake", n), loads, tuned, goodput)
         log(f"{n} replicas, Mooncake: {time.perf_counter() - t0:.0f} s")
 
     out = {"benchmark": "router_peers", "machine": machine_info(), "scenario_engine": args.scenario,

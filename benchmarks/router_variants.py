@@ -3,12 +3,12 @@
     python -m benchmarks.router_variants zipf:16:1.0 0,1,2 '{"base": {}, "hot": {"balance_abs": 8, ...}}'
 
 A cell is ``KIND:REPLICAS:LOAD`` (``uniform``: L-Eval, ``zipf``: its Zipf variant, s = 1.1, ``mooncake``:
-the Mooncake synthetic trace), built as :mod:`benchmarks.router_peers` builds it. Seeds below 10,000 are
-the evaluation's (its workload, those arrival draws); a seed ``s`` from 10,000 on draws a workload of its
-own (seed ``s + 100 x replicas``, as the tuning's are drawn) with those arrivals, so variants can be chosen
-on seeds the evaluation never sees. Each variant (knobs over ours' defaults, told the replica's KV
-tokens) prints its mean output tok/s, its ratio to the first variant (the range per seed), mean E2E,
-prefix hit rate and max/mean requests per replica.
+the Mooncake synthetic trace), built by :func:`benchmarks.router_peers.cell_runs` as the evaluation
+builds it. Seeds below 10,000 are the evaluation's (its workload, those arrival draws); a seed ``s``
+from 10,000 on draws a workload of its own (seed ``s + 100 x replicas``, as the tuning's are drawn)
+with those arrivals, so variants can be chosen on seeds the evaluation never sees. Each variant (knobs
+over ours' defaults, told the replica's KV tokens) prints its mean output tok/s, its ratio to the
+first variant (the range per seed), mean E2E, prefix hit rate and max/mean requests per replica.
 """
 
 from __future__ import annotations
@@ -18,35 +18,10 @@ import json
 from collections.abc import Sequence
 
 from benchmarks import router_peers as rp
-from feather_env.cluster_sim import ClusterSim, zipf_documents
-from feather_env.scenarios import load_scenario
 from feather_env.serving_metrics import parse_goodput
-from feather_env.workloads import Workload, WorkloadConfig, load_workload
 
 #: Seeds from here draw workloads of their own (the evaluation's are below).
-OWN_WORKLOAD_SEEDS = 10_000
-
-
-def timed_runs(kind: str, n: int, load: float,
-               seeds: Sequence[int]) -> tuple[ClusterSim, list[tuple[int, Workload]]]:
-    """The simulator of cell ``kind:n:load`` and its ``(seed, workload with arrivals)`` runs."""
-    if kind == "mooncake":
-        sim = ClusterSim(n, load_scenario(rp.MOONCAKE_SCENARIO).engine_config())
-        windows = rp.mooncake_windows(40.0 * n, seeds)
-        return sim, [(s, rp.at_rate(w, load * rp.saturation_rate(sim, w)))
-                     for s, w in zip(seeds, windows, strict=True)]
-    if kind not in ("uniform", "zipf"):
-        raise ValueError(f"unknown cell kind {kind!r}")
-    sim = ClusterSim(n, load_scenario("leval-kv-pressure").engine_config())
-    pool = load_workload(WorkloadConfig(kind="leval", max_prompt_tokens=8192))
-    docs = 8 if n >= 64 else 16
-    runs = []
-    for s in seeds:
-        ws = n if s < OWN_WORKLOAD_SEEDS else s + 100 * n
-        base = rp.uniform_workload(pool, n, docs, seed=ws)
-        w = zipf_documents(pool, base.num_groups, len(base), 1.1, seed=ws) if kind == "zipf" else base
-        runs.append((s, w.with_arrivals(f"poisson:{load * rp.saturation_rate(sim, w)}", s)))
-    return sim, runs
+OWN_WORKLOAD_SEEDS = rp.TUNE_SEED_BASE
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -56,7 +31,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("variants", help="JSON object: label -> ours' knobs (the first is the baseline)")
     args = p.parse_args(argv)
     kind, n, load = args.cell.split(":")
-    sim, runs = timed_runs(kind, int(n), float(load), [int(x) for x in args.seeds.split(",")])
+    cell = rp.cell_runs(kind, int(n), [int(x) for x in args.seeds.split(",")])
+    sim, runs = cell.sim, cell.timed(float(load))
     rows = [(label, rp.OURS, knobs) for label, knobs in json.loads(args.variants).items()]
     out = rp.run_rows(sim, runs, rows, parse_goodput(rp.DEFAULT_GOODPUT))
     base = out[rows[0][0]]
