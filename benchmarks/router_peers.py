@@ -21,12 +21,15 @@ replica's KV tokens (its cache model's ``kv_tokens``).
    throughput at 16 replicas and loads 0.8 and 1.0 (the targets') over ``--tune-seeds`` (6)
    workloads whose documents and arrivals are drawn with seeds disjoint from the evaluation's (with
    3, the search's noise, about 1.5% per setting, was as large as what it decides between), beside
-   ``--tune-zipf`` Zipf-popularity workloads and ``--tune-mooncake`` Mooncake windows of tuning seeds
-   too (every router scored on all three). Ours is searched in four stages: every ``load_factor`` x
+   ``--tune-zipf`` (6: the Zipf variants of every one of those; with 3, the sharing of a hot
+   document's holders, worth 1.5-3% on Zipf held out, did not register) Zipf-popularity workloads and
+   ``--tune-mooncake`` (3) Mooncake windows of tuning seeds too (every router scored on all three).
+   Ours is searched in five stages: every ``load_factor`` x
    ``slack`` x ``new_prefix`` (no match-rate threshold, no cache model), then the best four again
    with ``min_match`` 0.1 and 0.3, then the best three so far with the cache model (``cache_factor``
    1 to 2), then the best two so far with the imbalance bound on a hot prefix
-   (:data:`OURS_STAGE_FOUR`).
+   (:data:`OURS_STAGE_FOUR`), then the best four so far with a prefix's holders shared
+   (:data:`OURS_STAGE_FIVE`).
 2. **Evaluation** (:func:`cell`): every router at its defaults and at its tuned knobs, at
    ``--loads`` (0.8, 1.0, and 1.5, past every router's capacity) on the evaluation seeds (the
    arrival draws 0, 1, 2 of :mod:`benchmarks.routing`'s workload): output throughput, mean and P99
@@ -73,10 +76,10 @@ OURS = "prefix"
 #: first study of the field's routers (fixed, so that a load means the same rate from run to run; every
 #: knob ours' defaults could change is stated, the imbalance bound off).
 REFERENCE: dict[str, Any] = {"load_factor": 1.25, "slack": 2, "new_prefix": "ring", "min_match": 0.0,
-                             "cache_factor": 0.0, "balance_abs": math.inf}
+                             "cache_factor": 0.0, "balance_abs": math.inf, "spread": False}
 #: Ours as shipped before this study (the first study's tuned setting, no cache model): ours' default row.
 OURS_BEFORE: dict[str, Any] = {"load_factor": 5.0, "slack": 2, "new_prefix": "least", "min_match": 0.1,
-                               "cache_factor": 0.0, "balance_abs": math.inf}
+                               "cache_factor": 0.0, "balance_abs": math.inf, "spread": False}
 ROUTER_ORDER = (OURS, *PEERS)
 #: Routers that draw random numbers (seeded with the arrival seed).
 SEEDED = {"pow2", "ray-prefix-affinity", "dynamo-kv"}
@@ -101,8 +104,11 @@ OURS_STAGE_THREE = tuple({"cache_factor": f} for f in (1.0, 1.25, 1.5, 1.75, 2.0
 #: ``balance_rel`` 1.5, the last 64 matched requests) on the best two so far.
 OURS_STAGE_FOUR = tuple({"balance_abs": a, "balance_rel": 1.5, "hot_window": 64, "hot_min": m}
                         for a, m in itertools.product((4, 8, 16), (4, 8)))
+#: Ours' fifth stage: the cache model's holders of a known prefix shared (``spread``, Ray's rule: of the
+#: replicas holding the longest match, the least loaded) on the best four so far.
+OURS_STAGE_FIVE = ({"spread": True},)
 #: Ours' stages: the first's grid, then two (:data:`OURS_STAGE_TWO`) on its best four, then three on
-#: the best three so far (of distinct scores).
+#: the best three so far (of distinct scores), four on the best two, five on the best four.
 DEFAULT_GOODPUT = "ttft:2000 e2el:10000"
 #: The Mooncake synthetic trace's scenario (its engine: 1 GiB of KV; its blocks: 64 tokens per hash id).
 MOONCAKE_SCENARIO = "mooncake-synthetic"
@@ -157,7 +163,7 @@ def _top(name: str, scored: Sequence[dict[str, Any]], k: int) -> list[dict[str, 
 def grids() -> dict[str, list[dict[str, Any]]]:
     """Each router's tuning grid (ours: stage one; stage two, :data:`OURS_STAGE_TWO`, on its best four)."""
     ours = [{"load_factor": c, "slack": s, "new_prefix": p, "min_match": 0.0, "cache_factor": 0.0,
-             "balance_abs": math.inf}
+             "balance_abs": math.inf, "spread": False}
             for c, s, p in itertools.product((1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 8.0, 20.0), (0, 2), ("least",))]
     balance = ((64, 1.5), (32, 1.1), (8, 1.5), (4, 1.25))  # 0.3.x's RouterArgs, Rust's default, tighter
     sglang = [{"cache_threshold": t, "balance_abs_threshold": a, "balance_rel_threshold": r}
@@ -393,6 +399,8 @@ def tune(sim: ClusterSim, pool: Workload, args: argparse.Namespace, goodput: dic
             scored += score(name, [{**r["knobs"], **extra} for extra in OURS_STAGE_THREE for r in top])
             top = _top(name, scored, 2)  # four: the imbalance bound on a hot prefix
             scored += score(name, [{**r["knobs"], **extra} for extra in OURS_STAGE_FOUR for r in top])
+            top = _top(name, scored, 4)  # five: a prefix's holders shared
+            scored += score(name, [{**r["knobs"], **extra} for extra in OURS_STAGE_FIVE for r in top])
         best = max(scored, key=lambda r: _rank(name, r))  # of equals: the closest to the defaults
         out[name] = {"best": best["knobs"], "score": best["output_throughput"], "grid": scored}
     return out
@@ -631,7 +639,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--tune-replicas", type=int, default=16)
     p.add_argument("--tune-seeds", type=int, default=6, help="tuning workloads (own seeds)")
     p.add_argument("--tune-loads", default="0.8,1.0")
-    p.add_argument("--tune-zipf", type=int, default=3,
+    p.add_argument("--tune-zipf", type=int, default=6,
                    help="Zipf variants (--zipf-s) of the first tuning workloads in the score (0: none)")
     p.add_argument("--tune-mooncake", type=int, default=3,
                    help="Mooncake windows (own seeds) in the tuning score beside L-Eval's (0: none)")

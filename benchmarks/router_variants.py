@@ -8,7 +8,8 @@ builds it. Seeds below 10,000 are the evaluation's (its workload, those arrival 
 from 10,000 on draws a workload of its own (seed ``s + 100 x replicas``, as the tuning's are drawn)
 with those arrivals, so variants can be chosen on seeds the evaluation never sees. Each variant (knobs
 over ours' defaults, told the replica's KV tokens) prints its mean output tok/s, its ratio to the
-first variant (the range per seed), mean E2E, prefix hit rate and max/mean requests per replica.
+first variant (the range per seed), mean E2E, prefix hit rate and max/mean requests per replica;
+``--peers results/router_peers.json`` adds each peer at its tuned knobs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
+from pathlib import Path
 
 from benchmarks import router_peers as rp
 from feather_env.serving_metrics import parse_goodput
@@ -29,11 +31,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("cell", help="KIND:REPLICAS:LOAD, e.g. zipf:16:1.0")
     p.add_argument("seeds", help="comma-separated seeds")
     p.add_argument("variants", help="JSON object: label -> ours' knobs (the first is the baseline)")
+    p.add_argument("--peers", default=None, metavar="JSON",
+                   help="also each peer at the knobs it was tuned to there (a router_peers JSON, e.g. "
+                        "results/router_peers.json), after the variants, each against the first variant")
     args = p.parse_args(argv)
     kind, n, load = args.cell.split(":")
     cell = rp.cell_runs(kind, int(n), [int(x) for x in args.seeds.split(",")])
     sim, runs = cell.sim, cell.timed(float(load))
     rows = [(label, rp.OURS, knobs) for label, knobs in json.loads(args.variants).items()]
+    if args.peers:
+        tuned = json.loads(Path(args.peers).read_text())["tuned"]
+        rows += [(name, name, tuned[name]) for name in rp.PEERS]
     out = rp.run_rows(sim, runs, rows, parse_goodput(rp.DEFAULT_GOODPUT))
     base = out[rows[0][0]]
     for label, r in out.items():

@@ -162,6 +162,10 @@ class PrefixHashRouter(ReplicaRouter):
         return next(r for r in ring.walk(h) if r in ok)
 
 
+#: Where ours sends a prefix no replica holds (``PrefixAffinityRouter(new_prefix=...)``).
+NEW_PREFIX = ("least", "ring", "smallest", "least-smallest")
+
+
 class PrefixAffinityRouter(ReplicaRouter):
     """Ours: longest known prefix, bounded by load (see the module docstring).
 
@@ -193,7 +197,9 @@ class PrefixAffinityRouter(ReplicaRouter):
             under the bound that was sent the fewest prompt tokens (the tokens of each routed prompt
             past the deepest chunk key the replica already owned, so a key that changes owners
             counts again: about the smallest tree of SGLang's and Ray's routers), then the least
-            loaded.
+            loaded; ``"least-smallest"``: the least loaded replica, of equals the one sent the fewest
+            prompt tokens (then the first on the ring): at low load, when many replicas are idle, the
+            documents spread by size as Ray's smallest tree spreads them, not by hash.
         min_match: a known prefix covering less than this fraction of the prompt is not followed:
             the request goes where a new prefix goes (SGLang's and Ray's match-rate threshold: a
             shared preamble of a few hundred tokens does not pull a new document onto its replica).
@@ -218,6 +224,10 @@ class PrefixAffinityRouter(ReplicaRouter):
             key is new each turn, is never hot). Default 64 and 8 (tuned); ``hot_window`` 0: every
             prefix. Without ``hot_window`` the bound lost up to 30% on the Mooncake trace
             (``benchmarks.router_variants``).
+        spread: with the cache model, a known prefix goes to the least loaded of the replicas the model
+            says hold at least as much of it as the replica last sent it (that one among equals), not
+            to that one alone (Ray's rule: of the replicas with the longest match, the shortest queue):
+            a hot document spilled to a second replica is then shared by both. Default off.
         chunk_size: tokens per chunk of the hashes (the scheduler's chunk size; ``min_match`` and
             ``new_prefix="smallest"`` count tokens by it).
     """
@@ -229,15 +239,15 @@ class PrefixAffinityRouter(ReplicaRouter):
                  new_prefix: str = "least", min_match: float = 0.1, kv_tokens: int | None = None,
                  cache_factor: float = 1.5, cache_keep: float = 0.5,
                  balance_abs: float = 16.0, balance_rel: float = 1.5, hot_window: int = 64,
-                 hot_min: int = 8,
+                 hot_min: int = 8, spread: bool = False,
                  chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
         super().__init__()
         if not load_factor > 1.0:
             raise ValueError(f"load_factor must be > 1, got {load_factor}")
         if slack < 0 or max_keys < 2:
             raise ValueError("slack must be >= 0 and max_keys >= 2")
-        if new_prefix not in ("ring", "least", "smallest"):
-            raise ValueError(f"new_prefix must be 'ring', 'least' or 'smallest', got {new_prefix!r}")
+        if new_prefix not in NEW_PREFIX:
+            raise ValueError(f"new_prefix must be one of {NEW_PREFIX}, got {new_prefix!r}")
         if not 0.0 <= min_match <= 1.0:
             raise ValueError(f"min_match must be in [0, 1], got {min_match}")
         if kv_tokens is not None and kv_tokens < 1:
@@ -247,6 +257,7 @@ class PrefixAffinityRouter(ReplicaRouter):
                              f"{cache_keep}")
         if balance_abs < 0 or balance_rel < 1.0 or hot_window < 0 or hot_min < 1:
             raise ValueError("balance_abs must be >= 0, balance_rel >= 1, hot_window >= 0 and hot_min >= 1")
+        self.spread = bool(spread)
         self.balance_abs = float(balance_abs)
         self.balance_rel = float(balance_rel)
         self.hot_window, self.hot_min = int(hot_window), int(hot_min)
@@ -272,7 +283,8 @@ class PrefixAffinityRouter(ReplicaRouter):
         # is whole in the young generation, as the longest-match search needs).
         self._young: dict[int, str] = {}
         self._old: dict[int, str] = {}
-        #: replica -> prompt tokens it was sent (``new_prefix="smallest"``; see the class docstring)
+        #: replica -> prompt tokens it was sent (``new_prefix="smallest"`` and ``"least-smallest"``; see
+        #: the class docstring)
         self.sent_tokens: Counter[str] = Counter()
         self.counts = {"affinity": 0, "spilled": 0, "new": 0, "evicted": 0}
 
@@ -334,10 +346,15 @@ class PrefixAffinityRouter(ReplicaRouter):
             if known < self.min_match * n:
                 level, owner = -1, None  # too little of it known: a new prefix
             elif self.cached is not None:
-                kept = min(self.cached.match(hashes).get(owner, 0) * self.chunk_size, n)
+                held = self.cached.match(hashes)
+                kept = min(held.get(owner, 0) * self.chunk_size, n)
                 if kept < max(1.0, self.cache_keep * known):
                     self.counts["evicted"] += 1  # evicted there by now: prefilled again wherever it goes
                     level, owner = -1, None
+                elif self.spread:  # Ray's rule: of the replicas holding as much, the least loaded
+                    most = held[owner]
+                    owner = min((r for r in ok if held.get(r, 0) >= most),
+                                key=lambda r: (loads[r], r != owner, r), default=owner)
         floor = math.inf  # the imbalance bound: with hot_window, on a known prefix only if it is hot
         if self.balance_abs < math.inf and (self.hot_window == 0 or owner is None
                                             or self._hot(int(hashes[level]))):
@@ -356,6 +373,12 @@ class PrefixAffinityRouter(ReplicaRouter):
             if self.new_prefix == "least":
                 least = min(loads[r] for r in ok)
                 return next(r for r in ring.walk(int(hashes[-1])) if r in ok and loads[r] == least)
+            if self.new_prefix == "least-smallest":
+                sent = self.sent_tokens
+                least = min(loads[r] for r in ok)
+                fewest = min(sent[r] for r in ok if loads[r] == least)
+                return next(r for r in ring.walk(int(hashes[-1]))
+                            if r in ok and loads[r] == least and sent[r] == fewest)
             if self.new_prefix == "smallest":
                 sent = self.sent_tokens
                 room = [r for r in ok if loads[r] < cap] or list(ok)
@@ -375,7 +398,7 @@ class PrefixAffinityRouter(ReplicaRouter):
         keys = hashes.tolist()
         if self.cached is not None:
             self.cached.insert(hashes, replica, tokens)
-        if self.new_prefix == "smallest":  # the keys past the deepest one the replica already owns
+        if self.new_prefix in ("smallest", "least-smallest"):  # the keys past the deepest one it owns
             get, chunk = self._get, self.chunk_size
             n, added = prompt_tokens(hashes, tokens, chunk), 0
             for level in range(len(keys) - 1, -1, -1):

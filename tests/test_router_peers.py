@@ -316,6 +316,41 @@ def test_ours_cache_model_sends_an_evicted_document_to_the_least_loaded_replica(
         PrefixAffinityRouter(kv_tokens=0)
 
 
+def test_ours_spread_takes_the_least_loaded_replica_holding_the_prefix():
+    # a and b both hold DOC (a hot document spilled to b); c holds only its first chunk
+    def router(spread: bool) -> PrefixAffinityRouter:
+        r = PrefixAffinityRouter(kv_tokens=100 * CHUNK, spread=spread, min_match=0.0, chunk_size=CHUNK)
+        r.routed(h(DOC[:CHUNK]), "c", tokens=CHUNK)
+        r.routed(h(DOC), "b", tokens=4 * CHUNK)
+        r.routed(h(DOC), "a", tokens=4 * CHUNK)  # a was sent it last: the table's owner
+        return r
+
+    follow = with_question(DOC, 4)
+    loads = {"a": 5, "b": 2, "c": 0}
+    assert router(False).choose(h(follow), loads, tokens=len(follow)) == "a"  # the owner only
+    assert router(True).choose(h(follow), loads, tokens=len(follow)) == "b"  # the least loaded holder
+    assert router(True).choose(h(follow), {"a": 2, "b": 2, "c": 0}, tokens=len(follow)) == "a"  # tie: owner
+    assert router(True).choose(h(follow), loads, {"b"}, tokens=len(follow)) == "a"  # b avoided
+    no_model = PrefixAffinityRouter(spread=True, min_match=0.0, chunk_size=CHUNK)  # no kv_tokens: off
+    for replica in ("b", "a"):
+        no_model.routed(h(DOC), replica, tokens=4 * CHUNK)
+    assert no_model.choose(h(follow), loads, tokens=len(follow)) == "a"
+    assert PrefixAffinityRouter().spread is False
+
+
+def test_ours_least_smallest_breaks_ties_of_load_by_tokens_sent():
+    r = PrefixAffinityRouter(new_prefix="least-smallest", chunk_size=CHUNK)
+    r.routed(h(DOC), "a", tokens=4 * CHUNK)
+    r.routed(h(OTHER[:CHUNK]), "b", tokens=CHUNK)
+    assert r.sent_tokens == {"a": 4 * CHUNK, "b": CHUNK}
+    third = RNG.integers(3, 500, 2 * CHUNK)
+    assert r.choose(h(third), {"a": 0, "b": 0, "c": 0}) == "c"  # all idle: c was sent nothing
+    assert r.choose(h(third), {"a": 0, "b": 0, "c": 1}) == "b"  # of the idle, b was sent fewer tokens
+    assert r.choose(h(third), {"a": 0, "b": 1, "c": 1}) == "a"  # load first
+    with pytest.raises(ValueError, match="new_prefix"):
+        PrefixAffinityRouter(new_prefix="fewest")
+
+
 def test_ours_min_match_does_not_follow_a_shared_preamble():
     r = PrefixAffinityRouter(min_match=0.3, new_prefix="smallest", chunk_size=CHUNK)
     r.routed(h(DOC), "a")
