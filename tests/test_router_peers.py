@@ -274,7 +274,8 @@ def test_ours_smallest_sends_a_new_document_to_the_replica_sent_the_fewest_token
 def test_ours_defaults_are_the_tuned_setting():
     r = PrefixAffinityRouter()
     assert (r.load_factor, r.slack, r.new_prefix, r.min_match) == (20.0, 2, "least", 0.1)
-    assert (r.cache_factor, r.cache_keep) == (1.5, 0.5)
+    assert (r.cache_factor, r.cache_keep) == (1.25, 0.5)
+    assert (r.balance_abs, r.balance_rel, r.hot_window, r.hot_min, r.spread) == (8.0, 1.5, 64, 4, False)
     assert r.cached is None  # no KV size given: the cache model is off
     assert not r.tracks_requests  # what the Ray Serve router can feed it: hashes and requests in flight
 
