@@ -229,6 +229,10 @@ class PrefixAffinityRouter(ReplicaRouter):
             key is new each turn, is never hot). Default 64 and 4 (tuned); ``hot_window`` 0: every
             prefix. Without ``hot_window`` the bound lost up to 30% on the Mooncake trace
             (``benchmarks.router_variants``).
+        hot_share: if > 0, a prefix is hot once matched at least ``hot_share x hot_window / n`` times
+            (``n`` replicas), not ``hot_min``: its share of the matches is ``hot_share`` x one
+            replica's share, whatever the cluster's size (1 at 16 replicas is ``hot_min`` 4). Default 0
+            (off).
         spread: with the cache model, a known prefix goes to the least loaded of the replicas the model
             says hold at least as much of it as the replica last sent it (that one among equals), not
             to that one alone (Ray's rule: of the replicas with the longest match, the shortest queue):
@@ -244,7 +248,7 @@ class PrefixAffinityRouter(ReplicaRouter):
                  new_prefix: str = "least", min_match: float = 0.1, kv_tokens: int | None = None,
                  cache_factor: float = 1.25, cache_keep: float = 0.5,
                  balance_abs: float = 8.0, balance_rel: float = 1.5, hot_window: int = 64,
-                 hot_min: int = 4, spread: bool = False,
+                 hot_min: int = 4, hot_share: float = 0.0, spread: bool = False,
                  chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
         super().__init__()
         if not load_factor > 1.0:
@@ -266,6 +270,9 @@ class PrefixAffinityRouter(ReplicaRouter):
         self.balance_abs = float(balance_abs)
         self.balance_rel = float(balance_rel)
         self.hot_window, self.hot_min = int(hot_window), int(hot_min)
+        if hot_share < 0:
+            raise ValueError(f"hot_share must be >= 0, got {hot_share}")
+        self.hot_share = float(hot_share)
         self._recent: deque[int] = deque()
         self._recent_count: Counter[int] = Counter()
         self.kv_tokens = kv_tokens
@@ -326,9 +333,10 @@ class PrefixAffinityRouter(ReplicaRouter):
             return -1, None
         return level, self._get(int(hashes[level]))
 
-    def _hot(self, key: int) -> bool:
+    def _hot(self, key: int, replicas: int) -> bool:
         """Count ``key`` as the match of one more request, over the last ``hot_window``; whether it is
-        hot (matched at least ``hot_min`` times there)."""
+        hot (matched at least ``hot_min`` times there; with ``hot_share``, ``hot_share x hot_window /
+        replicas`` times)."""
         self._recent.append(key)
         self._recent_count[key] += 1
         if len(self._recent) > self.hot_window:
@@ -336,7 +344,8 @@ class PrefixAffinityRouter(ReplicaRouter):
             self._recent_count[old] -= 1
             if not self._recent_count[old]:
                 del self._recent_count[old]
-        return self._recent_count[key] >= self.hot_min
+        least = self.hot_min if self.hot_share <= 0 else max(1.0, self.hot_share * self.hot_window / replicas)
+        return self._recent_count[key] >= least
 
     def choose(self, hashes: np.ndarray | None, loads: Mapping[str, int],
                avoid: Collection[str] = (), *, tokens: int | None = None) -> str:
@@ -362,7 +371,7 @@ class PrefixAffinityRouter(ReplicaRouter):
                                 key=lambda r: (loads[r], r != owner, r), default=owner)
         floor = math.inf  # the imbalance bound: with hot_window, on a known prefix only if it is hot
         if self.balance_abs < math.inf and (self.hot_window == 0 or owner is None
-                                            or self._hot(int(hashes[level]))):
+                                            or self._hot(int(hashes[level]), len(loads))):
             least = min(loads[r] for r in ok)
             floor = max(least + self.balance_abs, self.balance_rel * least)
 
