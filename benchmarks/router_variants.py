@@ -22,9 +22,6 @@ from pathlib import Path
 from benchmarks import router_peers as rp
 from feather_env.serving_metrics import parse_goodput
 
-#: Seeds from here draw workloads of their own (the evaluation's are below).
-OWN_WORKLOAD_SEEDS = rp.TUNE_SEED_BASE
-
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -101,7 +101,7 @@ class ResolvedEnv:
     obs_names: tuple[str, ...] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "obs_names", tuple(observation_names(self.obs_kind)))
+        object.__setattr__(self, "obs_names", observation_names(self.obs_kind))
 
     @property
     def episode(self) -> EpisodeConfig:

@@ -264,14 +264,13 @@ class PrefixAffinityRouter(ReplicaRouter):
         if cache_factor < 0 or not 0.0 <= cache_keep <= 1.0:
             raise ValueError(f"cache_factor must be >= 0 and cache_keep in [0, 1], got {cache_factor}, "
                              f"{cache_keep}")
-        if balance_abs < 0 or balance_rel < 1.0 or hot_window < 0 or hot_min < 1:
-            raise ValueError("balance_abs must be >= 0, balance_rel >= 1, hot_window >= 0 and hot_min >= 1")
+        if balance_abs < 0 or balance_rel < 1.0 or hot_window < 0 or hot_min < 1 or hot_share < 0:
+            raise ValueError("balance_abs must be >= 0, balance_rel >= 1, hot_window >= 0, hot_min >= 1 and "
+                             "hot_share >= 0")
         self.spread = bool(spread)
         self.balance_abs = float(balance_abs)
         self.balance_rel = float(balance_rel)
         self.hot_window, self.hot_min = int(hot_window), int(hot_min)
-        if hot_share < 0:
-            raise ValueError(f"hot_share must be >= 0, got {hot_share}")
         self.hot_share = float(hot_share)
         self._recent: deque[int] = deque()
         self._recent_count: Counter[int] = Counter()
@@ -384,15 +383,13 @@ class PrefixAffinityRouter(ReplicaRouter):
         ring = self._ring_for(loads)
         if owner is None:
             self.counts["new"] += 1
-            if self.new_prefix == "least":
+            if self.new_prefix in ("least", "least-smallest"):
                 least = min(loads[r] for r in ok)
-                return next(r for r in ring.walk(int(hashes[-1])) if r in ok and loads[r] == least)
-            if self.new_prefix == "least-smallest":
-                sent = self.sent_tokens
-                least = min(loads[r] for r in ok)
-                fewest = min(sent[r] for r in ok if loads[r] == least)
-                return next(r for r in ring.walk(int(hashes[-1]))
-                            if r in ok and loads[r] == least and sent[r] == fewest)
+                tied = {r for r in ok if loads[r] == least}
+                if self.new_prefix == "least-smallest":  # of equals, the one sent the fewest tokens
+                    fewest = min(self.sent_tokens[r] for r in tied)
+                    tied = {r for r in tied if self.sent_tokens[r] == fewest}
+                return next(r for r in ring.walk(int(hashes[-1])) if r in tied)
             if self.new_prefix == "smallest":
                 sent = self.sent_tokens
                 room = [r for r in ok if loads[r] < cap] or list(ok)
