@@ -171,21 +171,25 @@ class PrefixAffinityRouter(ReplicaRouter):
 
     The defaults (``load_factor=20, slack=2, new_prefix="least", min_match=0.1, cache_factor=1.25,
     cache_keep=0.5``, and the imbalance bound on a hot prefix ``balance_abs=8, balance_rel=1.5,
-    hot_window=64, hot_min=4``, ``spread`` off) won the tuning search of ``benchmarks.router_peers``
-    (16 simulated replicas, L-Eval, its Zipf-popularity variant and the Mooncake trace, with SGLang's,
-    Ray Serve's, LMetric's and Dynamo's rules tuned beside it) and beat the previous ones (``5, 2,
-    "least", 0.1``, no cache model) on held-out seeds (``docs/results.md``). The third search (six Zipf
-    tuning workloads, not three) moved the cache model from 1.5 to 1.25 x the KV and the hot bound from
-    16 / 8 to 8 / 4: on the evaluation's seeds, +2.9% to +23% on Zipf (a document is hot once it takes
-    a sixteenth of the matches, one replica's share at 16 replicas), +1.6% on L-Eval at 16 replicas and
-    load 0.8, but -4.0% at 4 replicas and load 1 (where a replica's share is a quarter) and -3.7% at 16
-    and load 1.5. ``spread`` (Ray's rule among a hot document's holders) scored within 0.1% of it and
-    was left off, as was ``new_prefix="least-smallest"`` (Ray's smallest tree as a tie-break: +4% at 64
-    replicas and load 0.8, -5% at load 1, -6% on Zipf). Tried there and dropped: a load counted in tokens
-    (pending prefill plus the distinct KV tokens in flight: a hot document's replica looked light while
-    its queue grew), a cost of new prefill tokens plus the tokens and requests in flight (LMetric's and
-    Dynamo's terms on our table: better at 80% load, worse at 100%), and placing a new document by the
-    new tokens in flight.
+    hot_window=64, hot_share=1``, ``spread`` off) won the tuning search of ``benchmarks.router_peers`` (16
+    simulated replicas, L-Eval, its Zipf-popularity variant and the Mooncake trace, with SGLang's, Ray
+    Serve's, LMetric's and Dynamo's rules tuned beside it) and beat the previous ones (``5, 2, "least",
+    0.1``, no cache model) on held-out seeds (``docs/results.md``). The third search (six Zipf tuning
+    workloads, not three) moved the cache model from 1.5 to 1.25 x the KV and the hot bound from 16 / 8 to
+    8 / 4: on the evaluation's seeds, +2.9% to +23% on Zipf (a document is hot once it takes a sixteenth
+    of the matches, one replica's share at 16 replicas), +1.6% on L-Eval at 16 replicas and load 0.8, but
+    -4.0% at 4 replicas and load 1 (where a replica's share is a quarter) and -3.7% at 16 and load 1.5.
+    ``spread`` (Ray's rule among a hot document's holders) scored within 0.1% of it and was left off, as
+    was ``new_prefix="least-smallest"`` (Ray's smallest tree as a tie-break: +4% at 64 replicas and load
+    0.8, -5% at load 1, -6% on Zipf). The fourth search states the hot threshold as a share of the matches
+    (``hot_share`` 1 or 2 replicas' share: 4 or 8 matches at 16 replicas, routing there as ``hot_min`` 4
+    or 8 did), so that it scales with the cluster: over a fixed 4, at 4 replicas (seeds 10,000-10,002 and
+    0-2) +1.1% / +2.1% / -0.6% at loads 0.8 / 1 / 1.5 on L-Eval, +2.0% on Zipf at load 1, Mooncake
+    identical; at 64 replicas (10,000-10,002) identical at 0.8, -0.6% at 1. Tried there and dropped: a
+    load counted in tokens (pending prefill plus the distinct KV tokens in flight: a hot document's
+    replica looked light while its queue grew), a cost of new prefill tokens plus the tokens and requests
+    in flight (LMetric's and Dynamo's terms on our table: better at 80% load, worse at 100%), and placing
+    a new document by the new tokens in flight.
     A tighter request-count bound (``load_factor`` 3-5) spilled the Mooncake trace's hot long
     conversations, prefilling them again elsewhere.
 
@@ -223,16 +227,15 @@ class PrefixAffinityRouter(ReplicaRouter):
             (``least``: the least loaded candidate's load) is not followed or spilled to; the request
             walks the ring as past the load bound. Default 8 and 1.5 (tuned, on a hot prefix only);
             ``balance_abs=inf``: off.
-        hot_window, hot_min: with the imbalance bound, apply it only to a hot prefix: one whose deepest
-            known key was the match of at least ``hot_min`` of the last ``hot_window`` requests that
-            matched a known prefix (a popular document's questions; a conversation's next turn, whose
-            key is new each turn, is never hot). Default 64 and 4 (tuned); ``hot_window`` 0: every
-            prefix. Without ``hot_window`` the bound lost up to 30% on the Mooncake trace
-            (``benchmarks.router_variants``).
-        hot_share: if > 0, a prefix is hot once matched at least ``hot_share x hot_window / n`` times
-            (``n`` replicas), not ``hot_min``: its share of the matches is ``hot_share`` x one
-            replica's share, whatever the cluster's size (1 at 16 replicas is ``hot_min`` 4). Default 0
-            (off).
+        hot_window, hot_share: with the imbalance bound, apply it only to a hot prefix: one whose
+            deepest known key was the match of at least ``hot_share x hot_window / n`` (``n``
+            replicas) of the last ``hot_window`` requests that matched a known prefix, ``hot_share`` x
+            one replica's share whatever the cluster's size (a popular document's questions; a
+            conversation's next turn, whose key is new each turn, is never hot). Default 64 and 1
+            (tuned: 4 matches at 16 replicas, 16 at 4); ``hot_window`` 0: every prefix. Without
+            ``hot_window`` the bound lost up to 30% on the Mooncake trace (``benchmarks.router_variants``).
+        hot_min: if > 0, a fixed number of matches makes a prefix hot instead (``hot_share`` unused).
+            Default 0.
         spread: with the cache model, a known prefix goes to the least loaded of the replicas the model
             says hold at least as much of it as the replica last sent it (that one among equals), not
             to that one alone (Ray's rule: of the replicas with the longest match, the shortest queue):
@@ -248,7 +251,7 @@ class PrefixAffinityRouter(ReplicaRouter):
                  new_prefix: str = "least", min_match: float = 0.1, kv_tokens: int | None = None,
                  cache_factor: float = 1.25, cache_keep: float = 0.5,
                  balance_abs: float = 8.0, balance_rel: float = 1.5, hot_window: int = 64,
-                 hot_min: int = 4, hot_share: float = 0.0, spread: bool = False,
+                 hot_share: float = 1.0, hot_min: int = 0, spread: bool = False,
                  chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
         super().__init__()
         if not load_factor > 1.0:
@@ -264,9 +267,10 @@ class PrefixAffinityRouter(ReplicaRouter):
         if cache_factor < 0 or not 0.0 <= cache_keep <= 1.0:
             raise ValueError(f"cache_factor must be >= 0 and cache_keep in [0, 1], got {cache_factor}, "
                              f"{cache_keep}")
-        if balance_abs < 0 or balance_rel < 1.0 or hot_window < 0 or hot_min < 1 or hot_share < 0:
-            raise ValueError("balance_abs must be >= 0, balance_rel >= 1, hot_window >= 0, hot_min >= 1 and "
-                             "hot_share >= 0")
+        if (balance_abs < 0 or balance_rel < 1.0 or hot_window < 0 or hot_min < 0 or hot_share < 0
+                or not (hot_min or hot_share)):
+            raise ValueError("balance_abs must be >= 0, balance_rel >= 1, hot_window >= 0, and hot_min >= 0 "
+                             "and hot_share >= 0, not both 0")
         self.spread = bool(spread)
         self.balance_abs = float(balance_abs)
         self.balance_rel = float(balance_rel)
@@ -334,8 +338,8 @@ class PrefixAffinityRouter(ReplicaRouter):
 
     def _hot(self, key: int, replicas: int) -> bool:
         """Count ``key`` as the match of one more request, over the last ``hot_window``; whether it is
-        hot (matched at least ``hot_min`` times there; with ``hot_share``, ``hot_share x hot_window /
-        replicas`` times)."""
+        hot (matched at least ``hot_share x hot_window / replicas`` times there, or ``hot_min`` if
+        set)."""
         self._recent.append(key)
         self._recent_count[key] += 1
         if len(self._recent) > self.hot_window:
@@ -343,7 +347,7 @@ class PrefixAffinityRouter(ReplicaRouter):
             self._recent_count[old] -= 1
             if not self._recent_count[old]:
                 del self._recent_count[old]
-        least = self.hot_min if self.hot_share <= 0 else max(1.0, self.hot_share * self.hot_window / replicas)
+        least = self.hot_min or max(1.0, self.hot_share * self.hot_window / replicas)
         return self._recent_count[key] >= least
 
     def choose(self, hashes: np.ndarray | None, loads: Mapping[str, int],

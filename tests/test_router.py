@@ -235,8 +235,8 @@ def test_the_imbalance_bound_spills_only_a_hot_prefix():
     owner = everything.choose(cold_doc, loads)
     everything.routed(cold_doc, owner)
     assert everything.choose(cold_doc, {**loads, owner: 7}) != owner
-    for bad in ({"balance_abs": -1}, {"balance_rel": 0.5}, {"hot_window": -1}, {"hot_min": 0},
-                {"hot_share": -1}):
+    for bad in ({"balance_abs": -1}, {"balance_rel": 0.5}, {"hot_window": -1}, {"hot_min": -1},
+                {"hot_share": -1}, {"hot_share": 0, "hot_min": 0}):
         with pytest.raises(ValueError):
             PrefixAffinityRouter(**bad)
 
@@ -247,13 +247,13 @@ def test_hot_share_scales_the_hot_threshold_with_the_cluster():
     rng = np.random.default_rng(3)
     doc = hashes_of(rng.integers(3, 500, 4 * CHUNK))
     for names, spills_at in ((["a", "b", "c", "d"], 2), (["a", "b"], 4)):
-        router = PrefixAffinityRouter(balance_abs=1, balance_rel=1.5, hot_window=8, hot_min=50, hot_share=1)
+        router = PrefixAffinityRouter(balance_abs=1, balance_rel=1.5, hot_window=8)  # hot_share 1
         owner = router.choose(doc, dict.fromkeys(names, 0))
         router.routed(doc, owner)
         piled = {**dict.fromkeys(names, 0), owner: 5}  # 5 > max(0 + 1, 0): imbalanced
         picks = [router.choose(doc, piled) for _ in range(spills_at)]
         assert picks[:-1] == [owner] * (spills_at - 1) and picks[-1] != owner  # hot at the n-th match
-    assert PrefixAffinityRouter().hot_share == 0.0  # off: hot_min decides
+    assert (PrefixAffinityRouter().hot_share, PrefixAffinityRouter().hot_min) == (1.0, 0)  # by share
 
 
 @given(events=st.lists(st.tuples(st.booleans(), prompt_st()), min_size=1, max_size=120),

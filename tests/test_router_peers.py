@@ -275,7 +275,8 @@ def test_ours_defaults_are_the_tuned_setting():
     r = PrefixAffinityRouter()
     assert (r.load_factor, r.slack, r.new_prefix, r.min_match) == (20.0, 2, "least", 0.1)
     assert (r.cache_factor, r.cache_keep) == (1.25, 0.5)
-    assert (r.balance_abs, r.balance_rel, r.hot_window, r.hot_min, r.spread) == (8.0, 1.5, 64, 4, False)
+    assert (r.balance_abs, r.balance_rel, r.hot_window, r.hot_share, r.hot_min) == (8.0, 1.5, 64, 1.0, 0)
+    assert not r.spread
     assert r.cached is None  # no KV size given: the cache model is off
     assert not r.tracks_requests  # what the Ray Serve router can feed it: hashes and requests in flight
 
@@ -460,6 +461,19 @@ def test_router_peers_scales_a_trace_to_a_rate_and_reads_mooncake_windows(data_d
     assert (len(w) - 1) / times[-1] == pytest.approx(50.0)
     ratios = np.diff([r.arrival_time for r in windows[0]])[1:] / np.maximum(np.diff(times)[1:], 1e-12)
     assert np.allclose(ratios[np.diff(times)[1:] > 0], ratios[np.diff(times)[1:] > 0][0])  # shape kept
+
+
+def test_reusable_prefixes_are_what_earlier_arrivals_share():
+    """A document's first question can reuse nothing; the next, the whole blocks the first shares with
+    it; a later copy of a prompt, all its whole blocks; arrival order decides, not the trace's."""
+    from benchmarks.router_peers import reusable_prefixes
+    from feather_env.workloads import Request, Workload
+
+    q1, q2 = with_question(DOC, 3, (7, 8, 9)), with_question(DOC, 3, (4, 5, 6))
+    reqs = (Request("second", q2, 0, 4, 2.0), Request("first", q1, 0, 4, 1.0),
+            Request("other", OTHER, 1, 4, 3.0), Request("again", q1, 0, 4, 4.0))
+    got = reusable_prefixes(Workload("w", reqs), CHUNK)
+    assert got == {"first": 0, "second": 3 * CHUNK, "other": 0, "again": (len(q1) // CHUNK) * CHUNK}
 
 
 def test_router_peers_bound_is_above_every_router(data_dir):
