@@ -65,6 +65,7 @@ import numpy as np
 
 from benchmarks import measured
 from feather_env.cluster_sim import ClusterResult, ClusterSim, distinct_documents, zipf_documents
+from feather_env.evaluation.bound import arrival_order, prefix_work
 from feather_env.reporting import format_table, machine_info, write_json
 from feather_env.scenarios import load_scenario
 from feather_env.serving_metrics import parse_goodput
@@ -73,7 +74,6 @@ from scheduler_runtime.router import (
     PEERS,
     ROUTERS,
     PrefixAffinityRouter,
-    PrefixHasher,
     ReplicaRouter,
     make_router,
 )
@@ -301,46 +301,29 @@ def service_floor(engine_sim: ClusterSim, request: Request, cached: int) -> floa
     tokens of its prompt: alone on an idle replica that served those tokens once before (with one
     output token; none if ``cached`` is 0), so only the rest of its prefill and its decode at batch
     size 1 remain."""
+    at = 1000.0 if cached else 0.0
     real = Request(request.request_id, request.prompt_token_ids, request.prefix_group, request.output_len,
-                   1000.0 if cached else 0.0, request.source, request.meta)
-    if not cached:
-        return engine_sim.run(Workload("floor", (real,)), make_router("round-robin")).metrics["duration"]
-    warm = Request(f"{request.request_id}@warm", request.prompt_token_ids[:cached], request.prefix_group, 1,
-                   0.0, request.source, request.meta)
-    result = engine_sim.run(Workload("floor", (warm, real)), make_router("round-robin"))
-    return result.metrics["duration"] - 1000.0
-
-
-def reusable_prefixes(timed: Workload, block_size: int) -> dict[str, int]:
-    """Request id -> the longest prefix of its prompt, in whole KV blocks of ``block_size`` tokens, that
-    the prompt of a request arriving before it shares (ties in arrival time: in the trace's order): all
-    that any replica's prefix cache can hold of it when it arrives, whatever the router did."""
-    hasher = PrefixHasher(block_size)
-    seen: set[int] = set()
-    out: dict[str, int] = {}
-    for r in sorted(timed, key=lambda r: r.arrival_time):
-        full = len(r.prompt_token_ids) // block_size
-        keys = [int(k) for k in hasher.hash(r.prompt_token_ids)[:full]]  # cumulative: a key is a prefix
-        depth = 0
-        while depth < full and keys[depth] in seen:
-            depth += 1
-        out[r.request_id] = depth * block_size
-        seen.update(keys)
-    return out
+                   at, request.source, request.meta)
+    warm = (Request(f"{request.request_id}@warm", request.prompt_token_ids[:cached], request.prefix_group,
+                    1, 0.0, request.source, request.meta),) if cached else ()
+    served = engine_sim.run(Workload("floor", (*warm, real)), make_router("round-robin"))
+    return served.metrics["duration"] - at
 
 
 def throughput_bound(engine_sim: ClusterSim, timed: Workload, floors: dict[tuple[str, int], float],
                      horizon_s: float = 60.0) -> float:
     """Output tok/s no router can beat on ``timed`` (its arrivals as given): every request finishes no
     earlier than its arrival plus its :func:`service_floor` with the prefix that earlier arrivals could
-    have left in a cache (:func:`reusable_prefixes`: a document's first question is prefilled whole), so
-    the run lasts at least the latest of those (the requests of the last ``horizon_s`` seconds are
-    checked: a floor is a few seconds here). It takes a prompt's prefill in parts to cost no less than
+    have left in a cache (:func:`~feather_env.evaluation.bound.prefix_work`: whole KV blocks an earlier
+    prompt shares with it, so a document's first question is prefilled whole), so the run lasts at
+    least the latest of those (the requests of the last ``horizon_s`` seconds are checked: a floor is a
+    few seconds here). It takes a prompt's prefill in parts to cost no less than
     in one go, as the engine's step costs do. ``floors``: (request id, cached tokens) -> floor, filled
     as computed."""
     start = min(r.arrival_time for r in timed)
     last = max(r.arrival_time for r in timed)
-    reusable = reusable_prefixes(timed, engine_sim.engine.block_size)
+    reusable = {r.request_id: cached for r, (_, cached) in
+                zip(arrival_order(timed), prefix_work(timed, engine_sim.engine.block_size), strict=True)}
     end = last
     for r in timed:
         if r.arrival_time >= last - horizon_s:

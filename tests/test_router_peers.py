@@ -463,19 +463,6 @@ def test_router_peers_scales_a_trace_to_a_rate_and_reads_mooncake_windows(data_d
     assert np.allclose(ratios[np.diff(times)[1:] > 0], ratios[np.diff(times)[1:] > 0][0])  # shape kept
 
 
-def test_reusable_prefixes_are_what_earlier_arrivals_share():
-    """A document's first question can reuse nothing; the next, the whole blocks the first shares with
-    it; a later copy of a prompt, all its whole blocks; arrival order decides, not the trace's."""
-    from benchmarks.router_peers import reusable_prefixes
-    from feather_env.workloads import Request, Workload
-
-    q1, q2 = with_question(DOC, 3, (7, 8, 9)), with_question(DOC, 3, (4, 5, 6))
-    reqs = (Request("second", q2, 0, 4, 2.0), Request("first", q1, 0, 4, 1.0),
-            Request("other", OTHER, 1, 4, 3.0), Request("again", q1, 0, 4, 4.0))
-    got = reusable_prefixes(Workload("w", reqs), CHUNK)
-    assert got == {"first": 0, "second": 3 * CHUNK, "other": 0, "again": (len(q1) // CHUNK) * CHUNK}
-
-
 def test_router_peers_bound_is_above_every_router(data_dir):
     from benchmarks.router_peers import throughput_bound
     from feather_env.cluster_sim import ClusterSim

@@ -30,17 +30,18 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["add_arrival_bound", "add_episode_bound", "makespan_bound", "prefix_work"]
+__all__ = ["add_arrival_bound", "add_episode_bound", "arrival_order", "makespan_bound", "prefix_work"]
 
 
 def prefix_work(workload: Any, block_size: int) -> list[tuple[int, int]]:
-    """``(prompt tokens, tokens an earlier prompt holds in whole KV blocks)`` per request, arrival order."""
+    """``(prompt tokens, tokens an earlier prompt holds in whole KV blocks)`` per request, in
+    :func:`arrival_order`."""
     from scheduler_runtime.cht import ChunkedHashTree
 
     hasher = ChunkedHashTree(chunk_size=block_size)
     seen: set[int] = set()
     out = []
-    for r in _arrival_order(workload):
+    for r in arrival_order(workload):
         hashes = [int(h) for h in hasher.hash_prompt(r.prompt_token_ids)[: r.prompt_len // block_size]]
         cached = 0
         for h in hashes:
@@ -53,7 +54,8 @@ def prefix_work(workload: Any, block_size: int) -> list[tuple[int, int]]:
     return out
 
 
-def _arrival_order(workload: Any) -> list[Any]:
+def arrival_order(workload: Any) -> list[Any]:
+    """The requests by arrival time (ties: by id), the order :func:`prefix_work` reads them in."""
     return sorted(workload, key=lambda r: (r.arrival_time, r.request_id))
 
 
@@ -76,7 +78,7 @@ def makespan_bound(
     keeps, per request in arrival order, what :func:`add_arrival_bound` needs.
     """
     prefill = _prefill_curve(isolated)
-    ordered = _arrival_order(workload)
+    ordered = arrival_order(workload)
     work = prefix_work(workload, block_size)
     prefill_each = [prefill(length) - prefill(cached) for length, cached in work]
     prefill_s = sum(prefill_each)
