@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from feather_env.engines.vllm_engine import EngineConfig, use_in_process_engine
-from feather_env.hostload import ForeignLoad, pinned_cores
+from feather_env.hostload import ForeignLoad
 from feather_env.records import StepRequest
 from feather_env.reporting import machine_info, write_json
 from feather_env.scenarios import Scenario, load_scenario
@@ -198,7 +198,7 @@ def _serve(spec: EpisodeSpec, backend: Any, record: bool) -> tuple[dict[str, Any
 
     backend.record_steps = record
     env = FeatherEnv(spec.load(), backend, scheduler=spec.scheduler)
-    with ForeignLoad(pinned_cores(env.engine_config.cpu_cores)) as load:
+    with ForeignLoad(env.engine_config.cores) as load:
         metrics = play_episode(env, episode_seed=spec.seed)
     return metrics, env, load.fraction
 

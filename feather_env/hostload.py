@@ -103,11 +103,17 @@ def wait_for_quiet(threshold: float = 0.05, timeout_s: float = 120.0, probe_s: f
 
 
 def pinned_cores(spec: str | None) -> tuple[int, ...] | None:
-    """The cores of an engine's ``cpu_cores`` spec (``"1"``, ``"0-1"``, ``"0,2"``); None: unpinned."""
+    """The cores of an engine's ``cpu_cores`` spec (``"1"``, ``"0-1"``, ``"0,2"``); None: unpinned.
+
+    Raises:
+        ValueError: a spec that names no core this way (``"a"``, ``"1-0"``, ``"-1"``, ``"0,"``).
+    """
     if not spec:
         return None
     cores: list[int] = []
     for part in spec.split(","):
-        lo, _, hi = part.partition("-")
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()) or int(hi or lo) < int(lo):
+            raise ValueError(f"cpu_cores must be cores like '1', '0-1' or '0,2', got {spec!r}")
         cores.extend(range(int(lo), int(hi or lo) + 1))
     return tuple(cores)

@@ -10,8 +10,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import feather_env.hostload as hostload
+from feather_env.engines.vllm_engine import EngineConfig
 from feather_env.hostload import ForeignLoad
+from scheduler_runtime.config import ConfigError
 
 
 class _Clock:
@@ -79,3 +83,12 @@ def test_foreign_load_on_pinned_cores_reads_only_their_lines(monkeypatch) -> Non
     assert load.fraction == 1.0  # core 0's 900 ticks do not count
     assert hostload.pinned_cores("1") == (1,) and hostload.pinned_cores("0-2,5") == (0, 1, 2, 5)
     assert hostload.pinned_cores(None) is None
+
+
+@pytest.mark.parametrize("spec", ["a", "1-0", "0,", "-1", "0-", "1,,2", "0-1-2"])
+def test_a_cpu_cores_spec_that_names_no_core_is_refused_with_the_engine_config(spec: str) -> None:
+    with pytest.raises(ValueError, match="cpu_cores must be cores like"):
+        hostload.pinned_cores(spec)
+    with pytest.raises(ConfigError, match="cpu_cores must be cores like"):
+        EngineConfig(cpu_cores=spec)
+    assert EngineConfig(cpu_cores="0-1,3").cores == (0, 1, 3)

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from feather_env.hostload import pinned_cores
 from scheduler_runtime.config import ConfigError, from_mapping, load_yaml
 from scheduler_runtime.hardware import compute_dtype, kv_bytes_factor, kv_bytes_per_token
 
@@ -92,6 +93,17 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not (Path(self.model_dir) / "config.json").is_file():
             raise ConfigError(f"model_dir {self.model_dir!r} has no config.json")
+        if self.cpu_cores is not None and not isinstance(self.cpu_cores, str):
+            raise ConfigError(f"cpu_cores must be a string like '1' or '0-1', got {self.cpu_cores!r}")
+        try:
+            self.cores  # noqa: B018 - parsed once here, so a bad spec is refused with the config
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+    @property
+    def cores(self) -> tuple[int, ...] | None:
+        """The cores of ``cpu_cores`` (``None``: unpinned)."""
+        return pinned_cores(self.cpu_cores)
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -151,9 +163,7 @@ def build_llm(config: EngineConfig | None = None, **overrides: Any):  # -> vllm.
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_cores
         # The in-process engine computes in this very thread (the OpenMP master): pin it too, or
         # it runs, and is slowed, wherever the scheduler puts it.
-        from feather_env.hostload import pinned_cores
-
-        cores = pinned_cores(config.cpu_cores)
+        cores = config.cores
         if cores and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, cores)
         # One intra-op thread per pinned core. vLLM cannot change torch's thread count once it has

@@ -40,7 +40,7 @@ import numpy as np
 
 from feather_env.engines.vllm_engine import EngineConfig, EngineError
 from feather_env.evaluation.report import IN_PROCESS, Run
-from feather_env.hostload import ForeignLoad, pinned_cores, wait_for_quiet
+from feather_env.hostload import ForeignLoad, wait_for_quiet
 from feather_env.records import StepSample
 from feather_env.serving_metrics import serving_metrics
 from feather_env.workloads import Request, Workload
@@ -339,7 +339,7 @@ def serve_one(backend: Any, name: str, workload: Workload, config: InProcessConf
 
     t0 = time.perf_counter()
     try:
-        with ForeignLoad(pinned_cores(config.engine.cpu_cores)) as load:
+        with ForeignLoad(config.engine.cores) as load:
             timelines = backend.serve(workload, sched, on_advance)
     finally:
         if bar is not None:
