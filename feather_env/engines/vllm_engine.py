@@ -106,6 +106,18 @@ class EngineConfig:
         return pinned_cores(self.cpu_cores)
 
     @property
+    def compute_dtype(self) -> str:
+        """The dtype the engine computes in on this machine (:mod:`scheduler_runtime.hardware`:
+        float32 on an AVX2-only CPU for a bfloat16 model)."""
+        return compute_dtype(self.dtype)
+
+    @property
+    def kv_cache_memory_bytes(self) -> int:
+        """The KV cache bytes that hold ``kv_cache_gib``'s KV tokens in :attr:`compute_dtype` (the same
+        number of tokens, at float32's size where the engine computes in float32)."""
+        return int(int(self.kv_cache_gib * GIB) * kv_bytes_factor(self.dtype, self.compute_dtype))
+
+    @property
     def kv_cache_tokens(self) -> int:
         """KV capacity in tokens for the bundled model family (bytes per token from config.json)."""
         return int(self.kv_cache_gib * GIB) // kv_bytes_per_token(self.model_dir, self.dtype)
@@ -141,14 +153,6 @@ def _resolve_path(path: str | Path) -> Path:
     return p if p.is_absolute() or p.exists() else REPO_ROOT / p
 
 
-def engine_dtype_and_kv_bytes(config: EngineConfig) -> tuple[str, int]:
-    """The dtype the engine computes in on this machine and the KV cache bytes that hold
-    ``config``'s KV tokens in it (:mod:`scheduler_runtime.hardware`: float32 on an AVX2-only CPU,
-    with the same number of tokens)."""
-    dtype = compute_dtype(config.dtype)
-    return dtype, int(int(config.kv_cache_gib * GIB) * kv_bytes_factor(config.dtype, dtype))
-
-
 def build_llm(config: EngineConfig | None = None, **overrides: Any):  # -> vllm.LLM
     """Start an in-process vLLM engine (``vllm.LLM``) for ``config``.
 
@@ -175,12 +179,11 @@ def build_llm(config: EngineConfig | None = None, **overrides: Any):  # -> vllm.
         torch.set_num_threads(max(1, len(cores)))
     from vllm import LLM
 
-    dtype, kv_bytes = engine_dtype_and_kv_bytes(config)
     kwargs: dict[str, Any] = dict(
         model=config.model_dir,
         load_format=config.load_format,
-        dtype=dtype,
-        kv_cache_memory_bytes=kv_bytes,
+        dtype=config.compute_dtype,
+        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=config.max_model_len,

@@ -333,12 +333,9 @@ def what_if(
 def serve_command(scenario: Scenario, name: str) -> str:
     """The ``feather-serve`` command that serves ``name`` on the scenario's engine, on this machine (its
     compute dtype and the KV bytes that hold the scenario's KV tokens in it)."""
-    from feather_env.engines.vllm_engine import engine_dtype_and_kv_bytes
-
     e = scenario.engine
-    dtype, kv_bytes = engine_dtype_and_kv_bytes(e)
     args = ["feather-serve", "--scheduler", name, "--max-num-seqs", str(e.max_num_seqs),
-            "--kv-cache-memory-bytes", str(kv_bytes), "--dtype", dtype]
+            "--kv-cache-memory-bytes", str(e.kv_cache_memory_bytes), "--dtype", e.compute_dtype]
     if split_budget(name)[1] is None:
         args += ["--max-num-batched-tokens", str(e.max_num_batched_tokens)]
     return shlex.join(args)

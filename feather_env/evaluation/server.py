@@ -25,7 +25,7 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-from feather_env.engines.vllm_engine import EngineConfig, engine_dtype_and_kv_bytes
+from feather_env.engines.vllm_engine import EngineConfig
 from feather_env.hostload import pinned_cores
 from scheduler_runtime.serving.replicas import die_with_parent, free_port
 
@@ -43,10 +43,9 @@ def server_args(engine: EngineConfig) -> list[str]:
     Text in and out (the server loads the model's tokenizer: it detokenizes its answers), which
     costs the API server some CPU that an in-process engine does not spend.
     """
-    dtype, kv_bytes = engine_dtype_and_kv_bytes(engine)
     args = ["--model", engine.model_dir, "--served-model-name", SERVED_MODEL_NAME,
-            "--load-format", engine.load_format, "--dtype", dtype,
-            "--kv-cache-memory-bytes", str(kv_bytes),
+            "--load-format", engine.load_format, "--dtype", engine.compute_dtype,
+            "--kv-cache-memory-bytes", str(engine.kv_cache_memory_bytes),
             "--max-num-seqs", str(engine.max_num_seqs),
             "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
             "--max-model-len", str(engine.max_model_len), "--block-size", str(engine.block_size),
