@@ -150,6 +150,8 @@ class Agent(ABC):
     name: ClassVar[str] = ""
     #: Whether ``learn`` changes the agent (the heuristic and references only play).
     trainable: ClassVar[bool] = False
+    #: The file :meth:`save` writes (numpy's; PPO: SB3's ``.zip``).
+    checkpoint_suffix: ClassVar[str] = ".npz"
 
     def __init__(self, config: Any = None, *, seed: int = 0) -> None:
         self.config = config
@@ -212,6 +214,19 @@ class Agent(ABC):
 
     def save(self, path: str | Path) -> Path:
         raise NotImplementedError(f"agent {self.name!r} has no checkpoint")
+
+    def save_checkpoint(self, directory: Path) -> Path:
+        """``directory/<agent>_<steps>_steps<suffix>`` and ``latest.json`` pointing at it (what
+        ``--resume`` continues from), the pointer written last: a crash mid-save leaves the previous
+        one valid."""
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{self.name}_{int(self.num_timesteps)}_steps{self.checkpoint_suffix}"
+        self.save(path)
+        pointer = {"path": path.name, "num_timesteps": int(self.num_timesteps), "agent": self.name}
+        tmp = directory / "latest.json.tmp"
+        tmp.write_text(json.dumps(pointer))
+        tmp.replace(directory / "latest.json")
+        return path
 
     @classmethod
     def load(cls, path: str | Path, env: gym.Env | None = None) -> Agent:

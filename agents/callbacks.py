@@ -5,7 +5,6 @@ pattern: cross-cutting concerns outside the training loop)."""
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -13,8 +12,7 @@ from typing import Any
 
 from stable_baselines3.common.callbacks import BaseCallback
 
-__all__ = ["CheckpointCallback", "EpisodeStatsCallback", "EvalCallback", "InfoCollector", "ProgressCallback",
-           "checkpoint_suffix", "save_checkpoint"]
+__all__ = ["CheckpointCallback", "EpisodeStatsCallback", "EvalCallback", "InfoCollector", "ProgressCallback"]
 
 #: Per-episode figures logged under ``rollout/`` (from the environment's ``info["episode"]``).
 _ROLLOUT_KEYS = ("output_throughput", "mean_e2el_ms", "prefix_hit_rate", "duration", "decisions",
@@ -76,23 +74,6 @@ class EvalCallback(BaseCallback):
         return True
 
 
-def checkpoint_suffix(agent: Any) -> str:
-    return ".zip" if agent.name == "ppo" else ".npz"
-
-
-def save_checkpoint(agent: Any, directory: Path) -> Path:
-    """``directory/<agent>_<steps>_steps<suffix>`` + ``latest.json`` (written last: a crash mid-save
-    leaves the previous pointer valid)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{agent.name}_{int(agent.num_timesteps)}_steps{checkpoint_suffix(agent)}"
-    agent.save(path)
-    pointer = {"path": path.name, "num_timesteps": int(agent.num_timesteps), "agent": agent.name}
-    tmp = directory / "latest.json.tmp"
-    tmp.write_text(json.dumps(pointer))
-    tmp.replace(directory / "latest.json")
-    return path
-
-
 class CheckpointCallback(BaseCallback):
     """Save the agent every ``every`` timesteps under ``directory`` and point ``latest.json`` at it."""
 
@@ -106,7 +87,7 @@ class CheckpointCallback(BaseCallback):
             self._next = (int(self.model.num_timesteps) // self.every + 1) * self.every
 
     def save(self) -> Path:
-        return save_checkpoint(self.agent, self.directory)
+        return self.agent.save_checkpoint(self.directory)
 
     def _on_step(self) -> bool:
         if self.every and self.num_timesteps >= self._next:

@@ -90,6 +90,7 @@ class PPOAgent(Agent):
 
     name = "ppo"
     trainable = True
+    checkpoint_suffix = ".zip"
     config_cls = PPOConfig
 
     def __init__(self, config: PPOConfig | None = None, *, seed: int = 0) -> None:

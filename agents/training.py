@@ -145,9 +145,9 @@ def _check_resume_config(out: Path, config: Mapping[str, Any]) -> str:
 def _resume_checkpoint(ckpt_dir: Path) -> Path:
     """The checkpoint ``ckpt_dir/latest.json`` points at, checked before anything loads it.
 
-    The pointer names a file *in* ``ckpt_dir`` (what :func:`save_checkpoint` writes): an absolute
-    path, a ``..``, or a link out of the folder is refused, since the agents' loaders unpickle
-    (SB3's cloudpickle) and must only read this run's own checkpoints.
+    The pointer names a file *in* ``ckpt_dir`` (what :meth:`agents.base.Agent.save_checkpoint`
+    writes): an absolute path, a ``..``, or a link out of the folder is refused, since the agents'
+    loaders unpickle (SB3's cloudpickle) and must only read this run's own checkpoints.
     """
     latest = ckpt_dir / "latest.json"
     if not latest.is_file():
@@ -197,8 +197,7 @@ def _check_decisions(envs: RunEnvs, seed: int) -> None:
     """Raise a :class:`ConfigError` when the scenario's episodes never ask a decision (every request
     released as it arrives: nothing to learn); every scenario of a mix is tried, on ``envs`` built
     for the check (and closed)."""
-    env = envs.build()
-    try:
+    with envs.build() as env:  # closed however the check ends
         for name in envs.names or [None]:
             one = env.envs[name] if name is not None else env
             if one.engine_config.max_num_seqs == 1 or one.scenario.max_episode_requests == 1:
@@ -208,8 +207,6 @@ def _check_decisions(envs: RunEnvs, seed: int) -> None:
                 raise ConfigError(f"scenario {one.scenario.name!r} never asks a decision ({why}): there is "
                                   "nothing to train; serve more requests at once")
             env.reset(seed=seed, options={"scenario": name} if name is not None else None)
-    finally:
-        env.close()
 
 
 def _check_inputs(out: Path, cls: Any, saved: Mapping[str, Any], probe: RunEnvs, train: TrainSection, *,
@@ -285,7 +282,6 @@ def _run(cfg: RunConfig, out: str | Path, *, resume: bool, backend: Any, verbose
         EpisodeStatsCallback,
         EvalCallback,
         ProgressCallback,
-        save_checkpoint,
     )
 
     # One backend per kind serves the training env, the evaluation env and the references.
@@ -334,7 +330,7 @@ def _run(cfg: RunConfig, out: str | Path, *, resume: bool, backend: Any, verbose
         elif verbose:
             print(f"nothing to train: the checkpoint has {agent.num_timesteps} >= {train.timesteps} "
                   "timesteps", flush=True)
-        checkpoint = save_checkpoint(agent, ckpt_dir)
+        checkpoint = agent.save_checkpoint(ckpt_dir)
         if history and history[-1]["timesteps"] == int(agent.num_timesteps):
             final = history[-1]  # the last periodic evaluation saw this very policy
         else:
