@@ -23,6 +23,7 @@ import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -96,13 +97,13 @@ class EngineConfig:
         if self.cpu_cores is not None and not isinstance(self.cpu_cores, str):
             raise ConfigError(f"cpu_cores must be a string like '1' or '0-1', got {self.cpu_cores!r}")
         try:
-            self.cores  # noqa: B018 - parsed once here, so a bad spec is refused with the config
+            self.cores  # noqa: B018 - parsed here, once: a bad spec is refused with the config
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
 
-    @property
+    @cached_property
     def cores(self) -> tuple[int, ...] | None:
-        """The cores of ``cpu_cores`` (``None``: unpinned)."""
+        """The cores of ``cpu_cores`` (``None``: unpinned), parsed when the config is made."""
         return pinned_cores(self.cpu_cores)
 
     @property
