@@ -289,6 +289,8 @@ BAD_INPUTS = [
      "kv_cache_gib must be a finite"),
     ("cpu_cores that names no core", {"scenario": {"engine": {"cpu_cores": "1-0"}}},
      "cpu_cores must be cores like '1', '0-1' or '0,2', got '1-0'"),
+    ("dtype vLLM does not take", {"scenario": {"engine": {"dtype": "bf16"}}},
+     "dtype must be one of ['auto', 'half', 'float16', 'bfloat16', 'float', 'float32']"),
     ("negative Poisson rate", {"scenario": {"episode": {"arrival": "poisson:-1"}}}, "rate must be a finite"),
     ("max_wait .nan", {"scenario": {"scheduler": {"max_wait": math.nan}}}, "max_wait must be a finite"),
     ("window_s .inf", {"scenario": {"episode": {"window_s": math.inf}}},

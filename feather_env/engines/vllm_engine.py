@@ -40,6 +40,10 @@ DEFAULT_MODEL_DIR = REPO_ROOT / "configs" / "models" / "tiny-llama"
 GIB = 1 << 30
 
 
+#: The model dtypes vLLM takes (its ``ModelDType``).
+MODEL_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything that shapes a vLLM engine of this project.
@@ -94,6 +98,8 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not (Path(self.model_dir) / "config.json").is_file():
             raise ConfigError(f"model_dir {self.model_dir!r} has no config.json")
+        if self.dtype not in MODEL_DTYPES:
+            raise ConfigError(f"dtype must be one of {list(MODEL_DTYPES)}, got {self.dtype!r}")
         if self.cpu_cores is not None and not isinstance(self.cpu_cores, str):
             raise ConfigError(f"cpu_cores must be a string like '1' or '0-1', got {self.cpu_cores!r}")
         try:
