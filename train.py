@@ -4,7 +4,7 @@
                     [--scenario NAME] [--reward NAME] [--goodput "ttft:MS tpot:MS e2el:MS"]
                     [--backend sim|vllm] [--eval-backend sim|vllm]
                     [--timesteps N] [--seed S] [--profile PROFILE.json] [--out DIR]
-                    [--n-envs N] [--resume] [--verbose]
+                    [--n-envs N] [--resume] [--verbose] [--check]
 
 The config's sections (``scenario``, ``env``, ``agent``, ``train``), what a run writes and how
 seeds are used are described in :mod:`agents.training`, which does the work; this file parses the
@@ -14,6 +14,8 @@ calibrated profile (``python -m feather_env.calibrate``), ``--goodput`` the late
 (``env.goodput``, ``vllm bench serve --goodput``'s milliseconds) that ``--reward goodput`` counts
 requests against. Every input error (the config, the scenario and its data, the checkpoint of a
 ``--resume``) is one line on stderr and exit status 2, before the run folder is created or changed.
+``--check`` makes every one of those checks, prints the run as resolved (the effective config and
+each stage's environment: backend, episode, engine, scheduler, reward) and exits, writing nothing.
 vLLM's own log lines (a real engine's start) go to ``OUT/vllm.log`` unless ``--verbose``.
 Fine-tuning a simulator run on the real engine: the same command with ``--resume --backend vllm
 --eval-backend sim --timesteps MORE``.
@@ -33,7 +35,7 @@ REPO_ROOT = Path(__file__).resolve().parent
 def main(argv: Sequence[str] | None = None):  # -> agents.training.TrainResult
     from agents.registry import TRAINABLE
     from agents.run_config import load_config
-    from agents.training import run
+    from agents.training import check, run
     from feather_env.env import REWARDS
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
@@ -56,6 +58,8 @@ def main(argv: Sequence[str] | None = None):  # -> agents.training.TrainResult
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/latest.json")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--verbose", action="store_true", help="vLLM's log on the terminal, not in OUT/vllm.log")
+    p.add_argument("--check", action="store_true",
+                   help="check every input, print the run as resolved, and exit without writing anything")
     args = p.parse_args(argv)
     from feather_env.workloads import DataNotFoundError, WorkloadError
 
@@ -69,6 +73,9 @@ def main(argv: Sequence[str] | None = None):  # -> agents.training.TrainResult
         p.exit(2, f"train.py: config error: {_one_line(exc)}\n")
     out = Path(args.out) if args.out else REPO_ROOT / "runs" / f"{args.agent}-{Path(args.config).stem}"
     try:
+        if args.check:
+            print(check(cfg, out, resume=args.resume), flush=True)
+            return None
         return run(cfg, out, resume=args.resume, vllm_log=None if args.verbose else out / "vllm.log")
     except (ConfigError, DataNotFoundError, WorkloadError) as exc:  # the data error says where to get it
         p.exit(2, f"train.py: {_one_line(exc)}\n")

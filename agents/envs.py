@@ -12,6 +12,7 @@ environments here.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -79,6 +80,29 @@ class RunStages:
     evaluation: RunEnvs
     references: Mapping[str, RunEnvs | None]
     real: RunEnvs | None
+
+    def table(self) -> str:
+        """Every stage's environment as resolved, a row per stage and scenario (markdown): the backend,
+        the episode, the engine (KV cache tokens, batch size, step token budget, model length fitted
+        to the pool), the scheduler and its decision, the reward and the observation."""
+        stages: list[tuple[str, RunEnvs]] = [("probe", self.probe), ("training", self.train),
+                                             ("evaluation", self.evaluation)]
+        stages += [(f"reference {name}", own if own is not None else self.evaluation)
+                   for name, own in self.references.items()]
+        if self.real is not None:
+            stages.append(("confirmation", self.real))
+        lines = ["| stage | backend | scenario | episode | KV tokens / max seqs / step tokens / max len | "
+                 "scheduler (decision) | reward | observation |", "|---|---|---|---|---|---|---|---|"]
+        for stage, envs in stages:
+            for r in envs.resolved:
+                episode = " ".join(f"{k}={v}" for k, v in dataclasses.asdict(r.episode).items()
+                                   if v is not None and not (k == "rate_scale" and v == 1.0))
+                e = r.engine
+                lines.append(f"| {stage} | {r.backend.kind} | {r.scenario.name} | {episode} | "
+                             f"{e.kv_cache_tokens:,} / {e.max_num_seqs} / {e.max_num_batched_tokens:,} / "
+                             f"{e.max_model_len:,} | {r.scheduler.name} ({r.scheduler.decision}) | "
+                             f"{r.reward.kind} | {r.obs_kind} |")
+        return "\n".join(lines)
 
 
 class _Run(Protocol):

@@ -59,7 +59,7 @@ from agents.parallel import learn_parallel_tabular
 from agents.run_config import ORDERING_REFERENCES, REFERENCES, RunConfig, TrainSection
 from scheduler_runtime.config import ConfigError, load_mapping, load_yaml
 
-__all__ = ["TrainResult", "comparison_table", "make_env", "reference_policy", "run"]
+__all__ = ["TrainResult", "check", "comparison_table", "make_env", "reference_policy", "run"]
 
 # -- environments -------------------------------------------------------------------------------
 def reference_policy(name: str, env: Any, seed: int = 0) -> Any:
@@ -230,6 +230,19 @@ def _check_inputs(out: Path, cls: Any, saved: Mapping[str, Any], probe: RunEnvs,
         start = checkpoint, _load_checkpoint(cls, checkpoint), trained_on
     _check_decisions(probe, train.seed)
     return start
+
+
+def check(cfg: RunConfig, out: str | Path, *, resume: bool = False) -> str:
+    """Check every input of run ``cfg`` as :func:`run` does before it writes anything (the output
+    folder ``out``; with ``resume``, the saved config and the checkpoint, loaded; that the episodes
+    ask decisions, on the simulator), and return the run as resolved: the effective config, as
+    ``OUT/config.yaml`` would hold it, and every stage's environment (:meth:`agents.envs.RunStages.table`).
+    Writes nothing and starts no engine (``train.py --check``); raises :class:`ConfigError` as
+    :func:`run` would."""
+    stages = cfg.stages
+    _check_inputs(Path(out), cfg.agent_cls, cfg.saved, stages.probe, cfg.train, resume=resume, shared=None)
+    return (f"# train.py --agent {cfg.agent_name} --scenario {cfg.scenario_name} (config {cfg.source}): "
+            f"checked, nothing written\n{yaml.safe_dump(cfg.saved, sort_keys=False)}\n{stages.table()}")
 
 
 def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any = None,

@@ -314,8 +314,11 @@ BAD_INPUTS = [
 ]
 
 
+@pytest.mark.parametrize("check", [False, True], ids=["run", "check"])
 @pytest.mark.parametrize("case, given, message", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
-def test_every_bad_input_is_one_line_and_exit_2_before_the_run_folder(tmp_path, capsys, case, given, message):
+def test_every_bad_input_is_one_line_and_exit_2_before_the_run_folder(tmp_path, capsys, case, given, message,
+                                                                     check):
+    """The run refuses it before its folder exists; ``--check`` refuses it with the same line."""
     scenario: dict = {"name": given.get("base", str(REPO / "tests" / "data" / "support-small.yaml"))}
     if "trace" in given:
         scenario["workload"] = {"path": _trace(tmp_path, given["trace"])}
@@ -328,7 +331,7 @@ def test_every_bad_input_is_one_line_and_exit_2_before_the_run_folder(tmp_path, 
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
         train.main(["--agent", agent, "--config", str(write(tmp_path, cfg)), "--out", str(out),
-                    *given.get("argv", [])])
+                    *given.get("argv", []), *(["--check"] if check else [])])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
     assert len(err.strip().splitlines()) == 1 and err.startswith("train.py: ") and message in err, err
@@ -366,8 +369,14 @@ def test_resume_checks_the_checkpoint_before_touching_the_run_and_offers_an_earl
     before = {p.name: _sha(p) for p in out.rglob("*") if p.is_file()}
     with pytest.raises(SystemExit) as exit_info:
         train.main(["--agent", agent, "--config", str(path), "--out", str(out), "--resume",
+                    "--timesteps", "300", "--check"])
+    checked = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"checkpoint {ckpt} does not load ({why}" in checked, checked
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--agent", agent, "--config", str(path), "--out", str(out), "--resume",
                     "--timesteps", "300", "--no-progress"])
     err = capsys.readouterr().err
+    assert err == checked  # --check says what the run says
     assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
     earlier = f"{agent}_128_steps{ckpt.suffix}"
     assert f"checkpoint {ckpt} does not load ({why}" in err, err
@@ -379,6 +388,38 @@ def test_resume_checks_the_checkpoint_before_touching_the_run_and_offers_an_earl
     res = train.main(["--agent", agent, "--config", str(path), "--out", str(out), "--resume",
                       "--timesteps", "256", "--no-progress"])
     assert res.num_timesteps >= 256
+
+
+def test_check_prints_the_run_resolved_and_writes_nothing(resumable, tmp_path, capsys):
+    """``train.py --check``: the effective config and every stage's environment as resolved (each
+    reference's own scheduler and decision, the engine fitted to the pool), and nothing written: no
+    new run folder, and a finished run's folder unchanged by ``--check --resume``."""
+    cfg = small_config("ucb", compare_with=["always-add", "fcfs"], eval_backend="sim")
+    cfg["env"] = {"reward": "goodput", "goodput": "e2el:9000"}
+    out = tmp_path / "fresh"
+    assert train.main(["--agent", "ucb", "--config", str(write(tmp_path, cfg, "c.yaml")), "--out", str(out),
+                       "--check"]) is None
+    printed = capsys.readouterr().out
+    assert not out.exists()
+    saved = yaml.safe_load(printed.split("\n", 1)[1].split("\n| stage |", 1)[0])
+    assert saved["env"]["goodput_slos"] == "e2el:9000"
+    assert saved["train"]["compare_with"] == ["always-add", "fcfs"]
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in printed.splitlines()
+            if line.startswith("| ") and not line.startswith("| stage")}
+    assert list(rows) == ["probe", "training", "evaluation", "reference always-add", "reference fcfs"]
+    assert rows["reference fcfs"][5] == "fcfs (request)" and rows["training"][5] != "fcfs (request)"
+    assert {r[6] for r in rows.values()} == {"goodput"}
+    from agents.run_config import load_config
+
+    engine = load_config(write(tmp_path, cfg, "c.yaml"), "ucb").envs[0].engine
+    assert rows["training"][4] == (f"{engine.kv_cache_tokens:,} / {engine.max_num_seqs} / "
+                                   f"{engine.max_num_batched_tokens:,} / {engine.max_model_len:,}")
+    cfg_path, done = resumable
+    before = {p.relative_to(done): _sha(p) for p in done.rglob("*") if p.is_file()}
+    train.main(["--agent", "ucb", "--config", str(cfg_path), "--out", str(done), "--resume",
+                "--timesteps", "300", "--check"])
+    assert "checked, nothing written" in capsys.readouterr().out
+    assert {p.relative_to(done): _sha(p) for p in done.rglob("*") if p.is_file()} == before
 
 
 def test_low_traffic_trains_to_the_end_skipping_episodes_without_a_decision(tmp_path, capsys):
