@@ -241,8 +241,13 @@ def check(cfg: RunConfig, out: str | Path, *, resume: bool = False) -> str:
     :func:`run` would."""
     stages = cfg.stages
     _check_inputs(Path(out), cfg.agent_cls, cfg.saved, stages.probe, cfg.train, resume=resume, shared=None)
-    return (f"# train.py --agent {cfg.agent_name} --scenario {cfg.scenario_name} (config {cfg.source}): "
-            f"checked, nothing written\n{yaml.safe_dump(cfg.saved, sort_keys=False)}\n{stages.table()}")
+    return (f"{_title(cfg)}: checked, nothing written\n{yaml.safe_dump(cfg.saved, sort_keys=False)}\n"
+            f"{stages.table()}")
+
+
+def _title(cfg: RunConfig) -> str:
+    """The line a run (and its check) opens with: the agent, the scenario and the config file."""
+    return f"# train.py --agent {cfg.agent_name} --scenario {cfg.scenario_name} (config {cfg.source})"
 
 
 def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, backend: Any = None,
@@ -276,7 +281,7 @@ def _run(cfg: RunConfig, out: str | Path, *, resume: bool, backend: Any, verbose
     t0 = time.perf_counter()
     out = Path(out)
     name, agent_config, train, saved, cls = cfg.agent_name, cfg.agent, cfg.train, cfg.saved, cfg.agent_cls
-    scenario, source = cfg.scenario_name, cfg.source
+    scenario, title = cfg.scenario_name, _title(cfg)
     stages = cfg.stages  # every environment of the run, from the ones parse_config resolved
     start = _check_inputs(out, cls, saved, stages.probe, train, resume=resume, shared=backend)
     out.mkdir(parents=True, exist_ok=True)
@@ -286,7 +291,7 @@ def _run(cfg: RunConfig, out: str | Path, *, resume: bool, backend: Any, verbose
 
         send_vllm_logs_to(vllm_log)
     if verbose:
-        print(f"# train.py --agent {name} --scenario {scenario} (config {source})", flush=True)
+        print(title, flush=True)
     from stable_baselines3.common.callbacks import CallbackList  # after the checks: seconds to import
 
     from agents.base import evaluate

@@ -396,9 +396,8 @@ def test_check_prints_the_run_resolved_and_writes_nothing(resumable, tmp_path, c
     new run folder, and a finished run's folder unchanged by ``--check --resume``."""
     cfg = small_config("ucb", compare_with=["always-add", "fcfs"], eval_backend="sim")
     cfg["env"] = {"reward": "goodput", "goodput": "e2el:9000"}
-    out = tmp_path / "fresh"
-    assert train.main(["--agent", "ucb", "--config", str(write(tmp_path, cfg, "c.yaml")), "--out", str(out),
-                       "--check"]) is None
+    out, path = tmp_path / "fresh", write(tmp_path, cfg, "c.yaml")
+    assert train.main(["--agent", "ucb", "--config", str(path), "--out", str(out), "--check"]) is None
     printed = capsys.readouterr().out
     assert not out.exists()
     saved = yaml.safe_load(printed.split("\n", 1)[1].split("\n| stage |", 1)[0])
@@ -411,7 +410,7 @@ def test_check_prints_the_run_resolved_and_writes_nothing(resumable, tmp_path, c
     assert {r[6] for r in rows.values()} == {"goodput"}
     from agents.run_config import load_config
 
-    engine = load_config(write(tmp_path, cfg, "c.yaml"), "ucb").envs[0].engine
+    engine = load_config(path, "ucb").envs[0].engine
     assert rows["training"][4] == (f"{engine.kv_cache_tokens:,} / {engine.max_num_seqs} / "
                                    f"{engine.max_num_batched_tokens:,} / {engine.max_model_len:,}")
     cfg_path, done = resumable
