@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from feather_env.reporting import format_table
 from feather_env.resolved import ResolvedEnv
 
 __all__ = ["RunEnvs", "RunStages", "make_env"]
@@ -91,18 +92,19 @@ class RunStages:
                    for name, own in self.references.items()]
         if self.real is not None:
             stages.append(("confirmation", self.real))
-        lines = ["| stage | backend | scenario | episode | KV tokens / max seqs / step tokens / max len | "
-                 "scheduler (decision) | reward | observation |", "|---|---|---|---|---|---|---|---|"]
+        rows = []
         for stage, envs in stages:
             for r in envs.resolved:
                 episode = " ".join(f"{k}={v}" for k, v in dataclasses.asdict(r.episode).items()
                                    if v is not None and not (k == "rate_scale" and v == 1.0))
                 e = r.engine
-                lines.append(f"| {stage} | {r.backend.kind} | {r.scenario.name} | {episode} | "
+                rows.append([stage, r.backend.kind, r.scenario.name, episode,
                              f"{e.kv_cache_tokens:,} / {e.max_num_seqs} / {e.max_num_batched_tokens:,} / "
-                             f"{e.max_model_len:,} | {r.scheduler.name} ({r.scheduler.decision}) | "
-                             f"{r.reward.kind} | {r.obs_kind} |")
-        return "\n".join(lines)
+                             f"{e.max_model_len:,}", f"{r.scheduler.name} ({r.scheduler.decision})",
+                             r.reward.kind, r.obs_kind])
+        return format_table(["stage", "backend", "scenario", "episode",
+                             "KV tokens / max seqs / step tokens / max len", "scheduler (decision)", "reward",
+                             "observation"], rows)
 
 
 class _Run(Protocol):

@@ -57,6 +57,7 @@ import yaml
 from agents.envs import RunEnvs, make_env
 from agents.parallel import learn_parallel_tabular
 from agents.run_config import ORDERING_REFERENCES, REFERENCES, RunConfig, TrainSection
+from feather_env.reporting import check_output_dir, format_table
 from scheduler_runtime.config import ConfigError, load_mapping, load_yaml
 
 __all__ = ["TrainResult", "check", "comparison_table", "make_env", "reference_policy", "run"]
@@ -215,8 +216,6 @@ def _check_inputs(out: Path, cls: Any, saved: Mapping[str, Any], probe: RunEnvs,
     and the checkpoint of a resume (loaded), and that the environment asks decisions (``probe``, on
     the simulator). Returns the checkpoint to resume, the agent loaded from it and the backend it was
     trained on (``None``: a fresh run)."""
-    from feather_env.reporting import check_output_dir
-
     if shared is not None and train.n_envs > 1:
         raise ConfigError("a shared backend object needs n_envs == 1 (each worker builds its own)")
     try:
@@ -447,9 +446,7 @@ def comparison_table(results: Mapping[str, Mapping[str, Any]], agent: str) -> st
             return "-"
         return f"{r['output_throughput'] / base['output_throughput']:.2f}x"
 
-    lines = ["| agent | e2e output tok/s | vs always-add | vs fcfs | mean E2E latency s | prefix hit |",
-             "|---|---|---|---|---|---|"]
-    for name, r in results.items():
-        lines.append(f"| {name} | {r['output_throughput']:,.1f} | {ratio('always-add', r)} | "
-                     f"{ratio('fcfs', r)} | {r['mean_e2el_s']:.2f} | {r['prefix_hit_rate']:.0%} |")
-    return "\n".join(lines)
+    rows = [[name, f"{r['output_throughput']:,.1f}", ratio("always-add", r), ratio("fcfs", r),
+             f"{r['mean_e2el_s']:.2f}", f"{r['prefix_hit_rate']:.0%}"] for name, r in results.items()]
+    return format_table(["agent", "e2e output tok/s", "vs always-add", "vs fcfs", "mean E2E latency s",
+                         "prefix hit"], rows)
