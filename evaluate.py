@@ -150,8 +150,10 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     eng.add_argument("--max-num-seqs", type=int, default=None, help="max running batch")
     eng.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
     eng.add_argument("--cpu-cores", default=None, help='pin the engine (CPU backend), e.g. "1"')
-    eng.add_argument("--chunk-size", type=int, default=None, help="Feather CHT chunk size in tokens")
-    eng.add_argument("--max-wait", type=float, default=None, help="Feather anti-starvation release (s)")
+    eng.add_argument("--chunk-size", type=int, default=None, help="the batching core's chunk size in tokens "
+                     "(Feather's CHT; every scheduler but fcfs)")
+    eng.add_argument("--max-wait", type=float, default=None, help="anti-starvation release (s) of every "
+                     "scheduler but fcfs")
     eng.add_argument("--no-warmup", action="store_true", help="skip the throw-away warm-up batch")
     eng.add_argument("--no-isolated", action="store_true", help="skip the isolated probes (no slowdown)")
     eng.add_argument("--run-timeout", type=float, default=1800.0, help="seconds; longer runs are errors")

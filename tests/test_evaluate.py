@@ -292,11 +292,15 @@ def test_bad_knobs_are_errors_before_the_first_engine(tmp_path, capsys, monkeypa
     assert not (tmp_path / "o").exists()
 
 
-def test_the_evaluation_trusts_its_own_hints_and_gives_feather_its_knobs():
-    assert inprocess.scheduler_overrides("fcfs", 64, 5.0) == {}
-    assert inprocess.scheduler_overrides("oracle-svf", 64, 5.0) == {"trust_client_hints": True}
-    assert inprocess.scheduler_overrides("feather-heuristic+svf", 64, 5.0) == {
-        "trust_client_hints": True, "chunk_size": 64, "max_wait": 5.0}
+def test_the_evaluation_trusts_its_own_hints_and_gives_every_scheduler_the_cores_knobs():
+    for name in ("fcfs", "fcfs@512"):  # vLLM's own scheduler
+        assert inprocess.scheduler_overrides(name, 64, 5.0) == {}
+    # the core's knobs reach every other scheduler, as the simulator's environment gives them (a
+    # document cap once lost them: only names starting with "feather" got them)
+    for name in ("oracle-svf", "lpm", "feather-heuristic+svf", "group-cap-3@512", "group-hold"):
+        assert inprocess.scheduler_overrides(name, 64, 5.0) == {
+            "trust_client_hints": True, "chunk_size": 64, "max_wait": 5.0}, name
+        assert inprocess.scheduler_overrides(name, None, None) == {"trust_client_hints": True}, name
     assert inprocess.scheduler_config("fcfs", 64, 5.0).passthrough  # vLLM's own scheduler
 
 

@@ -139,17 +139,17 @@ def scheduler_overrides(name: str, chunk_size: int | None, max_wait: float | Non
     """The :class:`~scheduler_runtime.schedulers.SchedulerConfig` fields an evaluation sets.
 
     Client hints are trusted (the evaluation serves its own workload: true lengths and sources);
-    ``chunk_size`` and ``max_wait`` are Feather's knobs (the Feather names only); ``fcfs`` is vLLM's
-    own scheduler and takes none.
+    ``chunk_size`` and ``max_wait`` are the batching core's knobs, given to every scheduler but ``fcfs``
+    (vLLM's own scheduler, which takes none), as the simulator's environment gives a scenario's
+    (:class:`~feather_env.scenarios.ScenarioSchedulerConfig`: the same for every ordering and policy).
     """
-    if name == "fcfs":
+    if SchedulerConfig.for_name(name).passthrough:
         return {}
     overrides: dict[str, Any] = {"trust_client_hints": True}
-    if name.startswith("feather"):
-        if chunk_size is not None:
-            overrides["chunk_size"] = chunk_size
-        if max_wait is not None:
-            overrides["max_wait"] = max_wait
+    if chunk_size is not None:
+        overrides["chunk_size"] = chunk_size
+    if max_wait is not None:
+        overrides["max_wait"] = max_wait
     return overrides
 
 
