@@ -2,7 +2,7 @@
 
     python evaluate.py (--scenario NAME [--seed S] | --workload KIND [workload knobs]) [--quick]
                        (--schedulers fcfs,lpm,feather-heuristic,... | --endpoint URL [--max-concurrency N])
-                       [--label NAME] [--goodput "ttft:MS tpot:MS e2el:MS"] [--out DIR] [--verbose]
+                       [--label NAME] [--goodput "ttft:MS tpot:MS e2el:MS"] [--out DIR] [--verbose] [--check]
     python evaluate.py --scenario NAME --backend sim [--episodes N] [--profile PROFILE.json]
                        --schedulers fcfs,lpm,feather-heuristic,feather:runs/x/policy.feather,...
     python evaluate.py compare DIR [DIR ...] [--out DIR]
@@ -36,7 +36,9 @@ Outputs in ``--out`` (default ``runs/eval-DATE-TIME``): ``results.json``, ``resu
 ``results.csv``, ``requests.csv``, ``steps.csv`` (in-process), ``throughput.png``,
 ``latency_cdf.png``, ``batch_size.png`` (in-process) and, in-process, ``vllm.log`` (vLLM's own
 log lines; ``--verbose`` prints them instead). Exit status: 0, 1 when a request failed, 2 on bad
-input (one line, reported before anything starts or any file is written).
+input (one line, reported before anything starts or any file is written). ``--check`` makes every
+check and prints the evaluation as resolved (the workload, the engine, each scheduler as the engine
+resolves it), then stops: nothing is written, no engine starts, nothing is served.
 """
 
 from __future__ import annotations
@@ -72,7 +74,10 @@ from feather_env.evaluation import (  # noqa: E402
     fit_engine,
     metrics_tables,
     probe_server,
+    resolve_schedulers,
     results_payload,
+    scheduler_config,
+    schedulers_table,
     validate_schedulers,
     write_results,
 )
@@ -173,6 +178,9 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     out.add_argument("--no-plots", action="store_true")
     out.add_argument("--no-progress", action="store_true")
     out.add_argument("--verbose", action="store_true", help="vLLM's log lines on the terminal, not in a file")
+    out.add_argument("--check", action="store_true", help="check every input as the evaluation does, print "
+                     "it as resolved (the workload, the engine, each scheduler as it will serve) and stop: "
+                     "nothing is written, no engine starts, no request is served")
     return p.parse_args(argv)
 
 
@@ -309,19 +317,22 @@ def _simulated_scenario(args: argparse.Namespace) -> tuple[Scenario, SimConfig]:
     return scenario, config
 
 
-def run_simulated(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any], Workload]:
+def run_simulated(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any], Workload] | None:
     """``--backend sim``: every scheduler on the scenario's episodes (the runs, what to record, the
-    episodes as one workload)."""
+    episodes as one workload); ``None`` after ``--check``."""
     scenario, config = _simulated_scenario(args)
     workload = episodes_workload(scenario, config.seeds)
     print(_describe(workload))
     engine = scenario.engine_config()
-    print(f"simulator: KV cache {engine.kv_cache_gib:g} GiB, max {engine.max_num_seqs} running, "
-          f"{engine.max_num_batched_tokens} tokens/step, profile {config.profile or 'shipped'}; "
+    print(f"simulator: {_engine_line(engine)}, profile {config.profile or 'shipped'}; "
           f"episode(s) {', '.join(map(str, config.seeds))}")
     note = profile_note(config.profile, machine_info())
     if note:
         print(note)
+    if args.check:
+        resolved = resolve_schedulers(scenario, config)
+        print(schedulers_table([r.scheduler for r in resolved.values()], engine))
+        return None
     runs = evaluate_simulated(scenario, config)
     record = {"mode": "simulator", "scenario": scenario.to_dict(), "episode_seed": config.seeds[0],
               "engine": engine.to_dict(), "simulator": config.to_dict(),
@@ -330,12 +341,24 @@ def run_simulated(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any], 
     return runs, record, workload
 
 
+def _engine_line(engine: Any) -> str:
+    """The engine's figures as the evaluation prints them."""
+    return (f"KV cache {engine.kv_cache_gib:g} GiB ({engine.kv_cache_tokens:,} tokens), max "
+            f"{engine.max_num_seqs} running, {engine.max_num_batched_tokens} tokens/step")
+
+
 def _describe(workload: Workload) -> str:
     d = workload.describe()
     return (f"workload {d['name']}: {d['requests']} requests, {d['groups']} prefix groups, prompts mean "
             f"{d['prompt_tokens_mean']:.0f} / max {d['prompt_tokens_max']} tokens, outputs mean "
             f"{d['output_tokens_mean']:.1f} / max {d['output_tokens_max']}, arrivals {d['arrivals']} over "
             f"{d['arrival_span_s']:.1f} s")
+
+
+def _checked(out: Path) -> int:
+    """``--check``'s last line, once every input passed."""
+    print(f"checked: every input is valid; nothing was written to {out}, no engine started, nothing served")
+    return 0
 
 
 def _where(out: Path, written: Sequence[Path]) -> str:
@@ -362,7 +385,10 @@ def run(argv: Sequence[str], backend: Any = None) -> int:
     out = Path(args.out or f"runs/eval-{dt.datetime.now():%Y%m%d-%H%M%S}")
     check_output_dir(out, "--out")
     if args.backend == "sim":
-        runs, context, workload = run_simulated(args)
+        simulated = run_simulated(args)
+        if simulated is None:
+            return _checked(out)
+        runs, context, workload = simulated
         return _report(args, out, runs, workload, context, goodput, percentiles, t_all)
     endpoint = server = None
     if args.endpoint is not None:
@@ -382,7 +408,10 @@ def run(argv: Sequence[str], backend: Any = None) -> int:
     if endpoint is not None:
         assert server is not None
         print(f"endpoint {server.root}, model {server.model}"
-              + (f", at most {endpoint.max_concurrency} in flight" if endpoint.max_concurrency else ""))
+              + (f", at most {endpoint.max_concurrency} in flight" if endpoint.max_concurrency else "")
+              + (": the server runs its own scheduler" if args.check else ""))
+        if args.check:
+            return _checked(out)
         runs = [evaluate_endpoint(workload, endpoint, progress=progress, server=server)]
         context: dict[str, Any] = {"mode": "endpoint", "endpoint": endpoint.to_dict()}
     else:
@@ -393,12 +422,17 @@ def run(argv: Sequence[str], backend: Any = None) -> int:
             quiet_wait_s=args.quiet_wait, max_foreign=args.max_foreign,
             retries=args.retries if args.max_foreign is not None else 0, repeats=args.repeats,
             label=args.label)
-        log_note = ""
+        line = (f"in-process engine: {_engine_line(engine)}, max model length {engine.max_model_len:,}, "
+                f"cores {engine.cpu_cores or 'all'}")
+        if args.check:
+            print(line)
+            configs = [scheduler_config(name, config.chunk_size, config.max_wait) for name in schedulers]
+            print(schedulers_table(configs, engine))
+            return _checked(out)
         if not args.verbose:
             send_vllm_logs_to(out / "vllm.log")
-            log_note = f" (vLLM's log: {out / 'vllm.log'})"
-        print(f"in-process engine: KV cache {engine.kv_cache_gib:g} GiB, max {engine.max_num_seqs} running, "
-              f"{engine.max_num_batched_tokens} tokens/step, cores {engine.cpu_cores or 'all'}{log_note}")
+            line += f" (vLLM's log: {out / 'vllm.log'})"
+        print(line)
         runs, info = evaluate_in_process(workload, config, progress=progress, backend=backend)
         context = {"mode": "in-process", "engine": engine.to_dict(), "inprocess": config.to_dict(), **info}
     return _report(args, out, runs, workload, {**record, **context}, goodput, percentiles, t_all)

@@ -11,7 +11,9 @@ KV cache too small for all of them at once, SVF's setting. The other tests start
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
 import math
 import subprocess
@@ -71,6 +73,12 @@ def e2e(tmp_path_factory, data_dir, schedulers):
                     "--reset-prefix-cache", "--out", str(out["feather"]))
         assert proc.returncode == 0, proc.stdout[-4000:] + server.log_tail()
         console["feather"] = proc.stdout
+        # --check against the server: asked for its model, served nothing (its counters say)
+        before, text = endpoint.read_metrics(server.url), io.StringIO()
+        with contextlib.redirect_stdout(text):
+            rc = evaluate.main(["--quick", "--endpoint", server.url, "--check", "--out", str(root / "chk")])
+        after = endpoint.read_metrics(server.url)
+        console["check"] = rc, text.getvalue(), endpoint._server_figures(before, after)
     with LocalServer(None, engine, log_path=root / "vllm-serve.log") as server:
         assert "scheduler_runtime" not in " ".join(server.command)
         proc = _cli("--quick", "--endpoint", server.url + "/v1", "--label", "vllm-own",
@@ -159,6 +167,16 @@ def test_endpoint_runs_read_the_servers_metrics(e2e):
     # the same scheduler on the same workload hits the prefix cache as often in-process and served
     inproc = payloads["inprocess"]["runs"]["feather-heuristic"]
     assert feather["prefix_hit_rate"] == pytest.approx(inproc["prefix_hit_rate"], abs=0.05)
+
+
+@pytest.mark.engine
+def test_check_against_a_server_asks_its_model_and_serves_nothing(e2e):
+    out, _, console = e2e
+    rc, text, figures = console["check"]
+    assert rc == 0 and ", model " in text and ": the server runs its own scheduler" in text, text
+    assert text.rstrip().endswith("nothing served")
+    assert figures["server"]["request_success"] == 0 and figures["server"]["prompt_tokens"] == 0
+    assert not (out["feather"].parent / "chk").exists()
 
 
 @pytest.mark.engine
@@ -256,8 +274,9 @@ def test_svf_on_longbench_admits_by_volume_within_the_kv_cache(longbench_run):
     (["--quick", "--endpoint", "localhost:8000"], "is not http://HOST:PORT"),
     (["--quick", "--endpoint", "http://127.0.0.1:8000", "--schedulers", "fcfs"], "not both"),
 ])
-def test_bad_input_is_a_clear_error_before_anything_starts(argv, message, tmp_path, capsys):
-    assert evaluate.main([*argv, "--out", str(tmp_path / "o")]) == 2
+@pytest.mark.parametrize("check", [[], ["--check"]], ids=["run", "check"])
+def test_bad_input_is_a_clear_error_before_anything_starts(argv, message, check, tmp_path, capsys):
+    assert evaluate.main([*argv, *check, "--out", str(tmp_path / "o")]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
@@ -290,6 +309,38 @@ def test_bad_knobs_are_errors_before_the_first_engine(tmp_path, capsys, monkeypa
     assert evaluate.main(argv + [a.format(policy=policy_256) for a in args]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_check_prints_each_scheduler_as_the_engine_resolves_it_and_starts_nothing(tmp_path, capsys,
+                                                                                    monkeypatch, policy_256):
+    def no_engine(*a, **kw):
+        raise AssertionError("an engine was started")
+
+    monkeypatch.setattr(evaluate, "evaluate_in_process", no_engine)
+    monkeypatch.setattr(evaluate, "send_vllm_logs_to", no_engine)
+    out = tmp_path / "o"
+    names = ["fcfs", "group-cap-3@512", f"feather:{policy_256}", "oracle-svf"]
+    assert evaluate.main(["--quick", "--schedulers", ",".join(names), "--max-wait", "5", "--check",
+                          "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    _, engine, _ = evaluate.build_workload(evaluate._parse_args(["--quick"]))
+    assert (f"KV cache {engine.kv_cache_gib:g} GiB ({engine.kv_cache_tokens:,} tokens), max "
+            f"{engine.max_num_seqs} running, {engine.max_num_batched_tokens} tokens/step, max model length "
+            f"{engine.max_model_len:,}") in text
+    rows = {r.split(" | ")[0].strip("| "): r.strip("| ").split(" | ") for r in text.splitlines()
+            if r.startswith("| ") and not r.startswith("| scheduler ")}
+    assert list(rows) == names
+    budget = f"{engine.max_num_batched_tokens:,}"
+    # vLLM's own queue: no Feather knob applies
+    assert rows["fcfs"][1:] == ["vLLM's own", "-", budget, "none", "-", "-", "-", "-"]
+    # the document cap with its own step budget, Feather's knob given on the command line
+    assert rows["group-cap-3@512"][1:] == ["feather", "at most 3 documents", "512", "prompt", "-", "512", "5",
+                                           "trusted"]
+    # a policy: measured in its own chunks of 256 tokens
+    assert rows[f"feather:{policy_256}"][2:8] == ["its policy (request)", budget, "prompt", "-", "256", "5"]
+    assert rows["oracle-svf"][1:] == ["svf", "-", budget, "peak", "oracle", "-", "5", "trusted"]
+    assert text.rstrip().endswith("no engine started, nothing served")
+    assert not out.exists()
 
 
 def test_the_evaluation_trusts_its_own_hints_and_gives_every_scheduler_the_cores_knobs():

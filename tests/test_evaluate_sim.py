@@ -107,11 +107,30 @@ def test_a_slower_machine_in_the_simulator(tmp_path):
     ([*SIM, "--engine-slowdown", "nan"], "engine_slowdown must be a factor > 0"),
     (["--scenario", "leval-kv-pressure", "--engine-slowdown", "2"], "are for --backend sim"),
 ])
-def test_bad_simulator_input_is_one_line_before_anything_is_written(argv, message, tmp_path, capsys):
-    assert evaluate.main([*argv, "--out", str(tmp_path / "o")]) == 2
+@pytest.mark.parametrize("check", [[], ["--check"]], ids=["run", "check"])
+def test_bad_simulator_input_is_one_line_before_anything_is_written(argv, message, check, tmp_path, capsys):
+    assert evaluate.main([*argv, *check, "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "o").exists()
+
+
+def test_check_prints_the_schedulers_the_simulator_serves_and_serves_nothing(tmp_path, capsys, monkeypatch):
+    def no_serving(*a, **kw):
+        raise AssertionError("the simulator served")
+
+    monkeypatch.setattr(evaluate, "evaluate_simulated", no_serving)
+    out = tmp_path / "o"
+    assert evaluate.main([*SIM, "--schedulers", "fcfs,group-hold@1024,lpm", "--episodes", "2",
+                          "--kv-cache-gib", "0.125", "--check", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "simulator: KV cache 0.125 GiB (32,768 tokens)" in text and "episode(s) 0, 1" in text
+    rows = [r.strip("| ").split(" | ") for r in text.splitlines() if r.startswith("| ")][1:]
+    # inside the environment fcfs is the core's fcfs ordering, admitting every arrival (vLLM's queue)
+    assert [r[:4] for r in rows] == [["fcfs", "fcfs", "-", "8,192"],
+                                     ["group-hold@1024", "feather", "group, no cap", "1,024"],
+                                     ["lpm", "lpm", "-", "8,192"]]
+    assert not out.exists()
 
 
 def test_bad_compare_input_is_one_line_before_anything_is_written(sim_run, tmp_path, capsys):

@@ -19,6 +19,8 @@ from feather_env.evaluation.inprocess import (
     InProcessConfig,
     evaluate_in_process,
     fit_engine,
+    scheduler_config,
+    schedulers_table,
     validate_schedulers,
 )
 from feather_env.evaluation.report import (
@@ -33,7 +35,12 @@ from feather_env.evaluation.report import (
     summarize,
     write_results,
 )
-from feather_env.evaluation.simulated import SimConfig, episodes_workload, evaluate_simulated
+from feather_env.evaluation.simulated import (
+    SimConfig,
+    episodes_workload,
+    evaluate_simulated,
+    resolve_schedulers,
+)
 
 __all__ = [
     "ENDPOINT",
@@ -53,7 +60,10 @@ __all__ = [
     "metrics_tables",
     "probe_server",
     "read_runs",
+    "resolve_schedulers",
     "results_payload",
+    "scheduler_config",
+    "schedulers_table",
     "summarize",
     "validate_schedulers",
     "write_results",

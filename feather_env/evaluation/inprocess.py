@@ -42,13 +42,15 @@ from feather_env.engines.vllm_engine import EngineConfig, EngineError
 from feather_env.evaluation.report import IN_PROCESS, Run
 from feather_env.hostload import ForeignLoad, wait_for_quiet
 from feather_env.records import StepSample
+from feather_env.reporting import format_table
 from feather_env.serving_metrics import serving_metrics
 from feather_env.workloads import Request, Workload
 from scheduler_runtime.config import ConfigError
 from scheduler_runtime.schedulers import SchedulerConfig
 
 __all__ = ["InProcessConfig", "IsolatedModel", "evaluate_in_process", "fit_engine", "measure_isolated",
-           "random_requests", "scheduler_config", "scheduler_overrides", "serve_one", "validate_schedulers"]
+           "random_requests", "scheduler_config", "scheduler_overrides", "schedulers_table", "serve_one",
+           "validate_schedulers"]
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,33 @@ def scheduler_config(name: str, chunk_size: int | None = None,
                      max_wait: float | None = None) -> SchedulerConfig:
     """The configuration scheduler ``name`` serves with in the evaluation (:func:`scheduler_overrides`)."""
     return SchedulerConfig.for_name(name, **scheduler_overrides(name, chunk_size, max_wait))
+
+
+def schedulers_table(configs: Sequence[SchedulerConfig], engine: EngineConfig) -> str:
+    """Each scheduler as it will serve on ``engine`` (markdown, ``evaluate.py --check``): the ordering,
+    the decision (a policy's: the one its observation answers), the per-step token budget, the admission
+    test, the output lengths it reads, the CHT chunk size, the anti-starvation wait, the client hints."""
+    from scheduler_runtime.schedulers import FeatherRuntime
+
+    rows = []
+    for c in configs:
+        decision, chunk = "-", "-"
+        if c.ordering == "feather":
+            runtime = FeatherRuntime(c)  # as the engine resolves it: the policy's decision and chunk size
+            chunk, kind = runtime.chunk_size, runtime.core.config.decision
+            if c.policy is not None:
+                decision = f"its policy ({kind})"
+            elif kind == "group":
+                decision = f"at most {c.group_cap} documents" if c.group_cap else "group, no cap"
+            else:
+                decision = "heuristic (request)"
+        budget = min(c.max_num_batched_tokens or engine.max_num_batched_tokens, engine.max_num_batched_tokens)
+        wait = "-" if c.max_wait is None else f"{c.max_wait:g}"
+        rows.append([c.name, c.ordering or "vLLM's own", decision, f"{budget:,}", c.admission,
+                     c.lengths if c.uses_lengths else "-", chunk, wait,
+                     "-" if c.passthrough else "trusted" if c.trust_client_hints else "ignored"])
+    return format_table(["scheduler", "ordering", "decision", "step tokens", "admission", "lengths",
+                         "chunk", "max wait s", "client hints"], rows)
 
 
 @dataclass

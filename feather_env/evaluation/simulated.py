@@ -35,12 +35,12 @@ import numpy as np
 
 from feather_env.evaluation.report import SIMULATOR, Run
 from feather_env.records import RequestTimeline
-from feather_env.resolved import resolve_env, slowdown_range
+from feather_env.resolved import ResolvedEnv, resolve_env, slowdown_range
 from feather_env.scenarios import Scenario
 from feather_env.workloads import Workload
 from scheduler_runtime.config import ConfigError
 
-__all__ = ["SimConfig", "episodes_workload", "evaluate_simulated"]
+__all__ = ["SimConfig", "episodes_workload", "evaluate_simulated", "resolve_schedulers"]
 
 #: The in-process figures the simulator does not measure (``None`` in its runs, same keys).
 _NOT_MEASURED = ("decode_tokens", "decode_seconds", "mean_running_batch", "mean_decode_batch", "decode_steps",
@@ -103,6 +103,17 @@ def _shifted(timelines: Sequence[RequestTimeline], offset: float, prefix: str) -
     return out
 
 
+def resolve_schedulers(scenario: Scenario, config: SimConfig) -> dict[str, ResolvedEnv]:
+    """Each scheduler's environment of the simulated evaluation, checked (names and knobs) and resolved:
+    the scenario resolved once on the simulator, each scheduler's differing from it in the scheduler
+    alone (what :func:`evaluate_simulated` serves, and ``evaluate.py --check`` prints)."""
+    from feather_env.evaluation.inprocess import validate_schedulers
+
+    names = validate_schedulers(config.schedulers, scenario.scheduler.chunk_size, scenario.scheduler.max_wait)
+    resolved = resolve_env(scenario, "sim", profile=config.profile, engine_slowdown=config.engine_slowdown)
+    return {name: resolved.with_scheduler(name) for name in names}
+
+
 def evaluate_simulated(scenario: Scenario, config: SimConfig, *, log: Callable[[str], None] | None = print
                        ) -> list[Run]:
     """Serve ``config.seeds`` of ``scenario`` once per scheduler on the simulator (module docstring).
@@ -112,11 +123,8 @@ def evaluate_simulated(scenario: Scenario, config: SimConfig, *, log: Callable[[
         EngineError: a request not served exactly once with its tokens.
     """
     from feather_env.env import FeatherEnv, play_episode
-    from feather_env.evaluation.inprocess import validate_schedulers
-    names = validate_schedulers(config.schedulers, scenario.scheduler.chunk_size, scenario.scheduler.max_wait)
-    # resolved once; each scheduler's environment differs from it in the scheduler alone
-    resolved = resolve_env(scenario, "sim", profile=config.profile, engine_slowdown=config.engine_slowdown)
-    envs = {name: FeatherEnv.from_resolved(resolved.with_scheduler(name)) for name in names}
+
+    envs = {name: FeatherEnv.from_resolved(r) for name, r in resolve_schedulers(scenario, config).items()}
     multi = len(config.seeds) > 1
     runs = []
     for name, env in envs.items():
