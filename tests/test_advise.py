@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import evaluate
+from feather_env.evaluation import advise as advise_module
 from feather_env.evaluation.advise import (
     AdviseConfig,
     advise,
@@ -133,11 +134,30 @@ def test_the_what_ifs_serve_more_kv_and_more_replicas(small, tmp_path):
       "--out", "{out}"], "names its own budget"),
     (["--scenario", "mooncake-synthetic", "--goodput", "ttft:5000", "--confirm-top", "0", "--out", "{out}"],
      "confirm_top must be >= 1"),
+    # a policy file or a name found bad only when the search reached it, after minutes of engine probe
+    (["--scenario", "mooncake-synthetic", "--goodput", "ttft:5000", "--policies", "/nonexistent.feather",
+      "--out", "{out}"], "does not exist"),
+    (["--scenario", "mooncake-synthetic", "--goodput", "ttft:5000", "--policies", "{policy}",
+      "--out", "{out}"], "in chunks of 256 tokens"),
+    (["--scenario", "mooncake-synthetic", "--goodput", "ttft:5000", "--schedulers", "fcfs,lpm,lpm",
+      "--out", "{out}"], "listed twice"),
 ])
-def test_bad_input_is_one_line_and_exit_2_before_anything_is_written(tmp_path, capsys, args, message):
+def test_bad_input_is_one_line_and_exit_2_before_anything_is_written(tmp_path, capsys, monkeypatch, args,
+                                                                     message):
+    from scheduler_runtime.decision import BASE_OBS_NAMES, ObservationSpec
+    from scheduler_runtime.policy import ConstantPolicy, write_policy
+
+    def no_engine(*a, **kw):
+        raise AssertionError("the engine probe started")
+
+    monkeypatch.setattr(advise_module, "check_profile", no_engine)
+    spec = ObservationSpec(names=BASE_OBS_NAMES, low=(0, -64, 0), high=(64, 64, 64), scale=(64, 64, 64),
+                           chunk_size=256)
+    policy = write_policy(tmp_path / "add256.feather", ConstantPolicy(spec))
+    args = [a.format(out=tmp_path / "never", policy=policy) for a in args]
     out = tmp_path / "never"
     try:
-        code = evaluate.main(["advise", *(a.format(out=out) for a in args)])
+        code = evaluate.main(["advise", *args])
     except SystemExit as exc:  # argparse's own usage errors
         code = exc.code
     assert code == 2 and message in capsys.readouterr().err and not out.exists()

@@ -171,19 +171,24 @@ def candidate_names(scenario: Scenario, config: AdviseConfig) -> list[str]:
     """Every setting the search serves: base name x budget (the engine's own budget is the plain name).
 
     Raises:
-        ConfigError: a base name that is not a scheduler, or carries its own ``@TOKENS``.
+        ConfigError: a base name that is not a scheduler, or carries its own ``@TOKENS``; a policy file
+            that does not load, or measures in other chunks than the scenario's (every base is
+            checked as the evaluation checks its schedulers, before the engine probe starts).
     """
+    from feather_env.evaluation.inprocess import validate_schedulers
+
     engine_budget = scenario.engine.max_num_batched_tokens
     bases = list(config.schedulers or ("fcfs", "lpm", *(f"group-cap-{k}" for k in DEFAULT_CAPS)))
     bases += [p if p.startswith("feather:") else f"feather:{p}" for p in config.policies]
     budgets = sorted({b for b in (config.budgets or DEFAULT_BUDGETS) if b < engine_budget} | {engine_budget})
-    names = []
     for base in bases:
         if split_budget(base)[1] is not None:
             raise ConfigError(
                 f"advise: scheduler {base!r} names its own budget; give base names and --budgets"
             )
-        SchedulerConfig.for_name(base)  # unknown names fail here, before anything is served
+    validate_schedulers(bases, scenario.scheduler.chunk_size, scenario.scheduler.max_wait)
+    names = []
+    for base in bases:
         for budget in budgets:
             names.append(base if budget == engine_budget else with_budget(base, budget))
     if DEFAULT_SCHEDULER not in names:
