@@ -488,7 +488,7 @@ def run_compare(argv: Sequence[str]) -> int:
 def run_advise(argv: Sequence[str], backend: Any = None) -> int:
     """``evaluate.py advise``: the best scheduler and token budget for the SLOs
     (:mod:`feather_env.evaluation.advise`)."""
-    from feather_env.evaluation.advise import DEFAULT_BUDGETS, AdviseConfig, advise
+    from feather_env.evaluation.advise import DEFAULT_BUDGETS, AdviseConfig, advise, plan
 
     p = argparse.ArgumentParser(prog="evaluate.py advise", description="Which scheduler and per-step token "
                                 "budget serve a scenario's traffic best under latency SLOs, searched in the "
@@ -524,6 +524,9 @@ def run_advise(argv: Sequence[str], backend: Any = None) -> int:
                    "(seconds of trace time, at most the scenario's window; default 20)")
     p.add_argument("--no-what-if", action="store_true", help="skip the 2x KV cache and replica what-ifs")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--check", action="store_true", help="check every input, print what the advice will serve "
+                   "(the profile's choice, the settings and windows of the search, the what-ifs, what the "
+                   "engine confirms) and stop: nothing is written, no engine starts, nothing is served")
     args = p.parse_args(argv)
     out = Path(args.out)
     check_output_dir(out, "--out")
@@ -543,6 +546,10 @@ def run_advise(argv: Sequence[str], backend: Any = None) -> int:
                           confirm_top=1 if args.confirm_top is None else args.confirm_top,
                           probe_window_s=args.probe_window_s)
     scenario = load_scenario(args.scenario)
+    if args.check:
+        print(plan(scenario, config))
+        print(f"engine: {_engine_line(scenario.engine_config())}")
+        return _checked(out)
     payload = advise(scenario, config, out, backend=backend, progress=not args.no_progress)
     print()
     print((out / "advice.md").read_text())

@@ -18,6 +18,7 @@ from feather_env.evaluation.advise import (
     confirm,
     confirm_names,
     engine_choice,
+    plan,
     recommend,
 )
 from feather_env.evaluation.probe import check_profile, probe_overrides
@@ -112,6 +113,10 @@ def test_advise_on_the_simulator_writes_what_scripts_read(small, tmp_path):
     assert saved["hindsight"]["mean_gain"] >= 1.0
     md = (out / "advice.md").read_text()
     assert "TTFT <= 5000 ms" in md and rec["scheduler"] in md and (out / "goodput.png").stat().st_size > 0
+    # what advise --check said it would serve is what it served
+    served = sum(len(r["windows"]) for r in rows.values())
+    assert (f"search: 6 settings on window(s) 100, then the best 2 and the default on window(s) 100, 101, "
+            f"102: {served} simulated windows") in plan(small, config)
 
 
 def test_the_what_ifs_serve_more_kv_and_more_replicas(small, tmp_path):
@@ -142,8 +147,9 @@ def test_the_what_ifs_serve_more_kv_and_more_replicas(small, tmp_path):
     (["--scenario", "mooncake-synthetic", "--goodput", "ttft:5000", "--schedulers", "fcfs,lpm,lpm",
       "--out", "{out}"], "listed twice"),
 ])
+@pytest.mark.parametrize("check", [[], ["--check"]], ids=["run", "check"])
 def test_bad_input_is_one_line_and_exit_2_before_anything_is_written(tmp_path, capsys, monkeypatch, args,
-                                                                     message):
+                                                                     message, check):
     from scheduler_runtime.decision import BASE_OBS_NAMES, ObservationSpec
     from scheduler_runtime.policy import ConstantPolicy, write_policy
 
@@ -157,10 +163,28 @@ def test_bad_input_is_one_line_and_exit_2_before_anything_is_written(tmp_path, c
     args = [a.format(out=tmp_path / "never", policy=policy) for a in args]
     out = tmp_path / "never"
     try:
-        code = evaluate.main(["advise", *args])
+        code = evaluate.main(["advise", *args, *check])
     except SystemExit as exc:  # argparse's own usage errors
         code = exc.code
     assert code == 2 and message in capsys.readouterr().err and not out.exists()
+
+
+def test_check_prints_the_plan_and_starts_no_probe(tmp_path, capsys, monkeypatch):
+    def no_engine(*a, **kw):
+        raise AssertionError("the engine probe started")
+
+    monkeypatch.setattr(advise_module, "check_profile", no_engine)
+    out = tmp_path / "advice"
+    assert evaluate.main(["advise", "--scenario", "mooncake-synthetic", "--goodput", "ttft:5000", "tpot:50",
+                          "--schedulers", "fcfs,group-cap-2", "--budgets", "512", "--confirm-top", "2",
+                          "--out", str(out), "--check"]) == 0
+    text = capsys.readouterr().out
+    assert "goodput SLOs ttft 5000 ms, tpot 50 ms" in text
+    assert ("probe on the real engine first (episode seed 99, a 20 s window; fcfs, fcfs@512, "
+            "group-cap-8@256)") in text
+    assert "settings: 2 schedulers (fcfs, group-cap-2) x 2 per-step token budgets (512, 8192" in text
+    assert "confirm: on the real engine, window 100: the default and the simulator's best 2" in text
+    assert text.rstrip().endswith("nothing served") and not out.exists()
 
 
 # -- the real engine: the probe that picks the profile, and the confirmation ------------------------

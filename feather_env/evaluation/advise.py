@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 
 from feather_env.evaluation.advice_report import render_markdown, write_advice
-from feather_env.evaluation.probe import MAX_PROFILE_ERROR, check_profile
+from feather_env.evaluation.probe import MAX_PROFILE_ERROR, check_profile, probe_names, probe_overrides
 from feather_env.reporting import machine_info
 from feather_env.scenarios import Scenario, load_scenario
 from feather_env.serving_metrics import serving_metrics
@@ -70,11 +70,14 @@ __all__ = [
     "advise",
     "candidate_names",
     "check_profile",
+    "checked_names",
     "confirm",
     "confirm_names",
     "engine_choice",
+    "plan",
     "render_markdown",
     "search",
+    "simulated_windows",
 ]
 
 DEFAULT_CAPS = (1, 2, 3, 4, 6, 8)
@@ -510,6 +513,62 @@ def confirm(
     return out
 
 
+def checked_names(scenario: Scenario, config: AdviseConfig) -> list[str]:
+    """Every input of :func:`advise` checked, before an engine starts: the settings it searches
+    (:func:`candidate_names`, returned) and a given profile (loaded)."""
+    names = candidate_names(scenario, config)
+    if config.profile is not None:
+        from feather_env.calibrate import load_profile
+
+        load_profile(config.profile)
+    return names
+
+
+def simulated_windows(settings: int, config: AdviseConfig) -> int:
+    """The windows the search serves in the simulator for ``settings`` settings: each on the first
+    ``search_windows``, then the shortlist and the default on the other windows."""
+    return settings * config.search_windows + (min(config.shortlist, settings - 1) + 1) * (
+        config.windows - config.search_windows)
+
+
+def plan(scenario: Scenario, config: AdviseConfig) -> str:
+    """What :func:`advise` will serve for ``scenario`` (``evaluate.py advise --check``), every input
+    checked as it checks them (:func:`checked_names`): the SLOs, how the profile is chosen, the
+    settings and windows of the search, the what-ifs and what the engine confirms."""
+    names = checked_names(scenario, config)
+    seeds = config.seeds
+    slos = ", ".join(f"{k} {v:g} ms" for k, v in config.slos.items())
+    if config.profile is not None:
+        profile = f"profile: {config.profile} (given)"
+    else:
+        window = probe_overrides(scenario, config.probe_window_s).get("episode", {}).get("window_s")
+        profile = (f"profile: chosen by a probe on the real engine first (episode seed "
+                   f"{config.first_seed - 1}, " + (f"a {window:g} s window" if window is not None
+                                                     else "one whole episode")
+                   + f"; {', '.join(probe_names(scenario))}): the best of configs/profiles, refitted on the "
+                   f"probe above {MAX_PROFILE_ERROR:.0%} error")
+    search_seeds = seeds[: config.search_windows]
+    shortlist = min(config.shortlist, len(names) - 1)
+    confirm_what = (f"the default and the simulator's best {config.confirm_top} (the engine picks)"
+                    if config.confirm_top > 1 else "the recommendation and the default")
+    engine_budget = scenario.engine.max_num_batched_tokens
+    bases = list(dict.fromkeys(split_budget(n)[0] for n in names))
+    budgets = sorted({split_budget(n)[1] or engine_budget for n in names})
+    return "\n".join([
+        f"advise on {scenario.name}, goodput SLOs {slos}",
+        profile,
+        f"search: {len(names)} settings on window(s) {', '.join(map(str, search_seeds))}, then the best "
+        f"{shortlist} and the default on window(s) {', '.join(map(str, seeds))}: "
+        f"{simulated_windows(len(names), config)} simulated windows",
+        f"settings: {len(bases)} schedulers ({', '.join(bases)}) x {len(budgets)} per-step token budgets "
+        f"({', '.join(map(str, budgets))}; {engine_budget}: the engine's)",
+        "what-ifs: " + ("2x KV cache, 2 and 4 replicas behind the prefix router" if config.what_if
+                        else "none"),
+        "confirm: " + (f"on the real engine, window {seeds[0]}: {confirm_what}, {config.repeats} runs each"
+                       if config.confirm else "none (the simulator's advice alone)"),
+    ])
+
+
 def advise(
     scenario: Scenario,
     config: AdviseConfig,
@@ -530,12 +589,9 @@ def advise(
 
     out = Path(out_dir)
     t0 = time.perf_counter()
-    names = candidate_names(scenario, config)  # every name checked before an engine starts
+    names = checked_names(scenario, config)  # every input checked before an engine starts
     default = DEFAULT_SCHEDULER
     if config.profile is not None:
-        from feather_env.calibrate import load_profile
-
-        load_profile(config.profile)
         profile_info: dict[str, Any] = {
             "profile": config.profile,
             "error": None,
@@ -556,9 +612,7 @@ def advise(
             else " (given)"
         )
     )
-    total = len(names) * config.search_windows + (min(config.shortlist, len(names) - 1) + 1) * (
-        config.windows - config.search_windows
-    )
+    total = simulated_windows(len(names), config)
     with tqdm(total=total, desc="advise: simulated windows", disable=not progress, unit="window") as bar:
         rows = search(scenario, config, profile, progress=bar.update)
     reuse, offered = window_facts(scenario, config.seeds)
