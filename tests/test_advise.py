@@ -82,6 +82,17 @@ def test_the_recommendation_needs_a_win_beyond_noise_in_the_median_window_and_no
     assert recommend(rows, "fcfs", 0.03, offered=9.0, reuse=reuse)["scheduler"] == "fcfs@512"
 
 
+def test_the_serve_command_carries_the_scenarios_knobs_where_the_name_would_not(small):
+    from feather_env.evaluation.advise import serve_command
+
+    tuned = load_scenario("mooncake-synthetic", {"scheduler": {"max_wait": 10, "chunk_size": 256}})
+    for scenario, knobs in ((small, {}), (tuned, {"max_wait": 10.0, "chunk_size": 256})):
+        for name in ("fcfs", "fcfs@512", "lpm", "group-cap-3@512"):
+            args, config = vllm_arguments(serve_command(scenario, name).split()[1:])
+            own = {} if name.startswith("fcfs") else knobs  # vLLM's own fcfs takes none
+            assert {k: v for k, v in config.items() if k != "name"} == own, (scenario.name, name)
+
+
 def test_advise_on_the_simulator_writes_what_scripts_read(small, tmp_path):
     config = AdviseConfig(SLOS, windows=3, search_windows=1, schedulers=("fcfs", "lpm", "group-cap-2"),
                           budgets=(512,), shortlist=2, profile=PROFILE, what_if=False)

@@ -71,6 +71,9 @@ def files(tmp_path):
     (["--additional-config", "{{not json"], "--additional-config is not valid JSON"),
     (["--additional-config", "[1]"], "--additional-config must be a JSON object"),
     (["--additional-config", '{{"feather_scheduler": {{"max_wait": 1}}}}'], "--scheduler-config"),
+    (["--scheduler", "lpm", "--max-wait", "soon"], "--max-wait must be seconds or 'none', got 'soon'"),
+    (["--scheduler", "lpm", "--max-wait", "-1"], "max_wait must be a finite number"),
+    (["--scheduler", "feather:{policy}", "--chunk-size", "512"], "in chunks of 256 tokens"),
 ])
 def test_bad_options_are_usage_errors_naming_the_problem(files, capsys, args, message):
     argv = [a.format(**files) for a in args]
@@ -91,6 +94,10 @@ def test_good_options_reach_vllm(files, capsys):
     assert config == {"name": "svf", "max_wait": 30.0}
     additional = json.loads(args[args.index("--additional-config") + 1])
     assert additional == {"feather_scheduler": {"name": "svf", "max_wait": 30.0}}
+    # the core's two knobs as flags, as evaluate.py names them, over the file's
+    _, config = vllm_arguments(["--scheduler", "group-cap-3", "--scheduler-config", str(files["ok"]),
+                                "--max-wait", "none", "--chunk-size", "256"])
+    assert config == {"name": "group-cap-3", "max_wait": None, "chunk_size": 256}
 
 
 def test_the_console_script_refuses_a_bad_policy_before_importing_vllm(tmp_path):

@@ -62,6 +62,7 @@ from feather_env.reporting import machine_info
 from feather_env.scenarios import Scenario, load_scenario
 from feather_env.serving_metrics import serving_metrics
 from scheduler_runtime.config import ConfigError
+from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 from scheduler_runtime.schedulers import MAX_TOKEN_BUDGET, SchedulerConfig, split_budget, with_budget
 
 __all__ = [
@@ -340,12 +341,19 @@ def what_if(
 # -- the recommendation ----------------------------------------------------------------------------
 def serve_command(scenario: Scenario, name: str) -> str:
     """The ``feather-serve`` command that serves ``name`` on the scenario's engine, on this machine (its
-    compute dtype and the KV bytes that hold the scenario's KV tokens in it)."""
+    compute dtype and the KV bytes that hold the scenario's KV tokens in it), with the scenario's
+    scheduler knobs where they are not the name's own (as the simulator served it)."""
     e = scenario.engine
     args = ["feather-serve", "--scheduler", name, "--max-num-seqs", str(e.max_num_seqs),
             "--kv-cache-memory-bytes", str(e.kv_cache_memory_bytes), "--dtype", e.compute_dtype]
     if split_budget(name)[1] is None:
         args += ["--max-num-batched-tokens", str(e.max_num_batched_tokens)]
+    config, knobs = SchedulerConfig.for_name(name), scenario.scheduler
+    if not config.passthrough:  # vLLM's own fcfs takes no knob
+        if knobs.max_wait != config.max_wait:
+            args += ["--max-wait", "none" if knobs.max_wait is None else f"{knobs.max_wait:g}"]
+        if knobs.chunk_size != DEFAULT_CHUNK_SIZE:  # a policy's own is the scenario's (candidate_names)
+            args += ["--chunk-size", str(knobs.chunk_size)]
     return shlex.join(args)
 
 

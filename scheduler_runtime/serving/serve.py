@@ -13,7 +13,9 @@ defaults below):
 * ``--scheduler NAME``: any name of :mod:`scheduler_runtime.schedulers` (default
   ``feather-heuristic+svf``); ``--scheduler-config FILE``: a JSON/YAML mapping of
   :class:`~scheduler_runtime.schedulers.SchedulerConfig` fields (``max_wait``, ``chunk_size``,
-  ...), sent to the engine as ``--additional-config {"feather_scheduler": ...}``;
+  ...), sent to the engine as ``--additional-config {"feather_scheduler": ...}``; ``--max-wait
+  SECONDS|none`` and ``--chunk-size TOKENS``: those two fields (the batching core's knobs, as
+  ``evaluate.py`` and a scenario's ``scheduler:`` section name them), over the file's;
 * ``--async-scheduling`` / ``--no-async-scheduling``: the ``AsyncScheduler`` variant of the
   scheduler (and vLLM's async scheduling) or not; default: on when torch sees a CUDA device
   (vLLM's own default there), off on CPU (where vLLM does not support it);
@@ -111,6 +113,12 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], argpa
         epilog="Other arguments are passed to vLLM's OpenAI-compatible server.")
     parser.add_argument("--scheduler", default="feather-heuristic+svf", help="scheduler name")
     parser.add_argument("--scheduler-config", default=None, help="JSON/YAML scheduler config file")
+    parser.add_argument("--max-wait", default=None, metavar="SECONDS",
+                        help="release a request that waited this long, whatever the order ('none': never); "
+                             "the scheduler field, over --scheduler-config's")
+    parser.add_argument("--chunk-size", type=int, default=None,
+                        help="the core's chunk size in tokens; the scheduler field, over "
+                             "--scheduler-config's")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="AsyncScheduler variant (default: on with a CUDA device)")
     parser.add_argument("--print-command", action="store_true", help="print vLLM's arguments and exit")
@@ -143,6 +151,10 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], argpa
         if ours.scheduler_config:
             overrides = load_mapping(ours.scheduler_config)
             overrides.pop("name", None)  # --scheduler names it
+        if ours.chunk_size is not None:
+            overrides["chunk_size"] = ours.chunk_size
+        if ours.max_wait is not None:
+            overrides["max_wait"] = _seconds_or_none(ours.max_wait, "--max-wait")
         # loads the policy and predictor, as the engine will
         checked = check_scheduler(ours.scheduler, **overrides)
     except ConfigError as exc:
@@ -182,6 +194,17 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], argpa
                   f"{_replica_cores(ours, use_async) or 'not pinned'}")
         raise SystemExit(0)
     return args, scheduler_config, ours
+
+
+def _seconds_or_none(text: str, flag: str) -> float | None:
+    from scheduler_runtime.config import ConfigError
+
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{flag} must be seconds or 'none', got {text!r}") from None
 
 
 def _check_cluster_options(parser: argparse.ArgumentParser, ours: argparse.Namespace) -> None:
