@@ -415,6 +415,7 @@ def run(argv: Sequence[str], backend: Any = None) -> int:
         runs = [evaluate_endpoint(workload, endpoint, progress=progress, server=server)]
         context: dict[str, Any] = {"mode": "endpoint", "endpoint": endpoint.to_dict()}
     else:
+        engine.check_startable()  # pinned cores this process may use, a KV cache vLLM starts with
         knobs = record["scheduler_knobs"]
         config = InProcessConfig(
             schedulers=schedulers, engine=engine, chunk_size=knobs["chunk_size"], max_wait=knobs["max_wait"],

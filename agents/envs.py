@@ -15,10 +15,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from feather_env.reporting import format_table
 from feather_env.resolved import ResolvedEnv
+
+if TYPE_CHECKING:
+    from feather_env.engines.vllm_engine import EngineConfig
 
 __all__ = ["RunEnvs", "RunStages", "make_env"]
 
@@ -74,6 +77,10 @@ class RunStages:
         references: each reference agent of ``train.compare_with``: its own environment (its own
             scheduler, any backend), or ``None`` (it answers the evaluation environment's decisions).
         real: on the real engine: the confirmation of a simulator evaluation (``None``: none).
+
+    Raises:
+        ConfigError: a stage on the real engine whose engine could not start on this machine
+            (:meth:`~feather_env.engines.vllm_engine.EngineConfig.check_startable`).
     """
 
     probe: RunEnvs
@@ -81,6 +88,17 @@ class RunStages:
     evaluation: RunEnvs
     references: Mapping[str, RunEnvs | None]
     real: RunEnvs | None
+
+    def __post_init__(self) -> None:
+        for engine in self.real_engines():  # the engine each stage on it will start, startable here
+            engine.check_startable()
+
+    def real_engines(self) -> list[EngineConfig]:
+        """The engine configs of every stage served on the real engine (each scenario's, in order)."""
+        stages = [self.train, self.evaluation, *(e for e in self.references.values() if e is not None)]
+        if self.real is not None:
+            stages.append(self.real)
+        return [r.engine for envs in stages if envs.kind == "vllm" for r in envs.resolved]
 
     def table(self) -> str:
         """Every stage's environment as resolved, a row per stage and scenario (markdown): the backend,

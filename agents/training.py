@@ -54,7 +54,7 @@ from typing import Any
 
 import yaml
 
-from agents.envs import RunEnvs, make_env
+from agents.envs import RunEnvs, RunStages, make_env
 from agents.parallel import learn_parallel_tabular
 from agents.run_config import ORDERING_REFERENCES, REFERENCES, RunConfig, TrainSection
 from feather_env.reporting import check_output_dir, format_table
@@ -210,12 +210,13 @@ def _check_decisions(envs: RunEnvs, seed: int) -> None:
             env.reset(seed=seed, options={"scenario": name} if name is not None else None)
 
 
-def _check_inputs(out: Path, cls: Any, saved: Mapping[str, Any], probe: RunEnvs, train: TrainSection, *,
+def _check_inputs(out: Path, cls: Any, saved: Mapping[str, Any], stages: RunStages, train: TrainSection, *,
                   resume: bool, shared: Any) -> tuple[Path, Any, str] | None:
     """Every input of a run checked before anything is written: the output folder, the saved config
-    and the checkpoint of a resume (loaded), and that the environment asks decisions (``probe``, on
-    the simulator). Returns the checkpoint to resume, the agent loaded from it and the backend it was
-    trained on (``None``: a fresh run)."""
+    and the checkpoint of a resume (loaded), and that the environment asks decisions (``stages.probe``,
+    on the simulator); the stages themselves were checked when they were made (:class:`RunStages`).
+    Returns the checkpoint to resume, the agent loaded from it and the backend it was trained on
+    (``None``: a fresh run)."""
     if shared is not None and train.n_envs > 1:
         raise ConfigError("a shared backend object needs n_envs == 1 (each worker builds its own)")
     try:
@@ -227,7 +228,7 @@ def _check_inputs(out: Path, cls: Any, saved: Mapping[str, Any], probe: RunEnvs,
         trained_on = _check_resume_config(out, saved)
         checkpoint = _resume_checkpoint(out / "checkpoints")
         start = checkpoint, _load_checkpoint(cls, checkpoint), trained_on
-    _check_decisions(probe, train.seed)
+    _check_decisions(stages.probe, train.seed)
     return start
 
 
@@ -239,7 +240,7 @@ def check(cfg: RunConfig, out: str | Path, *, resume: bool = False) -> str:
     Writes nothing and starts no engine (``train.py --check``); raises :class:`ConfigError` as
     :func:`run` would."""
     stages = cfg.stages
-    _check_inputs(Path(out), cfg.agent_cls, cfg.saved, stages.probe, cfg.train, resume=resume, shared=None)
+    _check_inputs(Path(out), cfg.agent_cls, cfg.saved, stages, cfg.train, resume=resume, shared=None)
     return (f"{_title(cfg)}: checked, nothing written\n{yaml.safe_dump(cfg.saved, sort_keys=False)}\n"
             f"{stages.table()}")
 
@@ -282,7 +283,7 @@ def _run(cfg: RunConfig, out: str | Path, *, resume: bool, backend: Any, verbose
     name, agent_config, train, saved, cls = cfg.agent_name, cfg.agent, cfg.train, cfg.saved, cfg.agent_cls
     scenario, title = cfg.scenario_name, _title(cfg)
     stages = cfg.stages  # every environment of the run, from the ones parse_config resolved
-    start = _check_inputs(out, cls, saved, stages.probe, train, resume=resume, shared=backend)
+    start = _check_inputs(out, cls, saved, stages, train, resume=resume, shared=backend)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
     if vllm_log is not None:

@@ -180,6 +180,19 @@ def test_bad_input_is_one_line_and_exit_2_before_anything_is_written(tmp_path, c
     assert code == 2 and message in capsys.readouterr().err and not out.exists()
 
 
+def test_the_engine_is_checked_where_the_probe_or_the_confirmation_will_start_it():
+    import os
+
+    from feather_env.evaluation.advise import checked_names
+
+    beyond = str(max(os.sched_getaffinity(0)) + 1)
+    scenario = load_scenario("mooncake-synthetic", {"engine": {"cpu_cores": beyond}})
+    for config in (AdviseConfig(SLOS), AdviseConfig(SLOS, profile=PROFILE, confirm=True)):
+        with pytest.raises(ConfigError, match="are not among the cores"):
+            checked_names(scenario, config)
+    assert "fcfs" in checked_names(scenario, AdviseConfig(SLOS, profile=PROFILE))  # the simulator alone
+
+
 def test_check_prints_the_plan_and_starts_no_probe(tmp_path, capsys, monkeypatch):
     def no_engine(*a, **kw):
         raise AssertionError("the engine probe started")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
 from benchmarks.isolated import IsolatedBatchRunner, common_prefixes
-from feather_env.engines.vllm_engine import EngineConfig, kv_bytes_per_token
+from feather_env.engines.vllm_engine import EngineConfig, build_llm, kv_bytes_per_token
 from feather_env.workloads.request import Request
 from scheduler_runtime.config import ConfigError, load_mapping
 
@@ -83,6 +85,20 @@ def test_engine_config_rejects_unknown_keys_and_bad_values(tmp_path):
         EngineConfig(model_dir=str(tmp_path))
     # 4 layers x (K,V) x 4 heads x 64 dims x 2 bytes
     assert kv_bytes_per_token(EngineConfig().model_dir) == 4 * 2 * 4 * 64 * 2
+
+
+def test_an_engine_that_could_not_start_here_is_refused_before_vllm_is_asked():
+    """vLLM itself refused the KV cache with a message about GPU memory utilization (after loading the
+    model), and a core this process may not use was a raw OSError from ``sched_setaffinity``."""
+    EngineConfig(kv_cache_gib=0.0088, max_model_len=2176).check_startable()  # 17 blocks + the null one
+    refused = r"2,048 usable tokens\) cannot hold one request of max_model_len 2,176 tokens, and vLLM"
+    with pytest.raises(ConfigError, match=refused + r" would not start: give at least 0.00879 GiB"):
+        EngineConfig(kv_cache_gib=0.0087, max_model_len=2176).check_startable()
+    beyond = str(max(os.sched_getaffinity(0)) + 1)
+    with pytest.raises(ConfigError, match=rf"cpu_cores '{beyond}': core\(s\) \[{beyond}\] are not among"):
+        EngineConfig(cpu_cores=beyond).check_startable()
+    with pytest.raises(ConfigError, match="are not among"):  # every engine start asks
+        build_llm(EngineConfig(cpu_cores=beyond))
 
 
 def test_load_mapping_reads_json_or_yaml_and_names_bad_files(tmp_path):

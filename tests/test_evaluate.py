@@ -16,6 +16,7 @@ import csv
 import io
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -273,6 +274,9 @@ def test_svf_on_longbench_admits_by_volume_within_the_kv_cache(longbench_run):
     (["--quick", "--endpoint", "http://127.0.0.1:8000", "--max-concurrency", "0"], "max_concurrency"),
     (["--quick", "--endpoint", "localhost:8000"], "is not http://HOST:PORT"),
     (["--quick", "--endpoint", "http://127.0.0.1:8000", "--schedulers", "fcfs"], "not both"),
+    # the engine would not start: vLLM's own words were about GPU memory, and a raw OSError
+    (["--quick", "--kv-cache-gib", "0.0087"], "cannot hold one request of max_model_len 2,176 tokens"),
+    (["--quick", "--cpu-cores", str(max(os.sched_getaffinity(0)) + 1)], "are not among the cores"),
 ])
 @pytest.mark.parametrize("check", [[], ["--check"]], ids=["run", "check"])
 def test_bad_input_is_a_clear_error_before_anything_starts(argv, message, check, tmp_path, capsys):

@@ -9,6 +9,7 @@ import hashlib
 import inspect
 import json
 import math
+import os
 import subprocess
 import sys
 from dataclasses import asdict
@@ -289,6 +290,10 @@ BAD_INPUTS = [
      "kv_cache_gib must be a finite"),
     ("cpu_cores that names no core", {"scenario": {"engine": {"cpu_cores": "1-0"}}},
      "cpu_cores must be cores like '1', '0-1' or '0,2', got '1-0'"),
+    ("a core this machine does not give the run, on the real engine",
+     {"scenario": {"engine": {"cpu_cores": str(max(os.sched_getaffinity(0)) + 1)}},
+      "argv": ["--backend", "vllm"]},
+     "are not among the cores this process may run on"),
     ("dtype vLLM does not take", {"scenario": {"engine": {"dtype": "bf16"}}},
      "dtype must be one of ['auto', 'half', 'float16', 'bfloat16', 'float', 'float32']"),
     ("negative Poisson rate", {"scenario": {"episode": {"arrival": "poisson:-1"}}}, "rate must be a finite"),

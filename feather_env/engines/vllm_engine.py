@@ -139,6 +139,29 @@ class EngineConfig:
         """Tokens requests can hold: every block but vLLM's null block."""
         return (self.num_kv_blocks - 1) * self.block_size
 
+    def check_startable(self) -> None:
+        """Raise a :class:`ConfigError` naming the problem where vLLM could not start this engine on
+        this machine: ``cpu_cores`` this process may not run on (``os.sched_setaffinity`` would fail),
+        or a KV cache that cannot hold one request of ``max_model_len`` tokens (vLLM refuses to start,
+        with a message about GPU memory utilization). The simulator needs neither, so a config is not
+        refused for them when it is made: every engine start and every command that will start one
+        asks, before it writes anything."""
+        cores = self.cores
+        if cores and hasattr(os, "sched_getaffinity"):
+            allowed = os.sched_getaffinity(0)
+            missing = sorted(set(cores) - allowed)
+            if missing:
+                raise ConfigError(f"cpu_cores {self.cpu_cores!r}: core(s) {missing} are not among the cores "
+                                  f"this process may run on ({sorted(allowed)})")
+        if self.usable_kv_tokens < self.max_model_len:
+            blocks = -(-self.max_model_len // self.block_size) + 1  # whole blocks, and vLLM's null block
+            gib = blocks * self.block_size * self.kv_cache_gib / max(self.kv_cache_tokens, 1)
+            usable = max(self.usable_kv_tokens, 0)
+            raise ConfigError(f"the KV cache ({self.kv_cache_gib:g} GiB: {usable:,} usable "
+                              f"tokens) cannot hold one request of max_model_len {self.max_model_len:,} "
+                              f"tokens, and vLLM would not start: give at least {gib:.3g} GiB, or a shorter "
+                              "max_model_len")
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -169,6 +192,7 @@ def build_llm(config: EngineConfig | None = None, **overrides: Any):  # -> vllm.
     config = config or EngineConfig()
     if overrides:
         config = EngineConfig.from_dict({**config.to_dict(), **overrides})
+    config.check_startable()
     use_in_process_engine()
     if config.cpu_cores is not None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_cores

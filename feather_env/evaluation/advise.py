@@ -523,12 +523,15 @@ def confirm(
 
 def checked_names(scenario: Scenario, config: AdviseConfig) -> list[str]:
     """Every input of :func:`advise` checked, before an engine starts: the settings it searches
-    (:func:`candidate_names`, returned) and a given profile (loaded)."""
+    (:func:`candidate_names`, returned), a given profile (loaded), and the scenario's engine where the
+    probe or the confirmation will start it (:meth:`EngineConfig.check_startable`)."""
     names = candidate_names(scenario, config)
     if config.profile is not None:
         from feather_env.calibrate import load_profile
 
         load_profile(config.profile)
+    if config.profile is None or config.confirm:  # the probe or the confirmation starts the engine
+        scenario.engine_config().check_startable()
     return names
 
 
