@@ -262,7 +262,7 @@ def build_workload(args: argparse.Namespace) -> tuple[Workload, EngineConfig, di
     else:
         engine_flags = _engine_overrides(args)
         num_requests, num_groups, max_per_group = args.num_requests, args.num_groups, args.max_per_group
-        max_prompt = args.max_prompt_tokens or 16384
+        max_prompt = 16384 if args.max_prompt_tokens is None else args.max_prompt_tokens
         max_output, output = args.max_output_tokens, args.output or "answer"
         if quick:
             if args.workload == "leval" and num_requests is None and num_groups is None:

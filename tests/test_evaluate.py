@@ -277,6 +277,11 @@ def test_svf_on_longbench_admits_by_volume_within_the_kv_cache(longbench_run):
     # the engine would not start: vLLM's own words were about GPU memory, and a raw OSError
     (["--quick", "--kv-cache-gib", "0.0087"], "cannot hold one request of max_model_len 2,176 tokens"),
     (["--quick", "--cpu-cores", str(max(os.sched_getaffinity(0)) + 1)], "are not among the cores"),
+    # once accepted: 0 was taken for "no cap", and the others failed or meant nothing after the start
+    (["--workload", "leval", "--max-prompt-tokens", "0"], "max_prompt_tokens must be >= 1"),
+    (["--quick", "--run-timeout", "0"], "run_timeout_s must be a finite number of seconds > 0"),
+    (["--quick", "--quiet-wait", "-1"], "quiet_wait_s must be a finite number of seconds >= 0"),
+    (["--quick", "--max-foreign", "2"], "max_foreign must be a fraction of the machine in [0, 1]"),
 ])
 @pytest.mark.parametrize("check", [[], ["--check"]], ids=["run", "check"])
 def test_bad_input_is_a_clear_error_before_anything_starts(argv, message, check, tmp_path, capsys):

@@ -60,8 +60,8 @@ class InProcessConfig:
     Attributes:
         schedulers: scheduler names (:mod:`scheduler_runtime.schedulers`), served in this order.
         engine: the engine every scheduler runs on (its ``max_model_len`` must fit the workload).
-        chunk_size, max_wait: the CHT chunk and anti-starvation release of the Feather names
-            (``None``: the scheduler's defaults); the baselines keep their own behaviour.
+        chunk_size, max_wait: the batching core's chunk size and anti-starvation release, given to
+            every scheduler but ``fcfs`` (:func:`scheduler_overrides`; ``None``: the scheduler's own).
         warmup: serve a throw-away batch once after the engine starts.
         isolated_probes: measure the isolated estimate (slowdown).
         run_timeout_s: a run longer than this (wall clock) is an error.
@@ -94,6 +94,15 @@ class InProcessConfig:
             raise ConfigError(f"repeats must be >= 1, got {self.repeats}")
         if self.retries < 0:
             raise ConfigError(f"retries must be >= 0, got {self.retries}")
+        if not 0 < self.run_timeout_s < math.inf:
+            raise ConfigError(f"run_timeout_s must be a finite number of seconds > 0, got "
+                              f"{self.run_timeout_s}")
+        if not 0 <= self.quiet_wait_s < math.inf:
+            raise ConfigError(f"quiet_wait_s must be a finite number of seconds >= 0, got "
+                              f"{self.quiet_wait_s}")
+        if self.max_foreign is not None and not 0 <= self.max_foreign <= 1:
+            raise ConfigError(f"max_foreign must be a fraction of the machine in [0, 1], got "
+                              f"{self.max_foreign}")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
