@@ -381,6 +381,18 @@ def test_a_replica_that_fails_to_start_ends_the_command():
     assert running.status == 1 and "status 3" in running.proxy.failed_start
 
 
+def test_a_replica_whose_process_cannot_be_made_ends_the_command_with_the_reason():
+    """A replica pinned to a core this process may not use once failed in ``Popen`` (``sched_setaffinity``
+    in the child): supervision died with it, and the proxy served on without that replica, unsupervised.
+    (``feather-serve`` refuses such ``--replica-cores`` itself; this is the proxy's own guard.)"""
+    beyond = max(os.sched_getaffinity(0)) + 1
+    bad = Replica(0, f"http://127.0.0.1:{free_port()}", command=[sys.executable, "-c", "pass"],
+                  cores=[beyond])
+    running = Running(ReplicaProxy([bad]))
+    running.thread.join(30)
+    assert running.status == 1 and "replica 0 could not start (SubprocessError" in running.proxy.failed_start
+
+
 def test_a_slow_starting_replica_is_waited_for_after_a_restart():
     """Failed probes of a replica that is still starting (an engine loading) do not kill it."""
     port = free_port()

@@ -49,6 +49,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -284,7 +285,10 @@ class ReplicaProxy:
         if r.command is not None and r.process is None:
             if now >= r.next_start:
                 r.restarts += r.started_at > 0
-                r.start()
+                try:
+                    r.start()
+                except (OSError, subprocess.SubprocessError) as exc:  # the process was never made
+                    self._not_started(r, now, f"{type(exc).__name__}: {exc}")
             return
         if r.healthy and now - r.last_probe < HEALTH_PERIOD_S:
             return
@@ -305,6 +309,19 @@ class ReplicaProxy:
                 print(f"feather-serve: replica {r.rank} failed {r.failures} health checks: restarting it",
                       file=sys.stderr, flush=True)
                 r.kill()
+
+    def _not_started(self, r: Replica, now: float, why: str) -> None:
+        """A replica whose process could not be made: the server's error on its first start (as a
+        replica that exits before it served), else tried again after the restart delay."""
+        if r.restarts == 0:
+            self.failed_start = f"replica {r.rank} could not start ({why})"
+            print(f"feather-serve: error: {self.failed_start}", file=sys.stderr, flush=True)
+            r.next_start = math.inf
+            return
+        print(f"feather-serve: replica {r.rank} could not start ({why}): trying again in "
+              f"{r.restart_delay:.0f} s", file=sys.stderr, flush=True)
+        r.next_start = now + r.restart_delay
+        r.restart_delay = min(MAX_RESTART_DELAY_S, 2 * r.restart_delay)
 
     def _died(self, r: Replica, now: float) -> None:
         assert r.process is not None

@@ -224,6 +224,14 @@ def _check_cluster_options(parser: argparse.ArgumentParser, ours: argparse.Names
         ours.data_plane = "ray" if ours.ray_address is not None else "proxy"
     if ours.data_plane == "proxy" and ours.ray_address is not None:
         parser.error("--ray-address needs --data-plane ray (the proxy serves replicas on this machine)")
+    local = ours.ray_address is None and hasattr(os, "sched_getaffinity")  # the replicas run on this machine
+    if ours.replica_cores not in (None, "none") and local:
+        allowed = os.sched_getaffinity(0)
+        for spec in ours.replica_cores.split(";"):
+            missing = sorted(set(parse_cores(spec)) - allowed)
+            if missing:
+                parser.error(f"--replica-cores {spec.strip()!r}: core(s) {missing} are not among the cores "
+                             f"this process may run on ({sorted(allowed)})")
     if ours.replicas > 1 and ours.data_plane == "ray" and importlib.util.find_spec("ray") is None:
         parser.error("--data-plane ray needs Ray Serve: pip install 'feather-toolkit[cluster]' "
                      "(ray[serve]==2.60.*; never ray[llm], which replaces vLLM)")
