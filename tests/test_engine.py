@@ -94,6 +94,9 @@ def test_an_engine_that_could_not_start_here_is_refused_before_vllm_is_asked():
     refused = r"2,048 usable tokens\) cannot hold one request of max_model_len 2,176 tokens, and vLLM"
     with pytest.raises(ConfigError, match=refused + r" would not start: give at least 0.00879 GiB"):
         EngineConfig(kv_cache_gib=0.0087, max_model_len=2176).check_startable()
+    assert EngineConfig(kv_cache_gib=1e-5).usable_kv_tokens == 0  # not a negative count of tokens
+    with pytest.raises(ConfigError, match=r"max_num_batched_tokens \(32\) must be >= max_num_seqs \(64\)"):
+        EngineConfig(max_num_seqs=64, max_num_batched_tokens=32).check_startable()
     beyond = str(max(os.sched_getaffinity(0)) + 1)
     with pytest.raises(ConfigError, match=rf"cpu_cores '{beyond}': core\(s\) \[{beyond}\] are not among"):
         EngineConfig(cpu_cores=beyond).check_startable()

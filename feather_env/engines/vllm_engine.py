@@ -136,16 +136,17 @@ class EngineConfig:
 
     @property
     def usable_kv_tokens(self) -> int:
-        """Tokens requests can hold: every block but vLLM's null block."""
-        return (self.num_kv_blocks - 1) * self.block_size
+        """Tokens requests can hold: every block but vLLM's null block (0 for a cache of no block)."""
+        return max(0, (self.num_kv_blocks - 1) * self.block_size)
 
     def check_startable(self) -> None:
         """Raise a :class:`ConfigError` naming the problem where vLLM could not start this engine on
         this machine: ``cpu_cores`` this process may not run on (``os.sched_setaffinity`` would fail),
-        or a KV cache that cannot hold one request of ``max_model_len`` tokens (vLLM refuses to start,
-        with a message about GPU memory utilization). The simulator needs neither, so a config is not
-        refused for them when it is made: every engine start and every command that will start one
-        asks, before it writes anything."""
+        a KV cache that cannot hold one request of ``max_model_len`` tokens (vLLM refuses to start,
+        with a message about GPU memory utilization), or a step budget below the batch size (vLLM's
+        own rule). The simulator needs none of these, so a config is not refused for them when it is
+        made: every engine start and every command that will start one asks, before it writes
+        anything."""
         cores = self.cores
         if cores and hasattr(os, "sched_getaffinity"):
             allowed = os.sched_getaffinity(0)
@@ -156,11 +157,13 @@ class EngineConfig:
         if self.usable_kv_tokens < self.max_model_len:
             blocks = -(-self.max_model_len // self.block_size) + 1  # whole blocks, and vLLM's null block
             gib = blocks * self.block_size * self.kv_cache_gib / max(self.kv_cache_tokens, 1)
-            usable = max(self.usable_kv_tokens, 0)
-            raise ConfigError(f"the KV cache ({self.kv_cache_gib:g} GiB: {usable:,} usable "
+            raise ConfigError(f"the KV cache ({self.kv_cache_gib:g} GiB: {self.usable_kv_tokens:,} usable "
                               f"tokens) cannot hold one request of max_model_len {self.max_model_len:,} "
                               f"tokens, and vLLM would not start: give at least {gib:.3g} GiB, or a shorter "
                               "max_model_len")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                              f"max_num_seqs ({self.max_num_seqs}), or vLLM would not start")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
