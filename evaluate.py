@@ -384,6 +384,10 @@ def run(argv: Sequence[str], backend: Any = None) -> int:
                           "engine serves one episode, --seed)")
     out = Path(args.out or f"runs/eval-{dt.datetime.now():%Y%m%d-%H%M%S}")
     check_output_dir(out, "--out")
+    if args.json:  # written last, after every run: a path that cannot take it is refused first
+        if Path(args.json).is_dir():
+            raise ConfigError(f"--json {args.json} is a folder: give the path of a file")
+        check_output_dir(Path(args.json).parent, "--json's folder")
     if args.backend == "sim":
         simulated = run_simulated(args)
         if simulated is None:

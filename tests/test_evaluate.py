@@ -282,6 +282,9 @@ def test_svf_on_longbench_admits_by_volume_within_the_kv_cache(longbench_run):
     (["--quick", "--run-timeout", "0"], "run_timeout_s must be a finite number of seconds > 0"),
     (["--quick", "--quiet-wait", "-1"], "quiet_wait_s must be a finite number of seconds >= 0"),
     (["--quick", "--max-foreign", "2"], "max_foreign must be a fraction of the machine in [0, 1]"),
+    # written after every run, where it once was a traceback at the end
+    (["--quick", "--json", str(Path(__file__).parent)], "is a folder: give the path of a file"),
+    (["--quick", "--json", "/dev/null/x.json"], "--json's folder"),
 ])
 @pytest.mark.parametrize("check", [[], ["--check"]], ids=["run", "check"])
 def test_bad_input_is_a_clear_error_before_anything_starts(argv, message, check, tmp_path, capsys):
