@@ -14,6 +14,8 @@ import os
 import time
 from pathlib import Path
 
+from scheduler_runtime.hardware import parse_cores
+
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -110,10 +112,7 @@ def pinned_cores(spec: str | None) -> tuple[int, ...] | None:
     """
     if not spec:
         return None
-    cores: list[int] = []
-    for part in spec.split(","):
-        lo, dash, hi = part.strip().partition("-")
-        if not lo.isdigit() or (dash and not hi.isdigit()) or int(hi or lo) < int(lo):
-            raise ValueError(f"cpu_cores must be cores like '1', '0-1' or '0,2', got {spec!r}")
-        cores.extend(range(int(lo), int(hi or lo) + 1))
-    return tuple(cores)
+    try:
+        return tuple(parse_cores(spec))
+    except ValueError:
+        raise ValueError(f"cpu_cores must be cores like '1', '0-1' or '0,2', got {spec!r}") from None

@@ -18,7 +18,7 @@ import os
 import platform
 from pathlib import Path
 
-__all__ = ["DTYPE_ENV", "compute_dtype", "cpu_isa", "kv_bytes_factor", "kv_bytes_per_token"]
+__all__ = ["DTYPE_ENV", "compute_dtype", "cpu_isa", "kv_bytes_factor", "kv_bytes_per_token", "parse_cores"]
 
 DTYPE_ENV = "FEATHER_ENGINE_DTYPE"
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
@@ -97,3 +97,19 @@ def kv_bytes_per_token(model_dir: str | Path, dtype: str = "bfloat16", *, tensor
     layers = -(-int(cfg["num_hidden_layers"]) // max(1, pipeline_parallel))
     itemsize = 1 if dtype.startswith("fp8") else _ITEMSIZE.get(dtype, 2)
     return int(layers * 2 * kv_heads * head_dim * itemsize)
+
+
+def parse_cores(spec: str) -> list[int]:
+    """``"0"``, ``"2-3"``, ``"0,2,4-5"`` -> core ids, in the order given: the one reading of a CPU core
+    list (an engine's ``cpu_cores``, ``feather-serve --replica-cores``).
+
+    Raises:
+        ValueError: a list that names no core this way (``"a"``, ``"1-0"``, ``"-1"``, ``"0,"``).
+    """
+    cores: list[int] = []
+    for part in spec.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()) or int(hi or lo) < int(lo):
+            raise ValueError(f"bad CPU core list {spec!r}: cores like '1', '0-1' or '0,2'")
+        cores.extend(range(int(lo), int(hi or lo) + 1))
+    return cores

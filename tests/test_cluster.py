@@ -138,7 +138,7 @@ def test_cluster_command_line(capsys):
     assert out.returncode == 0, out.stderr
     assert "x 3 replicas on Ray Serve, router pow2, cores per replica ['0', '1', '0-1']" in out.stdout
     for bad, message in ((["--replicas", "0"], "--replicas must be >= 1"),
-                         (["--replicas", "2", "--replica-cores", "0;x"], "bad CPU core list 'x'"),
+                         (["--replicas", "2", "--replica-cores", "0;x"], "bad CPU core list 'x': cores like"),
                          (["--replicas", "2", "--replica-cores", f"0;{max(os.sched_getaffinity(0)) + 1}"],
                           "are not among the cores this process may run on"),
                          (["--replicas", "2", "--router", "random"], "invalid choice: 'random'")):

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler_runtime.hardware import kv_bytes_per_token
+from scheduler_runtime.hardware import kv_bytes_per_token, parse_cores
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 
 __all__ = ["DATA_PLANES", "LIVE_ROUTERS", "RAY_ONLY_ROUTERS", "ROUTER_CHOICES", "ClusterConfig",
@@ -149,17 +149,6 @@ def replica_kv_tokens(vllm_args: Sequence[str]) -> int | None:
     except (OSError, KeyError, TypeError, ValueError, ZeroDivisionError):
         return None
     return (blocks - 1) * block if blocks > 1 else None
-
-
-def parse_cores(spec: str) -> list[int]:
-    """``"0"``, ``"2-3"``, ``"0,2,4-5"`` -> core ids (ValueError otherwise)."""
-    cores: list[int] = []
-    for part in spec.split(","):
-        lo, sep, hi = part.strip().partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()) or (sep and int(hi) < int(lo)):
-            raise ValueError(f"bad CPU core list {spec!r} (e.g. '0', '2-3', '0,2')")
-        cores += range(int(lo), int(hi if sep else lo) + 1)
-    return cores
 
 
 def core_binding(spec: str) -> tuple[list[int], dict[str, str]]:
