@@ -18,7 +18,8 @@ import os
 import platform
 from pathlib import Path
 
-__all__ = ["DTYPE_ENV", "compute_dtype", "cpu_isa", "kv_bytes_factor", "kv_bytes_per_token", "parse_cores"]
+__all__ = ["DTYPE_ENV", "compute_dtype", "cpu_isa", "kv_bytes_factor", "kv_bytes_per_token", "online_cores",
+           "parse_cores"]
 
 DTYPE_ENV = "FEATHER_ENGINE_DTYPE"
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
@@ -113,3 +114,13 @@ def parse_cores(spec: str) -> list[int]:
             raise ValueError(f"bad CPU core list {spec!r}: cores like '1', '0-1' or '0,2'")
         cores.extend(range(int(lo), int(hi or lo) + 1))
     return cores
+
+
+def online_cores() -> set[int]:
+    """The machine's online CPU cores (``/sys/devices/system/cpu/online``; else ``os.cpu_count()``'s):
+    the cores a process may be pinned to, whatever the mask it runs under now (a process pinned to
+    one core may pin a child of its to another)."""
+    try:
+        return set(parse_cores(Path("/sys/devices/system/cpu/online").read_text().strip()))
+    except (OSError, ValueError):
+        return set(range(os.cpu_count() or 1))

@@ -25,6 +25,7 @@ from feather_env.evaluation.probe import check_profile, probe_overrides
 from feather_env.scenarios import load_scenario
 from feather_env.serving_metrics import serving_metrics
 from scheduler_runtime.config import ConfigError
+from scheduler_runtime.hardware import online_cores
 from scheduler_runtime.serving.serve import vllm_arguments
 
 REPO = Path(__file__).resolve().parent.parent
@@ -181,14 +182,13 @@ def test_bad_input_is_one_line_and_exit_2_before_anything_is_written(tmp_path, c
 
 
 def test_the_engine_is_checked_where_the_probe_or_the_confirmation_will_start_it():
-    import os
 
     from feather_env.evaluation.advise import checked_names
 
-    beyond = str(max(os.sched_getaffinity(0)) + 1)
+    beyond = str(max(online_cores()) + 1)
     scenario = load_scenario("mooncake-synthetic", {"engine": {"cpu_cores": beyond}})
     for config in (AdviseConfig(SLOS), AdviseConfig(SLOS, profile=PROFILE, confirm=True)):
-        with pytest.raises(ConfigError, match="are not among the cores"):
+        with pytest.raises(ConfigError, match="are not among this machine's cores"):
             checked_names(scenario, config)
     assert "fcfs" in checked_names(scenario, AdviseConfig(SLOS, profile=PROFILE))  # the simulator alone
 

@@ -28,6 +28,7 @@ from benchmarks.cluster_server import REPO, ClusterServer  # noqa: E402
 from feather_env.evaluation.endpoint import EndpointConfig, evaluate_endpoint, parse_prometheus  # noqa: E402
 from feather_env.evaluation.report import summarize  # noqa: E402
 from feather_env.workloads import Request, Workload  # noqa: E402
+from scheduler_runtime.hardware import online_cores
 from scheduler_runtime.serving import cluster, cluster_base  # noqa: E402
 from scheduler_runtime.serving.cluster_base import parse_cores  # noqa: E402
 
@@ -139,8 +140,8 @@ def test_cluster_command_line(capsys):
     assert "x 3 replicas on Ray Serve, router pow2, cores per replica ['0', '1', '0-1']" in out.stdout
     for bad, message in ((["--replicas", "0"], "--replicas must be >= 1"),
                          (["--replicas", "2", "--replica-cores", "0;x"], "bad CPU core list 'x': cores like"),
-                         (["--replicas", "2", "--replica-cores", f"0;{max(os.sched_getaffinity(0)) + 1}"],
-                          "are not among the cores this process may run on"),
+                         (["--replicas", "2", "--replica-cores", f"0;{max(online_cores()) + 1}"],
+                          "are not among this machine's cores"),
                          (["--replicas", "2", "--router", "random"], "invalid choice: 'random'")):
         out = subprocess.run([sys.executable, "-m", "scheduler_runtime.serving.serve", *bad], cwd=REPO,
                              capture_output=True, text=True, timeout=120)

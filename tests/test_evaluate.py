@@ -16,7 +16,6 @@ import csv
 import io
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ from feather_env.evaluation import endpoint, inprocess, report
 from feather_env.evaluation.server import LocalServer, free_port
 from feather_env.records import RequestTimeline
 from feather_env.workloads import synthetic_workload
+from scheduler_runtime.hardware import online_cores
 
 REPO = Path(__file__).resolve().parent.parent
 QUICK_SCHEDULERS = ("fcfs", "feather-heuristic")
@@ -276,7 +276,7 @@ def test_svf_on_longbench_admits_by_volume_within_the_kv_cache(longbench_run):
     (["--quick", "--endpoint", "http://127.0.0.1:8000", "--schedulers", "fcfs"], "not both"),
     # the engine would not start: vLLM's own words were about GPU memory, and a raw OSError
     (["--quick", "--kv-cache-gib", "0.0087"], "cannot hold one request of max_model_len 2,176 tokens"),
-    (["--quick", "--cpu-cores", str(max(os.sched_getaffinity(0)) + 1)], "are not among the cores"),
+    (["--quick", "--cpu-cores", str(max(online_cores()) + 1)], "are not among this machine's cores"),
     # once accepted: 0 was taken for "no cap", and the others failed or meant nothing after the start
     (["--workload", "leval", "--max-prompt-tokens", "0"], "max_prompt_tokens must be >= 1"),
     (["--quick", "--run-timeout", "0"], "run_timeout_s must be a finite number of seconds > 0"),

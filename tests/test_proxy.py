@@ -31,6 +31,7 @@ from benchmarks.cluster_server import REPO
 from benchmarks.standin import standin_command
 from feather_env.engines.vllm_engine import DEFAULT_MODEL_DIR, EngineConfig
 from feather_env.evaluation.endpoint import parse_prometheus
+from scheduler_runtime.hardware import online_cores
 from scheduler_runtime.router import PrefixHasher
 from scheduler_runtime.serving.cluster_base import ClusterConfig, flag_value, replica_kv_tokens
 from scheduler_runtime.serving.proxy import CHARS_PER_TOKEN, ReplicaProxy, proxy_for, request_keys
@@ -385,7 +386,7 @@ def test_a_replica_whose_process_cannot_be_made_ends_the_command_with_the_reason
     """A replica pinned to a core this process may not use once failed in ``Popen`` (``sched_setaffinity``
     in the child): supervision died with it, and the proxy served on without that replica, unsupervised.
     (``feather-serve`` refuses such ``--replica-cores`` itself; this is the proxy's own guard.)"""
-    beyond = max(os.sched_getaffinity(0)) + 1
+    beyond = max(online_cores()) + 1
     bad = Replica(0, f"http://127.0.0.1:{free_port()}", command=[sys.executable, "-c", "pass"],
                   cores=[beyond])
     running = Running(ReplicaProxy([bad]))

@@ -9,7 +9,6 @@ import hashlib
 import inspect
 import json
 import math
-import os
 import subprocess
 import sys
 from dataclasses import asdict
@@ -23,6 +22,7 @@ from agents.run_config import EnvSection, load_config, parse_config
 from agents.training import run
 from agents.ucb import UCBConfig
 from scheduler_runtime.config import ConfigError
+from scheduler_runtime.hardware import online_cores
 from scheduler_runtime.policy import load_policy
 
 REPO = Path(__file__).resolve().parent.parent
@@ -291,9 +291,9 @@ BAD_INPUTS = [
     ("cpu_cores that names no core", {"scenario": {"engine": {"cpu_cores": "1-0"}}},
      "cpu_cores must be cores like '1', '0-1' or '0,2', got '1-0'"),
     ("a core this machine does not give the run, on the real engine",
-     {"scenario": {"engine": {"cpu_cores": str(max(os.sched_getaffinity(0)) + 1)}},
+     {"scenario": {"engine": {"cpu_cores": str(max(online_cores()) + 1)}},
       "argv": ["--backend", "vllm"]},
-     "are not among the cores this process may run on"),
+     "are not among this machine's cores"),
     ("dtype vLLM does not take", {"scenario": {"engine": {"dtype": "bf16"}}},
      "dtype must be one of ['auto', 'half', 'float16', 'bfloat16', 'float', 'float32']"),
     ("negative Poisson rate", {"scenario": {"episode": {"arrival": "poisson:-1"}}}, "rate must be a finite"),

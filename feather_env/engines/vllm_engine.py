@@ -29,7 +29,7 @@ from typing import Any
 
 from feather_env.hostload import pinned_cores
 from scheduler_runtime.config import ConfigError, from_mapping, load_yaml
-from scheduler_runtime.hardware import compute_dtype, kv_bytes_factor, kv_bytes_per_token
+from scheduler_runtime.hardware import compute_dtype, kv_bytes_factor, kv_bytes_per_token, online_cores
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 #: The process environment every in-process engine of the project runs with (set before vLLM
@@ -141,19 +141,16 @@ class EngineConfig:
 
     def check_startable(self) -> None:
         """Raise a :class:`ConfigError` naming the problem where vLLM could not start this engine on
-        this machine: ``cpu_cores`` this process may not run on (``os.sched_setaffinity`` would fail),
+        this machine: ``cpu_cores`` that are not the machine's (``os.sched_setaffinity`` would fail),
         a KV cache that cannot hold one request of ``max_model_len`` tokens (vLLM refuses to start,
         with a message about GPU memory utilization), or a step budget below the batch size (vLLM's
         own rule). The simulator needs none of these, so a config is not refused for them when it is
         made: every engine start and every command that will start one asks, before it writes
         anything."""
-        cores = self.cores
-        if cores and hasattr(os, "sched_getaffinity"):
-            allowed = os.sched_getaffinity(0)
-            missing = sorted(set(cores) - allowed)
-            if missing:
-                raise ConfigError(f"cpu_cores {self.cpu_cores!r}: core(s) {missing} are not among the cores "
-                                  f"this process may run on ({sorted(allowed)})")
+        missing = sorted(set(self.cores or ()) - online_cores())
+        if missing:
+            raise ConfigError(f"cpu_cores {self.cpu_cores!r}: core(s) {missing} are not among this machine's "
+                              f"cores ({sorted(online_cores())})")
         if self.usable_kv_tokens < self.max_model_len:
             blocks = -(-self.max_model_len // self.block_size) + 1  # whole blocks, and vLLM's null block
             gib = blocks * self.block_size * self.kv_cache_gib / max(self.kv_cache_tokens, 1)
@@ -203,7 +200,11 @@ def build_llm(config: EngineConfig | None = None, **overrides: Any):  # -> vllm.
         # it runs, and is slowed, wherever the scheduler puts it.
         cores = config.cores
         if cores and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, cores)
+            try:
+                os.sched_setaffinity(0, cores)
+            except OSError as exc:  # a cpuset (a container's) that leaves this process other cores
+                raise ConfigError(f"cpu_cores {config.cpu_cores!r}: this process may not run there "
+                                  f"({exc})") from None
         # One intra-op thread per pinned core. vLLM cannot change torch's thread count once it has
         # bound its threads, so a process that imported torch earlier (stable-baselines3 does) kept
         # two threads on one core, which meet at a barrier in every layer: an episode took 161 s

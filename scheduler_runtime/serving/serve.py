@@ -65,7 +65,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from scheduler_runtime.hardware import compute_dtype, kv_bytes_factor
+from scheduler_runtime.hardware import compute_dtype, kv_bytes_factor, online_cores
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 from scheduler_runtime.serving.cluster_base import DATA_PLANES, ROUTER_CHOICES, flag_value, parse_cores
 
@@ -224,14 +224,12 @@ def _check_cluster_options(parser: argparse.ArgumentParser, ours: argparse.Names
         ours.data_plane = "ray" if ours.ray_address is not None else "proxy"
     if ours.data_plane == "proxy" and ours.ray_address is not None:
         parser.error("--ray-address needs --data-plane ray (the proxy serves replicas on this machine)")
-    local = ours.ray_address is None and hasattr(os, "sched_getaffinity")  # the replicas run on this machine
-    if ours.replica_cores not in (None, "none") and local:
-        allowed = os.sched_getaffinity(0)
+    if ours.replica_cores not in (None, "none") and ours.ray_address is None:  # replicas on this machine
         for spec in ours.replica_cores.split(";"):
-            missing = sorted(set(parse_cores(spec)) - allowed)
+            missing = sorted(set(parse_cores(spec)) - online_cores())
             if missing:
-                parser.error(f"--replica-cores {spec.strip()!r}: core(s) {missing} are not among the cores "
-                             f"this process may run on ({sorted(allowed)})")
+                parser.error(f"--replica-cores {spec.strip()!r}: core(s) {missing} are not among this "
+                             f"machine's cores ({sorted(online_cores())})")
     if ours.replicas > 1 and ours.data_plane == "ray" and importlib.util.find_spec("ray") is None:
         parser.error("--data-plane ray needs Ray Serve: pip install 'feather-toolkit[cluster]' "
                      "(ray[serve]==2.60.*; never ray[llm], which replaces vLLM)")
