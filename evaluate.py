@@ -341,7 +341,7 @@ def run_simulated(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any], 
     return runs, record, workload
 
 
-def _engine_line(engine: Any) -> str:
+def _engine_line(engine: EngineConfig) -> str:
     """The engine's figures as the evaluation prints them."""
     return (f"KV cache {engine.kv_cache_gib:g} GiB ({engine.kv_cache_tokens:,} tokens), max "
             f"{engine.max_num_seqs} running, {engine.max_num_batched_tokens} tokens/step")
