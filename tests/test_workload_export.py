@@ -77,4 +77,10 @@ def test_export_errors_are_clear(tmp_path, capsys):
     assert "unknown scenario 'nosuch'" in capsys.readouterr().err
     assert workloads_main(["export", "--scenario", SCENARIO, "--out", str(tmp_path / "a.json")]) == 2
     assert ".jsonl" in capsys.readouterr().err
-    assert not list(tmp_path.iterdir())
+    # once raw tracebacks (FileExistsError, IsADirectoryError) after the episode was built
+    assert workloads_main(["export", "--scenario", SCENARIO, "--out", "/dev/null/a.jsonl"]) == 2
+    assert "--out's folder /dev/null exists and is not a folder" in capsys.readouterr().err
+    (tmp_path / "d.jsonl").mkdir()
+    assert workloads_main(["export", "--scenario", SCENARIO, "--out", str(tmp_path / "d.jsonl")]) == 2
+    assert "is a folder: give the path of a .jsonl file" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["d.jsonl"]
