@@ -158,3 +158,10 @@ def test_scenarios_new_describes_a_trace_and_writes_a_scenario_that_loads(tmp_pa
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1
         assert not (tmp_path / "x.yaml").exists()
+    # an --out that cannot be written: once a raw FileExistsError, after the trace was read
+    (tmp_path / "d.yaml").mkdir()
+    for where, message in (("/dev/null/x.yaml", "--out's folder /dev/null exists and is not a folder"),
+                           (str(tmp_path / "d.yaml"), "is a folder: give the path of a .yaml file")):
+        assert main(["new", "--trace", str(trace), "--force", "--out", where]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1
