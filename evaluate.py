@@ -81,7 +81,7 @@ from feather_env.evaluation import (  # noqa: E402
     validate_schedulers,
     write_results,
 )
-from feather_env.reporting import check_output_dir, machine_info  # noqa: E402
+from feather_env.reporting import check_output_dir, check_output_file, machine_info  # noqa: E402
 from feather_env.scenarios import Scenario, load_scenario  # noqa: E402
 from feather_env.serving_metrics import parse_goodput  # noqa: E402
 from feather_env.step_model import profile_note  # noqa: E402
@@ -385,9 +385,7 @@ def run(argv: Sequence[str], backend: Any = None) -> int:
     out = Path(args.out or f"runs/eval-{dt.datetime.now():%Y%m%d-%H%M%S}")
     check_output_dir(out, "--out")
     if args.json:  # written last, after every run: a path that cannot take it is refused first
-        if Path(args.json).is_dir():
-            raise ConfigError(f"--json {args.json} is a folder: give the path of a file")
-        check_output_dir(Path(args.json).parent, "--json's folder")
+        check_output_file(args.json, "--json")
     if args.backend == "sim":
         simulated = run_simulated(args)
         if simulated is None:
@@ -419,7 +417,7 @@ def run(argv: Sequence[str], backend: Any = None) -> int:
         runs = [evaluate_endpoint(workload, endpoint, progress=progress, server=server)]
         context: dict[str, Any] = {"mode": "endpoint", "endpoint": endpoint.to_dict()}
     else:
-        engine.check_startable()  # pinned cores this process may use, a KV cache vLLM starts with
+        engine.check_startable()  # the machine's cores, a KV cache and step budget vLLM starts with
         knobs = record["scheduler_knobs"]
         config = InProcessConfig(
             schedulers=schedulers, engine=engine, chunk_size=knobs["chunk_size"], max_wait=knobs["max_wait"],

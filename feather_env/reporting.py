@@ -84,3 +84,12 @@ def check_output_dir(path: str | Path, what: str = "the output folder") -> None:
         tempfile.TemporaryDirectory(dir=parent, prefix=".feather-write-check-").cleanup()
     except OSError as exc:
         raise ValueError(f"{what} {path}: cannot write in {parent} ({exc.strerror or exc})") from None
+
+
+def check_output_file(path: str | Path, what: str, kind: str = "a file") -> None:
+    """Raise ``ValueError`` unless ``path`` can be written as a file: it is no folder, and its folder
+    is one or can be made (:func:`check_output_dir`). ``what`` names the flag, ``kind`` the file."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{what} {path} is a folder: give the path of {kind}")
+    check_output_dir(path.parent, f"{what}'s folder")

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from feather_env.engines.vllm_engine import REPO_ROOT, EngineConfig
-from feather_env.reporting import check_output_dir
+from feather_env.reporting import check_output_file
 from feather_env.workloads import Workload, WorkloadConfig, load_workload, sample_workload
 from feather_env.workloads.arrivals import TraceFileArrivals, parse_arrival
 from feather_env.workloads.custom import resolve_custom_path
@@ -387,14 +387,12 @@ def new_scenario(trace: str | Path, out: str | Path, *, kv_cache_gib: float = 4.
     out, trace = Path(out), Path(trace)
     if out.suffix not in (".yaml", ".yml"):
         raise ConfigError(f"--out must name a .yaml file, got {str(out)!r}")
-    if out.is_dir():
-        raise ConfigError(f"--out {out} is a folder: give the path of a .yaml file")
-    if out.exists() and not force:
-        raise ConfigError(f"{out} exists; choose another --out or pass --force to replace it")
     try:
-        check_output_dir(out.parent, "--out's folder")
+        check_output_file(out, "--out", "a .yaml file")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if out.exists() and not force:
+        raise ConfigError(f"{out} exists; choose another --out or pass --force to replace it")
     if not trace.is_file():
         raise ConfigError(f"trace file not found: {trace}")
     rel = os.path.relpath(trace.resolve(), out.resolve().parent)

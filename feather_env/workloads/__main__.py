@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -27,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ex.add_argument("--out", required=True, help="the .jsonl file to write")
     args = p.parse_args(argv)
 
-    from feather_env.reporting import check_output_dir
+    from feather_env.reporting import check_output_file
     from feather_env.scenarios import load_scenario
     from feather_env.workloads.datadir import DataNotFoundError
     from feather_env.workloads.export import export_jsonl
@@ -39,9 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
-        if Path(args.out).is_dir():
-            raise ValueError(f"--out {args.out} is a folder: give the path of a .jsonl file")
-        check_output_dir(Path(args.out).parent, "--out's folder")
+        check_output_file(args.out, "--out", "a .jsonl file")
         scenario = load_scenario(args.scenario)
         episode = scenario.episode_workload(args.seed)
     except (ConfigError, DataNotFoundError, WorkloadError, ValueError) as exc:
