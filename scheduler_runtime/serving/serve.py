@@ -217,19 +217,17 @@ def _check_cluster_options(parser: argparse.ArgumentParser, ours: argparse.Names
     if ours.replica_cores not in (None, "none"):
         for spec in ours.replica_cores.split(";"):
             try:
-                parse_cores(spec)
+                cores = parse_cores(spec)
             except ValueError as exc:
                 parser.error(f"--replica-cores: {exc}")
+            missing = sorted(set(cores) - online_cores())
+            if missing and ours.ray_address is None:  # the replicas run on this machine
+                parser.error(f"--replica-cores {spec.strip()!r}: core(s) {missing} are not among this "
+                             f"machine's cores ({sorted(online_cores())})")
     if ours.data_plane is None:
         ours.data_plane = "ray" if ours.ray_address is not None else "proxy"
     if ours.data_plane == "proxy" and ours.ray_address is not None:
         parser.error("--ray-address needs --data-plane ray (the proxy serves replicas on this machine)")
-    if ours.replica_cores not in (None, "none") and ours.ray_address is None:  # replicas on this machine
-        for spec in ours.replica_cores.split(";"):
-            missing = sorted(set(parse_cores(spec)) - online_cores())
-            if missing:
-                parser.error(f"--replica-cores {spec.strip()!r}: core(s) {missing} are not among this "
-                             f"machine's cores ({sorted(online_cores())})")
     if ours.replicas > 1 and ours.data_plane == "ray" and importlib.util.find_spec("ray") is None:
         parser.error("--data-plane ray needs Ray Serve: pip install 'feather-toolkit[cluster]' "
                      "(ray[serve]==2.60.*; never ray[llm], which replaces vLLM)")
