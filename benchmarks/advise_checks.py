@@ -132,7 +132,7 @@ def check_scenario_on_engine(name: str, windows: int, noise: float, repeats: int
     ``repeats`` runs each, medians), with the profile its own probe picks on this machine. Reported:
     the simulator's pick and the engine's pick among the simulator's best ``top`` (what
     ``--confirm-top top`` recommends), each as a share of the best measured."""
-    from feather_env.evaluation.advise import confirm_names, engine_choice
+    from feather_env.evaluation.recommend import confirm_names, engine_choice
 
     policies = policy_files(name)
     labels, payload = _advise_over(name, BASELINES, policies, windows, noise, confirm=True, repeats=repeats,

@@ -16,12 +16,10 @@ from feather_env.evaluation.advise import (
     advise,
     candidate_names,
     confirm,
-    confirm_names,
-    engine_choice,
     plan,
-    recommend,
 )
 from feather_env.evaluation.probe import check_profile, probe_overrides
+from feather_env.evaluation.recommend import confirm_names, engine_choice, recommend
 from feather_env.scenarios import load_scenario
 from feather_env.serving_metrics import serving_metrics
 from scheduler_runtime.config import ConfigError

@@ -24,7 +24,8 @@ them best on this traffic, by how much over vLLM's default, and how sure that is
    the offered request rate (no scheduler's goodput exceeds it), the hindsight per-window best (how
    much any policy choosing per window could still win over the best constant), and what-ifs: twice
    the KV cache, and 2 and 4 replicas behind the prefix router (:class:`~feather_env.cluster_sim.ClusterSim`).
-4. **The recommendation**: the best setting (the simplest of those within :data:`TIE` of the best's
+4. **The recommendation** (:mod:`feather_env.evaluation.recommend`): the best setting (the simplest of
+   those within :data:`~feather_env.evaluation.recommend.TIE` of the best's
    goodput: vLLM's fcfs before a baseline ordering before a document cap, the larger budget first)
    when its goodput beats the default's by more than the noise (:attr:`AdviseConfig.noise`) in the
    median window and it loses in none by more than it, else vLLM's default, with the reason
@@ -58,12 +59,19 @@ import numpy as np
 
 from feather_env.evaluation.advice_report import render_markdown, write_advice
 from feather_env.evaluation.probe import MAX_PROFILE_ERROR, check_profile, probe_names, probe_overrides
+from feather_env.evaluation.recommend import (
+    confirm_names,
+    engine_choice,
+    hindsight,
+    recommend,
+    recommendation,
+)
 from feather_env.reporting import machine_info
 from feather_env.scenarios import Scenario, load_scenario
 from feather_env.serving_metrics import serving_metrics
 from scheduler_runtime.config import ConfigError
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
-from scheduler_runtime.schedulers import MAX_TOKEN_BUDGET, SchedulerConfig, split_budget, with_budget
+from scheduler_runtime.schedulers import SchedulerConfig, split_budget, with_budget
 
 __all__ = [
     "AdviseConfig",
@@ -73,11 +81,10 @@ __all__ = [
     "check_profile",
     "checked_names",
     "confirm",
-    "confirm_names",
-    "engine_choice",
     "plan",
     "render_markdown",
     "search",
+    "serve_command",
     "simulated_windows",
 ]
 
@@ -85,8 +92,6 @@ DEFAULT_CAPS = (1, 2, 3, 4, 6, 8)
 DEFAULT_BUDGETS = (256, 512, 1024, 2048, 4096, 8192)
 #: vLLM's default on a scenario's engine: its own fcfs scheduler at the engine's token budget.
 DEFAULT_SCHEDULER = "fcfs"
-#: Settings whose goodput is within this fraction of the best are equally good: the simplest is chosen.
-TIE = 0.005
 #: The metrics a candidate's row reports (``vllm bench serve``'s names), averaged over windows.
 ROW_METRICS = (
     "request_goodput",
@@ -234,16 +239,17 @@ def search(
     scenario: Scenario,
     config: AdviseConfig,
     profile: str | None,
+    names: Sequence[str],
     *,
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Every candidate on the first :attr:`~AdviseConfig.search_windows` windows, then the shortlist
-    and the default on every window: name -> row (:func:`_row`), rows on every window first, best
-    goodput first."""
+    """Every setting of ``names`` (:func:`checked_names`) on the first
+    :attr:`~AdviseConfig.search_windows` windows, then the shortlist and the default on every window:
+    name -> row (:func:`_row`), rows on every window first, best goodput first."""
     seeds = config.seeds
     first = seeds[: config.search_windows]
     rows: dict[str, dict[str, Any]] = {}
-    for name in candidate_names(scenario, config):
+    for name in names:
         rows[name] = _row(name, _window_metrics(scenario, name, first, profile, config.slos))
         rows[name]["stage"] = "grid"
         if progress is not None:
@@ -262,34 +268,6 @@ def search(
     full = sorted(short, key=lambda n: -(rows[n]["request_goodput"] or 0.0))
     others = [n for n in ranked if n not in short]
     return {n: rows[n] for n in full + others}
-
-
-# -- what the search found -------------------------------------------------------------------------
-def _ratio(a: float | None, b: float | None) -> float:
-    """Goodput ``a`` over ``b`` (``None`` is 0; both 0 is 1; over 0 is infinite)."""
-    a, b = a or 0.0, b or 0.0
-    return 1.0 if a == b == 0 else (a / b if b > 0 else math.inf)
-
-
-def _ratios(row: Mapping[str, Any], default: Mapping[str, Any]) -> list[float]:
-    """Per window: the row's goodput over the default's."""
-    return [_ratio(w["request_goodput"], d["request_goodput"])
-            for w, d in zip(row["windows"], default["windows"], strict=True)]
-
-
-def hindsight(rows: Mapping[str, Mapping[str, Any]], best: str) -> dict[str, Any]:
-    """How much a choice per window could still win: per window, the best goodput of any setting
-    served on every window over the best constant setting's; the mean and the largest."""
-    full = [r for r in rows.values() if r["stage"] == "every window"]
-    gains = [_ratio(max(r["windows"][i]["request_goodput"] or 0.0 for r in full), w["request_goodput"])
-             for i, w in enumerate(rows[best]["windows"])]
-    finite = [g for g in gains if math.isfinite(g)]
-    return {
-        "mean_gain": float(np.mean(finite)) if finite else None,
-        "max_gain": float(np.max(finite)) if finite else None,
-        "per_window": gains,
-        "settings": len(full),
-    }
 
 
 def window_facts(scenario: Scenario, seeds: Sequence[int]) -> tuple[dict[str, float], float]:
@@ -338,7 +316,7 @@ def what_if(
     return out
 
 
-# -- the recommendation ----------------------------------------------------------------------------
+# -- serving the recommendation -------------------------------------------------------------------
 def serve_command(scenario: Scenario, name: str) -> str:
     """The ``feather-serve`` command that serves ``name`` on the scenario's engine, on this machine (its
     compute dtype and the KV bytes that hold the scenario's KV tokens in it), with the scenario's
@@ -355,133 +333,6 @@ def serve_command(scenario: Scenario, name: str) -> str:
         if knobs.chunk_size != DEFAULT_CHUNK_SIZE:  # a policy's own is the scenario's (candidate_names)
             args += ["--chunk-size", str(knobs.chunk_size)]
     return shlex.join(args)
-
-
-def simplicity(name: str) -> tuple[int, int, int]:
-    """Sort key of equally good settings, simplest first: vLLM's own fcfs, a baseline ordering, a
-    document cap (the larger, the less it holds back), a policy file; then the larger token budget."""
-    base, budget = split_budget(name)
-    cap = SchedulerConfig.for_name(base).group_cap
-    if base == "fcfs":
-        kind = 0
-    elif not base.startswith(("group-", "feather")):
-        kind = 1
-    else:
-        kind = 2 if cap is not None else 3
-    return kind, -(cap or 0), -(budget or MAX_TOKEN_BUDGET)
-
-
-def recommend(
-    rows: Mapping[str, Mapping[str, Any]],
-    default: str,
-    noise: float,
-    offered: float,
-    reuse: Mapping[str, float],
-) -> dict[str, Any]:
-    """The best setting if it beats the default beyond ``noise`` (its median window's goodput ratio
-    above ``1 + noise``, and no window below ``1 - noise``), else the default with the reason."""
-    full = [n for n, r in rows.items() if r["stage"] == "every window"]
-    top = max(rows[n]["request_goodput"] or 0.0 for n in full)
-    # among the settings within TIE of the best, the simplest (vLLM's own fcfs first, the largest budget)
-    best = min((n for n in full if (rows[n]["request_goodput"] or 0.0) >= (1 - TIE) * top), key=simplicity)
-    ratios = _ratios(rows[best], rows[default])
-    median = statistics.median(ratios)
-    d = rows[default]
-    chosen, why = (
-        best,
-        (
-            f"{best} meets the SLOs for {median:.2f}x the requests per second of vLLM's default "
-            f"in the median window (windows: {min(ratios):.2f}-{max(ratios):.2f}x)"
-        ),
-    )
-    if best == default or not (median > 1 + noise and min(ratios) >= 1 - noise):
-        chosen = default
-        if (d["request_goodput"] or 0) >= (1 - noise) * offered:
-            why = (
-                f"vLLM's default already meets the SLOs for {d['request_goodput']:.2f} of the "
-                f"{offered:.2f} requests/s that arrive: the load is arrival-bound, no scheduler can "
-                "serve more"
-            )
-        elif reuse["perfect_cache"] - reuse["engine_sized_cache"] > 0.5 * reuse["perfect_cache"]:
-            why = (
-                f"nothing beats vLLM's default beyond noise ({noise:.0%}): most prefix reuse lives beyond "
-                f"the cache ({reuse['perfect_cache']:.0%} of prompt tokens with a perfect cache, "
-                f"{reuse['engine_sized_cache']:.0%} with one of the engine's size); see the 2x KV what-if"
-            )
-        else:
-            why = (
-                f"nothing beats vLLM's default beyond noise ({noise:.0%}): the best setting, {best}, is "
-                f"{median:.2f}x its goodput in the median window (windows {min(ratios):.2f}-"
-                f"{max(ratios):.2f}x)"
-            )
-    return _recommendation(rows, chosen, default, best, why)
-
-
-def _recommendation(
-    rows: Mapping[str, Mapping[str, Any]], chosen: str, default: str, best: str, why: str
-) -> dict[str, Any]:
-    """The ``recommendation`` record of ``chosen`` with its simulated figures."""
-    r, d = rows[chosen], rows[default]
-    chosen_ratios = _ratios(r, d)
-    return {
-        "scheduler": chosen,
-        "max_num_batched_tokens": split_budget(chosen)[1],
-        "predicted_goodput": r["request_goodput"],
-        "predicted_goodput_ratio": (
-            r["request_goodput"] / d["request_goodput"] if d["request_goodput"] else None
-        ),
-        "ratio_per_window": chosen_ratios,
-        "ratio_median": statistics.median(chosen_ratios),
-        "ratio_range": [min(chosen_ratios), max(chosen_ratios)],
-        "best_searched": best,
-        "why": why,
-    }
-
-
-def confirm_names(
-    rows: Mapping[str, Mapping[str, Any]], recommended: str, default: str, top: int
-) -> list[str]:
-    """What ``--confirm`` serves on the engine: the simulator's ``top`` distinct settings by goodput
-    (of those served on every window; settings the simulator serves identically, e.g. document caps
-    where nothing is shared, count once, by their simplest name), the recommendation if it is not
-    among them, and the default."""
-    full = [n for n, r in rows.items() if r["stage"] == "every window"]
-    alike: dict[tuple[Any, ...], list[str]] = {}
-    for n in full:
-        alike.setdefault(_served_alike(rows[n]), []).append(n)
-    distinct = sorted((min(names, key=simplicity) for names in alike.values()),
-                      key=lambda n: -(rows[n]["request_goodput"] or 0.0))
-    return list(dict.fromkeys([recommended, *distinct[:top], default]))
-
-
-def _served_alike(row: Mapping[str, Any]) -> tuple[Any, ...]:
-    """A setting's simulated figures on every window: equal for settings the simulator served alike."""
-    return tuple(
-        tuple(round(w.get(k) or 0.0, 6) for k in ("request_goodput", "output_throughput", "mean_ttft_ms",
-                                                  "mean_tpot_ms"))
-        for w in row["windows"]
-    )
-
-
-def engine_choice(runs: Mapping[str, Mapping[str, Any]], default: str, noise: float) -> tuple[str, str]:
-    """The engine's pick among the confirmed settings (``runs``: name -> its median ``request_goodput``):
-    the simplest of those within ``noise`` of the best measured, or the default when that does not
-    beat the default's goodput by more than ``noise``. Returns (name, why)."""
-    good = {n: r["request_goodput"] or 0.0 for n, r in runs.items()}
-    top = max(good.values())
-    best = min((n for n, g in good.items() if g >= (1 - noise) * top), key=simplicity)
-    base = good[default]
-    if best != default and (base == 0 and good[best] > 0 or good[best] > (1 + noise) * base):
-        ratio = f"{good[best] / base:.2f}x" if base else "more than"
-        return best, (
-            f"measured on the engine: {best} meets the SLOs for {ratio} the requests per second of "
-            f"vLLM's default ({good[best]:.2f} against {base:.2f}), the simplest of the settings within "
-            f"{noise:.0%} of the best measured ({max(good, key=good.get)}, {top:.2f})"
-        )
-    return default, (
-        f"measured on the engine: no confirmed setting beats vLLM's default beyond noise ({noise:.0%}): "
-        f"the best, {max(good, key=good.get)}, served {top:.2f} requests/s within the SLOs against {base:.2f}"
-    )
 
 
 def confirm(
@@ -625,7 +476,7 @@ def advise(
     )
     total = simulated_windows(len(names), config)
     with tqdm(total=total, desc="advise: simulated windows", disable=not progress, unit="window") as bar:
-        rows = search(scenario, config, profile, progress=bar.update)
+        rows = search(scenario, config, profile, names, progress=bar.update)
     reuse, offered = window_facts(scenario, config.seeds)
     rec = recommend(rows, default, config.noise, offered, reuse)
     rec["serve_command"] = serve_command(scenario, rec["scheduler"])
@@ -669,7 +520,7 @@ def advise(
             chosen, why = engine_choice(measured["runs"], default, config.noise)
             measured["simulator_recommendation"] = rec["scheduler"]
             if chosen != rec["scheduler"]:
-                rec = {**_recommendation(rows, chosen, default, best, why),
+                rec = {**recommendation(rows, chosen, default, best, why),
                        "serve_command": serve_command(scenario, chosen)}
             else:
                 rec = {**rec, "why": why}
