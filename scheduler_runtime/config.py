@@ -125,7 +125,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 def _load_file(path: Path, kind: str, parse: Any, error: type[Exception]) -> dict[str, Any]:
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+        raise ConfigError(f"config file not found: {path}" if not path.exists()
+                          else f"{path}: not a regular file (a config is a {kind} file)")
     text = _read_utf8(path)
     try:
         data = parse(text)

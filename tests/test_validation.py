@@ -95,6 +95,16 @@ def test_a_config_file_that_is_not_utf8_is_a_config_error_naming_it(tmp_path, su
         load_mapping(path)
 
 
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_a_config_path_that_is_missing_or_a_folder_is_named_as_such(tmp_path: Path, suffix: str) -> None:
+    with pytest.raises(ConfigError, match="config file not found: .*missing"):
+        load_mapping(tmp_path / f"missing{suffix}")
+    folder = tmp_path / f"configs{suffix}"
+    folder.mkdir()
+    with pytest.raises(ConfigError, match=f"configs{suffix}: not a regular file"):
+        load_mapping(folder)
+
+
 # ---------------------------------------------------------------------------- client hints
 
 
