@@ -382,8 +382,7 @@ def run(argv: Sequence[str], backend: Any = None) -> int:
     if args.backend != "sim" and sim_only:
         raise ConfigError("--episodes, --profile and --engine-slowdown are for --backend sim (the real "
                           "engine serves one episode, --seed)")
-    out = Path(args.out or f"runs/eval-{dt.datetime.now():%Y%m%d-%H%M%S}")
-    check_output_dir(out, "--out")
+    out = _out_dir(args.out, "eval")
     if args.json:  # written last, after every run: a path that cannot take it is refused first
         check_output_file(args.json, "--json")
     if args.backend == "sim":
@@ -474,8 +473,7 @@ def run_compare(argv: Sequence[str]) -> int:
     p.add_argument("--out", default=None, help="output folder (default runs/compare-DATE-TIME)")
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
-    out = Path(args.out or f"runs/compare-{dt.datetime.now():%Y%m%d-%H%M%S}")
-    check_output_dir(out, "--out")
+    out = _out_dir(args.out, "compare")
     try:
         payload, written = compare(args.dirs, out, plots=not args.no_plots)
     except (FileNotFoundError, ValueError) as exc:
@@ -486,6 +484,13 @@ def run_compare(argv: Sequence[str]) -> int:
     print()
     print(_where(out, written))
     return 0
+
+
+def _out_dir(given: str | None, command: str) -> Path:
+    """``--out`` as given, else ``runs/COMMAND-DATE-TIME``, checked (:func:`check_output_dir`)."""
+    out = Path(given or f"runs/{command}-{dt.datetime.now():%Y%m%d-%H%M%S}")
+    check_output_dir(out, "--out")
+    return out
 
 
 def run_advise(argv: Sequence[str], backend: Any = None) -> int:
@@ -500,7 +505,8 @@ def run_advise(argv: Sequence[str], backend: Any = None) -> int:
                    "python -m feather_env.scenarios new)")
     p.add_argument("--goodput", nargs="+", required=True,
                    help='the SLOs, as vLLM\'s --goodput: "ttft:MS tpot:MS e2el:MS" (any of them)')
-    p.add_argument("--out", required=True, help="output folder (advice.json, advice.md, goodput.png)")
+    p.add_argument("--out", default=None, help="output folder: advice.json, advice.md, goodput.png (default "
+                   "runs/advise-DATE-TIME)")
     p.add_argument("--confirm", action="store_true", help="serve the recommendation and the default on the "
                    "real engine (alternating, --repeats runs each) and print the measured ratio")
     p.add_argument("--repeats", type=int, default=3, help="--confirm: runs of each (default 3)")
@@ -531,8 +537,7 @@ def run_advise(argv: Sequence[str], backend: Any = None) -> int:
                    "(the profile's choice, the settings and windows of the search, the what-ifs, what the "
                    "engine confirms) and stop: nothing is written, no engine starts, nothing is served")
     args = p.parse_args(argv)
-    out = Path(args.out)
-    check_output_dir(out, "--out")
+    out = _out_dir(args.out, "advise")
 
     def names(text: str | None) -> tuple[str, ...] | None:
         return None if text is None else tuple(n.strip() for n in text.split(",") if n.strip())

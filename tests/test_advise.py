@@ -5,6 +5,7 @@ and the confirmation on the real engine."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -207,6 +208,15 @@ def test_check_prints_the_plan_and_starts_no_probe(tmp_path, capsys, monkeypatch
     assert "settings: 2 schedulers (fcfs, group-cap-2) x 2 per-step token budgets (512, 8192" in text
     assert "confirm: on the real engine, window 100: the default and the simulator's best 2" in text
     assert text.rstrip().endswith("nothing served") and not out.exists()
+
+
+def test_without_out_the_advice_goes_to_a_dated_runs_folder(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert evaluate.main(["advise", "--scenario", "mooncake-synthetic", "--goodput", "ttft:5000",
+                          "--schedulers", "fcfs", "--budgets", "512", "--profile", PROFILE, "--check"]) == 0
+    last = capsys.readouterr().out.rstrip().splitlines()[-1]
+    assert re.search(r"nothing was written to runs/advise-\d{8}-\d{6},", last), last
+    assert not (tmp_path / "runs").exists()
 
 
 # -- the real engine: the probe that picks the profile, and the confirmation ------------------------
