@@ -28,9 +28,8 @@ from benchmarks.cluster_server import REPO, ClusterServer  # noqa: E402
 from feather_env.evaluation.endpoint import EndpointConfig, evaluate_endpoint, parse_prometheus  # noqa: E402
 from feather_env.evaluation.report import summarize  # noqa: E402
 from feather_env.workloads import Request, Workload  # noqa: E402
-from scheduler_runtime.hardware import online_cores
+from scheduler_runtime.hardware import online_cores, parse_cores  # noqa: E402
 from scheduler_runtime.serving import cluster, cluster_base  # noqa: E402
-from scheduler_runtime.serving.cluster_base import parse_cores  # noqa: E402
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 SERVER_ARGS = ["--kv-cache-memory-bytes", str(128 << 20), "--max-model-len", "4096", "--max-num-seqs", "32",

@@ -24,8 +24,8 @@ from scheduler_runtime.hardware import kv_bytes_per_token, parse_cores
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 
 __all__ = ["DATA_PLANES", "LIVE_ROUTERS", "RAY_ONLY_ROUTERS", "ROUTER_CHOICES", "ClusterConfig",
-           "FrontEndStats", "core_binding", "error_body", "flag_value", "gpu_groups", "parse_cores",
-           "replica_exposition", "replica_kv_tokens"]
+           "FrontEndStats", "core_binding", "error_body", "flag_value", "gpu_groups", "replica_exposition",
+           "replica_kv_tokens"]
 
 ROUTER_CHOICES = ("prefix", "pow2", "ray-prefix-affinity")
 #: Routers that only the Ray data plane has: Ray Serve LLM's ``PrefixCacheAffinityRouter`` (ray 2.60,

@@ -65,9 +65,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from scheduler_runtime.hardware import compute_dtype, kv_bytes_factor, online_cores
+from scheduler_runtime.hardware import compute_dtype, kv_bytes_factor, online_cores, parse_cores
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
-from scheduler_runtime.serving.cluster_base import DATA_PLANES, ROUTER_CHOICES, flag_value, parse_cores
+from scheduler_runtime.serving.cluster_base import DATA_PLANES, ROUTER_CHOICES, flag_value
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO_ROOT / "configs" / "models" / "tiny-llama"
