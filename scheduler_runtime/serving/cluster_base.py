@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler_runtime.hardware import kv_bytes_per_token, parse_cores
+from scheduler_runtime.hardware import kv_bytes_per_token, online_cores, parse_cores
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 
 __all__ = ["DATA_PLANES", "LIVE_ROUTERS", "RAY_ONLY_ROUTERS", "ROUTER_CHOICES", "ClusterConfig",
@@ -52,7 +52,8 @@ class ClusterConfig:
         vllm_args: the vLLM API server arguments every replica is built from (``feather-serve``'s).
         host, port: where the endpoint listens (vLLM's ``--host`` / ``--port``).
         chunk_size: tokens per chunk of the routing key (the scheduler's CHT chunk size).
-        replica_cores: per local rank, the CPU cores its engine is pinned to (``None``: no pinning).
+        replica_cores: per local rank, the CPU cores its engine is pinned to (``None``: no pinning);
+            with no ``ray_address`` the replicas run here, and the cores must be this machine's.
         replica_cpus, replica_gpus: Ray resources each engine replica reserves (``ray``); with the
             proxy, ``replica_gpus`` >= 1 gives replica ``k`` the ``k``-th group of that many GPUs.
         ray_address: a running Ray cluster (``auto``, ``HOST:PORT``); ``None``: start one here.
@@ -79,6 +80,8 @@ class ClusterConfig:
     object_store_mb: int = 200
 
     def __post_init__(self) -> None:
+        """Every value checked, as ``feather-serve`` reports it (a ``ValueError`` naming the flag):
+        the one check of the cluster's options, for the command line and for code that builds one."""
         if self.replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
         if self.router not in ROUTER_CHOICES:
@@ -91,8 +94,17 @@ class ClusterConfig:
             raise ValueError("--ray-address needs --data-plane ray (the proxy serves local replicas)")
         if self.max_ongoing_requests < 1:
             raise ValueError(f"--max-ongoing-requests must be >= 1, got {self.max_ongoing_requests}")
+        if self.replica_cpus < 0 or self.replica_gpus < 0:
+            raise ValueError("--replica-cpus and --replica-gpus must be >= 0")
         for spec in self.replica_cores or ():
-            parse_cores(spec)
+            try:
+                cores = parse_cores(spec)
+            except ValueError as exc:
+                raise ValueError(f"--replica-cores: {exc}") from None
+            missing = sorted(set(cores) - online_cores())
+            if missing and self.ray_address is None:  # the replicas run on this machine
+                raise ValueError(f"--replica-cores {spec.strip()!r}: core(s) {missing} are not among this "
+                                 f"machine's cores ({sorted(online_cores())})")
 
     @property
     def kv_tokens(self) -> int | None:

@@ -65,9 +65,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from scheduler_runtime.hardware import compute_dtype, kv_bytes_factor, online_cores, parse_cores
+from scheduler_runtime.hardware import compute_dtype, kv_bytes_factor
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
-from scheduler_runtime.serving.cluster_base import DATA_PLANES, ROUTER_CHOICES, flag_value
+from scheduler_runtime.serving.cluster_base import DATA_PLANES, ROUTER_CHOICES, ClusterConfig, flag_value
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO_ROOT / "configs" / "models" / "tiny-llama"
@@ -103,8 +103,9 @@ def vllm_arguments(argv: Sequence[str] | None = None) -> tuple[list[str], dict[s
     return args, scheduler_config
 
 
-def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], argparse.Namespace]:
-    """:func:`vllm_arguments`, and the cluster options (``--replicas`` ...), checked."""
+def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], ClusterConfig]:
+    """:func:`vllm_arguments`, and the cluster the options (``--replicas`` ...) describe, checked by
+    :class:`ClusterConfig` (with one replica, the plain server, it is checked and not used)."""
     from scheduler_runtime.config import ConfigError, load_mapping
     from scheduler_runtime.schedulers import ADDITIONAL_CONFIG_KEY, check_scheduler, resolve
 
@@ -143,7 +144,6 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], argpa
     cluster.add_argument("--max-ongoing-requests", type=int, default=1024,
                          help="requests in flight per replica at most (the rest wait at the router)")
     ours, rest = parser.parse_known_args(argv)
-    _check_cluster_options(parser, ours)
 
     additional = _additional_config(parser, ours.additional_config, ADDITIONAL_CONFIG_KEY)
     try:
@@ -159,7 +159,9 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], argpa
         checked = check_scheduler(ours.scheduler, **overrides)
     except ConfigError as exc:
         parser.error(str(exc))
-    use_async = _cuda_available() if ours.async_scheduling is None else ours.async_scheduling
+    # a CUDA device turns async scheduling on and gives each replica a GPU (torch is imported to ask)
+    cuda = _cuda_available() if ours.async_scheduling is None or ours.replicas > 1 else False
+    use_async = cuda if ours.async_scheduling is None else ours.async_scheduling
     scheduler_cls, scheduler_config = resolve(ours.scheduler, async_scheduling=use_async, **overrides)
     additional[ADDITIONAL_CONFIG_KEY] = scheduler_config
 
@@ -186,14 +188,15 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], argpa
         parser.error("use --scheduler NAME (feather-serve sets --scheduler-cls from it)")
     args += ["--scheduler-cls", scheduler_cls, "--additional-config", json.dumps(additional)]
     args.append("--async-scheduling" if use_async else "--no-async-scheduling")
+    cluster = _cluster_config(parser, ours, args, scheduler_config, cuda)
     if ours.print_command:
         print(" ".join(["python -m vllm.entrypoints.openai.api_server", *map(_quote, args)]))
-        if ours.replicas > 1:
-            where = "on Ray Serve" if ours.data_plane == "ray" else "behind the proxy"
-            print(f"# x {ours.replicas} replicas {where}, router {ours.router}, cores per replica "
-                  f"{_replica_cores(ours, use_async) or 'not pinned'}")
+        if cluster.replicas > 1:
+            where = "on Ray Serve" if cluster.data_plane == "ray" else "behind the proxy"
+            print(f"# x {cluster.replicas} replicas {where}, router {cluster.router}, cores per replica "
+                  f"{list(cluster.replica_cores or ()) or 'not pinned'}")
         raise SystemExit(0)
-    return args, scheduler_config, ours
+    return args, scheduler_config, cluster
 
 
 def _seconds_or_none(text: str, flag: str) -> float | None:
@@ -207,30 +210,30 @@ def _seconds_or_none(text: str, flag: str) -> float | None:
         raise ConfigError(f"{flag} must be seconds or 'none', got {text!r}") from None
 
 
-def _check_cluster_options(parser: argparse.ArgumentParser, ours: argparse.Namespace) -> None:
-    if ours.replicas < 1:
-        parser.error(f"--replicas must be >= 1, got {ours.replicas}")
-    if ours.max_ongoing_requests < 1:
-        parser.error(f"--max-ongoing-requests must be >= 1, got {ours.max_ongoing_requests}")
-    if ours.replica_cpus < 0 or (ours.replica_gpus is not None and ours.replica_gpus < 0):
-        parser.error("--replica-cpus and --replica-gpus must be >= 0")
-    if ours.replica_cores not in (None, "none"):
-        for spec in ours.replica_cores.split(";"):
-            try:
-                cores = parse_cores(spec)
-            except ValueError as exc:
-                parser.error(f"--replica-cores: {exc}")
-            missing = sorted(set(cores) - online_cores())
-            if missing and ours.ray_address is None:  # the replicas run on this machine
-                parser.error(f"--replica-cores {spec.strip()!r}: core(s) {missing} are not among this "
-                             f"machine's cores ({sorted(online_cores())})")
-    if ours.data_plane is None:
-        ours.data_plane = "ray" if ours.ray_address is not None else "proxy"
-    if ours.data_plane == "proxy" and ours.ray_address is not None:
-        parser.error("--ray-address needs --data-plane ray (the proxy serves replicas on this machine)")
-    if ours.replicas > 1 and ours.data_plane == "ray" and importlib.util.find_spec("ray") is None:
+def _cluster_config(parser: argparse.ArgumentParser, ours: argparse.Namespace, args: list[str],
+                    scheduler_config: dict[str, Any], cuda: bool) -> ClusterConfig:
+    """The cluster the options describe over replicas started with ``args``: the data plane Ray
+    with ``--ray-address``, else the proxy; on a CUDA machine a GPU per replica, on a CPU one a core
+    each. A bad option is a usage error (status 2) with :class:`ClusterConfig`'s message."""
+    data_plane = ours.data_plane or ("ray" if ours.ray_address is not None else "proxy")
+    port = flag_value(args, "--port", "8000")
+    if not port.isdigit():
+        parser.error(f"--port must be a port number, got {port!r}")
+    try:
+        cluster = ClusterConfig(
+            replicas=ours.replicas, router=ours.router, data_plane=data_plane, vllm_args=tuple(args),
+            host=flag_value(args, "--host", "127.0.0.1"), port=int(port),
+            chunk_size=int(scheduler_config.get("chunk_size") or DEFAULT_CHUNK_SIZE),
+            replica_cores=tuple(cores) if (cores := _replica_cores(ours, cuda)) else None,
+            replica_cpus=ours.replica_cpus,
+            replica_gpus=ours.replica_gpus if ours.replica_gpus is not None else (1.0 if cuda else 0.0),
+            ray_address=ours.ray_address, max_ongoing_requests=ours.max_ongoing_requests)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if cluster.replicas > 1 and cluster.data_plane == "ray" and importlib.util.find_spec("ray") is None:
         parser.error("--data-plane ray needs Ray Serve: pip install 'feather-toolkit[cluster]' "
                      "(ray[serve]==2.60.*; never ray[llm], which replaces vLLM)")
+    return cluster
 
 
 def _replica_cores(ours: argparse.Namespace, cuda: bool) -> list[str] | None:
@@ -285,27 +288,16 @@ def _prometheus_multiprocess_dir() -> None:
     atexit.register(shutil.rmtree, path, ignore_errors=True)
 
 
-def _serve_cluster(args: list[str], scheduler_config: dict[str, Any], ours: argparse.Namespace) -> None:
+def _serve_cluster(config: ClusterConfig) -> None:
     """``--replicas N`` > 1: the proxy (:mod:`scheduler_runtime.serving.proxy`) or the Ray Serve application
     (:mod:`scheduler_runtime.serving.cluster`) over N replicas."""
-    from scheduler_runtime.serving.cluster_base import ClusterConfig
-
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)  # each replica has its own
-    cuda = _cuda_available()
-    gpus = ours.replica_gpus if ours.replica_gpus is not None else (1.0 if cuda else 0.0)
-    config = ClusterConfig(
-        replicas=ours.replicas, router=ours.router, data_plane=ours.data_plane, vllm_args=tuple(args),
-        host=flag_value(args, "--host", "127.0.0.1"), port=int(flag_value(args, "--port", "8000")),
-        chunk_size=int(scheduler_config.get("chunk_size") or DEFAULT_CHUNK_SIZE),
-        replica_cores=tuple(cores) if (cores := _replica_cores(ours, cuda)) else None,
-        replica_cpus=ours.replica_cpus, replica_gpus=gpus, ray_address=ours.ray_address,
-        max_ongoing_requests=ours.max_ongoing_requests)
     if config.data_plane == "proxy":
         from scheduler_runtime.serving.proxy import run_proxy
 
         raise SystemExit(run_proxy(config))
-    if ours.ray_address is None:
+    if config.ray_address is None:
         # a local Ray instance on the loopback address only: Ray reads this when it is imported
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     from scheduler_runtime.serving.cluster import run_cluster
@@ -315,9 +307,9 @@ def _serve_cluster(args: list[str], scheduler_config: dict[str, Any], ours: argp
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point ``feather-serve``."""
-    args, scheduler_config, ours = _parse(sys.argv[1:] if argv is None else argv)
-    if ours.replicas > 1:
-        _serve_cluster(args, scheduler_config, ours)
+    args, _, cluster = _parse(sys.argv[1:] if argv is None else argv)
+    if cluster.replicas > 1:
+        _serve_cluster(cluster)
     run_vllm_server(args)
 
 
