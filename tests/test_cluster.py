@@ -141,10 +141,16 @@ def test_cluster_command_line(capsys):
                          (["--replicas", "2", "--replica-cores", "0;x"], "bad CPU core list 'x': cores like"),
                          (["--replicas", "2", "--replica-cores", f"0;{max(online_cores()) + 1}"],
                           "are not among this machine's cores"),
-                         (["--replicas", "2", "--router", "random"], "invalid choice: 'random'")):
+                         (["--replicas", "2", "--router", "random"], "invalid choice: 'random'"),
+                         (["--replicas", "2", "--replica-cpus", "-1", "--print-command"],
+                          "--replica-cpus and --replica-gpus must be >= 0"),
+                         (["--replicas", "2", "--port", "http", "--print-command"],
+                          "--port must be a port number, got 'http'"),
+                         (["--replicas", "2", "--max-ongoing-requests", "0", "--print-command"],
+                          "--max-ongoing-requests must be >= 1")):
         out = subprocess.run([sys.executable, "-m", "scheduler_runtime.serving.serve", *bad], cwd=REPO,
                              capture_output=True, text=True, timeout=120)
-        assert out.returncode == 2 and message in out.stderr, out.stderr
+        assert out.returncode == 2 and message in out.stderr and not out.stdout, (bad, out.stderr)
     with pytest.raises(ValueError, match="--router"):
         cluster.ClusterConfig(replicas=2, router="nope")
 

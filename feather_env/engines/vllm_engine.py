@@ -147,10 +147,11 @@ class EngineConfig:
         own rule). The simulator needs none of these, so a config is not refused for them when it is
         made: every engine start and every command that will start one asks, before it writes
         anything."""
-        missing = sorted(set(self.cores or ()) - online_cores())
+        machine = online_cores() if self.cores else set()
+        missing = sorted(set(self.cores or ()) - machine)
         if missing:
             raise ConfigError(f"cpu_cores {self.cpu_cores!r}: core(s) {missing} are not among this machine's "
-                              f"cores ({sorted(online_cores())})")
+                              f"cores ({sorted(machine)})")
         if self.usable_kv_tokens < self.max_model_len:
             blocks = -(-self.max_model_len // self.block_size) + 1  # whole blocks, and vLLM's null block
             gib = blocks * self.block_size * self.kv_cache_gib / max(self.kv_cache_tokens, 1)

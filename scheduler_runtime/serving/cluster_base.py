@@ -96,15 +96,17 @@ class ClusterConfig:
             raise ValueError(f"--max-ongoing-requests must be >= 1, got {self.max_ongoing_requests}")
         if self.replica_cpus < 0 or self.replica_gpus < 0:
             raise ValueError("--replica-cpus and --replica-gpus must be >= 0")
+        local = self.ray_address is None  # the replicas run on this machine
+        machine = online_cores() if local and self.replica_cores else set()
         for spec in self.replica_cores or ():
             try:
                 cores = parse_cores(spec)
             except ValueError as exc:
                 raise ValueError(f"--replica-cores: {exc}") from None
-            missing = sorted(set(cores) - online_cores())
-            if missing and self.ray_address is None:  # the replicas run on this machine
+            missing = sorted(set(cores) - machine) if local else []
+            if missing:
                 raise ValueError(f"--replica-cores {spec.strip()!r}: core(s) {missing} are not among this "
-                                 f"machine's cores ({sorted(online_cores())})")
+                                 f"machine's cores ({sorted(machine)})")
 
     @property
     def kv_tokens(self) -> int | None:
