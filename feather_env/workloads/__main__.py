@@ -33,15 +33,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     from feather_env.workloads.workload import WorkloadError
     from scheduler_runtime.config import ConfigError
 
-    if not args.out.endswith(".jsonl"):
-        print("error: --out must name a .jsonl file (vLLM's CustomDataset reads only JSON lines)",
-              file=sys.stderr)
+    try:  # the output first: nothing is built for a file that cannot be written
+        if not args.out.endswith(".jsonl"):
+            raise ValueError("--out must name a .jsonl file (vLLM's CustomDataset reads only JSON lines)")
+        check_output_file(args.out, "--out", "a .jsonl file")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        check_output_file(args.out, "--out", "a .jsonl file")
         scenario = load_scenario(args.scenario)
         episode = scenario.episode_workload(args.seed)
-    except (ConfigError, DataNotFoundError, WorkloadError, ValueError) as exc:
+    except (ConfigError, DataNotFoundError, WorkloadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     s = export_jsonl(episode, args.out)
