@@ -311,9 +311,11 @@ def _simulated_scenario(args: argparse.Namespace) -> tuple[Scenario, SimConfig]:
 
         load_profile(args.profile)
     names = tuple(n.strip() for n in (args.schedulers or DEFAULT_SCHEDULERS).split(",") if n.strip())
+    slos = parse_goodput(args.goodput) if args.goodput else None
     config = SimConfig(names, tuple(range(args.seed, args.seed + args.episodes)), args.profile, args.label,
-                       args.engine_slowdown)
-    validate_schedulers(config.schedulers, scenario.scheduler.chunk_size, scenario.scheduler.max_wait)
+                       args.engine_slowdown, slos)
+    validate_schedulers(config.schedulers, scenario.scheduler.chunk_size, scenario.scheduler.max_wait,
+                        slos=slos)
     return scenario, config
 
 

@@ -372,6 +372,7 @@ class FeatherEnv(gym.Env):
         episode = self.scenario.episode_workload(episode_seed)
         self.episode_seed = episode_seed
         self._requests = {r.request_id: r for r in episode}
+        self.backend.admission_slos = dict(self.goodput_slos or {})  # what a setting's ~RULE reads
         runtime = self.backend.start(episode, self.scheduler_config)
         self._runtime = runtime
         self.core = runtime.core

@@ -42,10 +42,20 @@ class RequestTimeline:
     itl: list[float] = field(default_factory=list)
     #: When the latest output came (NaN before the first).
     last_output: float = math.nan
+    #: What became of it when it was not served: ``"rejected"`` at arrival or ``"aborted"`` before
+    #: its first token by the admission rule (:mod:`scheduler_runtime.admission`); "" otherwise.
+    outcome: str = ""
+    #: Why (the rule's reason: ``slo``, ``queued-tokens``, ``never-fits``, ``deadline``, ...).
+    reason: str = ""
 
     @property
     def completed(self) -> bool:
-        return self.finished_count == 1 and self.tokens == self.output_len
+        return self.finished_count == 1 and self.tokens == self.output_len and not self.outcome
+
+    @property
+    def shed(self) -> bool:
+        """Rejected or aborted by the admission rule, with nothing served (a clear answer, not a failure)."""
+        return self.outcome in ("rejected", "aborted") and self.finished_count == 0
 
     @property
     def e2el(self) -> float:

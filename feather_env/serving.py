@@ -20,7 +20,12 @@ the decisions, and the backend moves the engine between them:
 
 Every request is checked to be served exactly once with its token count: a request that finishes
 twice, with the wrong number of tokens, or never, is an
-:class:`~feather_env.engines.vllm_engine.EngineError`.
+:class:`~feather_env.engines.vllm_engine.EngineError`. Under an admission rule (the setting's
+``~RULE``, :mod:`scheduler_runtime.admission`, with the SLOs of :attr:`ServingBackend.admission_slos`)
+a request can instead be *rejected* at arrival, never reaching the engine, or *aborted* by the
+deadline rule while it still waits for its first step; its timeline says so (``outcome``), and it
+is a clear answer, not a failure. The backend decides as the API server does: from the requests
+it admitted, their first tokens and finishes, and the step model of :meth:`admission_profile`.
 
 The two engines are in :mod:`feather_env.engines`: the real in-process vLLM engine
 (:class:`~feather_env.engines.vllm_backend.VLLMBackend`, running the very
@@ -36,9 +41,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from feather_env.engines.vllm_engine import EngineError
+from feather_env.engines.vllm_engine import EngineConfig, EngineError
 from feather_env.records import Advance, MeasuredStep, RequestTimeline
 from feather_env.workloads import Request, Workload
+from scheduler_runtime.admission import AdmissionController, AdmissionRule, StepTimeModel, prompt_block_hashes
 from scheduler_runtime.decision import EngineView, observation_kind
 from scheduler_runtime.plugins import load_policy_spec
 from scheduler_runtime.schedulers import FeatherRuntime, SchedulerConfig
@@ -69,6 +75,8 @@ class ServingBackend(ABC):
 
     #: Whether two runs of one episode give the same clock (the simulator) or not (real timing).
     deterministic: bool = False
+    #: The engine served (its KV blocks, batch size and token budget size the admission rule).
+    engine_config: EngineConfig
 
     def __init__(self) -> None:
         self.clock = 0.0
@@ -79,8 +87,14 @@ class ServingBackend(ABC):
         self._in_system = 0
         self._finished = 0
         self._failed: str | None = None
+        self._shed = 0
         self.record_steps = False
         self.measured_steps: list[MeasuredStep] = []
+        #: The SLOs (ms, vLLM's ``--goodput`` names) an admission rule reads; set before :meth:`start`.
+        self.admission_slos: dict[str, float] = {}
+        #: The episode's admission controller (``None``: the setting admits everything).
+        self.admission: AdmissionController | None = None
+        self._block_cache: dict[str, tuple[Request, list[int]]] = {}
 
     # -- what the environment calls ------------------------------------------------------------
     def start(self, episode: Workload, config: SchedulerConfig) -> FeatherRuntime | None:
@@ -101,15 +115,34 @@ class ServingBackend(ABC):
         self._next = 0
         self._in_system = 0
         self._finished = 0
+        self._shed = 0
         self._failed = None
         self.measured_steps = []
+        self.admission = self._admission_controller(config)
         self._admit_arrivals()
         return self.runtime
 
+    def _admission_controller(self, config: SchedulerConfig) -> AdmissionController | None:
+        rule = AdmissionRule.parse(config.admission_rule)
+        if rule.is_none:
+            return None
+        e = self.engine_config
+        budget = min(config.max_num_batched_tokens or e.max_num_batched_tokens, e.max_num_batched_tokens)
+        return AdmissionController(rule, self.admission_slos,
+                                   model=StepTimeModel.from_profile(self.admission_profile()),
+                                   token_budget=budget, max_num_seqs=e.max_num_seqs,
+                                   kv_capacity_tokens=max(1, e.usable_kv_tokens), block_size=e.block_size)
+
+    def admission_profile(self) -> dict[str, Any]:
+        """The step-time profile the admission rule predicts with (the shipped one; the simulator's own)."""
+        from feather_env.step_model import load_profile
+
+        return load_profile(None)
+
     @property
     def done(self) -> bool:
-        """Every request of the episode has finished."""
-        return self._finished == len(self._timelines)
+        """Every request of the episode has finished, or was rejected or aborted by the admission rule."""
+        return self._finished + self._shed == len(self._timelines)
 
     @property
     def failed(self) -> str | None:
@@ -131,7 +164,8 @@ class ServingBackend(ABC):
             if not self._engine_busy() and (self.runtime is None or not len(self.runtime.core)):
                 # nothing in the system: jump to the next arrival
                 if self._next >= len(self._pending):
-                    raise EngineError(f"the engine is idle with {len(self._timelines) - self._finished} "
+                    raise EngineError(f"the engine is idle with "
+                                      f"{len(self._timelines) - self._finished - self._shed} "
                                       "requests unfinished and none left to arrive")
                 jump = max(0.0, self._pending[self._next].arrival_time - self.clock)
                 adv.seconds += jump
@@ -139,6 +173,8 @@ class ServingBackend(ABC):
             else:
                 self._advance_engine(adv)
             self._admit_arrivals()
+            if self.admission is not None and self.admission.rule.deadline:
+                self._abort_overdue()
         except EngineError as exc:
             self._failed = str(exc)
             raise
@@ -171,7 +207,7 @@ class ServingBackend(ABC):
 
     def check_complete(self) -> None:
         """Raise :class:`EngineError` unless every request finished exactly once with its tokens."""
-        bad = [t for t in self._timelines.values() if not t.completed]
+        bad = [t for t in self._timelines.values() if not t.completed and not t.shed]
         if bad:
             t = bad[0]
             raise EngineError(f"{len(bad)} requests were not served exactly once with their tokens, "
@@ -197,6 +233,10 @@ class ServingBackend(ABC):
     @abstractmethod
     def _advance_engine(self, adv: Advance) -> None:
         """Run the engine (see :meth:`advance`), recording into ``adv`` and the timelines."""
+
+    @abstractmethod
+    def _abort_waiting(self, request_id: str) -> None:
+        """Take a request that no engine step has scheduled yet out of the core or the engine's queue."""
 
     def submit(self, request: Request) -> None:
         """One more request for the episode being served, arriving at its ``arrival_time`` (not
@@ -227,11 +267,45 @@ class ServingBackend(ABC):
 
     # -- shared bookkeeping ----------------------------------------------------------------------
     def _admit_arrivals(self) -> None:
-        pending, clock = self._pending, self.clock
+        pending, clock, admission = self._pending, self.clock, self.admission
         while self._next < len(pending) and pending[self._next].arrival_time <= clock + 1e-12:
-            self._arrive(pending[self._next])
-            self._in_system += 1
+            request = pending[self._next]
             self._next += 1
+            if admission is not None:
+                decision = admission.offer(request.request_id, request.prompt_len, self._blocks(request),
+                                           float(request.arrival_time))
+                if not decision.admit:
+                    t = self._timelines[request.request_id]
+                    t.outcome, t.reason = "rejected", decision.reason
+                    self._shed += 1
+                    continue
+            self._arrive(request)
+            self._in_system += 1
+
+    def _blocks(self, request: Request) -> list[int]:
+        """The prompt's block hashes for the admission's prefix estimate (once per pooled request)."""
+        cached = self._block_cache.get(request.request_id)
+        if cached is None or cached[0] is not request:
+            block = self.engine_config.block_size
+            cached = self._block_cache[request.request_id] = (
+                request, prompt_block_hashes(request.prompt_token_ids, block))
+        return cached[1]
+
+    def _abort_overdue(self) -> None:
+        """The deadline rule: abort the waiting requests that can no longer meet their TTFT and that no
+        engine step has scheduled yet (one in its prefill is left to finish it)."""
+        admission = self.admission
+        assert admission is not None
+        for rid in admission.overdue(self.clock):
+            t = self._timelines[rid]
+            if not math.isnan(t.first_scheduled):
+                continue
+            self._abort_waiting(rid)
+            t.outcome, t.reason = "aborted", "deadline"
+            t.finish = self.clock
+            admission.finished(rid, aborted=True)
+            self._shed += 1
+            self._in_system -= 1
 
     @property
     def next_arrival(self) -> float:
@@ -250,6 +324,8 @@ class ServingBackend(ABC):
         if new_tokens:
             if math.isnan(t.first_token):
                 t.first_token = now
+                if self.admission is not None:
+                    self.admission.started(request_id, now)
             else:
                 t.itl.append(now - t.last_output)
             t.last_output = now
@@ -260,6 +336,8 @@ class ServingBackend(ABC):
             self._finished += 1
             self._in_system -= 1
             adv.finished.append(request_id)
+            if self.admission is not None:
+                self.admission.finished(request_id)
             if t.tokens != t.output_len:
                 raise EngineError(f"request {request_id!r} finished with {t.tokens} tokens, "
                                   f"{t.output_len} were asked")

@@ -20,9 +20,15 @@ benchmarks), with ``vllm/benchmarks/serve.py``'s names and definitions:
 
 Where arrival is the moment the request reached the server (``vllm bench serve``: when its client
 sent it). Also, beyond vLLM's keys: ``prefix_hit_rate`` (prompt tokens served from the prefix
-cache when a request was first scheduled / all prompt tokens), and ``submitted``. ``completed``
-is stricter than vLLM's (a successful response): a request served exactly once with all of its
-tokens; the others are ``failed``.
+cache when a request was first scheduled / the prompt tokens of the requests not shed), and
+``submitted``. ``completed`` is stricter than vLLM's (a successful response): a request served
+exactly once with all of its tokens. Under an admission rule (:mod:`scheduler_runtime.admission`)
+a request can also be ``rejected`` at arrival or ``aborted`` before its first token, each a clear
+answer; the rest are ``failed``, so ``completed + rejected + aborted + failed == submitted``. With
+SLOs, ``slo_attainment`` is the good requests over *submitted* ones (a shed request is not good:
+shedding cannot inflate it as it can goodput), ``false_admit_fraction`` the admitted requests
+that missed their TTFT (late, or aborted) over the admitted, and ``rejected_fraction`` the
+rejected over submitted.
 """
 
 from __future__ import annotations
@@ -35,11 +41,14 @@ from typing import Any
 import numpy as np
 
 from feather_env.records import RequestTimeline
+from scheduler_runtime.admission import SLO_NAMES, check_slos, parse_slos
 
 __all__ = ["GOODPUT_SLOS", "check_slos", "meets_slos", "parse_goodput", "serving_metrics"]
 
-#: The SLOs ``--goodput`` takes (vLLM's names), each in milliseconds.
-GOODPUT_SLOS = ("ttft", "tpot", "e2el")
+#: The SLOs ``--goodput`` takes (vLLM's names), each in milliseconds; parsed and checked by the
+#: admission rules' own functions (one reading of the syntax for the evaluation and for serving).
+GOODPUT_SLOS = SLO_NAMES
+parse_goodput = parse_slos
 
 
 def _stats(name: str, seconds: Sequence[float], percentiles: Sequence[float]) -> dict[str, float]:
@@ -51,53 +60,6 @@ def _stats(name: str, seconds: Sequence[float], percentiles: Sequence[float]) ->
         word = str(int(p)) if int(p) == p else str(p)
         out[f"p{word}_{name}_ms"] = float(q)
     return out
-
-
-def parse_goodput(spec: str | Sequence[str] | None) -> dict[str, float]:
-    """``"ttft:500 tpot:50"`` (or ``["ttft:500", "tpot:50"]``, vLLM's ``--goodput`` pairs) -> SLOs in ms.
-
-    Raises:
-        ValueError: a pair that is not ``NAME:MS``, an unknown name, a repeated name, or a negative
-            or non-finite value (vLLM accepts 0).
-    """
-    if spec is None:
-        return {}
-    pairs = spec.split() if isinstance(spec, str) else [p for item in spec for p in str(item).split()]
-    slos: dict[str, float] = {}
-    for pair in pairs:
-        name, sep, value = pair.partition(":")
-        try:
-            ms = float(value) if sep else math.nan
-        except ValueError:
-            ms = math.nan
-        if not sep or math.isnan(ms):
-            raise ValueError(f"goodput SLO {pair!r} is not NAME:MILLISECONDS (e.g. ttft:500 tpot:50)")
-        if name not in GOODPUT_SLOS:
-            raise ValueError(f"unknown goodput SLO {name!r}; valid: {', '.join(GOODPUT_SLOS)} (milliseconds)")
-        if name in slos:
-            raise ValueError(f"goodput SLO {name!r} is given twice")
-        if not (ms >= 0 and math.isfinite(ms)):
-            raise ValueError(f"goodput SLO {pair!r}: the value must be a finite number of milliseconds >= 0")
-        slos[name] = ms
-    return slos
-
-
-def check_slos(goodput: Mapping[str, float]) -> dict[str, float]:
-    """``goodput`` checked (vLLM's names, finite milliseconds >= 0) and returned as a plain dict.
-
-    Raises:
-        ValueError: an unknown SLO name, or a value that is not a number, negative, NaN or infinite.
-    """
-    unknown = sorted(set(goodput) - set(GOODPUT_SLOS))
-    if unknown:
-        raise ValueError(f"unknown goodput SLO(s) {unknown}; valid: ttft, tpot, e2el (milliseconds)")
-    try:
-        bad = any(not (v >= 0 and math.isfinite(v)) for v in goodput.values())
-    except TypeError:  # not a number
-        bad = True
-    if bad:
-        raise ValueError(f"goodput SLOs must be finite milliseconds >= 0, got {dict(goodput)}")
-    return {name: float(ms) for name, ms in goodput.items()}
 
 
 def meets_slos(r: RequestTimeline, goodput: Mapping[str, float]) -> bool:
@@ -159,10 +121,15 @@ def serving_metrics(
     dur = duration if duration > 0 else math.nan
     total_in = sum(r.prompt_len for r in done)
     total_out = sum(r.tokens for r in done)
+    rejected = sum(1 for r in reqs if r.shed and r.outcome == "rejected")
+    aborted = sum(1 for r in reqs if r.shed and r.outcome == "aborted")
     out: dict[str, Any] = {
         "submitted": len(reqs),
         "completed": len(done),
-        "failed": len(reqs) - len(done),
+        "rejected": rejected,
+        "aborted": aborted,
+        "failed": len(reqs) - len(done) - rejected - aborted,
+        "rejected_fraction": rejected / len(reqs) if reqs else 0.0,
         "duration": float(duration),
         "total_input_tokens": total_in,
         "total_output_tokens": total_out,
@@ -171,15 +138,22 @@ def serving_metrics(
         "total_token_throughput": (total_in + total_out) / dur,
         "request_goodput": None,
     }
+    out["slo_attainment"] = out["false_admit_fraction"] = None
     if goodput:
         good = sum(1 for r in done if meets_slos(r, goodput))
         out["request_goodput"] = good / dur
         out["goodput_slos_ms"] = dict(goodput)
+        out["slo_attainment"] = good / len(reqs) if reqs else 0.0
+        if "ttft" in goodput:  # admitted, then late: a late first token, or aborted waiting
+            admitted = len(reqs) - rejected
+            late = aborted + sum(1 for r in done if r.ttft * 1000 > goodput["ttft"])
+            out["false_admit_fraction"] = late / admitted if admitted else 0.0
     out.update(_stats("ttft", [r.ttft for r in done], percentiles))
     out.update(_stats("tpot", [r.tpot for r in done if r.tokens > 1], percentiles))
     out.update(_stats("itl", [gap for r in done for gap in r.itl], percentiles))
     out.update(_stats("e2el", [r.e2el for r in done], percentiles))
     out["max_output_tokens_per_s"], out["max_concurrent_requests"] = _busiest_second(done)
-    prompt = sum(r.prompt_len for r in reqs)
-    out["prefix_hit_rate"] = sum(r.prefix_hit_tokens for r in reqs) / prompt if prompt else 0.0
+    served = [r for r in reqs if not r.shed]
+    prompt = sum(r.prompt_len for r in served)
+    out["prefix_hit_rate"] = sum(r.prefix_hit_tokens for r in served) / prompt if prompt else 0.0
     return out

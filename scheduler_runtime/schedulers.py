@@ -24,6 +24,10 @@ class's dotted path and the configuration it reads), so every caller (the tests,
 ``NAME@TOKENS``             any name above with a per-step token budget of TOKENS
                             (vLLM's ``--max-num-batched-tokens``, chunked prefill's
                             size), e.g. ``fcfs@512``, ``group-cap-3@512``
+``NAME~RULE``               any name above with an admission rule
+                            (:mod:`scheduler_runtime.admission`), decided in front of
+                            the engine: ``group-cap-8@256~slo:0.5``,
+                            ``fcfs~queued-tokens:12000``, ``lpm~slo+deadline``
 ==========================  ==========================================================
 
 The token budget bounds the tokens one engine step computes (decode tokens plus prefill chunks):
@@ -71,6 +75,7 @@ from typing import Any
 
 import numpy as np
 
+from scheduler_runtime.admission import AdmissionRule, split_admission
 from scheduler_runtime.batching import BatchingCore, CoreConfig
 from scheduler_runtime.config import ConfigError, check_core_knobs, checked_fields, load_mapping
 from scheduler_runtime.decision import BatchingPolicy, EngineView, observation_kind
@@ -197,6 +202,7 @@ class SchedulerConfig:
     group_cap: int | None = None
     retain_held_prefixes: bool = False
     max_num_batched_tokens: int | None = None
+    admission_rule: str = "none"
 
     def __post_init__(self) -> None:
         if isinstance(self.ordering, OrderingName):  # a plain string in dumps and comparisons
@@ -220,6 +226,7 @@ class SchedulerConfig:
         if budget is not None and not MIN_TOKEN_BUDGET <= budget <= MAX_TOKEN_BUDGET:
             raise ConfigError(f"scheduler.max_num_batched_tokens must be in [{MIN_TOKEN_BUDGET}, "
                               f"{MAX_TOKEN_BUDGET}] tokens or null, got {budget}")
+        object.__setattr__(self, "admission_rule", str(AdmissionRule.parse(self.admission_rule)))  # canonical
         if self.group_cap is not None and self.group_cap < 0:
             raise ConfigError(f"scheduler.group_cap must be >= 0 (0: no cap) or null, got {self.group_cap}")
         if self.ordering is not None:
@@ -278,6 +285,13 @@ def with_budget(name: str, tokens: int | None) -> str:
 def _defaults_for(name: str) -> SchedulerConfig:
     if not isinstance(name, str) or not name:
         raise ConfigError(f"scheduler name must be a non-empty string, got {name!r}")
+    base, rule = split_admission(name)
+    if rule is not None:
+        try:
+            parsed = AdmissionRule.parse(rule)
+        except ConfigError as exc:
+            raise ConfigError(f"scheduler {name!r}: {exc}") from None
+        return replace(_defaults_for(base), name=name, admission_rule=str(parsed))
     base, budget = split_budget(name)
     if budget is not None:
         if not MIN_TOKEN_BUDGET <= budget <= MAX_TOKEN_BUDGET:

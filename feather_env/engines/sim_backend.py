@@ -157,9 +157,24 @@ class SimBackend(ServingBackend):
                        extra_args={EXTRA_OUTPUT_LEN: request.output_len}, prompt_hashes=cached[1])
         self.held.hold(request.request_id, request)
 
+    def admission_profile(self) -> dict:
+        return self.profile
+
+    def _abort_waiting(self, request_id: str) -> None:
+        runtime = self.runtime
+        if self.held.drop(request_id) is None:  # released: in the engine's queue
+            self.engine.abort_request(request_id)
+        if runtime is not None and request_id in runtime:
+            runtime.left_engine(request_id, aborted=True)
+
     def _deadline(self) -> float:
-        """The clock of the next event the core sees: an arrival, or its oldest request's max_wait."""
+        """The clock of the next event the core sees: an arrival, its oldest request's max_wait, or
+        the admission rule's next deadline."""
         deadline = self.next_arrival
+        if self.admission is not None:
+            due = self.admission.next_deadline()
+            if due > self.clock:
+                deadline = min(deadline, due)
         runtime = self.runtime
         assert runtime is not None
         max_wait = runtime.core.config.max_wait

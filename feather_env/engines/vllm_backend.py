@@ -168,6 +168,10 @@ class VLLMBackend(ServingBackend):
             new = sum(len(c.token_ids) for c in out.outputs)
             self._record_tokens(ext, new, bool(out.finished), now, adv)
 
+    def _abort_waiting(self, request_id: str) -> None:
+        internal = next((i for i, e in self._internal.items() if e == request_id), request_id)
+        self._engine.abort_request([internal], internal=True)
+
     def _record_step(self, dt: float, waiting: int) -> None:
         tap = self.tap
         hits = {self._internal[r]: self._timelines[self._internal[r]].prefix_hit_tokens

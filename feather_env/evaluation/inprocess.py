@@ -45,6 +45,7 @@ from feather_env.records import StepSample
 from feather_env.reporting import format_table
 from feather_env.serving_metrics import serving_metrics
 from feather_env.workloads import Request, Workload
+from scheduler_runtime.admission import AdmissionRule
 from scheduler_runtime.config import ConfigError
 from scheduler_runtime.schedulers import SchedulerConfig
 
@@ -111,10 +112,12 @@ class InProcessConfig:
 
 
 def validate_schedulers(names: Sequence[str], chunk_size: int | None = None,
-                        max_wait: float | None = None) -> tuple[str, ...]:
+                        max_wait: float | None = None, *, slos: Mapping[str, float] | None = None
+                        ) -> tuple[str, ...]:
     """Check every name, and the knobs each gets, before anything starts: unknown name, duplicate,
     unreadable ``feather:PATH`` policy, a ``chunk_size`` or ``max_wait`` out of range, a chunk size
-    that is not the policy's (the scheduler's own check at engine start, made here for every name).
+    that is not the policy's (the scheduler's own check at engine start, made here for every name),
+    an admission rule (``~RULE``) that needs a TTFT SLO when ``slos`` has none.
 
     Raises:
         ConfigError: naming the bad entry and the known names.
@@ -136,6 +139,9 @@ def validate_schedulers(names: Sequence[str], chunk_size: int | None = None,
         if policy_file and not Path(config.policy).is_file():
             raise ConfigError(f"scheduler {name!r}: policy file {config.policy} does not exist")
         check_scheduler(name, **scheduler_overrides(name, chunk_size, max_wait))
+        if AdmissionRule.parse(config.admission_rule).needs_slos and "ttft" not in (slos or {}):
+            raise ConfigError(f"scheduler {name!r}: its admission rule {config.admission_rule!r} reads the "
+                              "TTFT SLO: give --goodput ttft:MS (tpot:MS ...)")
     return names
 
 

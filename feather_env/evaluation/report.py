@@ -66,7 +66,13 @@ DEFINITIONS = {
     "itl": "gaps between a request's successive outputs after the first, pooled (ms; one per streamed chunk)",
     "e2el": "arrival -> last token (ms)",
     "request_goodput": "completed requests per second that met every --goodput SLO (ttft, tpot, e2el in ms)",
-    "completed": "served exactly once with exactly its requested tokens (failed: the others)",
+    "completed": "served exactly once with exactly its requested tokens (failed: the others but the "
+                 "rejected and aborted)",
+    "rejected / aborted": "refused at arrival / aborted before the first token by the setting's admission "
+                          "rule (~RULE); completed + rejected + aborted + failed = submitted",
+    "slo_attainment": "requests that met every --goodput SLO / submitted requests (a shed request is "
+                      "not good)",
+    "false_admit_fraction": "admitted requests that missed the TTFT SLO (late or aborted) / admitted",
     "queue": "arrival -> first scheduled by the engine (in-process)",
     "decode_tok_s": "tokens of decode-only engine steps / wall time of those steps (in-process)",
     "prefix_hit_rate": "prompt tokens found in the prefix cache / prompt tokens (in-process: when a request "
@@ -112,7 +118,11 @@ _TABLE_MAIN = [
     ("P99 TTFT", "p99_ttft_ms", "{:.0f}"), ("TPOT ms", "mean_tpot_ms", "{:.1f}"),
     ("ITL ms", "mean_itl_ms", "{:.1f}"), ("E2EL ms", "mean_e2el_ms", "{:.0f}"),
     ("P99 E2EL", "p99_e2el_ms", "{:.0f}"), ("goodput req/s", "request_goodput", "{:.2f}"),
+    ("attainment", "slo_attainment", "{:.3f}"), ("rejected", "rejected_fraction", "{:.1%}"),
+    ("aborted", "aborted", "{:d}"), ("false admits", "false_admit_fraction", "{:.1%}"),
 ]
+#: Columns shown only when some run has a value other than nothing or zero (SLOs, an admission rule).
+_OPTIONAL = {"request_goodput", "slo_attainment", "false_admit_fraction", "rejected_fraction", "aborted"}
 _TABLE_MORE = [
     ("run", None, None), ("kind", "kind", None), ("decode tok/s", "decode_tok_s", "{:.1f}"),
     ("batch", "mean_running_batch", "{:.1f}"), ("prefix hit", "prefix_hit_rate", "{:.0%}"),
@@ -140,8 +150,9 @@ def metrics_tables(runs: Mapping[str, Mapping[str, Any]]) -> str:
     """Two markdown tables: vLLM's serving figures, then the scheduler's (queue, batch, overhead)."""
     out = []
     for cols in (_TABLE_MAIN, _TABLE_MORE):
-        cols = [c for c in cols if c[1] != "request_goodput"
-                or any(m.get("request_goodput") is not None for m in runs.values())]
+        cols = [c for c in cols if c[1] not in _OPTIONAL
+                or any(m.get(c[1]) is not None for m in runs.values()) and (
+                    c[1] not in ("rejected_fraction", "aborted") or any(m.get(c[1]) for m in runs.values()))]
         rows = [[label] + [_fmt(m, key, fmt) for _, key, fmt in cols[1:]] for label, m in runs.items()]
         out.append(format_table([h for h, _, _ in cols], rows))
     return "\n\n".join(out)
@@ -170,7 +181,8 @@ def results_payload(runs: Sequence[Run], *, goodput: Mapping[str, float] | None 
 
 
 _REQUEST_COLUMNS = ("request_id", "source", "prompt_len", "output_len", "arrival", "first_scheduled",
-                    "first_token", "finish", "tokens", "finished_count", "prefix_hit_tokens")
+                    "first_token", "finish", "tokens", "finished_count", "prefix_hit_tokens", "outcome",
+                    "reason")
 _STEP_COLUMNS = ("start", "seconds", "running", "scheduled", "decode_only")
 
 
@@ -245,6 +257,7 @@ def read_runs(results_dir: str | Path) -> tuple[dict[str, Any], list[Run]]:
             for key in ("tokens", "finished_count", "prefix_hit_tokens"):
                 setattr(t, key, int(row[key]))
             t.itl = [float(g) for g in (row.get("itl") or "").split()]
+            t.outcome, t.reason = row.get("outcome") or "", row.get("reason") or ""  # absent before admission
             timelines.setdefault(row["run"], []).append(t)
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{where}: not a request row of evaluate.py ({type(exc).__name__}: {exc})"

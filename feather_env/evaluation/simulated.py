@@ -59,6 +59,8 @@ class SimConfig:
         label: prefix of the run labels (``LABEL/scheduler``).
         engine_slowdown: the simulator's step times multiplied by this factor (a machine slower than the
             one its profile was fitted on; the environment's ``engine_slowdown``).
+        slos: the latency SLOs (ms, ``--goodput``'s) that a setting's admission rule (``NAME~RULE``)
+            reads; ``None``: none (a rule that needs them is refused).
     """
 
     schedulers: tuple[str, ...]
@@ -66,6 +68,7 @@ class SimConfig:
     profile: str | None = None
     label: str | None = None
     engine_slowdown: float = 1.0
+    slos: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         slowdown_range(self.engine_slowdown)  # one factor > 0, or a clear error
@@ -109,8 +112,10 @@ def resolve_schedulers(scenario: Scenario, config: SimConfig) -> dict[str, Resol
     alone (what :func:`evaluate_simulated` serves, and ``evaluate.py --check`` prints)."""
     from feather_env.evaluation.inprocess import validate_schedulers
 
-    names = validate_schedulers(config.schedulers, scenario.scheduler.chunk_size, scenario.scheduler.max_wait)
-    resolved = resolve_env(scenario, "sim", profile=config.profile, engine_slowdown=config.engine_slowdown)
+    names = validate_schedulers(config.schedulers, scenario.scheduler.chunk_size, scenario.scheduler.max_wait,
+                                slos=config.slos)
+    resolved = resolve_env(scenario, "sim", profile=config.profile, engine_slowdown=config.engine_slowdown,
+                           goodput_slos=config.slos or None)
     return {name: resolved.with_scheduler(name) for name in names}
 
 
