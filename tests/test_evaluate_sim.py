@@ -18,6 +18,8 @@ REPO = Path(__file__).resolve().parent.parent
 REAL = REPO / "results" / "eval" / "leval-kv-pressure"
 #: What benchmarks/evaluation.py adds to an in-process run (the bounds, the repeats).
 BENCHMARK_ONLY = {"vs_bound", "vs_bound_episode", "vs_bound_arrival", "repeats"}
+#: The admission rules' outcome keys (scheduler_runtime.admission), newer than the real folder.
+ADMISSION_KEYS = {"rejected", "aborted", "rejected_fraction", "slo_attainment", "false_admit_fraction"}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,8 @@ def test_the_simulator_serves_every_request_fast_and_reports_as_the_real_engine(
     real = json.loads((REAL / "results.json").read_text())
     assert payload["workload"]["fingerprint"] == real["workload"]["fingerprint"]  # the very same episode
     real_keys = set(next(iter(real["runs"].values()))) - BENCHMARK_ONLY
-    assert set(runs["fcfs"]) == real_keys
+    assert set(runs["fcfs"]) - ADMISSION_KEYS == real_keys
+    assert all(runs["fcfs"][k] == 0 for k in ("rejected", "aborted")) and runs["fcfs"]["slo_attainment"] > 0
     assert set(payload) >= {"runs", "workload", "scenario", "engine", "machine", "definitions", "simulator"}
     assert runs["fcfs"]["output_throughput"] < runs["lpm"]["output_throughput"]
     assert runs["fcfs"]["prefix_hit_rate"] < runs["feather-heuristic"]["prefix_hit_rate"]
