@@ -34,6 +34,19 @@ Exported (label ``scheduler``: the scheduler name):
 ``feather_scheduler_held_requests``        requests held back now (gauge)
 ``feather_scheduler_batch_requests``       requests in the formed batch now (gauge)
 =========================================  ====================================================
+
+And, from the API-server process of ``feather-serve --admission RULE``
+(:mod:`scheduler_runtime.serving.admission_http`, no label ``scheduler``):
+
+=========================================  ====================================================
+``feather_admission_admitted_total``       requests admitted by the admission rule
+``feather_admission_rejected_total``       requests rejected at arrival, label ``reason``
+                                           (``slo``, ``never-fits``, ...)
+``feather_admission_aborted_total``        admitted requests aborted before their first token,
+                                           label ``reason`` (``deadline``)
+``feather_admission_false_admits_total``   admitted requests that missed their TTFT SLO (a late
+                                           first byte, or aborted)
+=========================================  ====================================================
 """
 
 from __future__ import annotations
@@ -43,7 +56,7 @@ from typing import Any
 
 from scheduler_runtime.batching import RELEASE_REASONS
 
-__all__ = ["FAULT_STAGES", "METRIC_NAMES", "SchedulerMetrics"]
+__all__ = ["ADMISSION_METRIC_NAMES", "FAULT_STAGES", "METRIC_NAMES", "AdmissionMetrics", "SchedulerMetrics"]
 
 #: Where the vLLM scheduler catches an exception of Feather's own code (label ``stage``).
 FAULT_STAGES = ("arrive", "plan", "freed", "preempted", "metrics", "restart")
@@ -66,7 +79,11 @@ METRIC_NAMES = tuple(f"feather_scheduler_{k}_total" for k in (*_COUNTERS, "relea
     "feather_scheduler_batch_requests",
 )
 
+ADMISSION_METRIC_NAMES = tuple(f"feather_admission_{k}_total"
+                               for k in ("admitted", "rejected", "aborted", "false_admits"))
+
 _metrics: dict[str, Any] | None = None
+_admission_metrics: dict[str, Any] | None = None
 
 
 def _create() -> dict[str, Any] | None:
@@ -156,3 +173,57 @@ class SchedulerMetrics:
         if children:
             children["held"].set(held)
             children["batch"].set(batch)
+
+
+def _create_admission() -> dict[str, Any] | None:
+    """The admission counters of the process, created once."""
+    global _admission_metrics
+    if _admission_metrics is None:
+        try:
+            from prometheus_client import Counter
+        except ImportError:
+            return None
+        _admission_metrics = {
+            "admitted": Counter("feather_admission_admitted", "Requests admitted by the admission rule"),
+            "rejected": Counter("feather_admission_rejected", "Requests rejected by the admission rule at "
+                                "arrival, by reason", ["reason"]),
+            "aborted": Counter("feather_admission_aborted", "Admitted requests aborted before their first "
+                               "token, by reason", ["reason"]),
+            "false_admits": Counter("feather_admission_false_admits", "Admitted requests that missed their "
+                                    "TTFT SLO (late first byte, or aborted)"),
+        }
+    return _admission_metrics
+
+
+class AdmissionMetrics:
+    """Pushes an admission controller's :class:`~scheduler_runtime.admission.AdmissionStats` to
+    Prometheus as increments since the last push (aborts are the deadline rule's, ``reason="deadline"``)."""
+
+    def __init__(self) -> None:
+        from scheduler_runtime.admission import REASONS
+
+        self._last: dict[str, float] = {}
+        self._children: dict[str, Any] = {}
+        metrics = _create_admission()
+        if metrics is None:
+            return
+        # created now, so /metrics lists every series (at 0) from the start
+        self._children = {"admitted": metrics["admitted"], "false_admits": metrics["false_admits"],
+                          "aborted": metrics["aborted"].labels("deadline")}
+        for reason in REASONS[:-1]:
+            self._children[f"rejected/{reason}"] = metrics["rejected"].labels(reason)
+
+    def push(self, stats: Any) -> None:
+        """Export the counts of ``stats`` (an ``AdmissionStats``) not exported yet."""
+        if not self._children:
+            return
+        values = {"admitted": stats.admitted, "aborted": stats.aborted, "false_admits": stats.false_admits,
+                  **{f"rejected/{reason}": n for reason, n in stats.rejected.items()}}
+        for key, value in values.items():
+            delta = value - self._last.get(key, 0)
+            if delta > 0:
+                child = self._children.get(key)
+                if child is None:  # a reason not listed at start
+                    child = self._children[key] = _create_admission()["rejected"].labels(key.split("/", 1)[1])
+                child.inc(delta)
+                self._last[key] = value

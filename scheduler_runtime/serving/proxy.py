@@ -37,6 +37,16 @@ mid-stream, an SSE ``data: {"error": ...}`` event and ``data: [DONE]``. Nothing 
 follows only a lost connection, and a replica that loses its client (a dead proxy connection) aborts
 the request. A replica's own answer (an HTTP 400, say) is the client's answer, not retried.
 
+Admission (``feather-serve --replicas N --admission RULE``, each replica's rule:
+:mod:`scheduler_runtime.serving.admission_http`). A request a replica's rule sheds (its answer carries
+``x-feather-admission``) goes to another replica it has not tried, with ``x-slo-ttft-ms`` set to what is
+left of its TTFT SLO (the client's header or the replicas' ``--slo ttft``, less the time spent since it
+arrived); only when every healthy replica sheds it, or no time is left, is the client answered with a
+rejection: the one that lets it retry soonest, in the replicas' 503/429 form. Sheds are not replica
+errors: they count as the outcome ``shed`` of ``feather_cluster_requests_total`` and in
+``feather_cluster_shed_total{outcome="rerouted"|"rejected"}``. vLLM's own caps (``queued-reqs``,
+``queued-tokens``) answer with vLLM's 503, which the proxy relays as it is.
+
 ``python -m scheduler_runtime.serving.proxy --worker-urls URL [URL ...]`` fronts replicas that are already
 running (health-checked, never restarted), as ``sglang-router --worker-urls`` does (their KV size is
 unknown there unless ``--kv-tokens`` gives it: without it the prefix router's cache model is off); the
@@ -48,6 +58,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -55,6 +66,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -65,6 +77,12 @@ from aiohttp import web
 
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 from scheduler_runtime.router import PowerOfTwoRouter, PrefixAffinityRouter, PrefixHasher, ReplicaRouter
+from scheduler_runtime.serving.admission_http import (
+    ADMISSION_HEADER,
+    TTFT_HEADER,
+    AdmissionSettings,
+    request_slos,
+)
 from scheduler_runtime.serving.cluster_base import (
     ROUTER_CHOICES,
     ClusterConfig,
@@ -175,11 +193,15 @@ class ReplicaProxy:
             prefix cache (:func:`run_proxy` works it out from the engine arguments the replicas are
             started with, :attr:`ClusterConfig.kv_tokens`). ``None``: unknown, as for servers someone
             else runs (``--worker-urls`` without ``--kv-tokens``), and the cache model is off.
+        ttft_slo_ms: the replicas' admission TTFT SLO (``--slo ttft:MS``), lowered by the time spent
+            when a request shed by one replica goes to another (``None``: only a client's
+            ``x-slo-ttft-ms`` is carried so).
     """
 
     def __init__(self, replicas: Sequence[Replica], router: str | ReplicaRouter = "prefix", *,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, max_ongoing_requests: int = 1024,
-                 load_factor: float = 20.0, slack: int = 2, kv_tokens: int | None = None) -> None:
+                 load_factor: float = 20.0, slack: int = 2, kv_tokens: int | None = None,
+                 ttft_slo_ms: float | None = None) -> None:
         if not replicas:
             raise ValueError("the proxy needs at least one replica")
         if max_ongoing_requests < 1:
@@ -198,6 +220,9 @@ class ReplicaProxy:
         self.hasher = PrefixHasher(chunk_size)
         self.max_ongoing = int(max_ongoing_requests)
         self.stats = FrontEndStats()
+        self.ttft_slo_ms = ttft_slo_ms
+        #: requests shed by a replica's admission rule and served by another ("rerouted"), or by none
+        self.shed: Counter[str] = Counter()
         self.decision_seconds = 0.0
         self.decisions = 0
         self.dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0")
@@ -411,18 +436,33 @@ class ReplicaProxy:
 
     async def forward(self, request: web.Request, raw: bytes, hashes: np.ndarray | None, tokens: int | None,
                       stream: bool) -> web.StreamResponse:
-        """Send ``raw`` to a replica (one retry if it is lost before answering) and relay its answer."""
+        """Send ``raw`` to a replica (one retry if it is lost before answering; another replica after one
+        that sheds it, with what is left of its TTFT SLO) and relay its answer (module docstring)."""
         assert self.session is not None
+        arrived = time.monotonic()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        ttft_ms = self._ttft_slo_ms(headers)
         avoid: list[str] = []
-        for attempt in (1, 2):
+        lost = 0
+        shed: list[tuple[int, Mapping[str, str], bytes]] = []  # the replicas' rejections
+        for attempt in itertools.count(1):
             replica = await self._pick(hashes, tokens, avoid)
             if replica is None:
-                if attempt == 1:
+                if shed:
+                    return self._shed_answer(shed, attempt - 1)
+                if not lost:
                     return self._error("no engine replica is healthy to serve this request", 503,
                                        "ServiceUnavailableError", "no_replica")
                 return self._error("the engine replica serving this request failed before answering, and no "
                                    "other replica is healthy", 503, "ServiceUnavailableError", "replica_lost")
+            if shed and ttft_ms is not None:  # what is left of its TTFT SLO
+                left = ttft_ms - 1000.0 * (time.monotonic() - arrived)
+                if left <= 0:
+                    self._done(replica)
+                    return self._shed_answer(shed, attempt - 1)
+                for name in [k for k in headers if k.lower() == TTFT_HEADER]:
+                    del headers[name]
+                headers[TTFT_HEADER] = f"{left:.0f}"
             upstream: aiohttp.ClientResponse | None = None
             try:
                 try:
@@ -439,7 +479,8 @@ class ReplicaProxy:
                     upstream.close()
                 self._done(replica)
                 self._lost(replica)
-                if attempt == 1:
+                if not lost:
+                    lost += 1
                     self.stats.retries += 1
                     avoid.append(replica.name)
                     continue
@@ -450,8 +491,35 @@ class ReplicaProxy:
                     upstream.close()
                 self._done(replica)
                 raise
+            if ADMISSION_HEADER in upstream.headers:  # shed by the replica's admission rule: try another
+                upstream.release()
+                self._done(replica)
+                self.stats.counts[(replica.name, "shed")] += 1
+                shed.append((upstream.status, upstream.headers, first))
+                avoid.append(replica.name)
+                continue
+            if shed:
+                self.shed["rerouted"] += 1
             return await self._relay(request, replica, upstream, first, attempt, stream)
         raise AssertionError("unreachable")
+
+    def _ttft_slo_ms(self, headers: Mapping[str, str]) -> float | None:
+        """The request's TTFT SLO: its ``x-slo-ttft-ms`` (when well formed) or the replicas' own."""
+        slos = [self.ttft_slo_ms] if self.ttft_slo_ms is not None else []
+        with contextlib.suppress(ValueError):  # a malformed header: the replica answers it (400)
+            slos += [request_slos({k.lower(): v for k, v in headers.items()}).get("ttft", math.inf)]
+        return min(slos, default=None)
+
+    def _shed_answer(self, shed: Sequence[tuple[int, Mapping[str, str], bytes]],
+                     attempts: int) -> web.Response:
+        """Every replica tried shed the request: the rejection that lets it retry soonest (else the last)."""
+        retryable = [s for s in shed if "retry-after" in s[1]]
+        status, headers, body = (min(retryable, key=lambda s: int(s[1]["retry-after"])) if retryable
+                                 else shed[-1])
+        self.shed["rejected"] += 1
+        out = {k: v for k, v in headers.items() if k.lower() not in _HOP}
+        out["x-feather-attempts"] = str(attempts)
+        return web.Response(body=body, status=status, headers=out)
 
     async def _relay(self, request: web.Request, replica: Replica, upstream: aiohttp.ClientResponse,
                      first: bytes, attempt: int, stream: bool) -> web.StreamResponse:
@@ -535,7 +603,12 @@ class ReplicaProxy:
         states = {"healthy": sum(r.healthy for r in self.replicas),
                   "restarts": sum(r.restarts for r in self.replicas)}
         own = self.stats.exposition(self.router_name, len(self.replicas), len(answered), [stats], states)
-        return "\n".join(p for p in (replica_exposition(answered), own) if p) + "\n"
+        shed = ["# HELP feather_cluster_shed_total Requests a replica's admission rule shed, by what "
+                "followed: served by another replica (rerouted) or rejected by every one tried (rejected)",
+                "# TYPE feather_cluster_shed_total counter",
+                *(f'feather_cluster_shed_total{{outcome="{k}"}} {self.shed[k]}'
+                  for k in ("rerouted", "rejected"))]
+        return "\n".join(p for p in (replica_exposition(answered), own, "\n".join(shed)) if p) + "\n"
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=(await self.metrics_text()).encode(),
@@ -574,8 +647,9 @@ def proxy_for(config: ClusterConfig, replicas: Sequence[Replica]) -> ReplicaProx
     """The proxy of ``config`` over ``replicas`` (not serving yet): its router, chunk size, queue bound,
     and the prefix router's knobs, each replica's KV tokens included (:meth:`ClusterConfig.router_kwargs`)."""
     knobs = config.router_kwargs()
+    admission = AdmissionSettings.from_env()  # feather-serve --admission RULE set it for the replicas
     return ReplicaProxy(replicas, config.router, max_ongoing_requests=config.max_ongoing_requests,
-                        **knobs)
+                        ttft_slo_ms=admission.slos.get("ttft") if admission is not None else None, **knobs)
 
 
 def run_proxy(config: ClusterConfig) -> int:

@@ -19,6 +19,14 @@ defaults below):
 * ``--async-scheduling`` / ``--no-async-scheduling``: the ``AsyncScheduler`` variant of the
   scheduler (and vLLM's async scheduling) or not; default: on when torch sees a CUDA device
   (vLLM's own default there), off on CPU (where vLLM does not support it);
+* ``--admission RULE`` (default ``none``), ``--slo "ttft:MS tpot:MS"`` (vLLM's ``--goodput`` pairs) and
+  ``--admission-status {503,429}``: admission past capacity (:mod:`scheduler_runtime.admission`,
+  ``docs/serving.md``). A ``~RULE`` after the scheduler name is the same as ``--admission RULE``. The
+  rule's vLLM caps (``queued-reqs:N``, ``queued-tokens:N``) become vLLM's ``--max-num-queued-reqs`` /
+  ``--max-num-queued-tokens``; ``slo[:F]`` and ``deadline`` (which need ``--slo ttft:MS``) are decided in
+  the API-server process by :class:`~scheduler_runtime.serving.admission_http.AdmissionMiddleware`
+  (vLLM's ``--middleware``), whose settings this command puts in the environment
+  (``FEATHER_ADMISSION``, JSON) before vLLM starts;
 * ``--print-command``: print the vLLM arguments and exit;
 * ``--replicas N`` (default 1) with ``--router {prefix,pow2,ray-prefix-affinity}``: N engine replicas
   behind one endpoint (``docs/cluster.md``); every other option applies to every replica.
@@ -58,6 +66,7 @@ import atexit
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -67,11 +76,15 @@ from typing import Any
 
 from scheduler_runtime.hardware import compute_dtype, kv_bytes_factor
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
+from scheduler_runtime.serving.admission_http import ENV_VAR as ADMISSION_ENV
+from scheduler_runtime.serving.admission_http import AdmissionMiddleware, AdmissionSettings
 from scheduler_runtime.serving.cluster_base import DATA_PLANES, ROUTER_CHOICES, ClusterConfig, flag_value
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO_ROOT / "configs" / "models" / "tiny-llama"
 DEFAULT_KV_CACHE_BYTES = 2 << 30
+#: vLLM's ``--middleware`` of the slo and deadline admission rules.
+ADMISSION_MIDDLEWARE = f"{AdmissionMiddleware.__module__}.{AdmissionMiddleware.__name__}"
 
 #: vLLM flags set unless the command line sets them (flag -> value; None: a bare switch).
 DEFAULT_VLLM_ARGS: dict[str, str | None] = {
@@ -97,15 +110,17 @@ def vllm_arguments(argv: Sequence[str] | None = None) -> tuple[list[str], dict[s
     """The vLLM server arguments for a ``feather-serve`` command line, and the scheduler config.
 
     Raises SystemExit (argparse's usage error, status 2) on a bad option, scheduler
-    configuration, policy, predictor or ``--additional-config`` (module docstring).
+    configuration, policy, predictor, admission rule or ``--additional-config`` (module docstring).
     """
-    args, scheduler_config, _ = _parse(argv)
+    args, scheduler_config, _, _ = _parse(argv)
     return args, scheduler_config
 
 
-def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], ClusterConfig]:
-    """:func:`vllm_arguments`, and the cluster the options (``--replicas`` ...) describe, checked by
-    :class:`ClusterConfig` (with one replica, the plain server, it is checked and not used)."""
+def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], ClusterConfig,
+                                                 AdmissionSettings | None]:
+    """:func:`vllm_arguments`, the cluster the options (``--replicas`` ...) describe, checked by
+    :class:`ClusterConfig` (with one replica, the plain server, it is checked and not used), and the
+    admission middleware's settings (``None``: no middleware)."""
     from scheduler_runtime.config import ConfigError, load_mapping
     from scheduler_runtime.schedulers import ADDITIONAL_CONFIG_KEY, check_scheduler, resolve
 
@@ -124,6 +139,14 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], Clust
                         help="AsyncScheduler variant (default: on with a CUDA device)")
     parser.add_argument("--print-command", action="store_true", help="print vLLM's arguments and exit")
     parser.add_argument("--additional-config", default=None, help=argparse.SUPPRESS)
+    admission = parser.add_argument_group("admission past capacity")
+    admission.add_argument("--admission", default=None, metavar="RULE",
+                           help="none (default), queued-reqs:N, queued-tokens:N, slo[:F], deadline, joined "
+                                "by '+' (the same as --scheduler NAME~RULE)")
+    admission.add_argument("--slo", default=None, metavar='"ttft:MS tpot:MS"',
+                           help="the SLOs the slo and deadline rules read (vLLM's --goodput pairs)")
+    admission.add_argument("--admission-status", type=int, choices=(503, 429), default=503,
+                           help="the HTTP status of a rejected request (default 503)")
     cluster = parser.add_argument_group("several engine replicas behind one endpoint")
     cluster.add_argument("--replicas", type=int, default=1, help="engine replicas (default 1: plain server)")
     cluster.add_argument("--router", choices=ROUTER_CHOICES, default="prefix",
@@ -186,17 +209,64 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], Clust
             args += [flag] if value is None else [flag, value]
     if _given("--scheduler-cls", args):
         parser.error("use --scheduler NAME (feather-serve sets --scheduler-cls from it)")
+    settings = _admission(parser, ours, args, budget)
     args += ["--scheduler-cls", scheduler_cls, "--additional-config", json.dumps(additional)]
     args.append("--async-scheduling" if use_async else "--no-async-scheduling")
     cluster = _cluster_config(parser, ours, args, scheduler_config, cuda)
+    if settings is not None and cluster.replicas > 1 and cluster.data_plane == "ray":
+        parser.error(f"--admission {settings.rule} is served by feather-serve and by --data-plane proxy, not "
+                     "on Ray Serve")
     if ours.print_command:
-        print(" ".join(["python -m vllm.entrypoints.openai.api_server", *map(_quote, args)]))
+        env = [f"{ADMISSION_ENV}={shlex.quote(settings.to_json())}"] if settings is not None else []
+        print(" ".join([*env, "python -m vllm.entrypoints.openai.api_server", *map(_quote, args)]))
         if cluster.replicas > 1:
             where = "on Ray Serve" if cluster.data_plane == "ray" else "behind the proxy"
             print(f"# x {cluster.replicas} replicas {where}, router {cluster.router}, cores per replica "
                   f"{list(cluster.replica_cores or ()) or 'not pinned'}")
         raise SystemExit(0)
-    return args, scheduler_config, cluster
+    return args, scheduler_config, cluster, settings
+
+
+def _admission(parser: argparse.ArgumentParser, ours: argparse.Namespace, args: list[str],
+               budget: int | None) -> AdmissionSettings | None:
+    """The admission rule of ``--admission`` / ``--scheduler NAME~RULE``: its vLLM caps added to ``args``
+    (vLLM's flags), and for ``slo`` / ``deadline`` the middleware added and its settings returned. Every
+    problem is a usage error."""
+    from scheduler_runtime.admission import AdmissionRule, parse_slos, split_admission
+    from scheduler_runtime.config import ConfigError
+
+    _, named = split_admission(ours.scheduler)
+    try:
+        rule = AdmissionRule.parse(ours.admission if ours.admission is not None else named)
+        if named is not None and ours.admission is not None and AdmissionRule.parse(named) != rule:
+            parser.error(f"--scheduler {ours.scheduler} names the admission rule {named!r}, but --admission "
+                         f"{ours.admission} was given: give one")
+    except ConfigError as exc:
+        parser.error(f"--admission: {exc}")
+    try:
+        slos = parse_slos(ours.slo)
+    except ValueError as exc:
+        parser.error(f"--slo: {exc}")
+    if rule.needs_slos and "ttft" not in slos:
+        parser.error(f"the admission rule {str(rule)!r} needs a TTFT SLO: --slo \"ttft:MS [tpot:MS]\"")
+    if ours.slo is not None and not rule.needs_slos:
+        parser.error(f"--slo is read by the slo and deadline admission rules only; the rule is {str(rule)!r}")
+    for field_name, value in rule.vllm_caps.items():
+        flag = "--" + field_name.replace("_", "-")
+        given = flag_value(args, flag, str(value))
+        if given != str(value):
+            parser.error(f"the admission rule {str(rule)!r} sets {flag} {value}, but {flag} {given} was "
+                         "given: give one")
+        if not _given(flag, args):
+            args += [flag, str(value)]
+    if not rule.needs_slos:
+        return None
+    try:
+        settings = AdmissionSettings.for_server(str(rule), slos, ours.admission_status, args, budget)
+    except ConfigError as exc:
+        parser.error(f"--admission: {exc}")
+    args += ["--middleware", ADMISSION_MIDDLEWARE]
+    return settings
 
 
 def _seconds_or_none(text: str, flag: str) -> float | None:
@@ -307,7 +377,9 @@ def _serve_cluster(config: ClusterConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point ``feather-serve``."""
-    args, _, cluster = _parse(sys.argv[1:] if argv is None else argv)
+    args, _, cluster, admission = _parse(sys.argv[1:] if argv is None else argv)
+    if admission is not None:  # the API-server process (each replica's) reads it
+        os.environ[ADMISSION_ENV] = admission.to_json()
     if cluster.replicas > 1:
         _serve_cluster(cluster)
     run_vllm_server(args)
