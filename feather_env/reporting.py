@@ -13,19 +13,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from scheduler_runtime.hardware import cpu_isa
+from scheduler_runtime.hardware import cpu_isa, cpu_model
 
 
 def machine_info() -> dict[str, Any]:
     """Where and when a figure was measured (goes into every benchmark JSON)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     mem_gib = None
     try:
         mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)

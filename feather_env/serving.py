@@ -134,10 +134,12 @@ class ServingBackend(ABC):
                                    kv_capacity_tokens=max(1, e.usable_kv_tokens), block_size=e.block_size)
 
     def admission_profile(self) -> dict[str, Any]:
-        """The step-time profile the admission rule predicts with (the shipped one; the simulator's own)."""
+        """The step-time profile the admission rule predicts with: the shipped one of this kind of
+        machine (``scheduler_runtime.hardware.machine_profile``); the simulator's: its own."""
         from feather_env.step_model import load_profile
+        from scheduler_runtime.hardware import machine_profile
 
-        return load_profile(None)
+        return load_profile(machine_profile())
 
     @property
     def done(self) -> bool:

@@ -35,6 +35,7 @@ import numpy as np
 
 from feather_env.records import StepRequest
 from scheduler_runtime.config import ConfigError
+from scheduler_runtime.hardware import same_machine
 
 __all__ = ["DEFAULT_PROFILE", "FEATURE_NAMES", "PROFILE_VERSION", "StepCostModel", "features_from_columns",
            "fit_step_model", "load_profile", "profile_note", "same_machine", "step_features"]
@@ -204,12 +205,6 @@ def fit_step_model(steps: Sequence[tuple[Sequence[StepRequest], float]]) -> tupl
 PROFILE_VERSION = 2
 #: The shipped profile (fitted on a CPU with a tiny Llama).
 DEFAULT_PROFILE = Path(__file__).resolve().parents[1] / "configs" / "profiles" / "cpu-tiny-llama.json"
-
-
-def same_machine(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Two ``machine_info`` records known to be one kind of machine: the same CPU model name and the
-    same vector ISA, both recorded (one model name covers AVX2-only and AVX-512 hosts)."""
-    return a.get("isa") is not None and a.get("cpu") == b.get("cpu") and a.get("isa") == b.get("isa")
 
 
 def profile_note(path: str | Path | None, here: dict[str, Any]) -> str | None:

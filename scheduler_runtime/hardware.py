@@ -18,8 +18,8 @@ import os
 import platform
 from pathlib import Path
 
-__all__ = ["DTYPE_ENV", "compute_dtype", "cpu_isa", "kv_bytes_factor", "kv_bytes_per_token", "online_cores",
-           "parse_cores"]
+__all__ = ["DTYPE_ENV", "PROFILES_DIR", "compute_dtype", "cpu_isa", "cpu_model", "kv_bytes_factor",
+           "kv_bytes_per_token", "machine_profile", "online_cores", "parse_cores", "same_machine"]
 
 DTYPE_ENV = "FEATHER_ENGINE_DTYPE"
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
@@ -35,6 +35,46 @@ def _cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what :mod:`platform` knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+#: The simulator's step-time profiles shipped with the toolkit, one per kind of machine.
+PROFILES_DIR = Path(__file__).resolve().parents[1] / "configs" / "profiles"
+#: The shipped profile used where none was measured on this kind of machine.
+DEFAULT_PROFILE_NAME = "cpu-tiny-llama.json"
+
+
+def same_machine(a: dict, b: dict) -> bool:
+    """Two ``machine_info`` records known to be one kind of machine: the same CPU model name and the
+    same vector ISA, both recorded (one model name covers AVX2-only and AVX-512 hosts)."""
+    return a.get("isa") is not None and a.get("cpu") == b.get("cpu") and a.get("isa") == b.get("isa")
+
+
+def machine_profile(directory: str | Path = PROFILES_DIR) -> Path:
+    """The shipped step-time profile measured on this kind of machine (:func:`same_machine`: CPU model
+    and ISA), the first by name; else ``cpu-tiny-llama.json``. What the admission rule predicts with
+    when no profile is named (the in-process engine, ``feather-serve --admission``)."""
+    here = {"cpu": cpu_model(), "isa": cpu_isa()}
+    directory = Path(directory)
+    for path in sorted(directory.glob("*.json")):
+        try:
+            measured = json.loads(path.read_text(encoding="utf-8")).get("measured_on") or {}
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(measured, dict) and same_machine(measured, here):
+            return path
+    return directory / DEFAULT_PROFILE_NAME
 
 
 #: Vector instruction sets that change the engine's speed, best first (what :func:`cpu_isa` names).
