@@ -404,7 +404,7 @@ def run(argv: Sequence[str], backend: Any = None) -> int:
         if args.max_concurrency is not None or args.model is not None:
             raise ConfigError("--max-concurrency and --model are for --endpoint runs")
         schedulers = validate_schedulers((args.schedulers or DEFAULT_SCHEDULERS).split(","),
-                                         args.chunk_size, args.max_wait)
+                                         args.chunk_size, args.max_wait, slos=goodput)
     workload, engine, record = build_workload(args)
     print(_describe(workload))
     progress = not args.no_progress
@@ -425,7 +425,7 @@ def run(argv: Sequence[str], backend: Any = None) -> int:
             warmup=not args.no_warmup, isolated_probes=not args.no_isolated, run_timeout_s=args.run_timeout,
             quiet_wait_s=args.quiet_wait, max_foreign=args.max_foreign,
             retries=args.retries if args.max_foreign is not None else 0, repeats=args.repeats,
-            label=args.label)
+            label=args.label, goodput=goodput)
         line = (f"in-process engine: {_engine_line(engine)}, max model length {engine.max_model_len:,}, "
                 f"cores {engine.cpu_cores or 'all'}")
         if args.check:
@@ -496,13 +496,14 @@ def _out_dir(given: str | None, command: str) -> Path:
 
 
 def run_advise(argv: Sequence[str], backend: Any = None) -> int:
-    """``evaluate.py advise``: the best scheduler and token budget for the SLOs
+    """``evaluate.py advise``: the best scheduler, token budget and admission rule for the SLOs
     (:mod:`feather_env.evaluation.advise`)."""
-    from feather_env.evaluation.advise import DEFAULT_BUDGETS, AdviseConfig, advise, plan
+    from feather_env.evaluation.advise import ADMISSION_RULES, DEFAULT_BUDGETS, AdviseConfig, advise, plan
 
-    p = argparse.ArgumentParser(prog="evaluate.py advise", description="Which scheduler and per-step token "
-                                "budget serve a scenario's traffic best under latency SLOs, searched in the "
-                                "simulator on held-out windows, against vLLM's default.")
+    p = argparse.ArgumentParser(prog="evaluate.py advise", description="Which scheduler, per-step token "
+                                "budget and admission rule serve a scenario's traffic best under latency "
+                                "SLOs, searched in the simulator (tuned on some windows, reported on "
+                                "held-out ones), against vLLM's default.")
     p.add_argument("--scenario", required=True, help="a scenario name or YAML file (your trace's: "
                    "python -m feather_env.scenarios new)")
     p.add_argument("--goodput", nargs="+", required=True,
@@ -528,7 +529,18 @@ def run_advise(argv: Sequence[str], backend: Any = None) -> int:
     p.add_argument("--shortlist", type=int, default=6,
                    help="settings served on every window (default 6)")
     p.add_argument("--noise", type=float, default=0.03,
-                   help="goodput difference taken as noise (default 0.03)")
+                   help="relative difference taken as noise (default 0.03)")
+    p.add_argument("--admission", action=argparse.BooleanOptionalAction, default=None,
+                   help="search admission rules with the schedulers, caps and budgets, ranked by SLO "
+                   "attainment (default: on when --goodput has a ttft SLO)")
+    p.add_argument("--admission-rules", default=None, help=f"the rules searched (default "
+                   f"{','.join(ADMISSION_RULES)}; slo and deadline need a ttft SLO)")
+    p.add_argument("--admission-bases", type=int, default=3, help="the best settings without a rule the "
+                   "rules are searched on, beside fcfs at each budget (default 3)")
+    p.add_argument("--thresholds", type=int, default=8,
+                   help="log-spaced thresholds of each rule (default 8)")
+    p.add_argument("--light-load", type=float, default=3.0, help="price the recommended rule at the "
+                   "scenario's rate divided by this (default 3)")
     p.add_argument("--profile", default=None, help="the simulator's profile (default: chosen by a short "
                    "probe of the real engine, refitted when off by more than 10%%)")
     p.add_argument("--probe-window-s", type=float, default=20.0, help="the probe's window of the trace "
@@ -554,7 +566,10 @@ def run_advise(argv: Sequence[str], backend: Any = None) -> int:
                           what_if=not args.no_what_if, confirm=args.confirm or args.confirm_top is not None,
                           repeats=args.repeats,
                           confirm_top=1 if args.confirm_top is None else args.confirm_top,
-                          probe_window_s=args.probe_window_s)
+                          probe_window_s=args.probe_window_s, admission=args.admission,
+                          admission_rules=names(args.admission_rules) or ADMISSION_RULES,
+                          admission_bases=args.admission_bases, thresholds=args.thresholds,
+                          light_load=args.light_load)
     scenario = load_scenario(args.scenario)
     if args.check:
         print(plan(scenario, config))

@@ -1,6 +1,6 @@
 """``evaluate.py advise``: the search over schedulers x token budgets for the goodput under SLOs, its
 recommendation rule, its files, its refusals, and (engine) the probe that picks the simulator's profile
-and the confirmation on the real engine."""
+and the confirmation on the real engine. The search of admission rules: tests/test_advise_admission.py."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def test_the_serve_command_carries_the_scenarios_knobs_where_the_name_would_not(
 
 def test_advise_on_the_simulator_writes_what_scripts_read(small, tmp_path):
     config = AdviseConfig(SLOS, windows=3, search_windows=1, schedulers=("fcfs", "lpm", "group-cap-2"),
-                          budgets=(512,), shortlist=2, profile=PROFILE, what_if=False)
+                          budgets=(512,), shortlist=2, profile=PROFILE, what_if=False, admission=False)
     out = tmp_path / "advice"
     payload = advise(small, config, out, progress=False, log=lambda _: None)
     saved = json.loads((out / "advice.json").read_text())
@@ -126,16 +126,22 @@ def test_advise_on_the_simulator_writes_what_scripts_read(small, tmp_path):
     assert "TTFT <= 5000 ms" in md and rec["scheduler"] in md and (out / "goodput.png").stat().st_size > 0
     # what advise --check said it would serve is what it served
     served = sum(len(r["windows"]) for r in rows.values())
-    assert (f"search: 6 settings on window(s) 100, then the best 2 and the default on window(s) 100, 101, "
-            f"102: {served} simulated windows") in plan(small, config)
+    assert (f"search: 6 settings on window(s) 100, then the best 2 and the default on held-out window(s) "
+            f"101, 102: {served} simulated windows") in plan(small, config)
+    # the figures reported are the held-out windows' (the tuning window chose the shortlist)
+    r = rows[rec["scheduler"]]
+    assert [w["held_out"] for w in r["windows"]] == [False, True, True]
+    assert r["request_goodput"] == pytest.approx((r["windows"][1]["request_goodput"]
+                                                  + r["windows"][2]["request_goodput"]) / 2)
+    assert saved["windows"]["held_out"] == [101, 102] and "nothing was held out" not in md
 
 
 def test_the_what_ifs_serve_more_kv_and_more_replicas(small, tmp_path):
     config = AdviseConfig(SLOS, windows=1, search_windows=1, schedulers=("fcfs",), budgets=(512,),
-                          shortlist=1, profile=PROFILE)
+                          shortlist=1, profile=PROFILE, admission=False)
     payload = advise(small, config, tmp_path / "w", progress=False, log=lambda _: None)
     for what in payload["what_if"].values():
-        assert set(what) == {"2x_kv_cache", "2_replicas", "4_replicas"}
+        assert set(what) == {"2x_kv_cache", "2_replicas", "4_replicas", "replicas_without_rule"}
         # 4 replicas serve the same arrivals with a quarter of the load each: at least as many good
         assert what["4_replicas"]["request_goodput"] >= what["2_replicas"]["request_goodput"] * 0.95
 
@@ -206,7 +212,8 @@ def test_check_prints_the_plan_and_starts_no_probe(tmp_path, capsys, monkeypatch
     assert ("probe on the real engine first (episode seed 99, a 20 s window; fcfs, fcfs@512, "
             "group-cap-8@256)") in text
     assert "settings: 2 schedulers (fcfs, group-cap-2) x 2 per-step token budgets (512, 8192" in text
-    assert "confirm: on the real engine, window 100: the default and the simulator's best 2" in text
+    assert "confirm: on the real engine, window 102: the default and the simulator's best 2" in text
+    assert "admission: queued-tokens, queued-reqs, slo, deadline, slo+deadline over 8 thresholds" in text
     assert text.rstrip().endswith("nothing served") and not out.exists()
 
 
@@ -257,6 +264,20 @@ def test_confirm_serves_both_settings_on_the_engine_with_every_request(on_test_e
         run = measured["runs"][name]
         assert run["completed"] == n and len(run["request_goodput_per_run"]) == 1
         assert run["request_goodput"] >= 0
+
+
+@pytest.mark.engine
+def test_confirm_serves_an_admission_rule_on_the_engine_with_the_slos(on_test_engine, env_backend):
+    """The SLOs reach the in-process engine's serving loop: a rule that reads the TTFT SLO is served
+    (without them its controller refuses to start), and every request is completed, rejected or aborted."""
+    config = AdviseConfig(SLOS, repeats=1)
+    name = "fcfs~slo:0.5+deadline"
+    measured = confirm(on_test_engine, [name], config, backend=env_backend, log=lambda _: None)
+    run = measured["runs"][name]
+    n = len(on_test_engine.episode_workload(config.seeds[0]))
+    rejected = round(run["rejected_fraction"] * n)
+    assert run["submitted"] == n and run["completed"] + run["aborted"] + rejected == n
+    assert 0 <= run["slo_attainment"] <= 1 and run["false_admit_fraction"] is not None
 
 
 # -- the engine's last word among the simulator's best (--confirm-top) -------------------------------

@@ -1,6 +1,7 @@
 """The advice's files (:mod:`feather_env.evaluation.advise`): ``advice.json`` for scripts, ``advice.md``
-(the recommendation, the best few and the default as tables, what else the search found) and
-``goodput.png`` (every candidate's predicted goodput)."""
+(the recommendation, the best few and the default as tables, the admission rules searched and what
+the recommended one costs at light load, what else the search found, the engine's confirmation by
+role) and ``goodput.png`` (every candidate's predicted goodput)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from feather_env.evaluation.recommend import simplicity
 from feather_env.reporting import format_table, write_json
 
 __all__ = ["render_markdown", "write_advice"]
@@ -31,21 +33,32 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
     rows, rec, slos = payload["candidates"], payload["recommendation"], payload["slos_ms"]
     slo_text = ", ".join(f"{k.upper()} <= {v:g} ms" for k, v in slos.items())
     default = payload["default"]["scheduler"]
+    ranked = "SLO attainment" if rec.get("ranked_by") == "slo_attainment" else "goodput"
+    windows = payload["windows"]["note"]
     lines = [
         f"# Advice for {payload['scenario']} (SLOs: {slo_text})",
         "",
-        f"**Recommendation: `{rec['scheduler']}`**: {rec['why']}.",
+        f"**Recommendation: `{rec['scheduler']}`** (admission rule: {rec.get('admission', 'none')}): "
+        f"{rec['why']}.",
         "",
         f"Serve it with: `{rec['serve_command']}`",
         "",
-        f"Predicted goodput {_fmt(rec['predicted_goodput'], '.2f')} req/s, "
-        f"{_fmt(rec['predicted_goodput_ratio'], '.2f')}x vLLM's default (`{default}`: "
-        f"{_fmt(payload['default']['request_goodput'], '.2f')} req/s); per window "
-        f"{_fmt(rec['ratio_range'][0], '.2f')}-{_fmt(rec['ratio_range'][1], '.2f')}x.",
+        f"Predicted SLO attainment {_fmt(rec.get('predicted_attainment'), '.1%')} of the requests "
+        f"({_fmt(payload['default'].get('slo_attainment'), '.1%')} with vLLM's default, `{default}`), "
+        f"goodput {_fmt(rec['predicted_goodput'], '.2f')} req/s, "
+        f"{_fmt(rec['predicted_goodput_ratio'], '.2f')}x the default's "
+        f"({_fmt(payload['default']['request_goodput'], '.2f')} req/s); per window "
+        f"{_fmt(rec['ratio_range'][0], '.2f')}-{_fmt(rec['ratio_range'][1], '.2f')}x its {ranked}.",
+        "",
+        f"Windows: {windows}. Ranked by {ranked}"
+        + (" (good requests over submitted ones: a rule that sheds requests gains nothing by it)"
+           if ranked == "SLO attainment" else "") + ".",
         "",
     ]
     headers = [
         "setting",
+        "attainment",
+        "rejected",
         "goodput req/s",
         "x default",
         "output tok/s",
@@ -64,6 +77,8 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
         table.append(
             [
                 f"`{name}`" + (" (vLLM default)" if name == default else ""),
+                _fmt(r.get("slo_attainment"), ".1%"),
+                _fmt(r.get("rejected_fraction"), ".1%"),
                 _fmt(r["request_goodput"], ".2f"),
                 _fmt(r["request_goodput"] / d if d else None, ".2f"),
                 _fmt(r["output_throughput"], ".1f"),
@@ -76,19 +91,20 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
                 _fmt(r["prefix_hit_rate"], ".1%"),
             ]
         )
-    windows = len(rows[default]["windows"])
     lines += [
-        f"## The best settings and the default (simulator, mean of {windows} held-out windows)",
+        f"## The best settings and the default (simulator: {windows})",
         "",
         format_table(headers, table),
         "",
     ]
+    lines += _admission_lines(payload)
     reuse, hs = payload["prefix_reuse_available"], payload["hindsight"]
     lines += [
         "## What the search found",
         "",
-        f"- Settings searched: {len(rows)} (schedulers x per-step token budgets); the best "
-        f"{sum(r['stage'] == 'every window' for r in rows.values())} on every window.",
+        f"- Settings searched: {len(rows)} (schedulers x per-step token budgets"
+        + (" x admission rules and thresholds" if payload["admission_search"]["rules"] else "")
+        + f"); the best {sum(r['stage'] == 'every window' for r in rows.values())} on every window.",
         f"- Offered load: {payload['offered_request_rate']:.2f} requests/s arrive; no setting's goodput "
         "is above it.",
         f"- Prefix reuse available: {reuse['perfect_cache']:.1%} of prompt tokens with a perfect prefix "
@@ -125,7 +141,9 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
                 ],
             ),
             "",
-            "Goodput in requests/s; replicas behind the prefix router (`feather-serve --replicas N`).",
+            "Goodput in requests/s; replicas behind the prefix router (`feather-serve --replicas N`)"
+            + (", served without their admission rule (the cluster simulator applies none)"
+               if any(w.get("replicas_without_rule") for w in payload["what_if"].values()) else "") + ".",
         ]
     if "confirm" in payload:
         c = payload["confirm"]
@@ -134,17 +152,22 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
             f"## Confirmed on the real engine (window {c['seed']}, {c['repeats']} alternating runs each)",
             "",
             format_table(
-                ["setting", "goodput req/s (median)", "runs", "output tok/s", "mean TTFT ms", "mean TPOT ms"],
+                ["role", "setting", "attainment (median)", "goodput req/s (median)", "runs", "rejected",
+                 "false admits", "output tok/s", "mean TTFT ms", "mean TPOT ms"],
                 [
                     [
-                        f"`{n}`",
-                        _fmt(r["request_goodput"], ".2f"),
-                        ", ".join(_fmt(g, ".2f") for g in r["request_goodput_per_run"]),
-                        _fmt(r["output_throughput"], ".1f"),
-                        _fmt(r["mean_ttft_ms"], ".0f"),
-                        _fmt(r["mean_tpot_ms"], ".1f"),
+                        s["role"],
+                        f"`{s['name']}`",
+                        _fmt(s["measured_attainment"], ".1%"),
+                        _fmt(s["measured_goodput"], ".2f"),
+                        ", ".join(_fmt(g, ".2f") for g in c["runs"][s["name"]]["request_goodput_per_run"]),
+                        _fmt(s["rejected_fraction"], ".1%"),
+                        _fmt(s["false_admit_fraction"], ".1%"),
+                        _fmt(c["runs"][s["name"]]["output_throughput"], ".1f"),
+                        _fmt(c["runs"][s["name"]]["mean_ttft_ms"], ".0f"),
+                        _fmt(c["runs"][s["name"]]["mean_tpot_ms"], ".1f"),
                     ]
-                    for n, r in c["runs"].items()
+                    for s in _confirmed(c)
                 ],
             ),
             "",
@@ -165,6 +188,67 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
         f"{payload['wall_s']:.0f} s.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _confirmed(c: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The confirmation's rows: its settings by role, then any other setting it served (``--confirm-top``)."""
+    settings = list(c.get("settings", []))
+    named = {s["name"] for s in settings}
+    for name, r in c["runs"].items():
+        if name not in named:
+            settings.append({"role": "simulator's best", "name": name,
+                             "measured_attainment": r.get("slo_attainment"),
+                             "measured_goodput": r["request_goodput"],
+                             "rejected_fraction": r.get("rejected_fraction"),
+                             "false_admit_fraction": r.get("false_admit_fraction")})
+    return settings
+
+
+def _admission_lines(payload: Mapping[str, Any]) -> list[str]:
+    """The admission section: the best setting of each rule searched (on the held-out windows, with the
+    thresholds searched on its base), and what the recommended (or the best) rule costs at light load;
+    nothing when no rule was searched."""
+    search = payload.get("admission_search") or {}
+    if not search.get("rules"):
+        return []
+    rows = payload["candidates"]
+    reported = [e for e in search["searched"] if rows[e["best"]]["stage"] == "every window"]
+    best: dict[str, Mapping[str, Any]] = {}
+    for rule in search["rules"]:  # the best attainment, equal ones going to the simplest setting
+        entries = [e for e in reported if e["rule"] == rule]
+        if entries:
+            best[rule] = min(entries, key=lambda e: (-(rows[e["best"]]["slo_attainment"] or 0.0),
+                                                     simplicity(e["best"])))
+    table = []
+    for rule, entry in best.items():
+        r, ladder = rows[entry["best"]], entry["thresholds"]
+        table.append([rule, f"`{entry['best']}`", _fmt(r["slo_attainment"], ".1%"),
+                      _fmt(r["request_goodput"], ".2f"), _fmt(r["rejected_fraction"], ".1%"),
+                      _fmt(r["false_admit_fraction"], ".1%"),
+                      f"{len(ladder)}: {ladder[0]:g}-{ladder[-1]:g}" if ladder else "-"])
+    lines = [
+        "## Admission rules",
+        "",
+        f"Rules searched: {', '.join(search['rules'])}, each over log-spaced thresholds (extended past an "
+        f"edge while the best lay there) on {len({e['base'] for e in search['searched']})} settings; the "
+        "best of each on the reported windows (rejected requests count against the attainment):",
+        "",
+        format_table(["rule", "best setting", "attainment", "goodput req/s", "rejected", "false admits",
+                      "thresholds searched"], table),
+        "",
+    ]
+    light = payload.get("light_load")
+    if light is not None:
+        w, wo = light["with_rule"], light["without_rule"]
+        lines += [
+            f"At light load (the scenario's rate / {light['rate_divisor']:g}), `{light['setting']}` rejects "
+            f"{_fmt(light['rejected_fraction'], '.1%')} of the requests and attains "
+            f"{_fmt(w['slo_attainment'], '.1%')} against {_fmt(wo['slo_attainment'], '.1%')} without its "
+            f"rule (`{light['without_rule_setting']}`): an attainment ratio of "
+            f"{_fmt(light['attainment_ratio'], '.3f')}.",
+            "",
+        ]
+    return lines
 
 
 def _plot(payload: Mapping[str, Any], path: Path) -> None:

@@ -72,8 +72,9 @@ class InProcessConfig:
         repeats: serve every scheduler this many times, schedulers alternating; its metrics are those
             of the run with the median end-to-end output throughput, ``repeats`` lists every run's figures.
         label: prefix of the run labels (``LABEL/scheduler``); ``None``: the scheduler names.
-        goodput: SLOs in ms (``{"ttft": 5000}``); with ``repeats``, every run's ``request_goodput``
-            is listed in ``repeats`` too.
+        goodput: SLOs in ms (``{"ttft": 5000}``), which a setting's admission rule (``~RULE``) reads
+            too; with ``repeats``, every run's ``request_goodput`` and ``slo_attainment`` are listed in
+            ``repeats`` too.
     """
 
     schedulers: tuple[str, ...]
@@ -275,7 +276,7 @@ def evaluate_in_process(
         ConfigError: a bad scheduler name (before the engine starts).
         EngineError: a request not served exactly once with its tokens, or a run past the timeout.
     """
-    names = validate_schedulers(config.schedulers, config.chunk_size, config.max_wait)
+    names = validate_schedulers(config.schedulers, config.chunk_size, config.max_wait, slos=config.goodput)
     need = max(r.peak_tokens for r in workload) + 1
     if config.engine.max_model_len < need:
         raise ConfigError(f"engine max_model_len {config.engine.max_model_len} < the workload's longest "
@@ -288,6 +289,7 @@ def evaluate_in_process(
         t0 = time.perf_counter()
         backend = VLLMBackend(config.engine)
         info["engine_start_s"] = time.perf_counter() - t0
+    backend.admission_slos = dict(config.goodput or {})  # what a setting's ~RULE reads
     try:
         if config.warmup:
             warm_up(backend, config.engine.max_model_len)
@@ -318,6 +320,7 @@ def evaluate_in_process(
                     "foreign_cpu": [r.extra["foreign_cpu"] for r in every]}
                 if config.goodput:
                     run.extra["repeats"]["request_goodput"] = [m["request_goodput"] for m in metrics]
+                    run.extra["repeats"]["slo_attainment"] = [m["slo_attainment"] for m in metrics]
             runs.append(run)
         return runs, info
     finally:
