@@ -24,3 +24,5 @@ if "feather/Batching-v0" not in _gym.registry:
 if "feather/GroupAdmission-v0" not in _gym.registry:
     _gym.register(id="feather/GroupAdmission-v0", entry_point="feather_env.env:FeatherEnv",
                   kwargs={"decision": "group"})
+if "feather/Admission-v0" not in _gym.registry:
+    _gym.register(id="feather/Admission-v0", entry_point="feather_env.admission_env:AdmissionEnv")
