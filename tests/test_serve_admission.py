@@ -14,6 +14,7 @@ import asyncio
 import json
 import re
 import shlex
+import subprocess
 import sys
 import time
 from typing import Any
@@ -22,9 +23,10 @@ import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
-from serving import SMALL_SERVER, feather_serve_command, get, metric, running_server, wait_until_idle
+from serving import REPO, SMALL_SERVER, feather_serve_command, get, metric, running_server, wait_until_idle
 from test_serve_cli import usage_error
 
+from scheduler_runtime.hardware import PROFILES_DIR, machine_profile
 from scheduler_runtime.router_base import ReplicaRouter
 from scheduler_runtime.serving.admission_http import (
     DEFAULT_PROFILE,
@@ -39,13 +41,15 @@ from scheduler_runtime.serving.proxy import ReplicaProxy
 from scheduler_runtime.serving.replicas import Replica, free_port
 from scheduler_runtime.serving.serve import ADMISSION_MIDDLEWARE, DEFAULT_MODEL, vllm_arguments
 
-PROMPT = 3000  # tokens: ~0.19 s of prefill alone by the shipped profile, at a budget of 2,048
+PROMPT = 3000  # tokens: ~0.19 s of prefill alone by cpu-tiny-llama.json's step model, at a budget of 2,048
 
 
 def settings(rule: str = "slo", ttft_ms: float = 300.0, **kw: Any) -> AdmissionSettings:
-    """Settings as feather-serve computes them for its default engine (budget 2,048, block 128)."""
+    """Settings as feather-serve computes them for its default engine (budget 2,048, block 128), with
+    the step model of ``cpu-tiny-llama.json`` (:data:`DEFAULT_PROFILE`, whatever this machine's is)."""
     args, _ = vllm_arguments(["--scheduler", "fcfs"])
-    base = AdmissionSettings.for_server(rule, {"ttft": ttft_ms, "tpot": 100.0}, 503, args)
+    base = AdmissionSettings.for_server(rule, {"ttft": ttft_ms, "tpot": 100.0}, 503, args,
+                                        profile=DEFAULT_PROFILE)
     return AdmissionSettings(**{**base.__dict__, **kw})
 
 
@@ -322,7 +326,11 @@ def test_settings_travel_in_the_environment():
     assert AdmissionSettings.from_env({ENV_VAR: s.to_json()}) == s
     assert AdmissionSettings.from_env({}) is None
     assert s.block_size == 128 and s.token_budget == 2048 and s.kv_capacity_tokens > 100_000
-    assert s.step_model == json.loads(DEFAULT_PROFILE.read_text())["step_model"]
+    # without a profile named: the shipped profile of this kind of machine (else the fallback)
+    args, _ = vllm_arguments(["--scheduler", "fcfs"])
+    default = AdmissionSettings.for_server("slo", {"ttft": 300.0}, 503, args)
+    assert default.step_model == json.loads(machine_profile().read_text())["step_model"]
+    assert DEFAULT_PROFILE.parent == PROFILES_DIR and DEFAULT_PROFILE.is_file()
 
 
 # ------------------------------------------------------------------------------------ the command line
@@ -345,6 +353,45 @@ def test_settings_travel_in_the_environment():
 def test_bad_admission_options_are_usage_errors(capsys, args, message):
     line = usage_error(["--scheduler", "fcfs", *args] if "--scheduler" not in args else args, capsys)
     assert line.startswith("feather-serve: error: ") and message in line, line
+
+
+def test_admission_profile_names_the_step_model_and_a_bad_one_is_a_usage_error(capsys, tmp_path):
+    base = ["--scheduler", "fcfs", "--admission", "slo", "--slo", "ttft:2000 tpot:100"]
+    chosen = sorted(PROFILES_DIR.glob("*.json"))[0]
+    with pytest.raises(SystemExit) as exit_info:
+        vllm_arguments([*base, "--admission-profile", str(chosen), "--print-command"])
+    assert exit_info.value.code == 0
+    env, *_ = shlex.split(capsys.readouterr().out)
+    name, value = env.split("=", 1)
+    s = AdmissionSettings.from_env({name: value})
+    assert s is not None and s.step_model == json.loads(chosen.read_text())["step_model"]
+    not_json = tmp_path / "not.json"
+    not_json.write_text("{step_model")
+    no_model = tmp_path / "no-model.json"
+    no_model.write_text(json.dumps({"measured_on": {}}))
+    no_coef = tmp_path / "no-coef.json"
+    no_coef.write_text(json.dumps({"step_model": {"features": ["const"], "coef": [0.1]}}))
+    for path, message in ((tmp_path / "missing.json", "no such file"), (tmp_path, "no such file"),
+                          (not_json, "cannot be read"), (no_model, "has no step_model"),
+                          (no_coef, "no coefficients of the simulator's features")):
+        with pytest.raises(SystemExit) as exit_info:
+            vllm_arguments([*base, "--admission-profile", str(path)])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        errors = [line for line in err if line.startswith("feather-serve: error: ")]
+        assert errors == [err[-1]], err  # one line
+        assert errors[0].startswith("feather-serve: error: --admission-profile: "), err
+        assert message in errors[0], err
+    line = usage_error(["--scheduler", "fcfs", "--admission-profile", str(chosen)], capsys)
+    assert "--admission-profile is read by the slo and deadline admission rules only" in line, line
+    # feather-serve itself, in a fresh interpreter: the error comes before vLLM is imported
+    code = ("import sys\nfrom scheduler_runtime.serving.serve import main\n"
+            f"try:\n    main([*{base!r}, '--admission-profile', {str(tmp_path / 'missing.json')!r}])\n"
+            "except SystemExit as e:\n    print(e.code, 'vllm' in sys.modules)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert run.stdout.split() == ["2", "False"], run.stdout + run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("feather-serve: error: --admission-profile: no such file"), run.stderr
 
 
 def test_the_rule_reaches_vllm_as_its_caps_or_the_middleware(capsys):

@@ -3,11 +3,11 @@ rejects or aborts each completion request by a rule of :mod:`scheduler_runtime.a
 
 ``feather-serve --admission slo --slo "ttft:2000 tpot:100"`` computes :class:`AdmissionSettings` from its
 options and the engine's arguments (token budget, batch size, KV cache, block size, the tokenizer, and
-the step-time model of the shipped profile), puts them in the environment variable :data:`ENV_VAR`
-(JSON) and starts vLLM's server with ``--middleware
-scheduler_runtime.serving.admission_http.AdmissionMiddleware``, which reads them back in the API-server
-process. For ``POST /v1/completions`` and ``POST /v1/chat/completions`` the middleware, before any byte
-of the response:
+the step-time model of ``--admission-profile``, by default the shipped profile of this kind of machine),
+puts them in the environment variable :data:`ENV_VAR` (JSON) and starts vLLM's server with
+``--middleware scheduler_runtime.serving.admission_http.AdmissionMiddleware``, which reads them back in
+the API-server process. For ``POST /v1/completions`` and ``POST /v1/chat/completions`` the middleware,
+before any byte of the response:
 
 * reads the body and tokenizes the prompt with the served model's tokenizer (a completion's text
   prompt as vLLM does, with the special tokens, or its token ids as they are; a batch of prompts counts
@@ -71,7 +71,8 @@ TTFT_HEADER, TPOT_HEADER = "x-slo-ttft-ms", "x-slo-tpot-ms"
 SLO_HEADERS = {TTFT_HEADER: "ttft", TPOT_HEADER: "tpot"}
 #: The response header of a rejection, naming its reason (the proxy reads it).
 ADMISSION_HEADER = "x-feather-admission"
-#: The step-time profile the rule predicts with (its ``step_model``), the simulator's shipped one.
+#: The shipped step-time profile used where none was measured on this kind of machine (the rule
+#: predicts with :func:`scheduler_runtime.hardware.machine_profile`'s unless a profile is named).
 DEFAULT_PROFILE = Path(__file__).resolve().parents[2] / "configs" / "profiles" / "cpu-tiny-llama.json"
 #: vLLM's defaults of its OpenAI server on CPU, where the command line does not say.
 VLLM_CPU_SERVER_BUDGET, VLLM_CPU_SERVER_MAX_SEQS = 2048, 128
@@ -114,16 +115,22 @@ class AdmissionSettings:
 
     @classmethod
     def for_server(cls, rule: str, slos: Mapping[str, float], status: int, vllm_args: Sequence[str],
-                   token_budget: int | None = None, profile: Path = DEFAULT_PROFILE) -> AdmissionSettings:
+                   token_budget: int | None = None, profile: str | Path | None = None) -> AdmissionSettings:
         """The settings of a server started with ``vllm_args`` (``feather-serve``'s, completed).
 
         ``token_budget``: the scheduler name's ``@TOKENS`` (else ``--max-num-batched-tokens``, else
-        vLLM's CPU server default).
+        vLLM's CPU server default). ``profile``: the step-time profile whose ``step_model`` the rule
+        predicts with (``feather-serve --admission-profile``; ``None``: the shipped profile of this
+        kind of machine, :func:`scheduler_runtime.hardware.machine_profile`).
 
         Raises:
             ConfigError: a bad rule, SLOs the rule cannot use, bad engine figures, or a profile without
                 a step model.
         """
+        if profile is None:
+            from scheduler_runtime.hardware import machine_profile
+
+            profile = machine_profile()
         try:
             data = json.loads(Path(profile).read_text())
         except (OSError, ValueError) as exc:
@@ -131,6 +138,10 @@ class AdmissionSettings:
         step_model = data.get("step_model") if isinstance(data, dict) else None
         if not isinstance(step_model, dict):
             raise ConfigError(f"the admission profile {profile} has no step_model")
+        try:
+            StepTimeModel.from_profile(step_model)
+        except ConfigError as exc:
+            raise ConfigError(f"the admission profile {profile}: {exc}") from None
         try:
             budget = token_budget or int(flag_value(vllm_args, "--max-num-batched-tokens",
                                                     str(VLLM_CPU_SERVER_BUDGET)))

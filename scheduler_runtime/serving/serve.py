@@ -19,8 +19,10 @@ defaults below):
 * ``--async-scheduling`` / ``--no-async-scheduling``: the ``AsyncScheduler`` variant of the
   scheduler (and vLLM's async scheduling) or not; default: on when torch sees a CUDA device
   (vLLM's own default there), off on CPU (where vLLM does not support it);
-* ``--admission RULE`` (default ``none``), ``--slo "ttft:MS tpot:MS"`` (vLLM's ``--goodput`` pairs) and
-  ``--admission-status {503,429}``: admission past capacity (:mod:`scheduler_runtime.admission`,
+* ``--admission RULE`` (default ``none``), ``--slo "ttft:MS tpot:MS"`` (vLLM's ``--goodput`` pairs),
+  ``--admission-status {503,429}`` and ``--admission-profile PATH`` (the step-time profile the rule
+  predicts with; default: :func:`scheduler_runtime.hardware.machine_profile`, the shipped profile of
+  this kind of machine): admission past capacity (:mod:`scheduler_runtime.admission`,
   ``docs/serving.md``). A ``~RULE`` after the scheduler name is the same as ``--admission RULE``. The
   rule's vLLM caps (``queued-reqs:N``, ``queued-tokens:N``) become vLLM's ``--max-num-queued-reqs`` /
   ``--max-num-queued-tokens``; ``slo[:F]`` and ``deadline`` (which need ``--slo ttft:MS``) are decided in
@@ -147,6 +149,9 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], Clust
                            help="the SLOs the slo and deadline rules read (vLLM's --goodput pairs)")
     admission.add_argument("--admission-status", type=int, choices=(503, 429), default=503,
                            help="the HTTP status of a rejected request (default 503)")
+    admission.add_argument("--admission-profile", default=None, metavar="PATH",
+                           help="the step-time profile (JSON with a step_model) the slo and deadline rules "
+                                "predict with (default: the shipped profile of this kind of machine)")
     cluster = parser.add_argument_group("several engine replicas behind one endpoint")
     cluster.add_argument("--replicas", type=int, default=1, help="engine replicas (default 1: plain server)")
     cluster.add_argument("--router", choices=ROUTER_CHOICES, default="prefix",
@@ -251,6 +256,9 @@ def _admission(parser: argparse.ArgumentParser, ours: argparse.Namespace, args: 
         parser.error(f"the admission rule {str(rule)!r} needs a TTFT SLO: --slo \"ttft:MS [tpot:MS]\"")
     if ours.slo is not None and not rule.needs_slos:
         parser.error(f"--slo is read by the slo and deadline admission rules only; the rule is {str(rule)!r}")
+    if ours.admission_profile is not None and not rule.needs_slos:
+        parser.error(f"--admission-profile is read by the slo and deadline admission rules only; the rule is "
+                     f"{str(rule)!r}")
     for field_name, value in rule.vllm_caps.items():
         flag = "--" + field_name.replace("_", "-")
         given = flag_value(args, flag, str(value))
@@ -261,10 +269,15 @@ def _admission(parser: argparse.ArgumentParser, ours: argparse.Namespace, args: 
             args += [flag, str(value)]
     if not rule.needs_slos:
         return None
+    profile = ours.admission_profile
+    if profile is not None and not Path(profile).is_file():
+        parser.error(f"--admission-profile: no such file: {profile}")
     try:
-        settings = AdmissionSettings.for_server(str(rule), slos, ours.admission_status, args, budget)
+        settings = AdmissionSettings.for_server(str(rule), slos, ours.admission_status, args, budget,
+                                                profile=profile)
     except ConfigError as exc:
-        parser.error(f"--admission: {exc}")
+        flag = "--admission-profile" if str(exc).startswith("the admission profile") else "--admission"
+        parser.error(f"{flag}: {exc}")
     args += ["--middleware", ADMISSION_MIDDLEWARE]
     return settings
 
