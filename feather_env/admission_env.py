@@ -23,7 +23,7 @@ from feather_env.serving_metrics import meets_slos, serving_metrics
 from feather_env.workloads import Request
 from scheduler_runtime.admission import (
     AdmissionController,
-    StepTimeModel,
+    AdmissionRule,
     parse_slos,
     prompt_block_hashes,
     split_admission,
@@ -48,9 +48,6 @@ OBS_NAMES = ("pred_ttft_ratio", "alone_ratio", "never_fits", "uncached_fraction"
 OBS_CLIP = 16.0
 #: ``queued_uncached``'s unit (tokens).
 TOKEN_SCALE = 65536.0
-#: A cap of in-flight requests no episode reaches: the controller then never rejects (it only
-#: tracks the requests and predicts), whatever the request.
-_NEVER = 2**31 - 1
 
 
 def rule_action(obs: np.ndarray, factor: float) -> int:
@@ -157,14 +154,7 @@ class AdmissionEnv(gym.Env):
             raise ConfigError("episode_seeds is empty")
         # the cluster simulator's replica: driven request by request, the engine run up to each arrival
         self.backend = ReplicaSim("admission", resolved.engine, self.config, resolved.backend.profile)
-        e = self.engine_config
-        budget = min(self.config.max_num_batched_tokens or e.max_num_batched_tokens, e.max_num_batched_tokens)
-        # what ServingBackend._admission_controller builds for a ~RULE of this setting
-        self._controller_args = dict(
-            model=StepTimeModel.from_profile(self.backend.admission_profile()), token_budget=budget,
-            max_num_seqs=e.max_num_seqs, kv_capacity_tokens=max(1, e.usable_kv_tokens),
-            block_size=e.block_size)
-        self.max_num_seqs = e.max_num_seqs
+        self.max_num_seqs = self.engine_config.max_num_seqs
         high = np.array([OBS_CLIP, OBS_CLIP, 1.0, 1.0, OBS_CLIP, OBS_CLIP, OBS_CLIP, OBS_CLIP, OBS_CLIP],
                         dtype=np.float32)
         self.observation_space = spaces.Box(low=np.zeros_like(high), high=high, dtype=np.float32)
@@ -198,7 +188,8 @@ class AdmissionEnv(gym.Env):
         backend.start((), self.config)  # an empty episode: the requests come by submit()
         backend.opened = True
         backend.events = []
-        self.controller = AdmissionController(f"queued-reqs:{_NEVER}", self.slos, **self._controller_args)
+        # the controller a ~RULE of this setting would get, with a rule that rejects nothing
+        self.controller = backend.admission_controller(self.config, AdmissionRule())
         backend.admission = self.controller  # fed by the backend: offers, first tokens, finishes
         self._index: dict[str, RequestTimeline] = {}
         self._rejected: dict[str, RequestTimeline] = {}

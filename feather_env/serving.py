@@ -123,9 +123,13 @@ class ServingBackend(ABC):
         return self.runtime
 
     def _admission_controller(self, config: SchedulerConfig) -> AdmissionController | None:
+        """The episode's controller: the setting's ``~RULE``, ``None`` when it admits everything."""
         rule = AdmissionRule.parse(config.admission_rule)
-        if rule.is_none:
-            return None
+        return None if rule.is_none else self.admission_controller(config, rule)
+
+    def admission_controller(self, config: SchedulerConfig, rule: AdmissionRule) -> AdmissionController:
+        """A controller of ``rule`` for this engine served with ``config`` (its token budget), the SLOs
+        of :attr:`admission_slos` and the step model of :meth:`admission_profile`."""
         e = self.engine_config
         budget = min(config.max_num_batched_tokens or e.max_num_batched_tokens, e.max_num_batched_tokens)
         return AdmissionController(rule, self.admission_slos,
