@@ -59,6 +59,7 @@ __all__ = [
     "Decision",
     "PrefixEstimate",
     "StepTimeModel",
+    "attention_work",
     "check_slos",
     "parse_slos",
     "prompt_block_hashes",
@@ -306,15 +307,26 @@ class StepTimeModel:
                 + self.per_decode_kv * decode_kv + self.per_prefill_attn * prefill_attn)
 
     def prefill_seconds(self, tokens: float, cached: float, budget: int, running: int,
-                        running_kv: float) -> float:
+                        running_kv: float, attention: float | None = None) -> float:
         """Seconds to prefill ``tokens`` on top of ``cached`` in chunks of the budget left by ``running``
-        decoding requests (reading ``running_kv`` KV tokens), those decodes included."""
+        decoding requests (reading ``running_kv`` KV tokens), those decodes included.
+
+        ``attention``: the prefill attention work when ``tokens`` are several prompts' (the sum of
+        each one's :func:`attention_work`); by default that of one prompt."""
         if tokens <= 0:
             return 0.0
         chunk = max(16, budget - running)
         steps = math.ceil(tokens / chunk)
         per_step = self.step(running + 1, running + min(chunk, tokens), running_kv)
-        return steps * per_step + self.per_prefill_attn * tokens * (cached + (tokens + 1) / 2.0)
+        if attention is None:
+            attention = attention_work(tokens, cached)
+        return steps * per_step + self.per_prefill_attn * attention
+
+
+def attention_work(uncached: float, cached: float) -> float:
+    """A prompt's prefill attention work, ``q * (c + (q + 1) / 2)`` for ``q`` tokens to compute on top
+    of ``c`` cached ones (the step model's ``prefill_attn`` feature)."""
+    return uncached * (cached + (uncached + 1) / 2.0)
 
 
 def prompt_block_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int) -> list[int]:
@@ -410,13 +422,15 @@ class AdmissionStats:
 
 
 class _Entry:
-    __slots__ = ("arrival", "cached", "deadline", "latest_start", "prompt", "started", "uncached")
+    __slots__ = ("arrival", "attention", "cached", "deadline", "latest_start", "prompt", "started",
+                 "uncached")
 
     def __init__(self, arrival: float, prompt: int, cached: int, deadline: float, alone: float) -> None:
         self.arrival = arrival
         self.prompt = prompt
         self.cached = cached
         self.uncached = prompt - cached
+        self.attention = attention_work(self.uncached, cached)
         self.deadline = deadline
         self.latest_start = deadline - alone  # past this, even an idle engine is late
         self.started = False
@@ -462,6 +476,7 @@ class AdmissionController:
         self._entries: dict[str, _Entry] = {}
         self._queued_tokens = 0  # full prompts of the queued (vLLM's count)
         self._queued_uncached = 0  # what the queued still have to prefill (ours)
+        self._queued_attention = 0.0  # the sum of their own prefill attention work
         self._queued = 0
         self._running_kv = 0
 
@@ -499,10 +514,15 @@ class AdmissionController:
         return self.model.prefill_seconds(prompt_len - cached, cached, self.token_budget, 0, 0.0)
 
     def predicted_ttft(self, prompt_len: int, cached: int) -> float:
-        """Seconds until a request arriving now would see its first token, FCFS behind the queue."""
+        """Seconds until a request arriving now would see its first token, FCFS behind the queue: the
+        steps that prefill the queued requests' uncached tokens and its own, and each prompt's own
+        attention work (not that of one prompt of the backlog's length)."""
         running = min(self.num_running, self.max_num_seqs)
-        backlog = self._queued_uncached + (prompt_len - cached)
-        return self.model.prefill_seconds(backlog, cached, self.token_budget, running, self._running_kv)
+        uncached = prompt_len - cached
+        backlog = self._queued_uncached + uncached
+        attention = self._queued_attention + attention_work(uncached, cached)
+        return self.model.prefill_seconds(backlog, cached, self.token_budget, running, self._running_kv,
+                                          attention)
 
     # -- the events -----------------------------------------------------------------------------
     def offer(self, request_id: str, prompt_len: int, block_hashes: Sequence[int], now: float, *,
@@ -551,6 +571,7 @@ class AdmissionController:
             self._queued += 1
             self._queued_tokens += prompt_len
             self._queued_uncached += entry.uncached
+            self._queued_attention += entry.attention
             self.stats.admitted += 1
         return decision
 
@@ -568,6 +589,7 @@ class AdmissionController:
         self._queued -= 1
         self._queued_tokens -= entry.prompt
         self._queued_uncached -= entry.uncached
+        self._queued_attention -= entry.attention
         self._running_kv += entry.prompt
         if now > entry.deadline:
             self.stats.false_admits += 1
@@ -584,6 +606,7 @@ class AdmissionController:
             self._queued -= 1
             self._queued_tokens -= entry.prompt
             self._queued_uncached -= entry.uncached
+            self._queued_attention -= entry.attention
         if aborted:
             self.stats.aborted += 1
             self.stats.false_admits += 1
@@ -610,3 +633,4 @@ class AdmissionController:
         self._entries.clear()
         self.prefix.clear()
         self._queued = self._queued_tokens = self._queued_uncached = self._running_kv = 0
+        self._queued_attention = 0.0

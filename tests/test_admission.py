@@ -17,6 +17,7 @@ from scheduler_runtime.admission import (
     AdmissionRule,
     PrefixEstimate,
     StepTimeModel,
+    attention_work,
     parse_slos,
     prompt_block_hashes,
     split_admission,
@@ -116,6 +117,24 @@ def test_the_prefix_estimate_counts_blocks_of_an_earlier_queued_request_as_held(
     assert c.prefix.cached_blocks(hashes) == 7
     warm_alone = c.alone_seconds(1000, 7 * 128)
     assert warm_alone < c.alone_seconds(1000, 0) and cold > 0
+
+
+def test_the_backlogs_attention_is_each_queued_prompts_own_not_one_prompt_of_its_length():
+    # attention only: the prediction is the sum of each prompt's own q * (c + (q + 1) / 2)
+    model = StepTimeModel(const=0.0, per_request=0.0, per_token=0.0, per_decode_kv=0.0,
+                          per_prefill_attn=1e-9)
+    c = AdmissionController("slo:1000", {"ttft": 1000}, model=model, token_budget=8192, block_size=16)
+    for i in range(50):
+        assert c.offer(f"r{i}", 4000, [], 0.0).admit  # distinct prompts, nothing cached
+    own = attention_work(4000, 0)
+    assert c.predicted_ttft(4000, 0) == pytest.approx(51 * own * 1e-9)
+    # linear in the queue: one more prompt adds one prompt's work, whatever the queue's length
+    c.started("r0", 0.1)
+    assert c.predicted_ttft(4000, 0) == pytest.approx(50 * own * 1e-9)
+    c.finished("r1")  # left while queued
+    assert c.predicted_ttft(4000, 0) == pytest.approx(49 * own * 1e-9)
+    c.reset()
+    assert c.predicted_ttft(4000, 0) == pytest.approx(own * 1e-9)
 
 
 def test_prefix_estimate_is_an_lru_of_the_kv_cache_size():
