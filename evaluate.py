@@ -112,6 +112,8 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     what.add_argument("--arrival", default=None, help="burst | poisson:RATE | trace (default: the "
                       "scenario's; --workload: trace for splitwise, burst otherwise)")
     what.add_argument("--num-requests", type=int, default=None, help="keep this many requests at random")
+    what.add_argument("--rate-scale", type=float, default=None,
+                      help="--scenario: its episodes at this x the trace's rate (episode.rate_scale)")
     what.add_argument("--num-groups", type=int, default=None, help="keep this many whole prefix groups")
     what.add_argument("--max-per-group", type=int, default=None, help="at most this many requests per group")
     what.add_argument("--tasks", default=None, help="comma-separated L-Eval/LongBench tasks (default: all)")
@@ -218,7 +220,8 @@ def build_scenario(args: argparse.Namespace, *, simulated: bool = False) -> tupl
         if value is not None:
             overrides["workload"][key] = value
     for key, value in (("groups", args.num_groups), ("max_per_group", args.max_per_group),
-                       ("requests", args.num_requests), ("arrival", args.arrival)):
+                       ("requests", args.num_requests), ("arrival", args.arrival),
+                       ("rate_scale", args.rate_scale)):
         if value is not None:
             overrides["episode"][key] = value
     source: str | Scenario = args.scenario

@@ -98,6 +98,23 @@ def test_a_slower_machine_in_the_simulator(tmp_path):
     assert 1.8 < runs["2"]["duration"] / runs["1"]["duration"] < 2.2
 
 
+def test_rate_scale_replays_a_trace_scenario_faster(tmp_path):
+    """``--rate-scale R`` replaces the scenario's ``episode.rate_scale``: the same window's requests
+    arrive over 1/R of the trace's time."""
+    spans = {}
+    for scale in ("0.5", "1"):
+        out = tmp_path / scale
+        assert evaluate.main(["--scenario", "mooncake-overload-l", "--seed", "3", "--backend", "sim",
+                              "--rate-scale", scale, "--schedulers", "fcfs", "--out", str(out),
+                              "--no-plots"]) == 0
+        payload = json.loads((out / "results.json").read_text())
+        assert payload["scenario"]["episode"]["rate_scale"] == float(scale)
+        run = payload["runs"]["fcfs"]
+        assert run["completed"] == run["submitted"] > 0
+        spans[scale] = payload["workload"]
+    assert "rate0.5x" in spans["0.5"]["name"] and "rate1x" not in spans["1"]["name"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--workload", "leval", "--backend", "sim"], "--backend sim serves a scenario's episodes"),
     ([*SIM, "--episodes", "0"], "--episodes must be >= 1"),
@@ -108,6 +125,7 @@ def test_a_slower_machine_in_the_simulator(tmp_path):
     ([*SIM, "--kv-cache-gib", "nan"], "kv_cache_gib"),
     ([*SIM, "--engine-slowdown", "0"], "engine_slowdown must be a factor > 0"),
     ([*SIM, "--engine-slowdown", "nan"], "engine_slowdown must be a factor > 0"),
+    ([*SIM, "--rate-scale", "0"], "rate_scale must be a finite number > 0"),
     (["--scenario", "leval-kv-pressure", "--engine-slowdown", "2"], "are for --backend sim"),
 ])
 @pytest.mark.parametrize("check", [[], ["--check"]], ids=["run", "check"])
