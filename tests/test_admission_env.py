@@ -78,7 +78,7 @@ def test_always_reject_counts_every_request(env: AdmissionEnv) -> None:
     assert all(t.outcome == "rejected" for t in env.timelines())
 
 
-@pytest.mark.parametrize("factor", [0.5, 2.0])
+@pytest.mark.parametrize("factor", [0.5, 1.0])
 def test_rule_as_policy_matches_the_serving_rule(env: AdmissionEnv, factor: float) -> None:
     """``rule_action(obs, F)`` decides as the backend's own ``~slo:F`` controller: identical runs."""
     ep, ret = _play(env, lambda obs: rule_action(obs, factor))
