@@ -244,9 +244,10 @@ class LearnedRouter(PrefixAffinityRouter):
             self._first.pop(rid, None)
 
     # -- the speeds it predicts with ------------------------------------------------------------
-    def _speed(self, replica: str, part: str, now: float) -> float | None:
+    def _speed(self, replica: str, part: str, now: float, explore: bool = True) -> float | None:
         """Seconds per token of ``part`` (``"prefill"`` or ``"decode"``) on ``replica`` now: its own
-        estimate relaxed towards the fleet's median as its last sample ages (or the informed pool's)."""
+        estimate (the fleet's median before its first sample) relaxed, with ``explore``, towards the
+        fleet's median as its last sample ages (or the informed pool's)."""
         if self.told is not None:
             pooled = getattr(self._fleet, part).value
             if pooled is None:
@@ -260,7 +261,7 @@ class LearnedRouter(PrefixAffinityRouter):
         own = getattr(self._replica(replica), part)
         if own.value is None:
             return median
-        if own.value <= median:
+        if own.value <= median or not explore:
             return own.value
         trust = math.exp(-max(0.0, now - own.last) / self.explore_s)  # optimism grows as it ages
         return trust * own.value + (1.0 - trust) * median
@@ -340,17 +341,21 @@ class LearnedRouter(PrefixAffinityRouter):
 
     # -- what it shows --------------------------------------------------------------------------
     def estimates(self) -> dict[str, dict[str, Any]]:
-        """Per replica: the prefill and decode speeds it routes by (tokens/s: uncached prompt tokens,
-        and one request's output tokens), its own samples of each, the KV tokens it read, its queue of
-        uncached prefill tokens, and the prefill speed vLLM's histograms give (``None`` until two
-        scrapes)."""
+        """Per replica: the prefill and decode speeds it learned (tokens/s: uncached prompt tokens, and
+        one request's output tokens), the prefill speed it routes by now (the learned one relaxed
+        towards the fleet's median as it ages), its own samples of each, the KV tokens it read, its
+        queue of uncached prefill tokens, and the prefill speed vLLM's histograms give (``None`` until
+        two scrapes)."""
         now = self.clock()
         out = {}
         for name, r in sorted(self.replicas.items()):
-            prefill, decode = self._speed(name, "prefill", now), self._speed(name, "decode", now)
+            prefill = self._speed(name, "prefill", now, explore=False)
+            decode = self._speed(name, "decode", now, explore=False)
+            routed = self._speed(name, "prefill", now)
             mp = r.metrics_prefill_s_per_token
             out[name] = {"prefill_tok_s": 1.0 / prefill if prefill else None,
                          "decode_tok_s": 1.0 / decode if decode else None,
+                         "routing_prefill_tok_s": 1.0 / routed if routed else None,
                          "kv_tokens": r.kv_tokens, "prefill_samples": r.prefill.samples,
                          "decode_samples": r.decode.samples, "queued_tokens": r.queued_tokens,
                          "metrics_prefill_tok_s": 1.0 / mp if mp else None}
