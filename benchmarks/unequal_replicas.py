@@ -16,14 +16,16 @@ drawn with seeds 0, 1, 2. The fleets (:func:`fleets`,
   :meth:`~feather_env.step_model.StepCostModel.prefill_seconds`);
 * ``kv``: every other replica with a quarter of the KV (0.0625 GiB);
 * ``drift``: replica 0 runs 3x slower (prefill and decode) from ``--drift-at`` to ``--drift-until``
-  seconds of the clock, on a workload ``--drift-docs-per-replica`` (48) documents per replica long, so
-  that the run outlasts the recovery.
+  seconds of the clock, on ``--drift-blocks`` (3) of the other fleets' workloads one after the other
+  (:func:`drift_workload`: each of its own documents, so that the run outlasts the recovery while a
+  document's questions come as close together as in the other fleets).
 
 Load is the offered rate over the fleet's capacity: the sum over its replicas of each one's own
 saturation throughput, each kind's measured as :mod:`benchmarks.routing` measures a cluster's (a fleet
 of that kind alone, the whole workload at once, the fixed reference router of
 :data:`benchmarks.router_peers.REFERENCE`; request throughput over its replicas). The drift fleet's
-capacity is its replicas' at their own speed (while replica 0 is slow, the offered load is higher).
+capacity is its replicas' at their own speed, on its first block (while replica 0 is slow, the offered
+load is higher: 1 / (1 - 2 / 3 / replicas) of it).
 
 The routers (:data:`ROUTERS`): ``prefix`` (ours as today, told nothing: no cache model),
 ``prefix-learned`` (:class:`~scheduler_runtime.learned_router.LearnedRouter`, told nothing: it reads the
@@ -31,7 +33,9 @@ replicas' ``vllm:cache_config_info`` and learns speeds from what it serves), ``p
 (the same, also placing a new prefix by predicted completion), ``prefix-informed`` (the learned router
 told each replica's true slowdowns, drift included, and KV: the upper reference), and the peers at
 their published defaults (not tuned here): SGLang's ``cache_aware``, Ray's prefix affinity, LMetric,
-Dynamo's KV router and llm-d's predicted-latency scorer (given the SLOs below as its request's SLO).
+Dynamo's KV router and llm-d's predicted-latency scorer (given the SLOs below as its request's SLO;
+its one model for the pool, as llm-d ships it, and ``llm-d-per-pod``, one model per pod, the variant
+that could tell unequal pods apart).
 Every router that observes the service is handed each replica's metrics at every arrival.
 
 Reported per cell (fleet x load), means over the seeds: output throughput, SLO attainment (requests
@@ -53,9 +57,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from benchmarks import measured
 from benchmarks.router_peers import REFERENCE, make, uniform_workload
-from feather_env.cluster_sim import ClusterResult, ClusterSim, ReplicaSpec
+from feather_env.cluster_sim import ClusterResult, ClusterSim, ReplicaSpec, distinct_documents
 from feather_env.engines.vllm_engine import EngineConfig
 from feather_env.reporting import format_table, machine_info, write_json
 from feather_env.scenarios import load_scenario
@@ -66,7 +72,8 @@ from scheduler_runtime.router import PrefixAffinityRouter, ReplicaRouter
 
 OURS_LEARNED = "prefix-learned"
 PEERS = ("sglang-cache-aware", "ray-prefix-affinity", "lmetric", "dynamo-kv", LlmdPredictedLatencyRouter.name)
-ROUTERS = ("prefix", OURS_LEARNED, "prefix-learned-place", "prefix-informed", *PEERS)
+LLMD_PER_POD = "llm-d-per-pod"
+ROUTERS = ("prefix", OURS_LEARNED, "prefix-learned-place", "prefix-informed", *PEERS, LLMD_PER_POD)
 FLEETS = ("equal", "speed", "kv", "drift")
 DEFAULT_SLO = {"ttft": 5000.0, "tpot": 50.0}
 #: How close a learned speed must come to the truth, and how often the drift's trace samples it.
@@ -82,6 +89,21 @@ def fleets(n: int, drift_at: float, drift_until: float, factor: float = 3.0) -> 
             "kv": [small if i % 2 else ReplicaSpec() for i in range(n)],
             "drift": [ReplicaSpec(drift=((drift_at, factor), (drift_until, 1.0)))]
             + [ReplicaSpec()] * (n - 1)}
+
+
+def drift_workload(pool: Workload, n: int, docs_per_replica: int, blocks: int, seed: int) -> Workload:
+    """``blocks`` workloads of :func:`~benchmarks.router_peers.uniform_workload`'s size one after the
+    other: ``blocks x n x docs_per_replica`` distinct documents (at most 8 questions each), split into
+    consecutive blocks of ``n x docs_per_replica``, each block's questions in a random order."""
+    docs = distinct_documents(pool, blocks * n * docs_per_replica, seed=seed, max_per_group=8)
+    groups = list(docs.groups().values())
+    size = n * docs_per_replica
+    rng = np.random.default_rng(seed)
+    out = []
+    for b in range(blocks):
+        block = [r for g in groups[b * size:(b + 1) * size] for r in g]
+        out += [block[i] for i in rng.permutation(len(block))]
+    return Workload(f"{docs.name}/blocks{blocks}", tuple(out))
 
 
 def capacity(engine: EngineConfig, specs: Sequence[ReplicaSpec], workload: Workload) -> dict[str, Any]:
@@ -117,6 +139,8 @@ def router_factories(specs: Sequence[ReplicaSpec], engine: EngineConfig,
         "prefix-informed": lambda seed: LearnedRouter(told=told, told_kv_tokens=kv),
         LlmdPredictedLatencyRouter.name: lambda seed: LlmdPredictedLatencyRouter(
             ttft_slo_ms=slo.get("ttft"), tpot_slo_ms=slo.get("tpot"), seed=seed),
+        LLMD_PER_POD: lambda seed: LlmdPredictedLatencyRouter(
+            ttft_slo_ms=slo.get("ttft"), tpot_slo_ms=slo.get("tpot"), seed=seed, per_pod=True),
     }
     for name in PEERS:
         out.setdefault(name, lambda seed, name=name: make(name, {}, seed))
@@ -210,7 +234,7 @@ def render(res: dict[str, Any]) -> str:
     drift's convergence."""
     slo = res["slo"]
     out = [f"{res['replicas']} simulated `{res['scenario_engine']}` replicas per fleet, L-Eval "
-           f"({res['docs_per_replica']} documents per replica; drift: {res['drift_docs_per_replica']}), "
+           f"({res['docs_per_replica']} documents per replica; drift: {res['drift_blocks']} such blocks), "
            f"arrival seeds {res['seeds']}; SLO TTFT <= {slo['ttft'] / 1000:g} s and TPOT <= {slo['tpot']:g} "
            "ms; "
            f"peers at their defaults. {measured(res)}; `{res['command']}`: {res['wall_s'] / 60:.1f} min wall "
@@ -259,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--docs-per-replica", type=int, default=16)
-    p.add_argument("--drift-docs-per-replica", type=int, default=48)
+    p.add_argument("--drift-blocks", type=int, default=3, help="the drift's workload: this many blocks")
     p.add_argument("--drift-at", type=float, default=40.0, help="seconds: replica 0 slows down")
     p.add_argument("--drift-until", type=float, default=100.0, help="seconds: it recovers")
     p.add_argument("--loads", default="0.8,1.0")
@@ -268,12 +292,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--slo", default="ttft:5000 tpot:50", help="SLOs in ms, vLLM's --goodput pairs")
     p.add_argument("--scenario", default="leval-kv-pressure")
     p.add_argument("--quick", action="store_true",
-                   help="4 replicas, 4 documents each (drift: 12, slow from 6 s to 14 s), load 1, one seed "
-                        "(a smoke test)")
+                   help="4 replicas, 4 documents each (drift: 3 blocks, slow from 6 s to 14 s), load 1, "
+                        "one seed (a smoke test)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.quick:
-        args.replicas, args.docs_per_replica, args.drift_docs_per_replica = 4, 4, 12
+        args.replicas, args.docs_per_replica = 4, 4
         args.loads, args.seeds, args.drift_at, args.drift_until = "1.0", 1, 6.0, 14.0
     start = time.perf_counter()
 
@@ -288,9 +312,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     cells = []
     for fleet in args.fleets.split(","):
         specs = specs_by_fleet[fleet]
-        docs = args.drift_docs_per_replica if fleet == "drift" else args.docs_per_replica
-        workload = uniform_workload(pool, n, docs, seed=n)
+        workload = uniform_workload(pool, n, args.docs_per_replica, seed=n)
         cap = capacity(engine, specs, workload)
+        if fleet == "drift":
+            workload = drift_workload(pool, n, args.docs_per_replica, args.drift_blocks, seed=n)
+            first = workload.requests[:len(workload) // args.drift_blocks]
+            cap = capacity(engine, specs, Workload("first block", first))
         sim = ClusterSim(n, engine, profiles=specs)
         phases = ([(0.0, args.drift_at, 1.0), (args.drift_at, args.drift_until, 3.0),
                    (args.drift_until, math.inf, 1.0)] if fleet == "drift" else [])
@@ -305,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             log(f"{fleet} x load {load:g}: {time.perf_counter() - t0:.0f} s")
     out = {"benchmark": "unequal_replicas", "machine": machine_info(), "scenario_engine": args.scenario,
            "engine": engine.to_dict(), "replicas": n, "docs_per_replica": args.docs_per_replica,
-           "drift_docs_per_replica": args.drift_docs_per_replica, "drift_at_s": args.drift_at,
+           "drift_blocks": args.drift_blocks, "drift_at_s": args.drift_at,
            "drift_until_s": args.drift_until, "seeds": seeds, "slo": slo, "quick": args.quick,
            "fleets": {f: [dataclasses.asdict(s) for s in specs_by_fleet[f]] for f in FLEETS},
            "command": "python -m benchmarks.unequal_replicas " + " ".join(
