@@ -252,6 +252,10 @@ def render(res: dict[str, Any]) -> str:
                           for r in ROUTERS if r != OURS_LEARNED])
     out += ["", "Ours learned over each router: output tok/s (attainment), median over seeds of the per-seed "
             "ratio:", "", format_table(ratio_headers, summary)]
+    grid = [[name] + [f"{100 * r['attainment']:.1f}% / {r['output_throughput']:.0f}"
+                      for r in (c["routers"][name] for c in res["cells"])] for name in ROUTERS]
+    out += ["", "Attainment / output tok/s, every router and cell (means over seeds):", "",
+            format_table(["router"] + [f"{c['fleet']} {c['load']:g}" for c in res["cells"]], grid)]
     headers = ["router", "output tok/s", "attainment", "mean TTFT s", "P99 TTFT s", "mean E2E s", "P99 E2E s",
                "prefix hit"]
     for c in res["cells"]:

@@ -26,19 +26,29 @@ requests finished between two scrapes), but do not route: a request's prefill ti
 every step it was in, so prefills that overlap are counted more than once, where the front end's
 service times are not.
 
-How it routes (:meth:`LearnedRouter.choose`): ours chooses first; then each candidate's predicted
-completion for this request is its queue (the uncached prefill tokens routed there and not yet
-prefilled) plus the request's own uncached tokens there, at that replica's prefill speed, plus the
-predicted output at its decode speed. Where ours' choice is predicted to finish more than
-``tolerance`` later than the best candidate, the request goes to the best; otherwise ours' choice
-stands (on equal replicas the predictions differ by queue and cache alone, which ours already weighs).
+How it routes (:meth:`LearnedRouter.choose`): ours' rule (the owner of the longest known prefix while
+under the load bounds, else the least loaded replica) on loads counted in a median replica's requests:
+a replica's requests in flight ``l`` count ``(l + 1) x w - 1``, where ``w`` is its learned prefill time
+per token over the fleet's median (:meth:`LearnedRouter.weights`; 1 when within ``band``, 35%, of it, so
+that the estimates' noise leaves equal replicas equal, and ours routes exactly as it does). A slow
+replica is then sent fewer new documents, and its hot documents spill sooner. With ``place_new``, a
+prefix that no replica holds (or holds no longer, by the cache model) goes instead to the replica
+predicted to finish it first (:meth:`LearnedRouter.predicted_completion`: its queue of uncached prefill
+tokens and the request's own uncached tokens at its prefill speed, the mean output at its decode
+speed); ``benchmarks.unequal_replicas`` measures it as ``prefix-learned-place``. Tried on that
+benchmark's fleets and dropped, without a row of their own (the note of 2026-12-06 says how they
+fared): the same prediction overriding ours on a known prefix whenever ours' choice is predicted to
+finish 25% later, or to start more than 3, 5 or 8 s later, than the best replica (spilling documents
+lost on every fleet, as the tighter load bounds of ``benchmarks.router_peers`` did); weights from the
+decode speed too (a request's TPOT here is mostly the prefill steps it waits behind: load, not
+speed); and a small-KV replica's load weighted up by its KV's shortfall from the median.
 
-Adapting and exploring: with ``tau_s`` 10 s an estimate moves most of the way to a new speed within
-two time constants of samples. A replica believed slow still gets the requests its queue makes
-cheapest, and, where it has had no sample for a while, its estimate relaxes towards the fleet's
-median as its last sample ages (``explore_s``: optimism that grows with the estimate's age), so that a
-replica that is fast again is noticed. :meth:`LearnedRouter.estimates` shows what it learned;
-:meth:`LearnedRouter.forget` drops it with the replica (a restart).
+Adapting and exploring: with ``tau_s`` 20 s an estimate moves most of the way to a new speed within
+two time constants of samples. A replica believed slow still gets the requests its weighted load makes
+cheapest, and, where it has had no sample for a while, the estimate it is routed by relaxes towards
+the fleet's median as its last sample ages (``explore_s``: optimism that grows with the estimate's
+age), so that a replica that is fast again is noticed. :meth:`LearnedRouter.estimates` shows what it
+learned; :meth:`LearnedRouter.forget` drops it with the replica (a restart).
 
 An informed reference (``told``, for benchmarks): told each replica's true relative slowdowns and KV
 tokens, it pools every replica's samples, each divided by its replica's slowdown at the time, into
@@ -120,8 +130,10 @@ class LearnedRouter(PrefixAffinityRouter):
         tau_s: the time constant of the learned speeds (seconds).
         explore_s: an estimate with no new sample relaxes towards the fleet's median speed with this
             time constant (seconds; ``inf``: never).
-        tolerance: ours' choice stands unless its predicted completion exceeds the best candidate's by
-            more than this fraction.
+        band: a replica's load is weighted only where its prefill time per token is more than this
+            fraction from the fleet's median.
+        place_new: a new prefix goes to the replica predicted to finish it first (default off: ours'
+            least weighted load; see the module docstring).
         overhead_tokens: work a prefill costs beyond its uncached tokens (a fully cached prompt still
             takes a step).
         prior_output_tokens: the predicted output before any request has finished.
@@ -149,6 +161,7 @@ class LearnedRouter(PrefixAffinityRouter):
         self.tau_s, self.explore_s = float(tau_s), float(explore_s)
         self.place_new = bool(place_new)
         self.overhead_tokens = int(overhead_tokens)
+        self.prior_output_tokens = float(prior_output_tokens)
         self.told = told
         self.told_kv_tokens = dict(told_kv_tokens) if told_kv_tokens is not None else None
         # ours' cache model, one LRU per replica sized when its KV is known (unbounded until then)
@@ -159,7 +172,6 @@ class LearnedRouter(PrefixAffinityRouter):
         #: request id -> (replica, uncached tokens predicted, when routed)
         self._requests: dict[str, tuple[str, float, float]] = {}
         self._first: dict[str, float] = {}  # request id -> its first token's time
-        self._uncached_tokens = DecayedRate(tau_s * 10)  # uncached prompt tokens per request
         self.band = float(band)
         self.counts.update({"placed": 0, "weighted": 0})
 
@@ -272,7 +284,7 @@ class LearnedRouter(PrefixAffinityRouter):
         prefill, decode = self._speed(replica, "prefill", now), self._speed(replica, "decode", now)
         if prefill is None:
             return None
-        output = self._output.value or 0.0
+        output = self._output.value or self.prior_output_tokens
         queue = self._replica(replica).queued_tokens
         return (queue + uncached + self.overhead_tokens) * prefill + max(0.0, output - 1) * (decode or 0.0)
 
@@ -336,7 +348,6 @@ class LearnedRouter(PrefixAffinityRouter):
             return
         r = self._replica(replica)
         r.queued_tokens += uncached
-        self._uncached_tokens.add(self.clock(), uncached, 1.0)
         self._requests[request_id] = (replica, uncached, self.clock())
 
     # -- what it shows --------------------------------------------------------------------------
