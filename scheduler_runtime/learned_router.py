@@ -21,10 +21,10 @@ replica. It learns, per replica:
 * the mean output length (every replica's finishes together), which a request's decode is predicted by.
 
 The queue, prefill and decode time histograms vLLM publishes are read too and shown beside the
-learned speeds (``metrics_prefill_tok_s``: uncached prompt tokens over the summed prefill time of the
-requests finished between two scrapes), but do not route: a request's prefill time in vLLM counts
-every step it was in, so prefills that overlap are counted more than once, where the front end's
-service times are not.
+learned speeds (``metrics_prefill_tok_s``: the uncached prompt tokens over the summed prefill time of
+the requests finished between two scrapes, decayed as the others), but do not route: a request's
+prefill time in vLLM counts every step it was in, so prefills that overlap are counted more than once,
+where the front end's service times are not.
 
 How it routes (:meth:`LearnedRouter.choose`): ours' rule (the owner of the longest known prefix while
 under the load bounds, else the least loaded replica) on loads counted in a median replica's requests:
@@ -120,7 +120,8 @@ class ReplicaLearning:
     queued_tokens: float = 0.0
     #: the previous scrape's request-level sums (for the metrics' prefill speed)
     scraped: dict[str, float] = field(default_factory=dict)
-    metrics_prefill_s_per_token: float | None = None
+    #: prefill seconds per uncached token by vLLM's histograms (the deltas between scrapes, decayed)
+    metrics_prefill: DecayedRate | None = None
 
 
 class LearnedRouter(PrefixAffinityRouter):
@@ -205,7 +206,9 @@ class LearnedRouter(PrefixAffinityRouter):
                 seconds = now[keys[0]] - r.scraped[keys[0]]
                 tokens = (now[keys[1]] - r.scraped[keys[1]]) - (now[keys[2]] - r.scraped[keys[2]])
                 if tokens > 0 and seconds > 0:
-                    r.metrics_prefill_s_per_token = seconds / tokens
+                    if r.metrics_prefill is None:
+                        r.metrics_prefill = DecayedRate(self.tau_s)
+                    r.metrics_prefill.add(self.clock(), seconds, tokens)
             r.scraped = now
 
     def _slowdowns(self, replica: str, now: float) -> tuple[float, float]:
@@ -363,7 +366,7 @@ class LearnedRouter(PrefixAffinityRouter):
             prefill = self._speed(name, "prefill", now, explore=False)
             decode = self._speed(name, "decode", now, explore=False)
             routed = self._speed(name, "prefill", now)
-            mp = r.metrics_prefill_s_per_token
+            mp = r.metrics_prefill.value if r.metrics_prefill is not None else None
             out[name] = {"prefill_tok_s": 1.0 / prefill if prefill else None,
                          "decode_tok_s": 1.0 / decode if decode else None,
                          "routing_prefill_tok_s": 1.0 / routed if routed else None,
