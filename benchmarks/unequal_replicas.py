@@ -61,6 +61,7 @@ import numpy as np
 
 from benchmarks import measured
 from benchmarks.router_peers import REFERENCE, make, uniform_workload
+from benchmarks.routing import router_cost
 from feather_env.cluster_sim import ClusterResult, ClusterSim, ReplicaSpec, distinct_documents
 from feather_env.engines.vllm_engine import EngineConfig
 from feather_env.reporting import format_table, machine_info, write_json
@@ -229,6 +230,20 @@ def run_cell(sim: ClusterSim, workload: Workload, rate: float, seeds: Sequence[i
     return {"routers": routers, "drift": drift, "learned_estimates_at_end": estimates[:1]}
 
 
+#: The routers whose cost per request is measured (``--cost-replicas``).
+COST_ROUTERS = ("prefix", OURS_LEARNED, "sglang-cache-aware", "lmetric", LlmdPredictedLatencyRouter.name)
+
+
+def cost(replicas: int, prefixes: int, repeats: int) -> dict[str, Any]:
+    """Each of :data:`COST_ROUTERS`' CPU per request (``choose`` + ``routed``, and the first token and
+    finish for those that track requests) at ``replicas`` replicas
+    (:func:`benchmarks.routing.router_cost`)."""
+    engine = load_scenario("leval-kv-pressure").engine_config()
+    factories = router_factories([ReplicaSpec()] * replicas, engine, DEFAULT_SLO)
+    return router_cost(replicas, prefixes, repeats=repeats,
+                       routers={name: (lambda name=name: factories[name](0)) for name in COST_ROUTERS})
+
+
 def render(res: dict[str, Any]) -> str:
     """The figures in markdown: one table per cell, a summary of ours learned over each router, the
     drift's convergence."""
@@ -280,6 +295,15 @@ def render(res: dict[str, Any]) -> str:
                 "from when it stays within until the phase ends:", "",
                 format_table(["load", "seed", "phase", "first within", "stays within from", "ratio at end"],
                              drift_rows)]
+    c = res.get("router_cost")
+    if c:
+        passes = len(next(iter(c["routers"].values()))["runs_us"])
+        out += ["", f"Router CPU per request at {c['replicas']} replicas, {c['prefixes']:,} distinct "
+                f"{c['prompt_tokens']}-token prompts, random loads (median of {passes} passes; "
+                "`benchmarks.routing.router_cost`; a router that tracks requests is told each request's "
+                "first token and finish too):", "",
+                format_table(["router", "us per request"],
+                             [[k, v["us_per_request"]] for k, v in c["routers"].items()])]
     return "\n".join(out)
 
 
@@ -298,11 +322,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--quick", action="store_true",
                    help="4 replicas, 4 documents each (drift: 3 blocks, slow from 6 s to 14 s), load 1, "
                         "one seed (a smoke test)")
+    p.add_argument("--cost-replicas", type=int, default=64, help="0: no cost measurement")
+    p.add_argument("--cost-prefixes", type=int, default=2000)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.quick:
         args.replicas, args.docs_per_replica = 4, 4
         args.loads, args.seeds, args.drift_at, args.drift_until = "1.0", 1, 6.0, 14.0
+        args.cost_replicas, args.cost_prefixes = 8, 50
     start = time.perf_counter()
 
     def log(msg: str) -> None:
@@ -342,6 +369,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
            "command": "python -m benchmarks.unequal_replicas " + " ".join(
                argv if argv is not None else sys.argv[1:]),
            "cells": cells}
+    if args.cost_replicas:
+        t0 = time.perf_counter()
+        out["router_cost"] = cost(args.cost_replicas, args.cost_prefixes, 1 if args.quick else 3)
+        log(f"router cost at {args.cost_replicas} replicas: {time.perf_counter() - t0:.0f} s")
     out["wall_s"] = time.perf_counter() - start
     print(render(out))
     write_json(args.json, out)

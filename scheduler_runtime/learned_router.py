@@ -259,27 +259,34 @@ class LearnedRouter(PrefixAffinityRouter):
             self._first.pop(rid, None)
 
     # -- the speeds it predicts with ------------------------------------------------------------
-    def _speed(self, replica: str, part: str, now: float, explore: bool = True) -> float | None:
-        """Seconds per token of ``part`` (``"prefill"`` or ``"decode"``) on ``replica`` now: its own
-        estimate (the fleet's median before its first sample) relaxed, with ``explore``, towards the
-        fleet's median as its last sample ages (or the informed pool's)."""
+    def _speeds(self, replicas: Collection[str], part: str, now: float,
+                explore: bool = True) -> dict[str, float | None]:
+        """Seconds per token of ``part`` (``"prefill"`` or ``"decode"``) on each of ``replicas`` now:
+        its own estimate (the fleet's median before its first sample) relaxed, with ``explore``,
+        towards the fleet's median as its last sample ages (or the informed pool's). One median for
+        all of them: a decision costs O(replicas)."""
         if self.told is not None:
             pooled = getattr(self._fleet, part).value
-            if pooled is None:
-                return None
-            return pooled * self._slowdowns(replica, now)[0 if part == "prefill" else 1]
-        rates = [getattr(r, part) for r in self.replicas.values()]
-        known = [x.value for x in rates if x.value is not None]
+            k = 0 if part == "prefill" else 1
+            return {r: None if pooled is None else pooled * self._slowdowns(r, now)[k] for r in replicas}
+        known = [v for v in (getattr(x, part).value for x in self.replicas.values()) if v is not None]
         if not known:
-            return None
+            return dict.fromkeys(replicas)
         median = statistics.median(known)
-        own = getattr(self._replica(replica), part)
-        if own.value is None:
-            return median
-        if own.value <= median or not explore:
-            return own.value
-        trust = math.exp(-max(0.0, now - own.last) / self.explore_s)  # optimism grows as it ages
-        return trust * own.value + (1.0 - trust) * median
+        out: dict[str, float | None] = {}
+        for r in replicas:
+            own = getattr(self._replica(r), part)
+            if own.value is None:
+                out[r] = median
+            elif own.value <= median or not explore:
+                out[r] = own.value
+            else:
+                trust = math.exp(-max(0.0, now - own.last) / self.explore_s)  # optimism grows as it ages
+                out[r] = trust * own.value + (1.0 - trust) * median
+        return out
+
+    def _speed(self, replica: str, part: str, now: float, explore: bool = True) -> float | None:
+        return self._speeds((replica,), part, now, explore)[replica]
 
     def predicted_completion(self, replica: str, uncached: float, now: float) -> float | None:
         """Seconds from now to the finish of a request with ``uncached`` prompt tokens on ``replica``:
@@ -302,7 +309,7 @@ class LearnedRouter(PrefixAffinityRouter):
         replicas look equal through the estimates' noise). Prefill alone: a request's TPOT here is
         mostly the prefill steps it waits behind (its replica's load, which the loads count already), so
         the decode estimates say more about load than about speed."""
-        prefill = {r: self._speed(r, "prefill", now) for r in replicas}
+        prefill = self._speeds(replicas, "prefill", now)
         known = [p for p in prefill.values() if p is not None]
         if len(known) < len(prefill):
             return dict.fromkeys(replicas, 1.0)
@@ -362,10 +369,12 @@ class LearnedRouter(PrefixAffinityRouter):
         two scrapes)."""
         now = self.clock()
         out = {}
-        for name, r in sorted(self.replicas.items()):
-            prefill = self._speed(name, "prefill", now, explore=False)
-            decode = self._speed(name, "decode", now, explore=False)
-            routed = self._speed(name, "prefill", now)
+        names = sorted(self.replicas)
+        prefills, decodes = (self._speeds(names, part, now, explore=False) for part in ("prefill", "decode"))
+        routeds = self._speeds(names, "prefill", now)
+        for name in names:
+            r = self.replicas[name]
+            prefill, decode, routed = prefills[name], decodes[name], routeds[name]
             mp = r.metrics_prefill.value if r.metrics_prefill is not None else None
             out[name] = {"prefill_tok_s": 1.0 / prefill if prefill else None,
                          "decode_tok_s": 1.0 / decode if decode else None,
