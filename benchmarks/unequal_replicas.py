@@ -43,7 +43,8 @@ with TTFT <= 5 s and TPOT <= 50 ms over the requests submitted: the issue's SLO;
 P99 TTFT and E2E latency; and ours learned over each router, the median over the seeds of the per-seed
 ratios, in output throughput and in attainment. For the drift fleet, how long after the slowdown and
 after the recovery the learned prefill speed of replica 0 (over the median of the others') first comes
-within 20% of the truth (1/3, then 1), and from when it stays there until the phase ends.
+within 20% of the truth (1/3, then 1), and from when it stays there until the phase ends. Last, each
+of :data:`COST_ROUTERS`' CPU per request at ``--cost-replicas`` (64) replicas (:func:`cost`).
 """
 
 from __future__ import annotations
