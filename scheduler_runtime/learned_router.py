@@ -5,16 +5,25 @@
 replica. It learns, per replica:
 
 * **the KV size**, from what vLLM publishes: ``vllm:cache_config_info``'s ``num_gpu_blocks x
-  block_size`` (:meth:`LearnedRouter.scraped`). It sizes that replica's part of ours' cache model
-  (``cache_factor x`` its KV tokens, :meth:`PrefixHistory.set_limit
-  <scheduler_runtime.router_base.PrefixHistory.set_limit>`); before it is known, the replica's cache
-  model keeps everything.
+  block_size`` (:meth:`LearnedRouter.scraped`), shown in :meth:`LearnedRouter.estimates`. With
+  ``cache_factor > 0`` it sizes that replica's part of ours' cache model (``cache_factor x`` its KV
+  tokens, :meth:`PrefixHistory.set_limit <scheduler_runtime.router_base.PrefixHistory.set_limit>`;
+  before it is known, the replica's cache model keeps everything). The default is 0, the cache model
+  off: on ``benchmarks.unequal_replicas``' tuning seeds (10,000-10,002, disjoint from its evaluation's)
+  the model at ours' 1.25 x KV lost attainment on every fleet at loads 0.8 and 1 (the mixed-KV fleet
+  most: 40.7% against 53.7% at 0.8, 32.8% against 44.4% at 1; the prefix hit rate 38% against 48%), and
+  so did 2, 3 and 5 x KV, a size of at least the fleet's median KV, and keeping a document its owner's
+  model had evicted on the owner while it was within 1 or 3 requests of the least loaded (each nearer
+  to the model off as it kept more; none above it). The model is an LRU of what was *sent*, and a
+  small replica's queue of a document's questions is sent long before the engine evicts it; a
+  document it declares evicted goes to the least loaded replica and is prefilled there in full.
 * **the prefill speed**, seconds per uncached prompt token, from the first tokens the front end sees:
   a request's prefill is served from the later of its routing and the replica's previous first
   token, to its own first token (a single server's service time: the time the replica spent on the
   prefills in front of it is not counted again, so the replica's queue is not taken for slowness);
-  its work is its uncached tokens by ours' cache model, plus ``overhead_tokens`` for the step it
-  costs anyway. The ratio of the two, each a sum decayed with time constant ``tau_s``
+  its work is its uncached tokens by ours' cache model (with the model off, the default, its whole
+  prompt: a replica that hits its cache less looks slower by as much), plus ``overhead_tokens`` for the
+  step it costs anyway. The ratio of the two, each a sum decayed with time constant ``tau_s``
   (:class:`DecayedRate`).
 * **the decode speed**, seconds per output token of one request (its TPOT), from each finish: the time
   from its first token to its finish over its further tokens, decayed alike.
@@ -141,7 +150,8 @@ class LearnedRouter(PrefixAffinityRouter):
         told: the informed reference's true slowdowns (``None``: learn them).
         told_kv_tokens: the informed reference's true KV tokens per replica (``None``: read them from
             the metrics).
-        cache_factor: ours' cache model's size over each replica's KV (as ours).
+        cache_factor: ours' cache model's size over each replica's KV (ours: 1.25); default 0, off (see
+            the module docstring).
         **kwargs: ours' other knobs (:class:`~scheduler_runtime.router.PrefixAffinityRouter`).
     """
 
@@ -152,7 +162,7 @@ class LearnedRouter(PrefixAffinityRouter):
     def __init__(self, tau_s: float = 20.0, explore_s: float = 20.0, band: float = 0.35,
                  place_new: bool = False,
                  overhead_tokens: int = 256, prior_output_tokens: float = 64.0, told: Told | None = None,
-                 told_kv_tokens: Mapping[str, int] | None = None, cache_factor: float = 1.25,
+                 told_kv_tokens: Mapping[str, int] | None = None, cache_factor: float = 0.0,
                  **kwargs: Any) -> None:
         if kwargs.get("kv_tokens") is not None:
             raise ValueError("the learned router is told no KV size (it reads vllm:cache_config_info)")

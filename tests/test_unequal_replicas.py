@@ -71,7 +71,7 @@ def test_a_replica_publishes_its_own_kv_as_vllm_does(engine):
             seen[replica] = dict(metrics["vllm:cache_config_info"])
             super().scraped(replica, metrics)
 
-    router = Reader()
+    router = Reader(cache_factor=1.25)  # the cache model on (off by default)
     sim.run(_requests(6, 1000, 8, gap=0.5), router)
     big_kv = seen["0"]["num_gpu_blocks"] * seen["0"]["block_size"]
     small_kv = seen["1"]["num_gpu_blocks"] * seen["1"]["block_size"]
