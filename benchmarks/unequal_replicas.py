@@ -61,7 +61,15 @@ from typing import Any
 import numpy as np
 
 from benchmarks import measured
-from benchmarks.router_peers import REFERENCE, make, uniform_workload
+from benchmarks.router_peers import (
+    REFERENCE,
+    TUNE_SEED_BASE,
+    defaults,
+    grids,
+    make,
+    throughput_bound,
+    uniform_workload,
+)
 from benchmarks.routing import router_cost
 from feather_env.cluster_sim import ClusterResult, ClusterSim, ReplicaSpec, distinct_documents
 from feather_env.engines.vllm_engine import EngineConfig
@@ -108,14 +116,19 @@ def drift_workload(pool: Workload, n: int, docs_per_replica: int, blocks: int, s
     return Workload(f"{docs.name}/blocks{blocks}", tuple(out))
 
 
+def own_kind(spec: ReplicaSpec) -> ReplicaSpec:
+    """A replica's kind: its spec without a drift (at its own speed)."""
+    return ReplicaSpec(spec.prefill_slowdown, spec.decode_slowdown, spec.kv_cache_gib, spec.max_num_seqs,
+                       spec.max_num_batched_tokens)
+
+
 def capacity(engine: EngineConfig, specs: Sequence[ReplicaSpec], workload: Workload) -> dict[str, Any]:
     """The fleet's capacity (requests/s): each kind's saturation per replica (a fleet of that kind alone,
     ``workload`` at once, the reference router), summed over the replicas. A drift is left out."""
     n = len(specs)
     per_kind: dict[ReplicaSpec, float] = {}
     for spec in specs:
-        own = ReplicaSpec(spec.prefill_slowdown, spec.decode_slowdown, spec.kv_cache_gib, spec.max_num_seqs,
-                          spec.max_num_batched_tokens)
+        own = own_kind(spec)
         if own not in per_kind:
             sim = ClusterSim(n, engine, profiles=[own] * n)
             sat = sim.run(workload.with_arrivals("burst"), PrefixAffinityRouter(**REFERENCE))
@@ -125,9 +138,80 @@ def capacity(engine: EngineConfig, specs: Sequence[ReplicaSpec], workload: Workl
             "per_replica_req_s": [per_kind[s] for s in specs]}
 
 
+def fleet_bound(engine: EngineConfig, specs: Sequence[ReplicaSpec], timed: Workload,
+                floors: dict[ReplicaSpec, dict[tuple[str, int], float]]) -> float:
+    """The no-queueing bound with each replica at its own speed: output tok/s no router can beat on
+    ``timed`` (:func:`benchmarks.router_peers.throughput_bound`, its arithmetic and its floors), where a
+    request's floor (alone on an idle replica that holds what earlier arrivals could have left in its
+    cache) is the least over the fleet's kinds of replica (:func:`own_kind`: a drift left out, as the
+    fleet's other replicas run at their own speed throughout). ``floors``: per kind, (request id,
+    cached tokens) -> floor, filled as computed."""
+    kinds = list(dict.fromkeys(own_kind(s) for s in specs))
+    sims = [ClusterSim(1, engine, profiles=[k]) for k in kinds]
+    for kind, sim in zip(kinds, sims, strict=True):
+        throughput_bound(sim, timed, floors.setdefault(kind, {}))
+    mine = [floors[k] for k in kinds]
+    merged = {key: min(f[key] for f in mine) for key in mine[0]}
+    return throughput_bound(sims[0], timed, merged)  # every floor it needs is in merged
+
+
+#: The peers tuned on each unequal fleet (LMetric has no knob), and llm-d's grid (its model per pod or
+#: for the pool, its draw or the best score, its per-tier affinity gate).
+TUNED = ("sglang-cache-aware", "ray-prefix-affinity", "dynamo-kv", LlmdPredictedLatencyRouter.name)
+LLMD_GRID = tuple({"per_pod": p, "selection_mode": m, "affinity_gate_tau": t}
+                  for p in (False, True) for m in ("linear", "max") for t in (0.8, 0.5))
+
+
+def peer_grids() -> dict[str, list[dict[str, Any]]]:
+    """Each tuned peer's grid: :func:`benchmarks.router_peers.grids`' (the grids the peers are tuned with
+    on equal replicas), and :data:`LLMD_GRID`."""
+    out = {name: grid for name, grid in grids().items() if name in TUNED}
+    out[LlmdPredictedLatencyRouter.name] = [dict(k) for k in LLMD_GRID]
+    return out
+
+
+def make_peer(name: str, knobs: dict[str, Any], seed: int, slo: dict[str, float]) -> ReplicaRouter:
+    """A peer with ``knobs`` (llm-d's given the SLOs as its request's SLO)."""
+    if name == LlmdPredictedLatencyRouter.name:
+        return LlmdPredictedLatencyRouter(ttft_slo_ms=slo.get("ttft"), tpot_slo_ms=slo.get("tpot"), seed=seed,
+                                          **knobs)
+    return make(name, knobs, seed)
+
+
+def tune_peers(sim: ClusterSim, runs: Sequence[tuple[int, Workload]], slo: dict[str, float],
+               log: Callable[[str], None]) -> dict[str, Any]:
+    """Each of :data:`TUNED`'s grid (:func:`peer_grids`) on the tuning runs ``(seed, workload with
+    arrivals)``: the setting of the highest mean SLO attainment (the issue's score; of equals, the one
+    sharing the most knobs with the defaults). ``{peer: {"best": knobs, "grid": [...]}}``."""
+    out: dict[str, Any] = {}
+    for name, grid in peer_grids().items():
+        t0 = time.perf_counter()
+        base = defaults(name)
+        scored = []
+        for knobs in grid:
+            rs = [(sim.run(w, make_peer(name, knobs, seed, slo), goodput=slo, scrape_s=0.0), len(w))
+                  for seed, w in runs]
+            scored.append({"knobs": {k: "inf" if v == math.inf else v for k, v in knobs.items()},
+                           "attainment": statistics.fmean(_attainment(r, m) for r, m in rs),
+                           "output_throughput": statistics.fmean(r.metrics["output_throughput"]
+                                                                 for r, _ in rs)})
+        best = max(scored, key=lambda r: (r["attainment"],
+                                          sum(base.get(k) == v for k, v in r["knobs"].items())))
+        out[name] = {"best": best["knobs"], "attainment": best["attainment"], "grid": scored}
+        log(f"  tuned {name}: {len(grid)} settings x {len(runs)} runs in {time.perf_counter() - t0:.0f} s: "
+            f"{best['knobs']} ({100 * best['attainment']:.1f}%)")
+    return out
+
+
+def tuned_label(name: str) -> str:
+    return f"{name} (tuned)"
+
+
 def router_factories(specs: Sequence[ReplicaSpec], engine: EngineConfig,
-                     slo: dict[str, float]) -> dict[str, Callable[[int], ReplicaRouter]]:
-    """Each router of :data:`ROUTERS` for a fleet, by arrival seed."""
+                     slo: dict[str, float],
+                     tuned: dict[str, Any] | None = None) -> dict[str, Callable[[int], ReplicaRouter]]:
+    """Each router of :data:`ROUTERS` for a fleet, by arrival seed, and each peer tuned on it (``tuned``:
+    :func:`tune_peers`)."""
     engines = [s.engine(engine) for s in specs]
     kv = {str(i): e.num_kv_blocks * e.block_size for i, e in enumerate(engines)}
 
@@ -146,6 +230,11 @@ def router_factories(specs: Sequence[ReplicaSpec], engine: EngineConfig,
     }
     for name in PEERS:
         out.setdefault(name, lambda seed, name=name: make(name, {}, seed))
+    for name, t in (tuned or {}).items():
+        if {**defaults(name), **t["best"]} == defaults(name):
+            continue  # tuned to its defaults: its default row stands for it
+        knobs = {k: math.inf if v == "inf" else v for k, v in t["best"].items()}
+        out[tuned_label(name)] = lambda seed, name=name, knobs=knobs: make_peer(name, knobs, seed, slo)
     return out
 
 
@@ -199,14 +288,19 @@ def _attainment(result: ClusterResult, submitted: int) -> float:
 
 def run_cell(sim: ClusterSim, workload: Workload, rate: float, seeds: Sequence[int],
              factories: dict[str, Callable[[int], ReplicaRouter]], slo: dict[str, float],
-             phases: Sequence[tuple[float, float, float]] = ()) -> dict[str, Any]:
-    """Every router on ``workload`` at ``rate`` req/s, one Poisson draw per seed."""
+             phases: Sequence[tuple[float, float, float]] = (),
+             bound: Callable[[Workload], float] | None = None) -> dict[str, Any]:
+    """Every router on ``workload`` at ``rate`` req/s, one Poisson draw per seed; with ``bound``
+    (:func:`fleet_bound` of a timed workload), the bound of each draw."""
     routers: dict[str, Any] = {}
+    bounds: list[float] = []
     per_seed: dict[str, list[dict[str, float]]] = {name: [] for name in factories}
     drift: list[list[dict[str, Any]]] = []
     estimates: list[dict[str, Any]] = []
     for seed in seeds:
         timed = workload.with_arrivals(f"poisson:{rate}", seed)
+        if bound is not None:
+            bounds.append(bound(timed))
         for name, factory in factories.items():
             router = _Traced() if phases and name == OURS_LEARNED else factory(seed)
             r = sim.run(timed, router, goodput=slo, scrape_s=0.0)
@@ -226,9 +320,16 @@ def run_cell(sim: ClusterSim, workload: Workload, rate: float, seeds: Sequence[i
         for key in ("output_throughput", "attainment"):
             ratios = [a[key] / b[key] if b[key] else math.inf for a, b in zip(ours, runs, strict=True)]
             row[f"learned_over_this_{key}"] = statistics.median(ratios)
+        if bounds:
+            row["over_bound_output_throughput"] = statistics.median(
+                x["output_throughput"] / b for x, b in zip(runs, bounds, strict=True))
         row["runs"] = runs
         routers[name] = row
-    return {"routers": routers, "drift": drift, "learned_estimates_at_end": estimates[:1]}
+    out = {"routers": routers, "drift": drift, "learned_estimates_at_end": estimates[:1]}
+    if bounds:
+        out["bound_output_throughput"] = statistics.fmean(bounds)
+        out["bound_runs"] = bounds
+    return out
 
 
 #: The routers whose cost per request is measured (``--cost-replicas``).
@@ -245,17 +346,64 @@ def cost(replicas: int, prefixes: int, repeats: int) -> dict[str, Any]:
                        routers={name: (lambda name=name: factories[name](0)) for name in COST_ROUTERS})
 
 
+def _peer_rows(routers: dict[str, Any]) -> list[str]:
+    """The peers' rows of a cell: each peer tuned on the fleet where it was, else at its defaults."""
+    names = [*PEERS]
+    return [tuned_label(p) if tuned_label(p) in routers else p for p in names]
+
+
+def best_peer(routers: dict[str, Any]) -> str:
+    """The peer row (at defaults or tuned, llm-d per pod included) of the highest mean attainment."""
+    rows = [r for r in routers if r.split(" (")[0] in (*PEERS, LLMD_PER_POD)]
+    return max(rows, key=lambda r: routers[r]["attainment"])
+
+
+def headline(res: dict[str, Any]) -> list[list[Any]]:
+    """Per cell: ours learned's attainment and tok/s, over the best peer, each peer (tuned where it was),
+    ours informed, and the bound (its tok/s over the bound's)."""
+    rows = []
+    for c in res["cells"]:
+        routers = c["routers"]
+        ours = routers[OURS_LEARNED]
+        best = best_peer(routers)
+
+        def ratio(name: str, routers: dict[str, Any] = routers) -> str:
+            r = routers[name]
+            return (f"{r['learned_over_this_attainment']:.2f}x "
+                    f"({r['learned_over_this_output_throughput']:.2f}x)")
+
+        bound = c.get("bound_output_throughput")
+        rows.append([c["fleet"], f"{c['load']:g}", f"{100 * ours['attainment']:.1f}%",
+                     ours["output_throughput"],
+                     f"{best}: {ratio(best)}", *[ratio(p) for p in _peer_rows(routers)],
+                     ratio("prefix-informed"),
+                     f"{bound:.0f}: {ours['over_bound_output_throughput']:.3f}" if bound else "-"])
+    return rows
+
+
 def render(res: dict[str, Any]) -> str:
-    """The figures in markdown: one table per cell, a summary of ours learned over each router, the
-    drift's convergence."""
+    """The figures in markdown: the headline (ours learned over the best peer, each tuned peer, ours
+    informed and the bound), one table per cell, ours learned over every router, the peers' tuned
+    settings, the drift's convergence."""
     slo = res["slo"]
     out = [f"{res['replicas']} simulated `{res['scenario_engine']}` replicas per fleet, L-Eval "
            f"({res['docs_per_replica']} documents per replica; drift: {res['drift_blocks']} such blocks), "
            f"arrival seeds {res['seeds']}; SLO TTFT <= {slo['ttft'] / 1000:g} s and TPOT <= {slo['tpot']:g} "
            "ms; "
-           f"peers at their defaults. {measured(res)}; `{res['command']}`: {res['wall_s'] / 60:.1f} min wall "
+           "peers at their defaults and tuned on each unequal fleet. "
+           f"{measured(res)}; `{res['command']}`: {res['wall_s'] / 60:.1f} min wall "
            "on one core."]
-    ratio_headers = ["fleet", "load", "learned tok/s", "learned attain."] + [f"/ {r}" for r in ROUTERS
+    out += ["", "Headline: ours learned over the best peer of the cell (of every peer row, at defaults or "
+            "tuned), over each peer tuned on that fleet (at its defaults where not tuned or tuned to its "
+            "defaults: LMetric, every peer on the equal fleet), and over ours informed: attainment "
+            "(output tok/s), median over seeds of the per-seed ratio; last, the no-queueing bound with "
+            "each replica at its own speed (output tok/s, mean over seeds) and ours learned's tok/s over it "
+            "(median):", "",
+            format_table(["fleet", "load", "learned attain.", "learned tok/s", "/ best peer",
+                          *[f"/ {p}" for p in PEERS], "/ prefix-informed", "bound: learned / bound"],
+                         headline(res))]
+    names = list(dict.fromkeys(name for c in res["cells"] for name in c["routers"]))
+    ratio_headers = ["fleet", "load", "learned tok/s", "learned attain."] + [f"/ {r}" for r in names
                                                                             if r != OURS_LEARNED]
     summary = []
     for c in res["cells"]:
@@ -264,12 +412,13 @@ def render(res: dict[str, Any]) -> str:
         summary.append([c["fleet"], f"{c['load']:g}", ours["output_throughput"],
                         f"{100 * ours['attainment']:.1f}%"]
                        + [f"{routers[r]['learned_over_this_output_throughput']:.3f}x "
-                          f"({routers[r]['learned_over_this_attainment']:.2f}x)"
-                          for r in ROUTERS if r != OURS_LEARNED])
+                          f"({routers[r]['learned_over_this_attainment']:.2f}x)" if r in routers else "-"
+                          for r in names if r != OURS_LEARNED])
     out += ["", "Ours learned over each router: output tok/s (attainment), median over seeds of the per-seed "
             "ratio:", "", format_table(ratio_headers, summary)]
-    grid = [[name] + [f"{100 * r['attainment']:.1f}% / {r['output_throughput']:.0f}"
-                      for r in (c["routers"][name] for c in res["cells"])] for name in ROUTERS]
+    grid = [[name] + [f"{100 * c['routers'][name]['attainment']:.1f}% / "
+                      f"{c['routers'][name]['output_throughput']:.0f}" if name in c["routers"] else "-"
+                      for c in res["cells"]] for name in names]
     out += ["", "Attainment / output tok/s, every router and cell (means over seeds):", "",
             format_table(["router"] + [f"{c['fleet']} {c['load']:g}" for c in res["cells"]], grid)]
     headers = ["router", "output tok/s", "attainment", "mean TTFT s", "P99 TTFT s", "mean E2E s", "P99 E2E s",
@@ -281,6 +430,13 @@ def render(res: dict[str, Any]) -> str:
         out += ["", f"**{c['fleet']}, load {c['load']:g}**: {c['requests']} requests, "
                 f"{c['rate_req_s']:.2f} req/s (capacity {c['capacity_req_s']:.2f} req/s)", "",
                 format_table(headers, rows)]
+    tuning = res.get("tuning") or {}
+    if tuning:
+        rows = [[fleet, peer, _knobs_text(t["best"]), f"{100 * t['attainment']:.1f}%", len(t["grid"])]
+                for fleet, peers in tuning.items() for peer, t in peers.items()]
+        out += ["", f"The peers tuned on each fleet (seeds {res['tune_seeds']}, workloads of their own, "
+                "every load; highest mean attainment):", "",
+                format_table(["fleet", "peer", "tuned knobs", "tuning attainment", "settings"], rows)]
     drift_rows = []
     for c in res["cells"]:
         for seed, phases in zip(res["seeds"], c.get("drift") or [], strict=False):
@@ -308,6 +464,10 @@ def render(res: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _knobs_text(knobs: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in knobs.items()) or "(defaults)"
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--replicas", type=int, default=8)
@@ -323,6 +483,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--quick", action="store_true",
                    help="4 replicas, 4 documents each (drift: 3 blocks, slow from 6 s to 14 s), load 1, "
                         "one seed (a smoke test)")
+    p.add_argument("--tune-seeds", type=int, default=3,
+                   help="the peers are tuned on each unequal fleet on this many workloads of their own "
+                        f"(seeds from {TUNE_SEED_BASE}) at every load; 0: not tuned")
+    p.add_argument("--tune-equal", action="store_true", help="tune the peers on the equal fleet too")
+    p.add_argument("--no-bound", action="store_true", help="no no-queueing bound")
     p.add_argument("--cost-replicas", type=int, default=64, help="0: no cost measurement")
     p.add_argument("--cost-prefixes", type=int, default=2000)
     p.add_argument("--json", default=None)
@@ -330,7 +495,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.quick:
         args.replicas, args.docs_per_replica = 4, 4
         args.loads, args.seeds, args.drift_at, args.drift_until = "1.0", 1, 6.0, 14.0
-        args.cost_replicas, args.cost_prefixes = 8, 50
+        args.cost_replicas, args.cost_prefixes, args.tune_seeds = 8, 50, 1
     start = time.perf_counter()
 
     def log(msg: str) -> None:
@@ -341,7 +506,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     pool = load_workload(WorkloadConfig(kind="leval", max_prompt_tokens=8192))
     n, seeds = args.replicas, list(range(args.seeds))
     specs_by_fleet = fleets(n, args.drift_at, args.drift_until)
-    cells = []
+    loads = [float(x) for x in args.loads.split(",")]
+    cells, tuning = [], {}
+
+    def fleet_workload(fleet: str, specs: Sequence[ReplicaSpec], seed: int) -> tuple[Workload, float]:
+        """The fleet's workload drawn with ``seed`` and its capacity (req/s)."""
+        if fleet == "drift":
+            w = drift_workload(pool, n, args.docs_per_replica, args.drift_blocks, seed=seed)
+            first = Workload("first block", w.requests[:len(w) // args.drift_blocks])
+            return w, capacity(engine, specs, first)["req_s"]
+        w = uniform_workload(pool, n, args.docs_per_replica, seed=seed)
+        return w, capacity(engine, specs, w)["req_s"]
+
     for fleet in args.fleets.split(","):
         specs = specs_by_fleet[fleet]
         workload = uniform_workload(pool, n, args.docs_per_replica, seed=n)
@@ -353,11 +529,30 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         sim = ClusterSim(n, engine, profiles=specs)
         phases = ([(0.0, args.drift_at, 1.0), (args.drift_at, args.drift_until, 3.0),
                    (args.drift_until, math.inf, 1.0)] if fleet == "drift" else [])
-        factories = router_factories(specs, engine, slo)
-        for load in (float(x) for x in args.loads.split(",")):
+        tuned = None
+        if args.tune_seeds > 0 and (fleet != "equal" or args.tune_equal):
+            t0 = time.perf_counter()
+            runs = []
+            for s in range(args.tune_seeds):  # workloads of their own, as benchmarks.router_peers draws them
+                seed = TUNE_SEED_BASE + s
+                w, c = fleet_workload(fleet, specs, seed + 100 * n)
+                runs += [(seed, w.with_arrivals(f"poisson:{load * c}", seed)) for load in loads]
+            log(f"{fleet}: tuning the peers on {len(runs)} runs")
+            tuned = tune_peers(sim, runs, slo, log)
+            tuning[fleet] = tuned
+            log(f"{fleet}: tuned in {time.perf_counter() - t0:.0f} s")
+        factories = router_factories(specs, engine, slo, tuned)
+        floors: dict[ReplicaSpec, dict[tuple[str, int], float]] = {}
+
+        def bound(timed: Workload, specs: Sequence[ReplicaSpec] = specs,
+                  floors: dict[ReplicaSpec, dict[tuple[str, int], float]] = floors) -> float:
+            return fleet_bound(engine, specs, timed, floors)
+
+        for load in loads:
             t0 = time.perf_counter()
             rate = load * cap["req_s"]
-            cell = run_cell(sim, workload, rate, seeds, factories, slo, phases)
+            cell = run_cell(sim, workload, rate, seeds, factories, slo, phases,
+                            None if args.no_bound else bound)
             cells.append({"fleet": fleet, "load": load, "requests": len(workload), "rate_req_s": rate,
                           "capacity_req_s": cap["req_s"],
                           "capacity_per_replica_req_s": cap["per_replica_req_s"], **cell})
@@ -369,6 +564,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
            "fleets": {f: [dataclasses.asdict(s) for s in specs_by_fleet[f]] for f in FLEETS},
            "command": "python -m benchmarks.unequal_replicas " + " ".join(
                argv if argv is not None else sys.argv[1:]),
+           "tune_seeds": [TUNE_SEED_BASE + s for s in range(args.tune_seeds)], "tuning": tuning,
            "cells": cells}
     if args.cost_replicas:
         t0 = time.perf_counter()
