@@ -258,12 +258,33 @@ def test_the_benchmark_runs_end_to_end(tmp_path, data_dir):
     assert (tmp_path / "u.json").exists()
     assert [c["fleet"] for c in out["cells"]] == list(unequal_replicas.FLEETS)
     for c in out["cells"]:
-        assert set(c["routers"]) == set(unequal_replicas.ROUTERS)
+        assert set(unequal_replicas.ROUTERS) <= set(c["routers"])
+        tuned = {r for r in c["routers"] if r.endswith(" (tuned)")}
+        assert set(c["routers"]) == set(unequal_replicas.ROUTERS) | tuned
+        assert not tuned or c["fleet"] != "equal"  # the peers are tuned on the unequal fleets only
         for r in c["routers"].values():
             assert 0.0 <= r["attainment"] <= 1.0 and r["output_throughput"] > 0
+            # no router beats the no-queueing bound with each replica at its own speed
+            assert r["over_bound_output_throughput"] <= 1.0 + 1e-9
         assert c["routers"]["prefix-learned"]["learned_over_this_output_throughput"] == 1.0
+    assert set(out["tuning"]) == {"speed", "kv", "drift"}
+    for peers in out["tuning"].values():
+        assert set(peers) == set(unequal_replicas.TUNED)
+        for t in peers.values():  # the setting of the highest tuning attainment
+            assert t["attainment"] == max(g["attainment"] for g in t["grid"])
     speed = next(c for c in out["cells"] if c["fleet"] == "speed")
     equal = next(c for c in out["cells"] if c["fleet"] == "equal")
     assert speed["capacity_req_s"] < equal["capacity_req_s"]  # half the fleet is slower
     drift = next(c for c in out["cells"] if c["fleet"] == "drift")
     assert len(drift["drift"]) == 1 and [p["slowdown"] for p in drift["drift"][0]] == [1.0, 3.0, 1.0]
+
+
+def test_the_fleet_bound_takes_each_request_at_the_fastest_kind(engine):
+    from benchmarks.unequal_replicas import fleet_bound
+
+    slow = ReplicaSpec(prefill_slowdown=3.0, decode_slowdown=1.5)
+    timed = _requests(4, 2000, 8, gap=0.2)
+    mixed = fleet_bound(engine, [ReplicaSpec(), slow], timed, {})
+    fast = fleet_bound(engine, [ReplicaSpec()] * 2, timed, {})
+    slow_only = fleet_bound(engine, [slow] * 2, timed, {})
+    assert mixed == pytest.approx(fast) and slow_only < fast
