@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,7 +38,7 @@ from feather_env.cluster_sim import ClusterResult, ClusterSim, distinct_document
 from feather_env.reporting import format_table, machine_info, write_json
 from feather_env.scenarios import load_scenario
 from feather_env.workloads import WorkloadConfig, load_workload
-from scheduler_runtime.router import PrefixHasher, make_router
+from scheduler_runtime.router import PrefixHasher, ReplicaRouter, make_router
 
 #: The routers compared here (the field's routers, also in ``scheduler_runtime.router.ROUTERS``, are
 #: ``benchmarks.router_peers``').
@@ -87,8 +87,11 @@ def cluster_cell(sim: ClusterSim, workload: Any, load: float, seeds: Sequence[in
 
 
 def router_cost(replicas: int = 64, prefixes: int = 10_000, prompt_tokens: int = 8192, repeats: int = 5,
-                seed: int = 0) -> dict[str, Any]:
-    """Per-request cost of each router (µs), and of hashing one prompt (see the module docstring)."""
+                seed: int = 0,
+                routers: Mapping[str, Callable[[], ReplicaRouter]] | None = None) -> dict[str, Any]:
+    """Per-request cost of each router (µs), and of hashing one prompt (see the module docstring).
+    ``routers``: name -> a new router, instead of :data:`ROUTERS` (each is passed the prompt's length,
+    and a request id where it tracks requests)."""
     rng = np.random.default_rng(seed)
     hasher = PrefixHasher()
     docs = [rng.integers(3, 30_000, prompt_tokens - 32, dtype=np.int32) for _ in range(prefixes)]
@@ -102,19 +105,47 @@ def router_cost(replicas: int = 64, prefixes: int = 10_000, prompt_tokens: int =
     order = rng.permutation(prefixes)
     out: dict[str, Any] = {"replicas": replicas, "prefixes": prefixes, "prompt_tokens": prompt_tokens,
                            "chunk_size": hasher.chunk_size, "hash_us": hash_us, "routers": {}}
-    for name in ROUTERS:
-        router = _router(name, seed)
-        for i, h in enumerate(hashes):  # warm: every prefix known (the table at 10,000 prefixes)
-            router.routed(h, router.choose(h, loads_pool[i % 64]))
+    factories = routers or {name: (lambda name=name: _router(name, seed)) for name in ROUTERS}
+    for name, factory in factories.items():
+        router = factory()
+        if router.observes_service:
+            ticks = iter(range(1 << 62))
+            router.clock = lambda ticks=ticks: next(ticks) * 0.01
+        if routers is None:
+            for i, h in enumerate(hashes):  # warm: every prefix known (the table at 10,000 prefixes)
+                router.routed(h, router.choose(h, loads_pool[i % 64]))
+        else:
+            for i, h in enumerate(hashes):
+                _route(router, h, loads_pool[i % 64], prompt_tokens, f"w{i}")
         times = []
-        for _ in range(repeats):
+        for r in range(repeats):
             t0 = time.perf_counter()
             for j, i in enumerate(order):
                 h = hashes[i]
-                router.routed(h, router.choose(h, loads_pool[j & 63]))
+                if routers is None:
+                    router.routed(h, router.choose(h, loads_pool[j & 63]))
+                else:
+                    _route(router, h, loads_pool[j & 63], prompt_tokens, f"{r}-{j}")
             times.append((time.perf_counter() - t0) / prefixes * 1e6)
         out["routers"][name] = {"us_per_request": statistics.median(times), "runs_us": times}
     return out
+
+
+def _route(router: ReplicaRouter, hashes: np.ndarray, loads: Mapping[str, int], tokens: int,
+           rid: str) -> None:
+    """One request's routing with its length: ``choose`` + ``routed``; where the router tracks requests,
+    with its id, and its first token and finish at once (a router that observes the service is told
+    two output tokens, its clock 10 ms later at each reading)."""
+    replica = router.choose(hashes, loads, tokens=tokens)
+    if not router.tracks_requests:
+        router.routed(hashes, replica, tokens=tokens)
+        return
+    router.routed(hashes, replica, tokens=tokens, request_id=rid)
+    router.prefilled(rid)
+    if router.observes_service:
+        router.finished(rid, output_tokens=2)  # type: ignore[call-arg]
+    else:
+        router.finished(rid)
 
 
 def _cell_rows(cell: dict[str, Any]) -> list[list[Any]]:

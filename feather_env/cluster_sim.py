@@ -24,14 +24,26 @@ as a router watching the responses stream would.
 
 Every request is checked to be served exactly once with its tokens
 (:meth:`~feather_env.serving.ServingBackend.check_complete`, per replica).
+
+Unequal replicas (``profiles``, one :class:`ReplicaSpec` per replica): each replica may have its own
+engine (KV cache, ``max_num_seqs``, token budget) and its own speed: the calibrated step model's
+prefill part and decode part of every step are multiplied by the replica's own factors (a replica
+3x slower in prefill and 1.5x in decode), and a ``drift`` multiplies both further from given
+times on (a replica that slows down for a while, as one sharing its host with other work). A router
+that learns from the service it sees (:attr:`~scheduler_runtime.router.ReplicaRouter.observes_service`)
+reads the cluster's clock (its ``clock``, set here: the time of the arrival it routes, or of the first
+token or finish it hears of), is told each finished request's output tokens, and is handed each
+replica's published metrics (:meth:`ReplicaSim.metrics`: what vLLM's ``/metrics`` shows, its
+``vllm:cache_config_info`` included) every ``scrape_s`` seconds of the clock, at an arrival.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +59,59 @@ from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 from scheduler_runtime.router import PrefixHasher, ReplicaRouter
 from scheduler_runtime.schedulers import SchedulerConfig
 
-__all__ = ["ClusterResult", "ClusterSim", "ReplicaSim", "distinct_documents", "zipf_documents"]
+__all__ = ["ClusterResult", "ClusterSim", "ReplicaSim", "ReplicaSpec", "distinct_documents", "zipf_documents"]
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """One replica of an unequal fleet: its engine and its speed beside the calibrated step model's.
+
+    Attributes:
+        prefill_slowdown: the prefill part of each step (the prefilling requests' tokens and their
+            attention, :meth:`~feather_env.step_model.StepCostModel.prefill_seconds`) takes this many
+            times the calibrated time (> 1: slower).
+        decode_slowdown: the rest of each step (constant, per-request, decoding tokens, KV reads) takes
+            this many times the calibrated time.
+        kv_cache_gib, max_num_seqs, max_num_batched_tokens: the replica's own engine settings
+            (``None``: the cluster's engine's).
+        drift: ``(from_s, factor)`` pairs in time order: from ``from_s`` seconds of the cluster's clock
+            on, both parts take ``factor`` times longer still (1: back to the replica's own speed). A
+            step takes the factor in force when it starts.
+    """
+
+    prefill_slowdown: float = 1.0
+    decode_slowdown: float = 1.0
+    kv_cache_gib: float | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    drift: tuple[tuple[float, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not (self.prefill_slowdown > 0 and self.decode_slowdown > 0):
+            raise ValueError("slowdowns must be > 0")
+        times = [t for t, _ in self.drift]
+        if times != sorted(times) or any(f <= 0 for _, f in self.drift):
+            raise ValueError("drift must be (time, factor > 0) pairs in time order")
+
+    def engine(self, base: EngineConfig) -> EngineConfig:
+        """``base`` with this replica's own settings."""
+        own = {k: v for k, v in (("kv_cache_gib", self.kv_cache_gib), ("max_num_seqs", self.max_num_seqs),
+                                 ("max_num_batched_tokens", self.max_num_batched_tokens)) if v is not None}
+        return replace(base, **own) if own else base
+
+    def drift_at(self, t: float) -> float:
+        """The drift factor in force at ``t``."""
+        i = bisect.bisect_right([s for s, _ in self.drift], t)
+        return self.drift[i - 1][1] if i else 1.0
+
+    def slowdowns_at(self, t: float) -> tuple[float, float]:
+        """``(prefill, decode)`` slowdowns in force at ``t``."""
+        f = self.drift_at(t)
+        return self.prefill_slowdown * f, self.decode_slowdown * f
+
+    def next_change(self, t: float) -> float:
+        """The first drift time after ``t`` (inf: none)."""
+        return next((s for s, _ in self.drift if s > t), math.inf)
 
 
 class ReplicaSim(SimBackend):
@@ -59,8 +123,9 @@ class ReplicaSim(SimBackend):
     """
 
     def __init__(self, name: str, engine: EngineConfig, config: SchedulerConfig,
-                 profile: str | Path | None = None) -> None:
-        super().__init__(engine, profile)
+                 profile: str | Path | None = None, spec: ReplicaSpec | None = None) -> None:
+        self.spec = spec or ReplicaSpec()
+        super().__init__(self.spec.engine(engine), profile)
         self.name = name
         self.config = config
         #: The cluster's next event: the engine runs no further than the first step that reaches it.
@@ -68,10 +133,36 @@ class ReplicaSim(SimBackend):
         self.opened = False
         #: ``(request_id, finished)`` for each first token (False) and finish (True), when recorded.
         self.events: list[tuple[str, bool]] | None = None
+        #: The clock of each of ``events``, when recorded (a router that reads the clock needs it).
+        self.event_times: list[float] | None = None
+        #: vLLM's request-level histograms' sums and counts, kept at each finish (:meth:`metrics`).
+        self._served: dict[str, float] = dict.fromkeys(_SERVED_KEYS, 0.0)
+        self.prefill_scale, self.decode_scale = self.spec.slowdowns_at(0.0)
 
     @property
     def next_arrival(self) -> float:
-        return min(super().next_arrival, self.horizon)
+        # a drift time is an event too: the steps after it run at the new speed
+        return min(super().next_arrival, self.horizon, self.spec.next_change(self.clock))
+
+    def _advance_engine(self, adv: Any) -> None:
+        self.prefill_scale, self.decode_scale = self.spec.slowdowns_at(self.clock)
+        super()._advance_engine(adv)
+
+    def metrics(self) -> dict[str, Any]:
+        """What this replica's vLLM would publish at ``/metrics`` now, under vLLM's metric names:
+        ``vllm:cache_config_info`` (its labels ``num_gpu_blocks`` and ``block_size``), the requests
+        running and waiting (the core's held requests count as waiting), the KV usage, and the sums
+        and counts of the request-level histograms (queue, prefill, decode time; prompt and generation
+        tokens) with the prefix cache's hit tokens, over the requests finished so far (vLLM observes
+        the histograms at a request's finish; its hit counter moves at each step, here at the finish)."""
+        e = self.engine_config
+        engine = self.engine
+        running = engine.num_running if self.opened else 0
+        return {"vllm:cache_config_info": {"num_gpu_blocks": e.num_kv_blocks, "block_size": e.block_size},
+                "vllm:num_requests_running": running,
+                "vllm:num_requests_waiting": max(0, self.in_flight - running),
+                "vllm:kv_cache_usage_perc": engine.kv_usage if self.opened else 0.0,
+                **self._served}
 
     @property
     def in_flight(self) -> int:
@@ -104,14 +195,38 @@ class ReplicaSim(SimBackend):
 
     def _record_tokens(self, request_id: str, new_tokens: int, finished: bool, now: float,
                        adv: Any) -> None:
-        events = self.events
+        events, times = self.events, self.event_times
         if events is not None:
             t = self._timelines.get(request_id)
             if t is not None and new_tokens and math.isnan(t.first_token):
                 events.append((request_id, False))
+                if times is not None:
+                    times.append(now)
         super()._record_tokens(request_id, new_tokens, finished, now, adv)
-        if finished and events is not None:
-            events.append((request_id, True))
+        if finished:
+            self._observe_finish(self._timelines[request_id])
+            if events is not None:
+                events.append((request_id, True))
+                if times is not None:
+                    times.append(now)
+
+    def _observe_finish(self, t: RequestTimeline) -> None:
+        served = self._served
+        served["vllm:request_queue_time_seconds_sum"] += t.first_scheduled - t.arrival
+        served["vllm:request_prefill_time_seconds_sum"] += t.first_token - t.first_scheduled
+        served["vllm:request_decode_time_seconds_sum"] += t.finish - t.first_token
+        served["vllm:request_prompt_tokens_sum"] += t.prompt_len
+        served["vllm:request_generation_tokens_sum"] += t.tokens
+        served["vllm:prefix_cache_hits_total"] += t.prefix_hit_tokens
+        served["vllm:request_success_total"] += 1
+
+
+#: The request-level sums :meth:`ReplicaSim.metrics` publishes (vLLM's names; ``_sum`` of a histogram,
+#: ``vllm:request_success_total`` its count).
+_SERVED_KEYS = ("vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_sum",
+                "vllm:request_decode_time_seconds_sum", "vllm:request_prompt_tokens_sum",
+                "vllm:request_generation_tokens_sum", "vllm:prefix_cache_hits_total",
+                "vllm:request_success_total")
 
 
 @dataclass
@@ -161,12 +276,17 @@ class ClusterSim:
         profile: the simulator's calibrated profile (default: the bundled one).
         scheduler_overrides: :class:`~scheduler_runtime.schedulers.SchedulerConfig` fields
             (``chunk_size``, ``max_wait``, ...).
+        profiles: one :class:`ReplicaSpec` per replica (an unequal fleet; default: every replica
+            ``engine`` at the calibrated speed).
     """
 
     def __init__(self, replicas: int, engine: EngineConfig, *, scheduler: str = "feather-heuristic",
-                 profile: str | Path | None = None, **scheduler_overrides: Any) -> None:
+                 profile: str | Path | None = None, profiles: Sequence[ReplicaSpec] | None = None,
+                 **scheduler_overrides: Any) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
+        if profiles is not None and len(profiles) != replicas:
+            raise ValueError(f"{len(profiles)} replica profiles for {replicas} replicas")
         config = env_scheduler_config(scheduler, **scheduler_overrides)
         self.engine = engine
         self.config = config
@@ -174,19 +294,23 @@ class ClusterSim:
         self.profile = profile
         self.num_replicas = replicas
         self.names = [str(i) for i in range(replicas)]
+        self.specs: list[ReplicaSpec] = list(profiles) if profiles is not None else [ReplicaSpec()] * replicas
 
     def _replicas(self) -> list[ReplicaSim]:
         # each replica's runtime builds its own policy (a stateful one sees only its replica)
-        return [ReplicaSim(name, self.engine, self.config, self.profile) for name in self.names]
+        return [ReplicaSim(name, self.engine, self.config, self.profile, spec)
+                for name, spec in zip(self.names, self.specs, strict=True)]
 
     def run(self, workload: Workload | Sequence[Request], router: ReplicaRouter,
             hasher: PrefixHasher | None = None, *,
-            goodput: Mapping[str, float] | None = None) -> ClusterResult:
+            goodput: Mapping[str, float] | None = None, scrape_s: float = 1.0) -> ClusterResult:
         """Serve ``workload`` (arrival times as given) through ``router``.
 
         ``hasher``: the routing key (default: the replicas' CHT chunk size), computed only for a
         router that reads it. ``goodput``: SLOs in ms (``{"ttft": ..., "e2el": ...}``, vLLM's
-        ``--goodput``) for the metrics' ``request_goodput``.
+        ``--goodput``) for the metrics' ``request_goodput``. ``scrape_s``: how often a router that
+        observes the service is handed each replica's metrics (seconds of the clock, at the first
+        arrival past it).
 
         Raises:
             EngineError: a request was not served exactly once with its tokens.
@@ -198,18 +322,32 @@ class ClusterSim:
         replicas = self._replicas()
         by_name = {r.name: r for r in replicas}
         tracks = router.tracks_requests
+        observes = router.observes_service
+        now = [0.0]  # the router's clock, when it reads one
+        if observes:
+            router.clock = lambda: now[0]
         if tracks:
             for replica in replicas:
                 replica.events = []
+                replica.event_times = [] if observes else None
+        next_scrape = -math.inf
 
         def tell(replica: ReplicaSim) -> None:  # what the router hears: first tokens and finishes
-            for rid, done in replica.events or ():
+            events = replica.events or ()
+            times = replica.event_times or [math.nan] * len(events)
+            for (rid, done), at in zip(events, times, strict=True):
+                now[0] = at
                 if done:
-                    router.finished(rid)
+                    if observes:
+                        router.finished(rid, output_tokens=replica._timelines[rid].tokens)
+                    else:
+                        router.finished(rid)
                 else:
                     router.prefilled(rid)
             if replica.events:
                 replica.events.clear()
+            if replica.event_times:
+                replica.event_times.clear()
 
         for request in requests:
             t = float(request.arrival_time)
@@ -217,6 +355,11 @@ class ClusterSim:
                 replica.run_until(t)
                 if tracks:
                     tell(replica)
+            now[0] = t
+            if observes and t >= next_scrape:
+                for replica in replicas:
+                    router.scraped(replica.name, replica.metrics())
+                next_scrape = t + scrape_s
             loads = {r.name: r.in_flight for r in replicas}
             hashes = hasher.hash(request.prompt_token_ids) if router.uses_hashes and hasher else None
             n = len(request.prompt_token_ids)  # every router gets the length, as the proxy gives it

@@ -141,6 +141,14 @@ class StepCostModel:
     def predict_features(self, features: np.ndarray) -> np.ndarray | float:
         return features @ self._w
 
+    def prefill_seconds(self, features: np.ndarray, prefill_tokens: int) -> float:
+        """The prefill part of a step of ``features`` (:func:`step_features`) whose prefilling requests
+        schedule ``prefill_tokens`` tokens: their tokens' share of the linear layers (``c2``) and their
+        attention (``c5 * A``). The rest of the step (the constant, the per-request term, the decoding
+        tokens and their KV reads) is its decode part."""
+        w = self.coef
+        return float(w[2] * prefill_tokens + w[5] * features[5])
+
     def decode_growth(self, batch: Sequence[StepRequest]) -> float:
         """Seconds each further identical decode step adds: every decoding request's context
         (and its own, always-missed tokens) grows by one token per step."""

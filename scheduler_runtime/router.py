@@ -44,7 +44,13 @@ follows, its source and version, its default knobs and where this version approx
 * ``ray-prefix-affinity`` (:class:`RayPrefixAffinityRouter`): Ray Serve LLM's
   ``PrefixCacheAffinityRouter``;
 * ``lmetric`` (:class:`LMetricRouter`): LMetric (OSDI '26), new prefill tokens x batch size;
-* ``dynamo-kv`` (:class:`DynamoKvRouter`): NVIDIA Dynamo's KV router cost.
+* ``dynamo-kv`` (:class:`DynamoKvRouter`): NVIDIA Dynamo's KV router cost;
+* ``llm-d-predicted-latency`` (:class:`LlmdPredictedLatencyRouter`): llm-d's predicted-latency scorer
+  (TTFT and TPOT models trained online; it reads the clock and the replicas' metrics, and is not among
+  :data:`PEERS`, which ``benchmarks.router_peers`` tunes).
+
+Ours learning each replica's speed and KV size from what it serves is
+:class:`~scheduler_runtime.learned_router.LearnedRouter` (``prefix-learned``), in its own module.
 
 The peers match prompts by text or by token block in their own trees; here they see what ours
 sees, the chunked prefix hashes (512-token chunks by default), so a per-replica radix tree is
@@ -71,6 +77,7 @@ import numpy as np
 from scheduler_runtime.peer_routers import (
     PEERS,
     DynamoKvRouter,
+    LlmdPredictedLatencyRouter,
     LMetricRouter,
     RayPrefixAffinityRouter,
     SGLangCacheAwareRouter,
@@ -90,6 +97,7 @@ __all__ = [
     "ROUTERS",
     "DynamoKvRouter",
     "LMetricRouter",
+    "LlmdPredictedLatencyRouter",
     "PowerOfTwoRouter",
     "PrefixAffinityRouter",
     "PrefixHashRouter",
@@ -448,6 +456,7 @@ ROUTERS: dict[str, type[ReplicaRouter]] = {
     RayPrefixAffinityRouter.name: RayPrefixAffinityRouter,
     LMetricRouter.name: LMetricRouter,
     DynamoKvRouter.name: DynamoKvRouter,
+    LlmdPredictedLatencyRouter.name: LlmdPredictedLatencyRouter,
 }
 
 

@@ -10,9 +10,10 @@ re-exports them all.
 from __future__ import annotations
 
 import bisect
+import time
 from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -92,6 +93,8 @@ class PrefixHistory:
             raise ValueError("chunk_size and max_tokens must be >= 1")
         self.chunk_size = int(chunk_size)
         self.max_tokens = int(max_tokens)
+        #: replica -> its own ``max_tokens`` where it differs (:meth:`set_limit`: replicas of unequal KV).
+        self.limits: dict[str, int] = {}
         #: chunk key -> {replica: when it was last sent it (a counter)}
         self.holders: dict[int, dict[str, int]] = {}
         self._keys: dict[str, OrderedDict[int, int]] = {}  # replica -> key -> tokens, LRU first
@@ -113,7 +116,20 @@ class PrefixHistory:
                 mine[key] = span
                 self.size[replica] += span
             holders.setdefault(key, {})[replica] = stamp
-        while self.size[replica] > self.max_tokens and mine:
+        self._evict(replica)
+
+    def set_limit(self, replica: str, max_tokens: int) -> None:
+        """``replica`` holds at most ``max_tokens`` (its least recently sent keys go now if it holds more)."""
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        self.limits[replica] = int(max_tokens)
+        self._evict(replica)
+
+    def _evict(self, replica: str) -> None:
+        mine = self._keys.get(replica)
+        limit = self.limits.get(replica, self.max_tokens)
+        holders = self.holders
+        while mine and self.size[replica] > limit:
             key, span = mine.popitem(last=False)
             self.size[replica] -= span
             who = holders.get(key)
@@ -155,6 +171,7 @@ class PrefixHistory:
                 if not who:
                     del self.holders[key]
         self.size.pop(replica, None)
+        self.limits.pop(replica, None)
 
 
 class RequestLedger:
@@ -244,6 +261,12 @@ class ReplicaRouter(ABC):
     #: calls :meth:`prefilled` and :meth:`finished` (the simulator does; a router must still work,
     #: less well, without them).
     tracks_requests: bool = False
+    #: Whether the router learns from the service it sees (a router that tracks requests): the caller
+    #: that can sets its :attr:`clock` (the time of each call), passes ``output_tokens`` to
+    #: :meth:`finished`, and hands it each replica's published metrics now and then (:meth:`scraped`).
+    observes_service: ClassVar[bool] = False
+    #: The clock such a router reads (seconds; the simulator sets its own).
+    clock: Callable[[], float] = staticmethod(time.monotonic)
 
     def __init__(self) -> None:
         self._ring: _Ring | None = None
@@ -274,6 +297,11 @@ class ReplicaRouter(ABC):
 
     def forget(self, replica: str) -> None:  # noqa: B027 - optional hook
         """``replica`` is gone, and its prefix cache with it."""
+
+    def scraped(self, replica: str, metrics: Mapping[str, Any]) -> None:  # noqa: B027 - optional hook
+        """``replica``'s ``/metrics`` as just read, by vLLM's metric names (a router that
+        :attr:`observes_service`): ``vllm:cache_config_info`` (a dict of its labels), gauges, and the
+        sums and counts of its histograms."""
 
     def state(self) -> dict[str, Any]:
         """Counters for reports and ``/metrics``."""

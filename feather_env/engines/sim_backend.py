@@ -111,6 +111,13 @@ class SimBackend(ServingBackend):
         #: Every predicted step time is multiplied by this: a slower (> 1) or faster machine than
         #: the one the profile was fitted on (the environment's ``engine_slowdown``).
         self.time_scale = 1.0
+        #: A step's prefill part (the prefilling requests' tokens and attention,
+        #: :meth:`~feather_env.step_model.StepCostModel.prefill_seconds`) and the rest of it (the
+        #: constant, per-request, decoding tokens and KV reads) are multiplied by these: a replica
+        #: whose prefill and decode are slower (> 1) by different factors, as GPU generations and
+        #: tensor-parallel degrees differ (:class:`~feather_env.cluster_sim.ReplicaSpec`).
+        self.prefill_scale = 1.0
+        self.decode_scale = 1.0
 
     # -- the serving loop's hooks ----------------------------------------------------------------
     @property
@@ -203,7 +210,12 @@ class SimBackend(ServingBackend):
         shared = [hit.get(rid, 0) for rid in res.request_ids]  # every column in persistent-batch order
         feats = features_from_columns(res.num_scheduled, res.num_computed, res.first_block, shared,
                                       res.is_prefill, self.model.cache_tokens)
-        return float(self.model.predict_features(feats)) * self.time_scale
+        total = float(self.model.predict_features(feats))
+        if self.prefill_scale == self.decode_scale:
+            return total * self.decode_scale * self.time_scale
+        prefill = self.model.prefill_seconds(feats, sum(q for q, pre in zip(res.num_scheduled, res.is_prefill,
+                                                                            strict=True) if pre))
+        return (self.prefill_scale * prefill + self.decode_scale * (total - prefill)) * self.time_scale
 
     def _step(self, adv: Advance) -> bool:
         """One engine step; True when a request finished (the core has news), or, for the group
@@ -242,7 +254,7 @@ class SimBackend(ServingBackend):
         probe = engine.advance_decode(1)
         n = len(probe.request_ids)
         t0 = self._batch_seconds(probe)
-        g = self._decode_growth * n * self.time_scale
+        g = self._decode_growth * n * self.time_scale * self.decode_scale
         self._advance_clock(t0, adv)
         adv.decode_tokens += n
         adv.decode_seconds += t0

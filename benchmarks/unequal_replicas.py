@@ -1,0 +1,580 @@
+"""Routing on unequal replicas: ours told nothing, ours learning each replica's speed and KV, ours told the
+truth, and the field's routers, on fleets of mixed speed, mixed KV and a replica that drifts.
+
+    python -m benchmarks.unequal_replicas --json results/unequal_replicas.json
+
+The cluster and the workload are :mod:`benchmarks.router_peers`'
+(:func:`~benchmarks.router_peers.uniform_workload`): ``--replicas`` (8) simulated replicas of
+``leval-kv-pressure``'s engine (0.25 GiB of KV), Feather's heuristic in each; L-Eval,
+``--docs-per-replica`` (16) documents per replica with at most 8 questions each, Poisson arrivals
+drawn with seeds 0, 1, 2. The fleets (:func:`fleets`,
+:class:`~feather_env.cluster_sim.ReplicaSpec`):
+
+* ``equal``: the control, every replica alike;
+* ``speed``: every other replica 3x slower in prefill and 1.5x in decode (the calibrated step model's
+  prefill part and the rest of each step scaled,
+  :meth:`~feather_env.step_model.StepCostModel.prefill_seconds`);
+* ``kv``: every other replica with a quarter of the KV (0.0625 GiB);
+* ``drift``: replica 0 runs 3x slower (prefill and decode) from ``--drift-at`` to ``--drift-until``
+  seconds of the clock, on ``--drift-blocks`` (3) of the other fleets' workloads one after the other
+  (:func:`drift_workload`: each of its own documents, so that the run outlasts the recovery while a
+  document's questions come as close together as in the other fleets).
+
+Load is the offered rate over the fleet's capacity: the sum over its replicas of each one's own
+saturation throughput, each kind's measured as :mod:`benchmarks.routing` measures a cluster's (a fleet
+of that kind alone, the whole workload at once, the fixed reference router of
+:data:`benchmarks.router_peers.REFERENCE`; request throughput over its replicas). The drift fleet's
+capacity is its replicas' at their own speed, on its first block (while replica 0 is slow, the offered
+load is higher: 1 / (1 - 2 / 3 / replicas) of it).
+
+The routers (:data:`ROUTERS`): ``prefix`` (ours as today, told nothing: no cache model),
+``prefix-learned`` (:class:`~scheduler_runtime.learned_router.LearnedRouter`, told nothing: it reads the
+replicas' ``vllm:cache_config_info`` and learns speeds from what it serves), ``prefix-learned-place``
+(the same, also placing a new prefix by predicted completion), ``prefix-informed`` (the learned router
+told each replica's true slowdowns, drift included, and KV: the upper reference), and the peers at
+their published defaults (not tuned here): SGLang's ``cache_aware``, Ray's prefix affinity, LMetric,
+Dynamo's KV router and llm-d's predicted-latency scorer (given the SLOs below as its request's SLO;
+its one model for the pool, as llm-d ships it, and ``llm-d-per-pod``, one model per pod, the variant
+that could tell unequal pods apart).
+Every router that observes the service is handed each replica's metrics at every arrival.
+
+Reported per cell (fleet x load), means over the seeds: output throughput, SLO attainment (requests
+with TTFT <= 5 s and TPOT <= 50 ms over the requests submitted: the issue's SLO; ``--slo``), mean and
+P99 TTFT and E2E latency; and ours learned over each router, the median over the seeds of the per-seed
+ratios, in output throughput and in attainment. For the drift fleet, how long after the slowdown and
+after the recovery the learned prefill speed of replica 0 (over the median of the others') first comes
+within 20% of the truth (1/3, then 1), and from when it stays there until the phase ends. Last, each
+of :data:`COST_ROUTERS`' CPU per request at ``--cost-replicas`` (64) replicas (:func:`cost`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from benchmarks import measured
+from benchmarks.router_peers import (
+    REFERENCE,
+    TUNE_SEED_BASE,
+    defaults,
+    grids,
+    make,
+    throughput_bound,
+    uniform_workload,
+)
+from benchmarks.routing import router_cost
+from feather_env.cluster_sim import ClusterResult, ClusterSim, ReplicaSpec, distinct_documents
+from feather_env.engines.vllm_engine import EngineConfig
+from feather_env.reporting import format_table, machine_info, write_json
+from feather_env.scenarios import load_scenario
+from feather_env.workloads import Workload, WorkloadConfig, load_workload
+from scheduler_runtime.learned_router import LearnedRouter
+from scheduler_runtime.peer_routers import LlmdPredictedLatencyRouter
+from scheduler_runtime.router import PrefixAffinityRouter, ReplicaRouter
+
+OURS_LEARNED = "prefix-learned"
+PEERS = ("sglang-cache-aware", "ray-prefix-affinity", "lmetric", "dynamo-kv", LlmdPredictedLatencyRouter.name)
+LLMD_PER_POD = "llm-d-per-pod"
+ROUTERS = ("prefix", OURS_LEARNED, "prefix-learned-place", "prefix-informed", *PEERS, LLMD_PER_POD)
+FLEETS = ("equal", "speed", "kv", "drift")
+DEFAULT_SLO = {"ttft": 5000.0, "tpot": 50.0}
+#: How close a learned speed must come to the truth, and how often the drift's trace samples it.
+WITHIN, TRACE_S = 0.2, 1.0
+
+
+def fleets(n: int, drift_at: float, drift_until: float, factor: float = 3.0) -> dict[str, list[ReplicaSpec]]:
+    """Each fleet's replicas (see the module docstring)."""
+    slow = ReplicaSpec(prefill_slowdown=3.0, decode_slowdown=1.5)
+    small = ReplicaSpec(kv_cache_gib=0.0625)
+    return {"equal": [ReplicaSpec()] * n,
+            "speed": [slow if i % 2 else ReplicaSpec() for i in range(n)],
+            "kv": [small if i % 2 else ReplicaSpec() for i in range(n)],
+            "drift": [ReplicaSpec(drift=((drift_at, factor), (drift_until, 1.0)))]
+            + [ReplicaSpec()] * (n - 1)}
+
+
+def drift_workload(pool: Workload, n: int, docs_per_replica: int, blocks: int, seed: int) -> Workload:
+    """``blocks`` workloads of :func:`~benchmarks.router_peers.uniform_workload`'s size one after the
+    other: ``blocks x n x docs_per_replica`` distinct documents (at most 8 questions each), split into
+    consecutive blocks of ``n x docs_per_replica``, each block's questions in a random order."""
+    docs = distinct_documents(pool, blocks * n * docs_per_replica, seed=seed, max_per_group=8)
+    groups = list(docs.groups().values())
+    size = n * docs_per_replica
+    rng = np.random.default_rng(seed)
+    out = []
+    for b in range(blocks):
+        block = [r for g in groups[b * size:(b + 1) * size] for r in g]
+        out += [block[i] for i in rng.permutation(len(block))]
+    return Workload(f"{docs.name}/blocks{blocks}", tuple(out))
+
+
+def own_kind(spec: ReplicaSpec) -> ReplicaSpec:
+    """A replica's kind: its spec without a drift (at its own speed)."""
+    return ReplicaSpec(spec.prefill_slowdown, spec.decode_slowdown, spec.kv_cache_gib, spec.max_num_seqs,
+                       spec.max_num_batched_tokens)
+
+
+def capacity(engine: EngineConfig, specs: Sequence[ReplicaSpec], workload: Workload) -> dict[str, Any]:
+    """The fleet's capacity (requests/s): each kind's saturation per replica (a fleet of that kind alone,
+    ``workload`` at once, the reference router), summed over the replicas. A drift is left out."""
+    n = len(specs)
+    per_kind: dict[ReplicaSpec, float] = {}
+    for spec in specs:
+        own = own_kind(spec)
+        if own not in per_kind:
+            sim = ClusterSim(n, engine, profiles=[own] * n)
+            sat = sim.run(workload.with_arrivals("burst"), PrefixAffinityRouter(**REFERENCE))
+            per_kind[own] = sat.metrics["request_throughput"] / n
+        per_kind[spec] = per_kind[own]
+    return {"req_s": sum(per_kind[s] for s in specs),
+            "per_replica_req_s": [per_kind[s] for s in specs]}
+
+
+def fleet_bound(engine: EngineConfig, specs: Sequence[ReplicaSpec], timed: Workload,
+                floors: dict[ReplicaSpec, dict[tuple[str, int], float]]) -> float:
+    """The no-queueing bound with each replica at its own speed: output tok/s no router can beat on
+    ``timed`` (:func:`benchmarks.router_peers.throughput_bound`, its arithmetic and its floors), where a
+    request's floor (alone on an idle replica that holds what earlier arrivals could have left in its
+    cache) is the least over the fleet's kinds of replica (:func:`own_kind`: a drift left out, as the
+    fleet's other replicas run at their own speed throughout). ``floors``: per kind, (request id,
+    cached tokens) -> floor, filled as computed."""
+    kinds = list(dict.fromkeys(own_kind(s) for s in specs))
+    sims = [ClusterSim(1, engine, profiles=[k]) for k in kinds]
+    for kind, sim in zip(kinds, sims, strict=True):
+        throughput_bound(sim, timed, floors.setdefault(kind, {}))
+    mine = [floors[k] for k in kinds]
+    merged = {key: min(f[key] for f in mine) for key in mine[0]}
+    return throughput_bound(sims[0], timed, merged)  # every floor it needs is in merged
+
+
+#: The peers tuned on each unequal fleet (LMetric has no knob), and llm-d's grid (its model per pod or
+#: for the pool, its draw or the best score, its per-tier affinity gate).
+TUNED = ("sglang-cache-aware", "ray-prefix-affinity", "dynamo-kv", LlmdPredictedLatencyRouter.name)
+LLMD_GRID = tuple({"per_pod": p, "selection_mode": m, "affinity_gate_tau": t}
+                  for p in (False, True) for m in ("linear", "max") for t in (0.8, 0.5))
+
+
+def peer_grids() -> dict[str, list[dict[str, Any]]]:
+    """Each tuned peer's grid: :func:`benchmarks.router_peers.grids`' (the grids the peers are tuned with
+    on equal replicas), and :data:`LLMD_GRID`."""
+    out = {name: grid for name, grid in grids().items() if name in TUNED}
+    out[LlmdPredictedLatencyRouter.name] = [dict(k) for k in LLMD_GRID]
+    return out
+
+
+def make_peer(name: str, knobs: dict[str, Any], seed: int, slo: dict[str, float]) -> ReplicaRouter:
+    """A peer with ``knobs`` (llm-d's given the SLOs as its request's SLO)."""
+    if name == LlmdPredictedLatencyRouter.name:
+        return LlmdPredictedLatencyRouter(ttft_slo_ms=slo.get("ttft"), tpot_slo_ms=slo.get("tpot"), seed=seed,
+                                          **knobs)
+    return make(name, knobs, seed)
+
+
+def tune_peers(sim: ClusterSim, runs: Sequence[tuple[int, Workload]], slo: dict[str, float],
+               log: Callable[[str], None]) -> dict[str, Any]:
+    """Each of :data:`TUNED`'s grid (:func:`peer_grids`) on the tuning runs ``(seed, workload with
+    arrivals)``: the setting of the highest mean SLO attainment (the issue's score; of equals, the one
+    sharing the most knobs with the defaults). ``{peer: {"best": knobs, "grid": [...]}}``."""
+    out: dict[str, Any] = {}
+    for name, grid in peer_grids().items():
+        t0 = time.perf_counter()
+        base = defaults(name)
+        scored = []
+        for knobs in grid:
+            rs = [(sim.run(w, make_peer(name, knobs, seed, slo), goodput=slo, scrape_s=0.0), len(w))
+                  for seed, w in runs]
+            scored.append({"knobs": {k: "inf" if v == math.inf else v for k, v in knobs.items()},
+                           "attainment": statistics.fmean(_attainment(r, m) for r, m in rs),
+                           "output_throughput": statistics.fmean(r.metrics["output_throughput"]
+                                                                 for r, _ in rs)})
+        best = max(scored, key=lambda r: (r["attainment"],
+                                          sum(base.get(k) == v for k, v in r["knobs"].items())))
+        out[name] = {"best": best["knobs"], "attainment": best["attainment"], "grid": scored}
+        log(f"  tuned {name}: {len(grid)} settings x {len(runs)} runs in {time.perf_counter() - t0:.0f} s: "
+            f"{best['knobs']} ({100 * best['attainment']:.1f}%)")
+    return out
+
+
+def tuned_label(name: str) -> str:
+    return f"{name} (tuned)"
+
+
+def router_factories(specs: Sequence[ReplicaSpec], engine: EngineConfig,
+                     slo: dict[str, float],
+                     tuned: dict[str, Any] | None = None) -> dict[str, Callable[[int], ReplicaRouter]]:
+    """Each router of :data:`ROUTERS` for a fleet, by arrival seed, and each peer tuned on it (``tuned``:
+    :func:`tune_peers`)."""
+    engines = [s.engine(engine) for s in specs]
+    kv = {str(i): e.num_kv_blocks * e.block_size for i, e in enumerate(engines)}
+
+    def told(replica: str, now: float) -> tuple[float, float]:
+        return specs[int(replica)].slowdowns_at(now)
+
+    out: dict[str, Callable[[int], ReplicaRouter]] = {
+        "prefix": lambda seed: PrefixAffinityRouter(),
+        OURS_LEARNED: lambda seed: LearnedRouter(),
+        "prefix-learned-place": lambda seed: LearnedRouter(place_new=True),
+        "prefix-informed": lambda seed: LearnedRouter(told=told, told_kv_tokens=kv),
+        LlmdPredictedLatencyRouter.name: lambda seed: LlmdPredictedLatencyRouter(
+            ttft_slo_ms=slo.get("ttft"), tpot_slo_ms=slo.get("tpot"), seed=seed),
+        LLMD_PER_POD: lambda seed: LlmdPredictedLatencyRouter(
+            ttft_slo_ms=slo.get("ttft"), tpot_slo_ms=slo.get("tpot"), seed=seed, per_pod=True),
+    }
+    for name in PEERS:
+        out.setdefault(name, lambda seed, name=name: make(name, {}, seed))
+    for name, t in (tuned or {}).items():
+        if {**defaults(name), **t["best"]} == defaults(name):
+            continue  # tuned to its defaults: its default row stands for it
+        knobs = {k: math.inf if v == "inf" else v for k, v in t["best"].items()}
+        out[tuned_label(name)] = lambda seed, name=name, knobs=knobs: make_peer(name, knobs, seed, slo)
+    return out
+
+
+class _Traced(LearnedRouter):
+    """The learned router, its estimates sampled every :data:`TRACE_S` seconds of the clock."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.trace: list[tuple[float, dict[str, float | None]]] = []
+
+    def choose(self, hashes: Any, loads: Any, avoid: Any = (), *, tokens: int | None = None) -> str:
+        now = self.clock()
+        if not self.trace or now - self.trace[-1][0] >= TRACE_S:
+            self.trace.append((now, {r: e["prefill_tok_s"] for r, e in self.estimates().items()}))
+        return super().choose(hashes, loads, avoid, tokens=tokens)
+
+
+def convergence(trace: Sequence[tuple[float, dict[str, float | None]]], replica: str,
+                phases: Sequence[tuple[float, float, float]]) -> list[dict[str, Any]]:
+    """For each phase ``(start, end, slowdown)``: seconds from its start until ``replica``'s learned prefill
+    speed over the median of the others' first comes within :data:`WITHIN` of ``1 / slowdown``
+    (``first_s``), and from when it stays within until the phase ends (``settled_s``); ``None``: never."""
+    out = []
+    for start, end, slowdown in phases:
+        samples = []
+        for t, speeds in trace:
+            if not start <= t < end:
+                continue
+            mine = speeds.get(replica)
+            others = [v for r, v in speeds.items() if r != replica and v]
+            if mine and others:
+                samples.append((t, mine / statistics.median(others)))
+        truth = 1.0 / slowdown
+        ok = [abs(ratio / truth - 1.0) <= WITHIN for _, ratio in samples]
+        first = next((t - start for (t, _), good in zip(samples, ok, strict=True) if good), None)
+        settled = None
+        for i in range(len(samples) - 1, -1, -1):
+            if not ok[i]:
+                break
+            settled = samples[i][0] - start
+        out.append({"start_s": start, "end_s": end, "slowdown": slowdown, "first_s": first,
+                    "settled_s": settled, "samples": len(samples),
+                    "last_ratio": samples[-1][1] if samples else None})
+    return out
+
+
+def _attainment(result: ClusterResult, submitted: int) -> float:
+    m = result.metrics
+    return (m.get("request_goodput") or 0.0) * m["duration"] / submitted
+
+
+def run_cell(sim: ClusterSim, workload: Workload, rate: float, seeds: Sequence[int],
+             factories: dict[str, Callable[[int], ReplicaRouter]], slo: dict[str, float],
+             phases: Sequence[tuple[float, float, float]] = (),
+             bound: Callable[[Workload], float] | None = None) -> dict[str, Any]:
+    """Every router on ``workload`` at ``rate`` req/s, one Poisson draw per seed; with ``bound``
+    (:func:`fleet_bound` of a timed workload), the bound of each draw."""
+    routers: dict[str, Any] = {}
+    bounds: list[float] = []
+    per_seed: dict[str, list[dict[str, float]]] = {name: [] for name in factories}
+    drift: list[list[dict[str, Any]]] = []
+    estimates: list[dict[str, Any]] = []
+    for seed in seeds:
+        timed = workload.with_arrivals(f"poisson:{rate}", seed)
+        if bound is not None:
+            bounds.append(bound(timed))
+        for name, factory in factories.items():
+            router = _Traced() if phases and name == OURS_LEARNED else factory(seed)
+            r = sim.run(timed, router, goodput=slo, scrape_s=0.0)
+            m = r.metrics
+            per_seed[name].append({"output_throughput": m["output_throughput"],
+                                   "attainment": _attainment(r, len(timed)),
+                                   "mean_ttft_ms": m["mean_ttft_ms"], "p99_ttft_ms": m["p99_ttft_ms"],
+                                   "mean_e2el_ms": m["mean_e2el_ms"], "p99_e2el_ms": m["p99_e2el_ms"],
+                                   "prefix_hit_rate": m["prefix_hit_rate"], "wall_s": r.wall_s})
+            if isinstance(router, _Traced):
+                drift.append(convergence(router.trace, "0", phases))
+            if isinstance(router, LearnedRouter) and name == OURS_LEARNED:
+                estimates.append(router.estimates())
+    ours = per_seed[OURS_LEARNED]
+    for name, runs in per_seed.items():
+        row: dict[str, Any] = {k: statistics.fmean(x[k] for x in runs) for k in runs[0]}
+        for key in ("output_throughput", "attainment"):
+            ratios = [a[key] / b[key] if b[key] else math.inf for a, b in zip(ours, runs, strict=True)]
+            row[f"learned_over_this_{key}"] = statistics.median(ratios)
+        if bounds:
+            row["over_bound_output_throughput"] = statistics.median(
+                x["output_throughput"] / b for x, b in zip(runs, bounds, strict=True))
+        row["runs"] = runs
+        routers[name] = row
+    out = {"routers": routers, "drift": drift, "learned_estimates_at_end": estimates[:1]}
+    if bounds:
+        out["bound_output_throughput"] = statistics.fmean(bounds)
+        out["bound_runs"] = bounds
+    return out
+
+
+#: The routers whose cost per request is measured (``--cost-replicas``).
+COST_ROUTERS = ("prefix", OURS_LEARNED, "sglang-cache-aware", "lmetric", LlmdPredictedLatencyRouter.name)
+
+
+def cost(replicas: int, prefixes: int, repeats: int) -> dict[str, Any]:
+    """Each of :data:`COST_ROUTERS`' CPU per request (``choose`` + ``routed``, and the first token and
+    finish for those that track requests) at ``replicas`` replicas
+    (:func:`benchmarks.routing.router_cost`)."""
+    engine = load_scenario("leval-kv-pressure").engine_config()
+    factories = router_factories([ReplicaSpec()] * replicas, engine, DEFAULT_SLO)
+    return router_cost(replicas, prefixes, repeats=repeats,
+                       routers={name: (lambda name=name: factories[name](0)) for name in COST_ROUTERS})
+
+
+def _peer_rows(routers: dict[str, Any]) -> list[str]:
+    """The peers' rows of a cell: each peer tuned on the fleet where it was, else at its defaults."""
+    names = [*PEERS]
+    return [tuned_label(p) if tuned_label(p) in routers else p for p in names]
+
+
+def best_peer(routers: dict[str, Any]) -> str:
+    """The peer row (at defaults or tuned, llm-d per pod included) of the highest mean attainment."""
+    rows = [r for r in routers if r.split(" (")[0] in (*PEERS, LLMD_PER_POD)]
+    return max(rows, key=lambda r: routers[r]["attainment"])
+
+
+def headline(res: dict[str, Any]) -> list[list[Any]]:
+    """Per cell: ours learned's attainment and tok/s, over the best peer, each peer (tuned where it was),
+    ours informed, and the bound (its tok/s over the bound's)."""
+    rows = []
+    for c in res["cells"]:
+        routers = c["routers"]
+        ours = routers[OURS_LEARNED]
+        best = best_peer(routers)
+
+        def ratio(name: str, routers: dict[str, Any] = routers) -> str:
+            r = routers[name]
+            return (f"{r['learned_over_this_attainment']:.2f}x "
+                    f"({r['learned_over_this_output_throughput']:.2f}x)")
+
+        bound = c.get("bound_output_throughput")
+        rows.append([c["fleet"], f"{c['load']:g}", f"{100 * ours['attainment']:.1f}%",
+                     ours["output_throughput"],
+                     f"{best}: {ratio(best)}", *[ratio(p) for p in _peer_rows(routers)],
+                     ratio("prefix-informed"),
+                     f"{bound:.0f}: {ours['over_bound_output_throughput']:.3f}" if bound else "-"])
+    return rows
+
+
+def render(res: dict[str, Any]) -> str:
+    """The figures in markdown: the headline (ours learned over the best peer, each tuned peer, ours
+    informed and the bound), one table per cell, ours learned over every router, the peers' tuned
+    settings, the drift's convergence."""
+    slo = res["slo"]
+    out = [f"{res['replicas']} simulated `{res['scenario_engine']}` replicas per fleet, L-Eval "
+           f"({res['docs_per_replica']} documents per replica; drift: {res['drift_blocks']} such blocks), "
+           f"arrival seeds {res['seeds']}; SLO TTFT <= {slo['ttft'] / 1000:g} s and TPOT <= {slo['tpot']:g} "
+           "ms; "
+           "peers at their defaults and tuned on each unequal fleet. "
+           f"{measured(res)}; `{res['command']}`: {res['wall_s'] / 60:.1f} min wall "
+           "on one core."]
+    out += ["", "Headline: ours learned over the best peer of the cell (of every peer row, at defaults or "
+            "tuned), over each peer tuned on that fleet (at its defaults where not tuned or tuned to its "
+            "defaults: LMetric, every peer on the equal fleet), and over ours informed: attainment "
+            "(output tok/s), median over seeds of the per-seed ratio; last, the no-queueing bound with "
+            "each replica at its own speed (output tok/s, mean over seeds) and ours learned's tok/s over it "
+            "(median):", "",
+            format_table(["fleet", "load", "learned attain.", "learned tok/s", "/ best peer",
+                          *[f"/ {p}" for p in PEERS], "/ prefix-informed", "bound: learned / bound"],
+                         headline(res))]
+    names = list(dict.fromkeys(name for c in res["cells"] for name in c["routers"]))
+    ratio_headers = ["fleet", "load", "learned tok/s", "learned attain."] + [f"/ {r}" for r in names
+                                                                            if r != OURS_LEARNED]
+    summary = []
+    for c in res["cells"]:
+        routers = c["routers"]
+        ours = routers[OURS_LEARNED]
+        summary.append([c["fleet"], f"{c['load']:g}", ours["output_throughput"],
+                        f"{100 * ours['attainment']:.1f}%"]
+                       + [f"{routers[r]['learned_over_this_output_throughput']:.3f}x "
+                          f"({routers[r]['learned_over_this_attainment']:.2f}x)" if r in routers else "-"
+                          for r in names if r != OURS_LEARNED])
+    out += ["", "Ours learned over each router: output tok/s (attainment), median over seeds of the per-seed "
+            "ratio:", "", format_table(ratio_headers, summary)]
+    grid = [[name] + [f"{100 * c['routers'][name]['attainment']:.1f}% / "
+                      f"{c['routers'][name]['output_throughput']:.0f}" if name in c["routers"] else "-"
+                      for c in res["cells"]] for name in names]
+    out += ["", "Attainment / output tok/s, every router and cell (means over seeds):", "",
+            format_table(["router"] + [f"{c['fleet']} {c['load']:g}" for c in res["cells"]], grid)]
+    headers = ["router", "output tok/s", "attainment", "mean TTFT s", "P99 TTFT s", "mean E2E s", "P99 E2E s",
+               "prefix hit"]
+    for c in res["cells"]:
+        rows = [[name, r["output_throughput"], f"{100 * r['attainment']:.1f}%", r["mean_ttft_ms"] / 1000,
+                 r["p99_ttft_ms"] / 1000, r["mean_e2el_ms"] / 1000, r["p99_e2el_ms"] / 1000,
+                 f"{100 * r['prefix_hit_rate']:.0f}%"] for name, r in c["routers"].items()]
+        out += ["", f"**{c['fleet']}, load {c['load']:g}**: {c['requests']} requests, "
+                f"{c['rate_req_s']:.2f} req/s (capacity {c['capacity_req_s']:.2f} req/s)", "",
+                format_table(headers, rows)]
+    tuning = res.get("tuning") or {}
+    if tuning:
+        rows = [[fleet, peer, _knobs_text(t["best"]), f"{100 * t['attainment']:.1f}%", len(t["grid"])]
+                for fleet, peers in tuning.items() for peer, t in peers.items()]
+        out += ["", f"The peers tuned on each fleet (seeds {res['tune_seeds']}, workloads of their own, "
+                "every load; highest mean attainment):", "",
+                format_table(["fleet", "peer", "tuned knobs", "tuning attainment", "settings"], rows)]
+    drift_rows = []
+    for c in res["cells"]:
+        for seed, phases in zip(res["seeds"], c.get("drift") or [], strict=False):
+            for p in phases:
+                phase = f"{p['start_s']:g}-{p['end_s']:g} s, x{p['slowdown']:g}"
+                drift_rows.append([f"{c['load']:g}", seed, phase,
+                                   "never" if p["first_s"] is None else f"{p['first_s']:.0f} s",
+                                   "never" if p["settled_s"] is None else f"{p['settled_s']:.0f} s",
+                                   "-" if p["last_ratio"] is None else f"{p['last_ratio']:.2f}"])
+    if drift_rows:
+        out += ["", f"Drift: replica 0's learned prefill speed over the others' median, against the truth "
+                f"(1 / slowdown): seconds from the change until it is first within {100 * WITHIN:.0f}%, and "
+                "from when it stays within until the phase ends:", "",
+                format_table(["load", "seed", "phase", "first within", "stays within from", "ratio at end"],
+                             drift_rows)]
+    c = res.get("router_cost")
+    if c:
+        passes = len(next(iter(c["routers"].values()))["runs_us"])
+        out += ["", f"Router CPU per request at {c['replicas']} replicas, {c['prefixes']:,} distinct "
+                f"{c['prompt_tokens']}-token prompts, random loads (median of {passes} passes; "
+                "`benchmarks.routing.router_cost`; a router that tracks requests is told each request's "
+                "first token and finish too):", "",
+                format_table(["router", "us per request"],
+                             [[k, v["us_per_request"]] for k, v in c["routers"].items()])]
+    return "\n".join(out)
+
+
+def _knobs_text(knobs: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in knobs.items()) or "(defaults)"
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--replicas", type=int, default=8)
+    p.add_argument("--docs-per-replica", type=int, default=16)
+    p.add_argument("--drift-blocks", type=int, default=3, help="the drift's workload: this many blocks")
+    p.add_argument("--drift-at", type=float, default=40.0, help="seconds: replica 0 slows down")
+    p.add_argument("--drift-until", type=float, default=100.0, help="seconds: it recovers")
+    p.add_argument("--loads", default="0.8,1.0")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--fleets", default=",".join(FLEETS))
+    p.add_argument("--slo", default="ttft:5000 tpot:50", help="SLOs in ms, vLLM's --goodput pairs")
+    p.add_argument("--scenario", default="leval-kv-pressure")
+    p.add_argument("--quick", action="store_true",
+                   help="4 replicas, 4 documents each (drift: 3 blocks, slow from 6 s to 14 s), load 1, "
+                        "one seed (a smoke test)")
+    p.add_argument("--tune-seeds", type=int, default=3,
+                   help="the peers are tuned on each unequal fleet on this many workloads of their own "
+                        f"(seeds from {TUNE_SEED_BASE}) at every load; 0: not tuned")
+    p.add_argument("--tune-equal", action="store_true", help="tune the peers on the equal fleet too")
+    p.add_argument("--no-bound", action="store_true", help="no no-queueing bound")
+    p.add_argument("--cost-replicas", type=int, default=64, help="0: no cost measurement")
+    p.add_argument("--cost-prefixes", type=int, default=2000)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.replicas, args.docs_per_replica = 4, 4
+        args.loads, args.seeds, args.drift_at, args.drift_until = "1.0", 1, 6.0, 14.0
+        args.cost_replicas, args.cost_prefixes, args.tune_seeds = 8, 50, 1
+    start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - start:6.0f} s] {msg}", file=sys.stderr, flush=True)
+
+    slo = {k: float(v) for k, v in (x.split(":") for x in args.slo.split())}
+    engine = load_scenario(args.scenario).engine_config()
+    pool = load_workload(WorkloadConfig(kind="leval", max_prompt_tokens=8192))
+    n, seeds = args.replicas, list(range(args.seeds))
+    specs_by_fleet = fleets(n, args.drift_at, args.drift_until)
+    loads = [float(x) for x in args.loads.split(",")]
+    cells, tuning = [], {}
+
+    def fleet_workload(fleet: str, specs: Sequence[ReplicaSpec], seed: int) -> tuple[Workload, float]:
+        """The fleet's workload drawn with ``seed`` and its capacity (req/s)."""
+        if fleet == "drift":
+            w = drift_workload(pool, n, args.docs_per_replica, args.drift_blocks, seed=seed)
+            first = Workload("first block", w.requests[:len(w) // args.drift_blocks])
+            return w, capacity(engine, specs, first)["req_s"]
+        w = uniform_workload(pool, n, args.docs_per_replica, seed=seed)
+        return w, capacity(engine, specs, w)["req_s"]
+
+    for fleet in args.fleets.split(","):
+        specs = specs_by_fleet[fleet]
+        workload = uniform_workload(pool, n, args.docs_per_replica, seed=n)
+        cap = capacity(engine, specs, workload)
+        if fleet == "drift":
+            workload = drift_workload(pool, n, args.docs_per_replica, args.drift_blocks, seed=n)
+            first = workload.requests[:len(workload) // args.drift_blocks]
+            cap = capacity(engine, specs, Workload("first block", first))
+        sim = ClusterSim(n, engine, profiles=specs)
+        phases = ([(0.0, args.drift_at, 1.0), (args.drift_at, args.drift_until, 3.0),
+                   (args.drift_until, math.inf, 1.0)] if fleet == "drift" else [])
+        tuned = None
+        if args.tune_seeds > 0 and (fleet != "equal" or args.tune_equal):
+            t0 = time.perf_counter()
+            runs = []
+            for s in range(args.tune_seeds):  # workloads of their own, as benchmarks.router_peers draws them
+                seed = TUNE_SEED_BASE + s
+                w, c = fleet_workload(fleet, specs, seed + 100 * n)
+                runs += [(seed, w.with_arrivals(f"poisson:{load * c}", seed)) for load in loads]
+            log(f"{fleet}: tuning the peers on {len(runs)} runs")
+            tuned = tune_peers(sim, runs, slo, log)
+            tuning[fleet] = tuned
+            log(f"{fleet}: tuned in {time.perf_counter() - t0:.0f} s")
+        factories = router_factories(specs, engine, slo, tuned)
+        floors: dict[ReplicaSpec, dict[tuple[str, int], float]] = {}
+
+        def bound(timed: Workload, specs: Sequence[ReplicaSpec] = specs,
+                  floors: dict[ReplicaSpec, dict[tuple[str, int], float]] = floors) -> float:
+            return fleet_bound(engine, specs, timed, floors)
+
+        for load in loads:
+            t0 = time.perf_counter()
+            rate = load * cap["req_s"]
+            cell = run_cell(sim, workload, rate, seeds, factories, slo, phases,
+                            None if args.no_bound else bound)
+            cells.append({"fleet": fleet, "load": load, "requests": len(workload), "rate_req_s": rate,
+                          "capacity_req_s": cap["req_s"],
+                          "capacity_per_replica_req_s": cap["per_replica_req_s"], **cell})
+            log(f"{fleet} x load {load:g}: {time.perf_counter() - t0:.0f} s")
+    out = {"benchmark": "unequal_replicas", "machine": machine_info(), "scenario_engine": args.scenario,
+           "engine": engine.to_dict(), "replicas": n, "docs_per_replica": args.docs_per_replica,
+           "drift_blocks": args.drift_blocks, "drift_at_s": args.drift_at,
+           "drift_until_s": args.drift_until, "seeds": seeds, "slo": slo, "quick": args.quick,
+           "fleets": {f: [dataclasses.asdict(s) for s in specs_by_fleet[f]] for f in FLEETS},
+           "command": "python -m benchmarks.unequal_replicas " + " ".join(
+               argv if argv is not None else sys.argv[1:]),
+           "tune_seeds": [TUNE_SEED_BASE + s for s in range(args.tune_seeds)], "tuning": tuning,
+           "cells": cells}
+    if args.cost_replicas:
+        t0 = time.perf_counter()
+        out["router_cost"] = cost(args.cost_replicas, args.cost_prefixes, 1 if args.quick else 3)
+        log(f"router cost at {args.cost_replicas} replicas: {time.perf_counter() - t0:.0f} s")
+    out["wall_s"] = time.perf_counter() - start
+    print(render(out))
+    write_json(args.json, out)
+    return out
+
+
+if __name__ == "__main__":
+    main()

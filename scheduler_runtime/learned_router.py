@@ -1,0 +1,398 @@
+"""Ours on unequal replicas: prefix affinity that learns each replica's speed and KV size from what it serves.
+
+:class:`LearnedRouter` (``prefix-learned``) is :class:`~scheduler_runtime.router.PrefixAffinityRouter`
+(ours: longest known prefix bounded by load, its prefix table and cache model) told nothing per
+replica. It learns, per replica:
+
+* **the KV size**, from what vLLM publishes: ``vllm:cache_config_info``'s ``num_gpu_blocks x
+  block_size`` (:meth:`LearnedRouter.scraped`), shown in :meth:`LearnedRouter.estimates`. With
+  ``cache_factor > 0`` it sizes that replica's part of ours' cache model (``cache_factor x`` its KV
+  tokens, :meth:`PrefixHistory.set_limit <scheduler_runtime.router_base.PrefixHistory.set_limit>`;
+  before it is known, the replica's cache model keeps everything). The default is 0, the cache model
+  off: on ``benchmarks.unequal_replicas``' tuning seeds (10,000-10,002, disjoint from its evaluation's)
+  the model at ours' 1.25 x KV lost attainment on every fleet at loads 0.8 and 1 (the mixed-KV fleet
+  most: 40.7% against 53.7% at 0.8, 32.8% against 44.4% at 1; the prefix hit rate 38% against 48%), and
+  so did 2, 3 and 5 x KV, a size of at least the fleet's median KV, and keeping a document its owner's
+  model had evicted on the owner while it was within 1 or 3 requests of the least loaded (each nearer
+  to the model off as it kept more; none above it). The model is an LRU of what was *sent*, and a
+  small replica's queue of a document's questions is sent long before the engine evicts it; a
+  document it declares evicted goes to the least loaded replica and is prefilled there in full.
+* **the prefill speed**, seconds per uncached prompt token, from the first tokens the front end sees:
+  a request's prefill is served from the later of its routing and the replica's previous first
+  token, to its own first token (a single server's service time: the time the replica spent on the
+  prefills in front of it is not counted again, so the replica's queue is not taken for slowness);
+  its work is its uncached tokens by ours' cache model (with the model off, the default, its whole
+  prompt: a replica that hits its cache less looks slower by as much), plus ``overhead_tokens`` for the
+  step it costs anyway. The ratio of the two, each a sum decayed with time constant ``tau_s``
+  (:class:`DecayedRate`).
+* **the decode speed**, seconds per output token of one request (its TPOT), from each finish: the time
+  from its first token to its finish over its further tokens, decayed alike.
+* the mean output length (every replica's finishes together), which a request's decode is predicted by.
+
+The queue, prefill and decode time histograms vLLM publishes are read too and shown beside the
+learned speeds (``metrics_prefill_tok_s``: the uncached prompt tokens over the summed prefill time of
+the requests finished between two scrapes, decayed as the others), but do not route: a request's
+prefill time in vLLM counts every step it was in, so prefills that overlap are counted more than once,
+where the front end's service times are not.
+
+How it routes (:meth:`LearnedRouter.choose`): ours' rule (the owner of the longest known prefix while
+under the load bounds, else the least loaded replica) on loads counted in a median replica's requests:
+a replica's requests in flight ``l`` count ``(l + 1) x w - 1``, where ``w`` is its learned prefill time
+per token over the fleet's median (:meth:`LearnedRouter.weights`; 1 when within ``band``, 35%, of it, so
+that the estimates' noise leaves equal replicas equal, and ours routes exactly as it does). A slow
+replica is then sent fewer new documents, and its hot documents spill sooner. With ``place_new``, a
+prefix that no replica holds (or holds no longer, by the cache model) goes instead to the replica
+predicted to finish it first (:meth:`LearnedRouter.predicted_completion`: its queue of uncached prefill
+tokens and the request's own uncached tokens at its prefill speed, the mean output at its decode
+speed); ``benchmarks.unequal_replicas`` measures it as ``prefix-learned-place``. Tried on that
+benchmark's fleets and dropped, without a row of their own (the note of 2026-12-06 says how they
+fared): the same prediction overriding ours on a known prefix whenever ours' choice is predicted to
+finish 25% later, or to start more than 3, 5 or 8 s later, than the best replica (spilling documents
+lost on every fleet, as the tighter load bounds of ``benchmarks.router_peers`` did); weights from the
+decode speed too (a request's TPOT here is mostly the prefill steps it waits behind: load, not
+speed); and a small-KV replica's load weighted up by its KV's shortfall from the median.
+
+Adapting and exploring: with ``tau_s`` 20 s an estimate moves most of the way to a new speed within
+two time constants of samples. A replica believed slow still gets the requests its weighted load makes
+cheapest, and, where it has had no sample for a while, the estimate it is routed by relaxes towards
+the fleet's median as its last sample ages (``explore_s``: optimism that grows with the estimate's
+age), so that a replica that is fast again is noticed. :meth:`LearnedRouter.estimates` shows what it
+learned; :meth:`LearnedRouter.forget` drops it with the replica (a restart).
+
+An informed reference (``told``, for benchmarks): told each replica's true relative slowdowns and KV
+tokens, it pools every replica's samples, each divided by its replica's slowdown at the time, into
+one fleet speed, and predicts each replica at that speed times its slowdown.
+
+Engine-free (plain Python): it imports nothing from the environment or the agents.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from scheduler_runtime.router import PrefixAffinityRouter
+from scheduler_runtime.router_base import PrefixHistory, prompt_tokens
+
+__all__ = ["DecayedRate", "LearnedRouter", "ReplicaLearning", "Told"]
+
+#: Told slowdowns for the informed reference: ``(replica, now) -> (prefill, decode)`` slowdown factors.
+Told = Callable[[str, float], tuple[float, float]]
+
+
+class DecayedRate:
+    """Seconds per unit of work, as the ratio of two sums decayed with time constant ``tau_s``: a sample
+    ``s`` seconds old weighs ``exp(-s / tau_s)``."""
+
+    def __init__(self, tau_s: float) -> None:
+        if not tau_s > 0:
+            raise ValueError(f"tau_s must be > 0, got {tau_s}")
+        self.tau_s = float(tau_s)
+        self.seconds = 0.0
+        self.work = 0.0
+        self.samples = 0
+        self.last: float = -math.inf  # when the latest sample came
+
+    def add(self, now: float, seconds: float, work: float) -> None:
+        """``work`` units took ``seconds``, observed at ``now``."""
+        if work <= 0 or not math.isfinite(seconds) or seconds < 0:
+            return
+        if self.samples:
+            keep = math.exp(-max(0.0, now - self.last) / self.tau_s)
+            self.seconds *= keep
+            self.work *= keep
+        self.seconds += seconds
+        self.work += work
+        self.samples += 1
+        self.last = max(self.last, now)
+
+    @property
+    def value(self) -> float | None:
+        """Seconds per unit (``None`` before any sample)."""
+        return self.seconds / self.work if self.work > 0 else None
+
+
+@dataclass
+class ReplicaLearning:
+    """What :class:`LearnedRouter` has learned of one replica."""
+
+    prefill: DecayedRate
+    decode: DecayedRate
+    kv_tokens: int | None = None
+    last_first_token: float = -math.inf
+    #: uncached prefill tokens routed here and not yet prefilled (the queue)
+    queued_tokens: float = 0.0
+    #: the previous scrape's request-level sums (for the metrics' prefill speed)
+    scraped: dict[str, float] = field(default_factory=dict)
+    #: prefill seconds per uncached token by vLLM's histograms (the deltas between scrapes, decayed)
+    metrics_prefill: DecayedRate | None = None
+
+
+class LearnedRouter(PrefixAffinityRouter):
+    """Ours, learning each replica's speed and KV size from what it serves (see the module docstring).
+
+    Args:
+        tau_s: the time constant of the learned speeds (seconds).
+        explore_s: an estimate with no new sample relaxes towards the fleet's median speed with this
+            time constant (seconds; ``inf``: never).
+        band: a replica's load is weighted only where its prefill time per token is more than this
+            fraction from the fleet's median.
+        place_new: a new prefix goes to the replica predicted to finish it first (default off: ours'
+            least weighted load; see the module docstring).
+        overhead_tokens: work a prefill costs beyond its uncached tokens (a fully cached prompt still
+            takes a step).
+        prior_output_tokens: the predicted output before any request has finished.
+        told: the informed reference's true slowdowns (``None``: learn them).
+        told_kv_tokens: the informed reference's true KV tokens per replica (``None``: read them from
+            the metrics).
+        cache_factor: ours' cache model's size over each replica's KV (ours: 1.25); default 0, off (see
+            the module docstring).
+        **kwargs: ours' other knobs (:class:`~scheduler_runtime.router.PrefixAffinityRouter`).
+    """
+
+    name = "prefix-learned"
+    tracks_requests = True
+    observes_service = True
+
+    def __init__(self, tau_s: float = 20.0, explore_s: float = 20.0, band: float = 0.35,
+                 place_new: bool = False,
+                 overhead_tokens: int = 256, prior_output_tokens: float = 64.0, told: Told | None = None,
+                 told_kv_tokens: Mapping[str, int] | None = None, cache_factor: float = 0.0,
+                 **kwargs: Any) -> None:
+        if kwargs.get("kv_tokens") is not None:
+            raise ValueError("the learned router is told no KV size (it reads vllm:cache_config_info)")
+        if band < 0 or overhead_tokens < 0 or not explore_s > 0:
+            raise ValueError("band and overhead_tokens must be >= 0 and explore_s > 0")
+        super().__init__(cache_factor=cache_factor, **kwargs)
+        self.tau_s, self.explore_s = float(tau_s), float(explore_s)
+        self.place_new = bool(place_new)
+        self.overhead_tokens = int(overhead_tokens)
+        self.prior_output_tokens = float(prior_output_tokens)
+        self.told = told
+        self.told_kv_tokens = dict(told_kv_tokens) if told_kv_tokens is not None else None
+        # ours' cache model, one LRU per replica sized when its KV is known (unbounded until then)
+        self.cached = PrefixHistory(self.chunk_size, 1 << 40) if cache_factor > 0 else None
+        self.replicas: dict[str, ReplicaLearning] = {}
+        self._fleet = ReplicaLearning(DecayedRate(tau_s), DecayedRate(tau_s))  # the informed one's pool
+        self._output = DecayedRate(tau_s * 10)  # output tokens per request (every replica)
+        #: request id -> (replica, uncached tokens predicted, when routed)
+        self._requests: dict[str, tuple[str, float, float]] = {}
+        self._first: dict[str, float] = {}  # request id -> its first token's time
+        self.band = float(band)
+        self.counts.update({"placed": 0, "weighted": 0})
+
+    # -- what it learns -------------------------------------------------------------------------
+    def _replica(self, name: str) -> ReplicaLearning:
+        r = self.replicas.get(name)
+        if r is None:
+            r = self.replicas[name] = ReplicaLearning(DecayedRate(self.tau_s), DecayedRate(self.tau_s))
+            kv = (self.told_kv_tokens or {}).get(name)
+            if kv is not None:
+                self._set_kv(name, r, kv)
+        return r
+
+    def _set_kv(self, name: str, r: ReplicaLearning, kv_tokens: int) -> None:
+        if r.kv_tokens == kv_tokens:
+            return
+        r.kv_tokens = kv_tokens
+        if self.cached is not None:
+            self.cached.set_limit(name, max(1, round(self.cache_factor * kv_tokens)))
+
+    def scraped(self, replica: str, metrics: Mapping[str, Any]) -> None:
+        r = self._replica(replica)
+        info = metrics.get("vllm:cache_config_info")
+        if info and self.told_kv_tokens is None:
+            self._set_kv(replica, r, int(info["num_gpu_blocks"]) * int(info["block_size"]))
+        keys = ("vllm:request_prefill_time_seconds_sum", "vllm:request_prompt_tokens_sum",
+                "vllm:prefix_cache_hits_total")
+        if all(k in metrics for k in keys):
+            now = {k: float(metrics[k]) for k in keys}
+            if r.scraped:
+                seconds = now[keys[0]] - r.scraped[keys[0]]
+                tokens = (now[keys[1]] - r.scraped[keys[1]]) - (now[keys[2]] - r.scraped[keys[2]])
+                if tokens > 0 and seconds > 0:
+                    if r.metrics_prefill is None:
+                        r.metrics_prefill = DecayedRate(self.tau_s)
+                    r.metrics_prefill.add(self.clock(), seconds, tokens)
+            r.scraped = now
+
+    def _slowdowns(self, replica: str, now: float) -> tuple[float, float]:
+        assert self.told is not None
+        return self.told(replica, now)
+
+    def prefilled(self, request_id: str) -> None:
+        entry = self._requests.get(request_id)
+        if entry is None:
+            return
+        replica, uncached, routed_at = entry
+        now = self.clock()
+        r = self._replica(replica)
+        r.queued_tokens = max(0.0, r.queued_tokens - uncached)
+        start = max(routed_at, r.last_first_token)
+        r.last_first_token = max(r.last_first_token, now)
+        self._first[request_id] = now
+        seconds, work = now - start, uncached + self.overhead_tokens
+        if self.told is not None:
+            self._fleet.prefill.add(now, seconds / self._slowdowns(replica, now)[0], work)
+        r.prefill.add(now, seconds, work)
+
+    def finished(self, request_id: str, output_tokens: int | None = None) -> None:
+        entry = self._requests.pop(request_id, None)
+        first = self._first.pop(request_id, None)
+        if entry is None:
+            return
+        replica = entry[0]
+        if first is None:  # never heard of its first token: its prefill leaves the queue now
+            r = self._replica(replica)
+            r.queued_tokens = max(0.0, r.queued_tokens - entry[1])
+            return
+        if output_tokens is None:
+            return
+        now = self.clock()
+        self._output.add(now, float(output_tokens), 1.0)
+        if output_tokens > 1:
+            seconds = now - first
+            if self.told is not None:
+                self._fleet.decode.add(now, seconds / self._slowdowns(replica, now)[1], output_tokens - 1)
+            self._replica(replica).decode.add(now, seconds, output_tokens - 1)
+
+    def forget(self, replica: str) -> None:
+        super().forget(replica)
+        self.replicas.pop(replica, None)
+        for rid in [rid for rid, e in self._requests.items() if e[0] == replica]:
+            del self._requests[rid]
+            self._first.pop(rid, None)
+
+    # -- the speeds it predicts with ------------------------------------------------------------
+    def _speeds(self, replicas: Collection[str], part: str, now: float,
+                explore: bool = True) -> dict[str, float | None]:
+        """Seconds per token of ``part`` (``"prefill"`` or ``"decode"``) on each of ``replicas`` now:
+        its own estimate (the fleet's median before its first sample) relaxed, with ``explore``,
+        towards the fleet's median as its last sample ages (or the informed pool's). One median for
+        all of them: a decision costs O(replicas)."""
+        if self.told is not None:
+            pooled = getattr(self._fleet, part).value
+            k = 0 if part == "prefill" else 1
+            return {r: None if pooled is None else pooled * self._slowdowns(r, now)[k] for r in replicas}
+        known = [v for v in (getattr(x, part).value for x in self.replicas.values()) if v is not None]
+        if not known:
+            return dict.fromkeys(replicas)
+        median = statistics.median(known)
+        out: dict[str, float | None] = {}
+        for r in replicas:
+            own = getattr(self._replica(r), part)
+            if own.value is None:
+                out[r] = median
+            elif own.value <= median or not explore:
+                out[r] = own.value
+            else:
+                trust = math.exp(-max(0.0, now - own.last) / self.explore_s)  # optimism grows as it ages
+                out[r] = trust * own.value + (1.0 - trust) * median
+        return out
+
+    def _speed(self, replica: str, part: str, now: float, explore: bool = True) -> float | None:
+        return self._speeds((replica,), part, now, explore)[replica]
+
+    def predicted_completion(self, replica: str, uncached: float, now: float) -> float | None:
+        """Seconds from now to the finish of a request with ``uncached`` prompt tokens on ``replica``:
+        its queue and its own prefill at its prefill speed, the mean output at its decode speed."""
+        prefill, decode = self._speed(replica, "prefill", now), self._speed(replica, "decode", now)
+        if prefill is None:
+            return None
+        output = self._output.value or self.prior_output_tokens
+        queue = self._replica(replica).queued_tokens
+        return (queue + uncached + self.overhead_tokens) * prefill + max(0.0, output - 1) * (decode or 0.0)
+
+    def _uncached(self, hashes: np.ndarray | None, n: int, ok: Collection[str]) -> dict[str, float]:
+        if hashes is None or len(hashes) == 0 or self.cached is None:
+            return dict.fromkeys(ok, float(n))
+        held = self.cached.match(hashes)
+        return {r: float(max(0, n - min(n, held.get(r, 0) * self.chunk_size))) for r in ok}
+
+    def weights(self, replicas: Collection[str], now: float) -> dict[str, float]:
+        """Each replica's prefill time per token over the fleet median's; 1 within ``band`` of it (equal
+        replicas look equal through the estimates' noise). Prefill alone: a request's TPOT here is
+        mostly the prefill steps it waits behind (its replica's load, which the loads count already), so
+        the decode estimates say more about load than about speed."""
+        prefill = self._speeds(replicas, "prefill", now)
+        known = [p for p in prefill.values() if p is not None]
+        if len(known) < len(prefill):
+            return dict.fromkeys(replicas, 1.0)
+        median = statistics.median(known)
+        out = {}
+        for r, p in prefill.items():
+            w = p / median if median > 0 else 1.0
+            out[r] = 1.0 if abs(w - 1.0) < self.band else w
+        return out
+
+    def choose(self, hashes: np.ndarray | None, loads: Mapping[str, int],
+               avoid: Collection[str] = (), *, tokens: int | None = None) -> str:
+        now = self.clock()
+        w = self.weights(loads.keys(), now)
+        if any(x != 1.0 for x in w.values()):  # ours on loads in units of a median replica's requests
+            self.counts["weighted"] += 1
+            loads = {r: (load + 1) * w[r] - 1 for r, load in loads.items()}
+        new_before = self.counts["new"]
+        choice = super().choose(hashes, loads, avoid, tokens=tokens)
+        if not self.place_new or self.counts["new"] == new_before:
+            return choice  # a known prefix: ours' affinity, bounded by the weighted loads
+        # a prefix no replica holds (or holds no longer) is prefilled in full wherever it goes:
+        # the replica that is predicted to finish it first
+        ok = self._allowed(loads, avoid)
+        n = self._length(hashes, tokens)
+        uncached = self._uncached(hashes, n, ok)
+        cost = {r: self.predicted_completion(r, uncached[r], now) for r in ok}
+        if any(c is None for c in cost.values()):
+            return choice  # nothing learned yet: ours
+        best = min(ok, key=lambda r: (cost[r], loads[r], r))
+        if best != choice:
+            self.counts["placed"] += 1
+        return best
+
+    def _length(self, hashes: np.ndarray | None, tokens: int | None) -> int:
+        if hashes is None or len(hashes) == 0:
+            return int(tokens or 0)
+        return prompt_tokens(hashes, tokens, self.chunk_size)
+
+    def routed(self, hashes: np.ndarray | None, replica: str, *, tokens: int | None = None,
+               request_id: str | None = None) -> None:
+        # before the prompt enters the cache model
+        uncached = self._uncached(hashes, self._length(hashes, tokens), (replica,))[replica]
+        super().routed(hashes, replica, tokens=tokens, request_id=request_id)
+        if request_id is None:
+            return
+        r = self._replica(replica)
+        r.queued_tokens += uncached
+        self._requests[request_id] = (replica, uncached, self.clock())
+
+    # -- what it shows --------------------------------------------------------------------------
+    def estimates(self) -> dict[str, dict[str, Any]]:
+        """Per replica: the prefill and decode speeds it learned (tokens/s: uncached prompt tokens, and
+        one request's output tokens), the prefill speed it routes by now (the learned one relaxed
+        towards the fleet's median as it ages), its own samples of each, the KV tokens it read, its
+        queue of uncached prefill tokens, and the prefill speed vLLM's histograms give (``None`` until
+        two scrapes)."""
+        now = self.clock()
+        out = {}
+        names = sorted(self.replicas)
+        prefills, decodes = (self._speeds(names, part, now, explore=False) for part in ("prefill", "decode"))
+        routeds = self._speeds(names, "prefill", now)
+        for name in names:
+            r = self.replicas[name]
+            prefill, decode, routed = prefills[name], decodes[name], routeds[name]
+            mp = r.metrics_prefill.value if r.metrics_prefill is not None else None
+            out[name] = {"prefill_tok_s": 1.0 / prefill if prefill else None,
+                         "decode_tok_s": 1.0 / decode if decode else None,
+                         "routing_prefill_tok_s": 1.0 / routed if routed else None,
+                         "kv_tokens": r.kv_tokens, "prefill_samples": r.prefill.samples,
+                         "decode_samples": r.decode.samples, "queued_tokens": r.queued_tokens,
+                         "metrics_prefill_tok_s": 1.0 / mp if mp else None}
+        return out
+
+    def state(self) -> dict[str, Any]:
+        return {**super().state(), "learned_replicas": len(self.replicas)}

@@ -1,0 +1,290 @@
+"""Unequal replicas: a replica's own speed and KV in the cluster simulator (feather_env/cluster_sim.py),
+ours learning them (scheduler_runtime/learned_router.py), llm-d's predicted-latency peer
+(scheduler_runtime/peer_routers.py) and benchmarks/unequal_replicas.py end to end."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from feather_env.cluster_sim import ClusterSim, ReplicaSpec
+from feather_env.scenarios import load_scenario
+from feather_env.workloads import Request, Workload
+from scheduler_runtime.learned_router import DecayedRate, LearnedRouter
+from scheduler_runtime.peer_routers import LlmdPredictedLatencyRouter
+from scheduler_runtime.router import PrefixAffinityRouter, PrefixHasher
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return load_scenario("leval-kv-pressure").engine_config()
+
+
+def _requests(n: int, prompt: int, output: int, gap: float, start: float = 0.0) -> Workload:
+    """``n`` distinct prompts (no shared prefix) arriving ``gap`` seconds apart."""
+    rng = np.random.default_rng(7)
+    return Workload("t", tuple(Request(f"r{i}", rng.integers(5, 30_000, prompt, dtype=np.int32), i, output,
+                                       start + i * gap) for i in range(n)))
+
+
+def _alone(engine, spec: ReplicaSpec, workload: Workload) -> dict:
+    return ClusterSim(1, engine, profiles=[spec]).run(workload, PrefixAffinityRouter()).metrics
+
+
+def test_a_replicas_profile_slows_its_prefill_and_its_decode_apart(engine):
+    """One request at a time (no queue): a 3x prefill slowdown triples the TTFT and leaves the TPOT
+    almost alone; a 2x decode slowdown doubles the TPOT."""
+    work = _requests(4, 4000, 64, gap=30.0)
+    base = _alone(engine, ReplicaSpec(), work)
+    slow_prefill = _alone(engine, ReplicaSpec(prefill_slowdown=3.0), work)
+    slow_decode = _alone(engine, ReplicaSpec(decode_slowdown=2.0), work)
+    assert slow_prefill["mean_ttft_ms"] / base["mean_ttft_ms"] == pytest.approx(3.0, rel=0.15)
+    assert slow_prefill["mean_tpot_ms"] / base["mean_tpot_ms"] == pytest.approx(1.0, abs=0.1)
+    assert slow_decode["mean_tpot_ms"] / base["mean_tpot_ms"] == pytest.approx(2.0, rel=0.05)
+    assert slow_decode["mean_ttft_ms"] < 1.5 * base["mean_ttft_ms"]
+
+
+def test_a_drift_slows_a_replica_only_while_it_lasts(engine):
+    """Requests 30 s apart on a replica 3x slower from 50 s to 110 s: those served in the drift take
+    about 3x as long end to end, those before and after it as long as on an equal replica."""
+    work = _requests(6, 3000, 32, gap=30.0, start=1.0)  # arrivals at 1, 31, 61, 91, 121, 151 s
+    spec = ReplicaSpec(drift=((50.0, 3.0), (110.0, 1.0)))
+    base = ClusterSim(1, engine).run(work, PrefixAffinityRouter())
+    drift = ClusterSim(1, engine, profiles=[spec]).run(work, PrefixAffinityRouter())
+    assert base.metrics["completed"] == drift.metrics["completed"] == 6
+    assert spec.slowdowns_at(60.0) == (3.0, 3.0) and spec.slowdowns_at(120.0) == (1.0, 1.0)
+    ratio = drift.metrics["mean_e2el_ms"] / base.metrics["mean_e2el_ms"]
+    assert ratio == pytest.approx((4 * 1 + 2 * 3) / 6, rel=0.1)  # 2 of 6 requests in the drift
+
+
+def test_a_replica_publishes_its_own_kv_as_vllm_does(engine):
+    small = ReplicaSpec(kv_cache_gib=engine.kv_cache_gib / 4)
+    sim = ClusterSim(2, engine, profiles=[ReplicaSpec(), small])
+    seen: dict[str, dict] = {}
+
+    class Reader(LearnedRouter):
+        def scraped(self, replica, metrics):
+            seen[replica] = dict(metrics["vllm:cache_config_info"])
+            super().scraped(replica, metrics)
+
+    router = Reader(cache_factor=1.25)  # the cache model on (off by default)
+    sim.run(_requests(6, 1000, 8, gap=0.5), router)
+    big_kv = seen["0"]["num_gpu_blocks"] * seen["0"]["block_size"]
+    small_kv = seen["1"]["num_gpu_blocks"] * seen["1"]["block_size"]
+    assert big_kv == engine.num_kv_blocks * engine.block_size
+    assert small_kv == pytest.approx(big_kv / 4, rel=0.01)
+    est = router.estimates()
+    assert (est["0"]["kv_tokens"], est["1"]["kv_tokens"]) == (big_kv, small_kv)
+    assert router.cached is not None and router.cached.limits["1"] < router.cached.limits["0"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(rate=st.floats(1e-5, 1e-2), factor=st.floats(0.25, 4.0), tau=st.floats(2.0, 30.0),
+       work=st.floats(1.0, 10_000.0), samples=st.integers(30, 200))
+def test_a_decayed_rate_tracks_a_changed_rate(rate, factor, tau, work, samples):
+    """``samples`` samples of one rate over 3 time constants, then as many of a rate ``factor`` times it
+    (a speed change of up to 4x): exact before the change, within 20% of the new rate after it (the
+    old samples, all older than 3 time constants, weigh at most exp(-3) of the whole)."""
+    r = DecayedRate(tau)
+    assert r.value is None
+    dt = 3.0 * tau / samples
+    for i in range(samples):
+        r.add(i * dt, work * rate, work)
+    assert r.value == pytest.approx(rate, rel=1e-9)
+    new_rate = rate * factor
+    for i in range(samples):
+        r.add((samples + i) * dt, work * new_rate, work)
+    assert abs(r.value / new_rate - 1) <= math.exp(-3.0) * abs(1 / factor - 1) + 1e-9 <= 0.2
+    assert r.samples == 2 * samples
+
+
+class _FakeFleet:
+    """Replicas served one request at a time, each prefilling at its own seconds per token: drives a
+    router with a clock of its own (no simulator)."""
+
+    def __init__(self, router: LearnedRouter, speeds: dict[str, float], kv_tokens: int = 1 << 20) -> None:
+        self.router, self.speeds, self.now = router, speeds, 0.0
+        router.clock = lambda: self.now
+        for name in speeds:
+            router.scraped(name, {"vllm:cache_config_info": {"num_gpu_blocks": kv_tokens // 16,
+                                                             "block_size": 16}})
+        self.hasher = PrefixHasher()
+        self.rng = np.random.default_rng(0)
+        self.count = 0
+        self.busy_until = dict.fromkeys(speeds, 0.0)
+
+    def serve(self, seconds: float, gap: float = 0.5, prompt: int = 2000,
+              chosen: bool = True) -> dict[str, int]:
+        """A new prompt every ``gap`` seconds for ``seconds``, where the router chooses (``chosen``) or
+        in turn (the router is told either way); each replica serves its prompts in order."""
+        sent = dict.fromkeys(self.speeds, 0)
+        end = self.now + seconds
+        while self.now < end:
+            self.now += gap
+            ids = self.rng.integers(5, 30_000, prompt, dtype=np.int32)
+            hashes = self.hasher.hash(ids)
+            loads = {r: int(self.busy_until[r] > self.now) for r in self.speeds}
+            replica = (self.router.choose(hashes, loads, tokens=prompt) if chosen
+                       else sorted(self.speeds)[self.count % len(self.speeds)])
+            rid = f"q{self.count}"
+            self.count += 1
+            self.router.routed(hashes, replica, tokens=prompt, request_id=rid)
+            start = max(self.now, self.busy_until[replica])
+            first = start + prompt * self.speeds[replica]
+            self.busy_until[replica] = first
+            sent[replica] += 1
+            at = self.now
+            self.now = first
+            self.router.prefilled(rid)
+            self.now = first + 0.05
+            self.router.finished(rid, output_tokens=6)
+            self.now = at
+        return sent
+
+
+def _relative(router: LearnedRouter, replica: str, other: str) -> float:
+    est = router.estimates()
+    return est[other]["prefill_tok_s"] / est[replica]["prefill_tok_s"]  # its seconds per token over other's
+
+
+@settings(max_examples=5, deadline=None)
+@given(slowdown=st.floats(2.0, 4.0))
+def test_the_learned_speed_converges_and_adapts_within_60_s(slowdown):
+    """Served in turn: a replica ``slowdown`` x slower than the others is learned so; when it becomes as
+    fast as the others, and slow again, its estimate is within 20% of the truth 60 s later."""
+    base = 1e-4
+    fleet = _FakeFleet(LearnedRouter(), {"a": base * slowdown, "b": base, "c": base})
+    for speed, truth in ((base * slowdown, slowdown), (base, 1.0), (base * slowdown, slowdown)):
+        fleet.speeds["a"] = speed
+        fleet.serve(60.0, gap=0.3, chosen=False)
+        assert _relative(fleet.router, "a", "b") == pytest.approx(truth, rel=0.2)
+    assert fleet.router.estimates()["a"]["prefill_samples"] > 0
+
+
+def test_a_replica_believed_slow_is_noticed_when_it_is_fast_again():
+    """Routed by the learned router itself, a slow replica gets little traffic; when it is fast again,
+    the estimate's decaying trust sends it requests, and its learned speed is back within 20% in 60 s."""
+    base = 1e-4
+    fleet = _FakeFleet(LearnedRouter(), {"a": base * 3, "b": base, "c": base})
+    fleet.serve(60.0)
+    assert _relative(fleet.router, "a", "b") == pytest.approx(3.0, rel=0.2)
+    fleet.speeds["a"] = base
+    sent = fleet.serve(60.0)
+    assert sent["a"] > 0
+    assert _relative(fleet.router, "a", "b") == pytest.approx(1.0, rel=0.2)
+
+
+def test_the_learned_router_sends_fewer_new_prefixes_to_a_slow_replica():
+    fleet = _FakeFleet(LearnedRouter(), {"a": 4e-4, "b": 1e-4, "c": 1e-4})
+    fleet.serve(30.0)
+    sent = fleet.serve(60.0, gap=0.15)
+    assert sent["a"] < min(sent["b"], sent["c"])
+    assert fleet.router.state()["weighted"] > 0
+
+
+def test_forget_drops_what_was_learned():
+    fleet = _FakeFleet(LearnedRouter(), {"a": 2e-4, "b": 1e-4})
+    fleet.serve(10.0)
+    assert "a" in fleet.router.estimates()
+    fleet.router.forget("a")
+    assert "a" not in fleet.router.estimates()
+
+
+def test_the_learned_router_is_told_no_kv():
+    with pytest.raises(ValueError):
+        LearnedRouter(kv_tokens=1000)
+
+
+def _llmd_pick(router: LlmdPredictedLatencyRouter, fast: float, slow: float, rounds: int) -> list[str]:
+    """Train on requests whose TTFT was ``fast`` ms per 1,000 prompt tokens on pod "fast" and ``slow``
+    on pod "slow" (both with the same metrics, TPOT 20 ms), then route 20 new prompts of 2,000 tokens."""
+    now = [0.0]
+    router.clock = lambda: now[0]
+    hasher = PrefixHasher()
+    rng = np.random.default_rng(1)
+    metrics = {"vllm:kv_cache_usage_perc": 0.1, "vllm:num_requests_waiting": 0,
+               "vllm:num_requests_running": 1}
+    for pod in ("fast", "slow"):
+        router.scraped(pod, metrics)
+    for i in range(rounds):
+        for pod, ms in (("fast", fast), ("slow", slow)):
+            n = int(rng.integers(500, 4000))
+            h = hasher.hash(rng.integers(5, 30_000, n, dtype=np.int32))
+            router.routed(h, pod, tokens=n, request_id=f"{pod}{i}")
+            now[0] += ms * n / 1000 / 1000
+            router.prefilled(f"{pod}{i}")
+            now[0] += 0.02 * 9
+            router.finished(f"{pod}{i}", output_tokens=10)
+    picks = []
+    for _ in range(20):
+        n = 2000
+        h = hasher.hash(rng.integers(5, 30_000, n, dtype=np.int32))
+        picks.append(router.choose(h, {"fast": 1, "slow": 1}, tokens=n))
+    return picks
+
+
+def test_llmd_per_pod_models_pick_the_faster_pod_when_all_else_is_equal():
+    picks = _llmd_pick(LlmdPredictedLatencyRouter(ttft_slo_ms=None, per_pod=True, seed=0), 100.0, 300.0, 30)
+    assert picks == ["fast"] * len(picks)
+
+
+def test_llmd_slo_headroom_prefers_the_pod_that_meets_the_slo():
+    """With SLOs the slow pod's predicted TTFT (0.3 s per K tokens: 0.6 s) misses a 0.4 s SLO and the
+    fast one's meets it: the positive tier is the fast pod (up to the 1% exploration)."""
+    router = LlmdPredictedLatencyRouter(ttft_slo_ms=400.0, tpot_slo_ms=100.0, per_pod=True, seed=0)
+    picks = _llmd_pick(router, 100.0, 300.0, 30)
+    assert picks.count("fast") >= 18
+
+
+def test_llmd_pooled_model_cannot_tell_pods_apart_by_speed():
+    """llm-d's predictor assumes every pod alike: one model for the pool predicts the same for pods with
+    the same metrics, however differently they served (ties broken by the router's draw)."""
+    router = LlmdPredictedLatencyRouter(ttft_slo_ms=None, per_pod=False, seed=0)
+    _llmd_pick(router, 100.0, 300.0, 30)
+    fast, slow = (router.features(p, 2000, 0.0) for p in ("fast", "slow"))
+    model = router._model("fast")[0]
+    assert model is router._model("slow")[0]
+    assert model.predict(fast[0]) == model.predict(slow[0])
+
+
+def test_the_benchmark_runs_end_to_end(tmp_path, data_dir):
+    from benchmarks import unequal_replicas
+
+    out = unequal_replicas.main(["--quick", "--json", str(tmp_path / "u.json")])
+    assert (tmp_path / "u.json").exists()
+    assert [c["fleet"] for c in out["cells"]] == list(unequal_replicas.FLEETS)
+    for c in out["cells"]:
+        assert set(unequal_replicas.ROUTERS) <= set(c["routers"])
+        tuned = {r for r in c["routers"] if r.endswith(" (tuned)")}
+        assert set(c["routers"]) == set(unequal_replicas.ROUTERS) | tuned
+        assert not tuned or c["fleet"] != "equal"  # the peers are tuned on the unequal fleets only
+        for r in c["routers"].values():
+            assert 0.0 <= r["attainment"] <= 1.0 and r["output_throughput"] > 0
+            # no router beats the no-queueing bound with each replica at its own speed
+            assert r["over_bound_output_throughput"] <= 1.0 + 1e-9
+        assert c["routers"]["prefix-learned"]["learned_over_this_output_throughput"] == 1.0
+    assert set(out["tuning"]) == {"speed", "kv", "drift"}
+    for peers in out["tuning"].values():
+        assert set(peers) == set(unequal_replicas.TUNED)
+        for t in peers.values():  # the setting of the highest tuning attainment
+            assert t["attainment"] == max(g["attainment"] for g in t["grid"])
+    speed = next(c for c in out["cells"] if c["fleet"] == "speed")
+    equal = next(c for c in out["cells"] if c["fleet"] == "equal")
+    assert speed["capacity_req_s"] < equal["capacity_req_s"]  # half the fleet is slower
+    drift = next(c for c in out["cells"] if c["fleet"] == "drift")
+    assert len(drift["drift"]) == 1 and [p["slowdown"] for p in drift["drift"][0]] == [1.0, 3.0, 1.0]
+
+
+def test_the_fleet_bound_takes_each_request_at_the_fastest_kind(engine):
+    from benchmarks.unequal_replicas import fleet_bound
+
+    slow = ReplicaSpec(prefill_slowdown=3.0, decode_slowdown=1.5)
+    timed = _requests(4, 2000, 8, gap=0.2)
+    mixed = fleet_bound(engine, [ReplicaSpec(), slow], timed, {})
+    fast = fleet_bound(engine, [ReplicaSpec()] * 2, timed, {})
+    slow_only = fleet_bound(engine, [slow] * 2, timed, {})
+    assert mixed == pytest.approx(fast) and slow_only < fast
