@@ -10,6 +10,8 @@ No engine: vLLM's ``/metrics`` is a hand-written exposition in vLLM 0.32's names
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,13 +21,13 @@ import numpy as np
 import pytest
 from test_proxy import Running, get, post
 
-from benchmarks.standin import StandInWorkers
+from benchmarks.standin import StandInWorkers, standin_command
 from feather_env.evaluation.endpoint import parse_prometheus
 from scheduler_runtime.learned_router import LearnedRouter
 from scheduler_runtime.router import PrefixAffinityRouter
 from scheduler_runtime.serving.cluster_base import ClusterConfig, estimates_exposition
 from scheduler_runtime.serving.proxy import ReplicaProxy, parse_per_worker, proxy_for, stream_output_tokens
-from scheduler_runtime.serving.replicas import Replica
+from scheduler_runtime.serving.replicas import Replica, replicas_for
 from scheduler_runtime.serving.serve import _parse
 from scheduler_runtime.serving.vllm_metrics import parse_vllm_metrics, restarted
 
@@ -242,3 +244,30 @@ def test_the_proxy_learns_a_fast_and_a_slow_worker_and_forgets_a_restarted_one()
             assert est["0"]["prefill_samples"] == fast["prefill_samples"]  # the other one keeps its own
         finally:
             running.stop()
+
+
+def test_a_replica_process_that_dies_is_forgotten_and_relearned():
+    """``feather-serve --replicas N``'s path: the proxy's own replica processes (paced stand-ins); one
+    SIGKILLed is restarted, and what was learned of it goes with it (its KV comes back by a scrape)."""
+    def command(vllm_args: Any, port: int) -> list[str]:
+        return [*standin_command(vllm_args, port), "--kv-blocks", "64", "--decode-ms", "1"]
+
+    config = ClusterConfig(replicas=2, router="prefix-learned")
+    proxy = ReplicaProxy(replicas_for(config, command=command, visible_gpus=[]), "prefix-learned",
+                         scrape_period_s=0.1)
+    running = Running(proxy)
+    try:
+        running.wait_healthy(2)
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda i: post(running.url, {"prompt": [i] * 300, "max_tokens": 4, "stream": True}),
+                          range(16)))
+        est = _estimates(running.url)
+        assert all(e["prefill_samples"] > 0 and e["kv_tokens"] == 64 * 16 for e in est.values()), est
+        victim = proxy.replicas[1]
+        pid = victim.process.pid
+        os.kill(pid, signal.SIGKILL)
+        _wait(lambda: victim.process is not None and victim.process.pid != pid and victim.healthy, 30.0)
+        est = _wait(lambda: (e := _estimates(running.url))["1"] and e["1"]["kv_tokens"] and e)
+        assert est["1"]["prefill_samples"] == 0 and est["0"]["prefill_samples"] > 0, est
+    finally:
+        running.stop()
