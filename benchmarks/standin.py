@@ -250,15 +250,17 @@ def stream_events(body: dict[str, Any], rid: str) -> list[str]:
 
 
 class StandIns:
-    """``n`` stand-in processes on free ports of 127.0.0.1, started and waited for; killed on exit."""
+    """``n`` stand-in processes on free ports of 127.0.0.1, started and waited for; killed on exit.
+    ``args``: more of each one's command-line options (pacing, KV)."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, args: Sequence[str] = ()) -> None:
+        self.args = list(args)
         self.ports = [free_port() for _ in range(n)]
         self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def __enter__(self) -> StandIns:
-        self.procs = [subprocess.Popen(standin_command((), p), cwd=REPO) for p in self.ports]
+        self.procs = [subprocess.Popen([*standin_command((), p), *self.args], cwd=REPO) for p in self.ports]
         deadline = time.monotonic() + 60.0
         for url in self.urls:
             while True:
