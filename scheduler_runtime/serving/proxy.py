@@ -22,6 +22,20 @@ too), and serves one OpenAI-compatible endpoint from this process, an aiohttp se
   replica's rank, process, port, cores and state) and ``POST /reset_prefix_cache`` (every replica;
   vLLM's dev mode). Any other path goes to the least loaded healthy replica as it is.
 
+The learned router (``--router prefix-learned``:
+:class:`~scheduler_runtime.learned_router.LearnedRouter`, told nothing per replica) is fed what it
+learns from: every ``scrape_period_s`` (1 s; a 2 s limit, one scrape in flight per replica) each healthy
+replica's ``/metrics``, read by :func:`~scheduler_runtime.serving.vllm_metrics.parse_vllm_metrics` (its
+KV from ``vllm:cache_config_info``, vLLM's histograms and counters) and handed to ``router.scraped``;
+each request under an id of the proxy's own (``routed``), its first token (``prefilled``: a stream's
+first chunk, which vLLM sends with the first token) and its finish (``finished``, with its output
+tokens: the stream's last ``usage`` block, else its events counted). A replica that restarts is
+forgotten (``router.forget``): one of the proxy's own processes when it dies, a server behind a URL when
+its counters go back. ``GET /replicas`` shows each replica's ``estimates``, ``GET /metrics`` the
+``feather_router_replica_{prefill_tok_s,decode_tok_s,kv_tokens,samples}`` gauges and the scrapes.
+``--replica-weights`` tells it the replicas' relative speeds and ``--kv-tokens A,B,...`` their KV
+instead. A stream is relayed unchanged (no ``include_usage`` is added).
+
 Supervision. A replica is routed to only once its ``/health`` answers 200. When its process exits,
 its process group (its vLLM engine core) is killed, the router forgets the prefixes it held, and it
 is started again on the same cores and port (after 1 s, doubling up to 30 s while it keeps dying
