@@ -8,6 +8,9 @@ is to measure) behind each front end in turn:
 * ``proxy``: ``feather-serve``'s proxy data plane
   (``python -m scheduler_runtime.serving.proxy --worker-urls``,
   the same :class:`~scheduler_runtime.serving.proxy.ReplicaProxy` that ``feather-serve --replicas N`` runs);
+* ``proxy-learned``: the same with ``--router prefix-learned`` (ours learning each replica's speed and
+  KV: it also reads each stand-in's ``/metrics``, vLLM's names, every second, and follows every
+  stream's first token and finish);
 * ``sglang-router``: ``sglang-router --policy cache_aware`` (the ``peers`` extra; skipped when
   ``sglang_router`` does not import);
 * ``ray``: ``feather-serve``'s Ray Serve data plane (``--data-plane ray``): the ingress deployment
@@ -49,7 +52,9 @@ from benchmarks.standin import REPO, StandIns, answer, stream_events
 from feather_env.reporting import format_table, machine_info, write_json
 from scheduler_runtime.serving.replicas import free_port
 
-FRONT_ENDS = ("direct", "proxy", "sglang-router", "ray")
+FRONT_ENDS = ("direct", "proxy", "proxy-learned", "sglang-router", "ray")
+#: The stand-ins behind the proxies publish vLLM's metrics with a KV size (what prefix-learned reads).
+PROXY_STANDIN_ARGS = ("--kv-blocks", "4095", "--block-size", "128")
 DOCUMENTS, DOC_WORDS, QUESTION_WORDS, OUTPUT_TOKENS, CLIENTS = 12, 3000, 30, 16, 8
 COMMAND = "taskset -c 0 python -m benchmarks.frontend_overhead --json results/frontend_overhead.json"
 MODEL = "unknown"  # sglang-router keys its trees by the model a worker reports: none here (router_fidelity)
@@ -175,7 +180,7 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 def measure(front_end: str, requests: int, warmup: int, seed: int) -> dict[str, Any] | None:
     """One front end over two fresh stand-ins."""
     work = workload(requests + warmup, seed)
-    with StandIns(2) as standins:
+    with StandIns(2, PROXY_STANDIN_ARGS if front_end.startswith("proxy") else ()) as standins:
         proc: subprocess.Popen[bytes] | None = None
         exclude: list[int] = []
         try:
@@ -184,8 +189,9 @@ def measure(front_end: str, requests: int, warmup: int, seed: int) -> dict[str, 
             else:
                 port = free_port()
                 urls = [f"http://127.0.0.1:{port}"]
-                if front_end == "proxy":
+                if front_end.startswith("proxy"):
                     command = [sys.executable, "-m", "scheduler_runtime.serving.proxy", "--port", str(port),
+                               "--router", "prefix-learned" if front_end == "proxy-learned" else "prefix",
                                "--worker-urls", *standins.urls]
                 elif front_end == "sglang-router":
                     command = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",

@@ -15,6 +15,14 @@ answering), ``hang_on`` (never answer), ``die_after`` (``{name: k}``: exit after
 ``delay_s`` (wait before answering). ``GET /standin/served`` lists the ``user`` field of every request
 it answered in full, so a test can check that nothing is served twice.
 
+Paced (``--prefill-ms-per-1k``, ``--decode-ms``, ``--kv-blocks``; :class:`StandIn`'s arguments), a
+stand-in is an engine of a given speed and KV size, to feed a router that learns them: prefills are
+served one at a time (``prefill_s_per_token`` x the prompt's tokens each, the others queueing), then
+every further token of a request follows ``decode_s_per_token`` after the previous one; its ``/metrics``
+is then vLLM's (:func:`vllm_metrics_text`: ``vllm:cache_config_info`` with ``num_gpu_blocks`` and
+``block_size``, the queue, prefill and decode time histograms, the token counters), as
+``scheduler_runtime.serving.vllm_metrics`` reads it.
+
 Two ways to run them, one server class (:class:`StandIn`):
 
 * as processes: :class:`StandIns` starts ``n`` of them on free ports (a context manager), and
@@ -62,12 +70,20 @@ class StandIn:
     a gate: :class:`StandInWorkers`)."""
 
     def __init__(self, name: str, before_answer: Callable[[dict[str, Any], dict[str, Any]],
-                                                          Awaitable[None]] | None = None) -> None:
+                                                          Awaitable[None]] | None = None, *,
+                 prefill_s_per_token: float = 0.0, decode_s_per_token: float = 0.0,
+                 kv_blocks: int | None = None, block_size: int = 16) -> None:
         self.name = name
         self.served: list[Any] = []
         self.prompt_tokens = 0
         self._n = 0
         self._before_answer = before_answer
+        self.prefill_s_per_token, self.decode_s_per_token = prefill_s_per_token, decode_s_per_token
+        self.kv_blocks, self.block_size = kv_blocks, block_size
+        self.paced = bool(prefill_s_per_token or decode_s_per_token or kv_blocks is not None)
+        #: vLLM's request-level sums of what it served (:func:`vllm_metrics_text`)
+        self.sums: dict[str, float] = dict.fromkeys(("queue", "prefill", "decode", "generation"), 0.0)
+        self._prefill_lock = asyncio.Lock()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30)
@@ -91,6 +107,8 @@ class StandIn:
         return web.json_response(self.served)
 
     async def metrics(self, request: web.Request) -> web.Response:
+        if self.paced:
+            return web.Response(text=vllm_metrics_text(self), content_type="text/plain")
         labels = f'engine="0",model_name="{MODEL}"'
         text = ("# HELP vllm:request_success_total Count of successfully processed requests.\n"
                 "# TYPE vllm:request_success_total counter\n"
@@ -115,22 +133,89 @@ class StandIn:
         if self._before_answer is not None:
             await self._before_answer(body, whole)
         if not body.get("stream"):
+            if self.paced:
+                first = await self._prefill(body)
+                await self._decode(body, first)
             self._served(body)
             return web.json_response(whole)
         response = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await response.prepare(request)
+        first = await self._prefill(body) if self.paced else 0.0
         die_after = (control.get("die_after") or {}).get(self.name)
+        tokens = int(body.get("max_tokens") or 16)
         for i, event in enumerate(stream_events(body, rid)):
             if die_after is not None and i >= int(die_after):
                 os._exit(1)
+            if self.decode_s_per_token and 0 < i < tokens:
+                await asyncio.sleep(self.decode_s_per_token)
             await response.write(event.encode())
+        if self.paced:
+            self._decoded(body, first)
         await response.write_eof()
         self._served(body)
         return response
 
+    async def _prefill(self, body: dict[str, Any]) -> float:
+        """Queue for the prefill (one at a time), serve it; returns when its first token is out."""
+        arrived = time.monotonic()
+        async with self._prefill_lock:
+            started = time.monotonic()
+            await asyncio.sleep(self.prefill_s_per_token * _usage(body)["prompt_tokens"])
+        first = time.monotonic()
+        self.sums["queue"] += started - arrived
+        self.sums["prefill"] += first - started
+        return first
+
+    async def _decode(self, body: dict[str, Any], first: float) -> None:
+        for _ in range(int(body.get("max_tokens") or 16) - 1):
+            await asyncio.sleep(self.decode_s_per_token)
+        self._decoded(body, first)
+
+    def _decoded(self, body: dict[str, Any], first: float) -> None:
+        self.sums["decode"] += time.monotonic() - first
+        self.sums["generation"] += int(body.get("max_tokens") or 16)
+
     def _served(self, body: dict[str, Any]) -> None:
         self.served.append((body.get("standin") or {}).get("id", body.get("user")))
         self.prompt_tokens += _usage(body)["prompt_tokens"]
+
+
+def vllm_metrics_text(standin: StandIn) -> str:
+    """A paced stand-in's ``/metrics`` in vLLM 0.32's exposition (``vllm/v1/metrics/loggers.py``'s names
+    and help; the histograms' buckets left out, their ``_sum`` and ``_count`` kept)."""
+    labels = f'engine="0",model_name="{MODEL}"'
+    n = float(len(standin.served))
+    lines = ["# HELP vllm:num_requests_running Number of requests in model execution batches.",
+             "# TYPE vllm:num_requests_running gauge", f"vllm:num_requests_running{{{labels}}} 0.0"]
+    for name, doc, value in (
+            ("vllm:prompt_tokens", "Number of prefill tokens processed.", standin.prompt_tokens),
+            ("vllm:generation_tokens", "Number of generation tokens processed.", standin.sums["generation"]),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", 0.0)):
+        lines += [f"# HELP {name}_total {doc}", f"# TYPE {name}_total counter",
+                  f"{name}_total{{{labels}}} {float(value)}"]
+    lines += ["# HELP vllm:request_success_total Count of successfully processed requests.",
+              "# TYPE vllm:request_success_total counter",
+              f'vllm:request_success_total{{{labels},finished_reason="length"}} {n}']
+    for name, doc, total in (
+            ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", standin.prompt_tokens),
+            ("vllm:request_generation_tokens", "Number of generation tokens processed.",
+             standin.sums["generation"]),
+            ("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+             standin.sums["queue"]),
+            ("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+             standin.sums["prefill"]),
+            ("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+             standin.sums["decode"])):
+        lines += [f"# HELP {name} {doc}", f"# TYPE {name} histogram",
+                  f'{name}_bucket{{{labels},le="+Inf"}} {n}', f"{name}_count{{{labels}}} {n}",
+                  f"{name}_sum{{{labels}}} {float(total)}"]
+    if standin.kv_blocks is not None:
+        lines += ["# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+                  "# TYPE vllm:cache_config_info gauge",
+                  f'vllm:cache_config_info{{block_size="{standin.block_size}",cache_dtype="auto",engine="0",'
+                  f'enable_prefix_caching="True",num_cpu_blocks="None",'
+                  f'num_gpu_blocks="{standin.kv_blocks}"}} 1.0']
+    return "\n".join(lines) + "\n"
 
 
 def _usage(body: dict[str, Any]) -> dict[str, int]:
@@ -165,15 +250,17 @@ def stream_events(body: dict[str, Any], rid: str) -> list[str]:
 
 
 class StandIns:
-    """``n`` stand-in processes on free ports of 127.0.0.1, started and waited for; killed on exit."""
+    """``n`` stand-in processes on free ports of 127.0.0.1, started and waited for; killed on exit.
+    ``args``: more of each one's command-line options (pacing, KV)."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, args: Sequence[str] = ()) -> None:
+        self.args = list(args)
         self.ports = [free_port() for _ in range(n)]
         self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def __enter__(self) -> StandIns:
-        self.procs = [subprocess.Popen(standin_command((), p), cwd=REPO) for p in self.ports]
+        self.procs = [subprocess.Popen([*standin_command((), p), *self.args], cwd=REPO) for p in self.ports]
         deadline = time.monotonic() + 60.0
         for url in self.urls:
             while True:
@@ -219,12 +306,18 @@ class StandInWorkers:
     order of arrival; a request's id is its body's ``id_field``.
 
     ``hold``: a worker answers a request only once :meth:`release` is called with its id (so that a
-    replay controls how many requests each worker has in flight); otherwise at once.
+    replay controls how many requests each worker has in flight); otherwise at once. ``paces``: each
+    worker's pacing (:class:`StandIn`'s keyword arguments: speed and KV size), one per worker.
+    :meth:`restart` replaces a worker by a fresh one on the same port (a restarted server).
     """
 
-    def __init__(self, n: int, hold: bool = False, id_field: str = "feather_request_id") -> None:
+    def __init__(self, n: int, hold: bool = False, id_field: str = "feather_request_id",
+                 paces: Sequence[dict[str, Any]] | None = None) -> None:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
+        if paces is not None and len(paces) != n:
+            raise ValueError(f"paces: {len(paces)} for {n} workers")
+        self.paces = list(paces) if paces is not None else [{} for _ in range(n)]
         self.n = n
         self.hold = hold
         self.id_field = id_field
@@ -252,11 +345,22 @@ class StandInWorkers:
         return before_answer
 
     async def _start(self) -> None:
-        for i, port in enumerate(self.ports):
-            runner = web.AppRunner(StandIn(str(i), self._recorder(i)).app(), access_log=None)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
-            self._runners.append(runner)
+        for i in range(self.n):
+            self._runners.append(await self._serve(i))
+
+    async def _serve(self, i: int) -> web.AppRunner:
+        runner = web.AppRunner(StandIn(str(i), self._recorder(i), **self.paces[i]).app(), access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", self.ports[i]).start()
+        return runner
+
+    def restart(self, i: int) -> None:
+        """Worker ``i`` stops and a fresh one (nothing served, counters at 0) serves on its port."""
+        async def again() -> None:
+            await self._runners[i].cleanup()
+            self._runners[i] = await self._serve(i)
+
+        asyncio.run_coroutine_threadsafe(again(), self._loop).result(timeout=30)
 
     async def _stop(self) -> None:
         for gate in self._gates.values():
@@ -301,11 +405,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--name", default=None, help="its name in fault requests (default: the port)")
     parser.add_argument("--start-delay", type=float, default=0.0, help="seconds before it listens")
+    parser.add_argument("--prefill-ms-per-1k", type=float, default=0.0,
+                        help="paced: milliseconds of prefill per 1,000 prompt tokens (one prefill at a time)")
+    parser.add_argument("--decode-ms", type=float, default=0.0, help="paced: milliseconds per further token")
+    parser.add_argument("--kv-blocks", type=int, default=None,
+                        help="paced: the KV blocks its vLLM metrics publish (vllm:cache_config_info)")
+    parser.add_argument("--block-size", type=int, default=16)
     args = parser.parse_args(argv)
     time.sleep(args.start_delay)  # an engine loading
     # sglang-router opens a worker with an HTTP/2 preface first, which aiohttp logs as an error
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
-    app = StandIn(args.name or str(args.port)).app()
+    app = StandIn(args.name or str(args.port), prefill_s_per_token=args.prefill_ms_per_1k / 1e6,
+                  decode_s_per_token=args.decode_ms / 1e3, kv_blocks=args.kv_blocks,
+                  block_size=args.block_size).app()
     try:
         import uvloop
     except ImportError:

@@ -23,11 +23,15 @@ from typing import Any
 from scheduler_runtime.hardware import kv_bytes_per_token, online_cores, parse_cores
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 
-__all__ = ["DATA_PLANES", "LIVE_ROUTERS", "RAY_ONLY_ROUTERS", "ROUTER_CHOICES", "ClusterConfig",
-           "FrontEndStats", "core_binding", "error_body", "flag_value", "gpu_groups", "replica_exposition",
-           "replica_kv_tokens"]
+__all__ = ["DATA_PLANES", "LIVE_ROUTERS", "PROXY_ONLY_ROUTERS", "RAY_ONLY_ROUTERS", "ROUTER_CHOICES",
+           "ClusterConfig", "FrontEndStats", "core_binding", "error_body", "estimates_exposition",
+           "flag_value", "gpu_groups", "replica_exposition", "replica_kv_tokens"]
 
-ROUTER_CHOICES = ("prefix", "pow2", "ray-prefix-affinity")
+ROUTER_CHOICES = ("prefix", "pow2", "ray-prefix-affinity", "prefix-learned")
+#: Routers that only the proxy data plane has: ours learning each replica's speed and KV size
+#: (:class:`~scheduler_runtime.learned_router.LearnedRouter`), fed by the proxy's relayed streams and
+#: its scrapes of each replica's ``/metrics``.
+PROXY_ONLY_ROUTERS = ("prefix-learned",)
 #: Routers that only the Ray data plane has: Ray Serve LLM's ``PrefixCacheAffinityRouter`` (ray 2.60,
 #: its defaults; importing it needs ``pyarrow``, the ``peers`` extra), to measure ours against.
 RAY_ONLY_ROUTERS = ("ray-prefix-affinity",)
@@ -46,7 +50,8 @@ class ClusterConfig:
 
     Attributes:
         replicas: engine replicas (>= 1; ``feather-serve`` runs 1 as the plain server).
-        router: ``"prefix"`` (ours), ``"pow2"``, or ``"ray-prefix-affinity"`` (Ray's, ``ray`` only).
+        router: ``"prefix"`` (ours), ``"pow2"``, ``"ray-prefix-affinity"`` (Ray's, ``ray`` only) or
+            ``"prefix-learned"`` (ours learning each replica's speed and KV, ``proxy`` only).
         data_plane: ``"proxy"`` (replica processes on this machine behind an asyncio proxy) or
             ``"ray"`` (a Ray Serve application, on a Ray cluster or a local instance).
         vllm_args: the vLLM API server arguments every replica is built from (``feather-serve``'s).
@@ -61,6 +66,10 @@ class ClusterConfig:
         load_factor, slack: the prefix router's load bound (:class:`PrefixAffinityRouter`); its cache
             model is told each replica's KV tokens, :attr:`kv_tokens`.
         object_store_mb: the local Ray instance's object store.
+        replica_weights: ``prefix-learned`` told each replica's relative speed (one per replica)
+            instead of learning it (``--replica-weights``).
+        scrape_period_s: seconds between the proxy's reads of each replica's ``/metrics``
+            (``prefix-learned``).
     """
 
     replicas: int
@@ -78,6 +87,8 @@ class ClusterConfig:
     load_factor: float = 20.0
     slack: int = 2
     object_store_mb: int = 200
+    replica_weights: tuple[float, ...] | None = None
+    scrape_period_s: float = 1.0
 
     def __post_init__(self) -> None:
         """Every value checked, as ``feather-serve`` reports it (a ``ValueError`` naming the flag):
@@ -90,6 +101,19 @@ class ClusterConfig:
             raise ValueError(f"--data-plane must be one of {list(DATA_PLANES)}, got {self.data_plane!r}")
         if self.data_plane == "proxy" and self.router in RAY_ONLY_ROUTERS:
             raise ValueError(f"--router {self.router} is Ray Serve's own router: it needs --data-plane ray")
+        if self.data_plane == "ray" and self.router in PROXY_ONLY_ROUTERS:
+            raise ValueError(f"--router {self.router} runs in the proxy data plane only: it needs "
+                             "--data-plane proxy")
+        if self.replica_weights is not None:
+            if self.router != "prefix-learned":
+                raise ValueError("--replica-weights are read by --router prefix-learned only")
+            if len(self.replica_weights) != self.replicas:
+                raise ValueError(f"--replica-weights: {len(self.replica_weights)} weights for "
+                                 f"{self.replicas} replicas (one per replica)")
+            if not all(math.isfinite(w) and w > 0 for w in self.replica_weights):
+                raise ValueError(f"--replica-weights must be > 0, got {list(self.replica_weights)}")
+        if not self.scrape_period_s > 0:
+            raise ValueError(f"--scrape-period must be > 0, got {self.scrape_period_s}")
         if self.data_plane == "proxy" and self.ray_address is not None:
             raise ValueError("--ray-address needs --data-plane ray (the proxy serves local replicas)")
         if self.max_ongoing_requests < 1:
@@ -303,6 +327,39 @@ class FrontEndStats:
                                  "Chunk keys in the prefix router's table",
                                  [({}, stats["table_keys"])])
         return "\n".join(lines)
+
+
+#: The learned estimates exported per replica: (gauge, ``estimates()`` key, help).
+_ESTIMATE_GAUGES = (
+    ("feather_router_replica_prefill_tok_s", "prefill_tok_s",
+     "Prefill speed the router learned per replica (uncached prompt tokens/s)"),
+    ("feather_router_replica_decode_tok_s", "decode_tok_s",
+     "Decode speed the router learned per replica (output tokens/s of one request)"),
+    ("feather_router_replica_kv_tokens", "kv_tokens",
+     "KV cache per replica in tokens, as the router reads it (vllm:cache_config_info) or was told"),
+)
+
+
+def estimates_exposition(estimates: Mapping[str, Mapping[str, Any]], scrapes: Mapping[str, int] | None = None,
+                         skipped_lines: int = 0) -> str:
+    """``feather_router_replica_*`` gauges labelled by replica from a learning router's
+    ``estimates()`` (a value not learned yet is left out), its samples by kind (prefill, decode), and
+    the proxy's scrapes of the replicas' ``/metrics`` by outcome with the lines it could not read."""
+    lines: list[str] = []
+    for gauge, key, doc in _ESTIMATE_GAUGES:
+        lines += _family(gauge, "gauge", doc, [({"replica": r}, e[key]) for r, e in sorted(estimates.items())
+                                               if e.get(key) is not None])
+    lines += _family("feather_router_replica_samples", "gauge",
+                     "Samples behind each learned speed, by replica and kind",
+                     [({"replica": r, "kind": kind}, e.get(f"{kind}_samples", 0))
+                      for r, e in sorted(estimates.items()) for kind in ("prefill", "decode")])
+    if scrapes is not None:
+        lines += _family("feather_router_scrapes_total", "counter",
+                         "Reads of the replicas' /metrics by outcome (restarted: a new server behind a URL)",
+                         [({"outcome": k}, scrapes.get(k, 0)) for k in ("ok", "error", "restarted")])
+        lines += _family("feather_router_scrape_skipped_lines_total", "counter",
+                         "Lines of the replicas' /metrics the proxy could not read", [({}, skipped_lines)])
+    return "\n".join(lines)
 
 
 def gpu_groups(replicas: int, gpus_per_replica: float, visible: Sequence[str]) -> list[str | None]:

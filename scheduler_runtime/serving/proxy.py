@@ -22,6 +22,20 @@ too), and serves one OpenAI-compatible endpoint from this process, an aiohttp se
   replica's rank, process, port, cores and state) and ``POST /reset_prefix_cache`` (every replica;
   vLLM's dev mode). Any other path goes to the least loaded healthy replica as it is.
 
+The learned router (``--router prefix-learned``:
+:class:`~scheduler_runtime.learned_router.LearnedRouter`, told nothing per replica) is fed what it
+learns from: every ``scrape_period_s`` (1 s; a 2 s limit, one scrape in flight per replica) each healthy
+replica's ``/metrics``, read by :func:`~scheduler_runtime.serving.vllm_metrics.parse_vllm_metrics` (its
+KV from ``vllm:cache_config_info``, vLLM's histograms and counters) and handed to ``router.scraped``;
+each request under an id of the proxy's own (``routed``), its first token (``prefilled``: a stream's
+first chunk, which vLLM sends with the first token) and its finish (``finished``, with its output
+tokens: the stream's last ``usage`` block, else its events counted). A replica that restarts is
+forgotten (``router.forget``): one of the proxy's own processes when it dies, a server behind a URL when
+its counters go back. ``GET /replicas`` shows each replica's ``estimates``, ``GET /metrics`` the
+``feather_router_replica_{prefill_tok_s,decode_tok_s,kv_tokens,samples}`` gauges and the scrapes.
+``--replica-weights`` tells it the replicas' relative speeds and ``--kv-tokens A,B,...`` their KV
+instead. A stream is relayed unchanged (no ``include_usage`` is added).
+
 Supervision. A replica is routed to only once its ``/health`` answers 200. When its process exits,
 its process group (its vLLM engine core) is killed, the router forgets the prefixes it held, and it
 is started again on the same cores and port (after 1 s, doubling up to 30 s while it keeps dying
@@ -75,6 +89,7 @@ import numpy as np
 import xxhash
 from aiohttp import web
 
+from scheduler_runtime.learned_router import LearnedRouter
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 from scheduler_runtime.router import PowerOfTwoRouter, PrefixAffinityRouter, PrefixHasher, ReplicaRouter
 from scheduler_runtime.serving.admission_http import (
@@ -88,6 +103,7 @@ from scheduler_runtime.serving.cluster_base import (
     ClusterConfig,
     FrontEndStats,
     error_body,
+    estimates_exposition,
     replica_exposition,
 )
 from scheduler_runtime.serving.replicas import (
@@ -97,9 +113,10 @@ from scheduler_runtime.serving.replicas import (
     Replica,
     replicas_for,
 )
+from scheduler_runtime.serving.vllm_metrics import parse_vllm_metrics, restarted
 
-__all__ = ["CHARS_PER_TOKEN", "ReplicaProxy", "main", "proxy_for",
-           "request_keys", "run_proxy"]
+__all__ = ["CHARS_PER_TOKEN", "SCRAPE_PERIOD_S", "SCRAPE_TIMEOUT_S", "ReplicaProxy", "main",
+           "parse_per_worker", "proxy_for", "request_keys", "run_proxy", "stream_output_tokens"]
 
 #: Bytes of text counted as one token: a text prompt's routing chunk is ``chunk_size`` x this many bytes.
 CHARS_PER_TOKEN = 4
@@ -108,6 +125,9 @@ HEALTH_PERIOD_S, PROBE_PERIOD_S = 5.0, 0.5
 #: A probe's time limit, and the consecutive failed probes of a replica that served after which it
 #: is killed and restarted (it is out of routing from the first): about Ray Serve's 30 s.
 PROBE_TIMEOUT_S, HEALTH_FAILURES = 10.0, 3
+#: Seconds between scrapes of a replica's ``/metrics`` for a router that observes the service, and a
+#: scrape's time limit (at most one in flight per replica).
+SCRAPE_PERIOD_S, SCRAPE_TIMEOUT_S = 1.0, 2.0
 #: Request headers not forwarded to a replica, and response headers not passed back (hop by hop).
 _HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade",
                   "proxy-connection", "te", "trailer", "date", "server"})
@@ -173,6 +193,28 @@ def request_keys(body: Mapping[str, Any], chat: bool,
     return _text_keys(data, hasher.chunk_size * CHARS_PER_TOKEN), -(-len(data) // CHARS_PER_TOKEN)
 
 
+def stream_output_tokens(events: int, tail: bytes, chat: bool, choices: int = 1) -> int | None:
+    """The output tokens of one choice of a streamed answer: the last ``usage`` block's
+    ``completion_tokens`` in ``tail`` (the stream's last bytes; there when the client asked
+    ``stream_options.include_usage``), else its ``events`` (SSE events, each one engine step of one
+    choice: one token) less ``[DONE]`` and, for a chat, the role chunk vLLM sends first. Over
+    ``choices`` (the request's ``n``); ``None`` when nothing is left to count."""
+    at = tail.rfind(b'"completion_tokens":')
+    if at >= 0:
+        digits = tail[at + 20:at + 40].lstrip()
+        end = 0
+        while end < len(digits) and digits[end:end + 1].isdigit():
+            end += 1
+        if end:
+            return max(0, int(digits[:end]) // max(1, choices))
+    if tail.rstrip().endswith(b"data: [DONE]"):
+        events -= 1
+    if chat:
+        events -= choices
+    tokens = events // max(1, choices)
+    return tokens if tokens > 0 else None
+
+
 class _ReplicaLost(Exception):
     """The replica's connection was refused or broke before anything reached the client."""
 
@@ -193,30 +235,67 @@ class ReplicaProxy:
             prefix cache (:func:`run_proxy` works it out from the engine arguments the replicas are
             started with, :attr:`ClusterConfig.kv_tokens`). ``None``: unknown, as for servers someone
             else runs (``--worker-urls`` without ``--kv-tokens``), and the cache model is off.
+            A sequence: one per replica, in order (``--kv-tokens A,B,...``: replicas of unequal KV). The
+            learned router (``"prefix-learned"``) reads each replica's from its ``/metrics`` instead,
+            unless told them here.
         ttft_slo_ms: the replicas' admission TTFT SLO (``--slo ttft:MS``), lowered by the time spent
             when a request shed by one replica goes to another (``None``: only a client's
             ``x-slo-ttft-ms`` is carried so).
+        replica_weights: the learned router told each replica's relative speed (one per replica, 2.0:
+            twice as fast as 1.0), instead of learning it (``--replica-weights``).
+        scrape_period_s, scrape_timeout_s: how often each replica's ``/metrics`` is read for a router
+            that observes the service (``router.scraped``), and a scrape's time limit.
     """
 
     def __init__(self, replicas: Sequence[Replica], router: str | ReplicaRouter = "prefix", *,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, max_ongoing_requests: int = 1024,
-                 load_factor: float = 20.0, slack: int = 2, kv_tokens: int | None = None,
-                 ttft_slo_ms: float | None = None) -> None:
+                 load_factor: float = 20.0, slack: int = 2, kv_tokens: int | Sequence[int] | None = None,
+                 ttft_slo_ms: float | None = None, replica_weights: Sequence[float] | None = None,
+                 scrape_period_s: float = SCRAPE_PERIOD_S,
+                 scrape_timeout_s: float = SCRAPE_TIMEOUT_S) -> None:
         if not replicas:
             raise ValueError("the proxy needs at least one replica")
         if max_ongoing_requests < 1:
             raise ValueError(f"max_ongoing_requests must be >= 1, got {max_ongoing_requests}")
+        if not (scrape_period_s > 0 and scrape_timeout_s > 0):
+            raise ValueError("scrape_period_s and scrape_timeout_s must be > 0")
         self.replicas = list(replicas)
+        names = [r.name for r in self.replicas]
+        per_kv = _per_replica(kv_tokens, names, "kv_tokens", integer=True)
+        weights = _per_replica(replica_weights, names, "replica_weights")
         if isinstance(router, ReplicaRouter):
             self.router = router
         elif router == "prefix":
             self.router = PrefixAffinityRouter(load_factor=load_factor, slack=slack, chunk_size=chunk_size,
-                                               kv_tokens=kv_tokens)
+                                               kv_tokens=max(per_kv.values()) if per_kv else None)
+            if per_kv and len(set(per_kv.values())) > 1 and self.router.cached is not None:
+                for name, kv in per_kv.items():  # unequal KV: each replica's part of the cache model
+                    self.router.cached.set_limit(name, max(1, round(self.router.cache_factor * kv)))
+        elif router == "prefix-learned":
+            told = None
+            if weights:
+                slowdowns = {name: 1.0 / w for name, w in weights.items()}
+                told = lambda replica, now: (slowdowns.get(replica, 1.0),) * 2  # noqa: E731
+            self.router = LearnedRouter(load_factor=load_factor, slack=slack, chunk_size=chunk_size,
+                                        told_kv_tokens=per_kv, told=told)
         elif router == "pow2":
             self.router = PowerOfTwoRouter()
         else:
             raise ValueError(f"router must be one of {list(ROUTER_CHOICES)}, got {router!r}")
+        if weights and not isinstance(self.router, LearnedRouter):
+            raise ValueError("replica_weights are read by the learned router (prefix-learned) only")
         self.router_name = self.router.name
+        #: the router is told each request's life (routed with the proxy's id, first token, finish)
+        self.tracks = bool(self.router.tracks_requests)
+        #: ... and learns from the service: output tokens at each finish, each replica's /metrics
+        self.observes = bool(self.router.observes_service)
+        self._ids = itertools.count(1)
+        self.scrape_period_s, self.scrape_timeout_s = float(scrape_period_s), float(scrape_timeout_s)
+        #: scrapes by outcome (ok, error, restarted: a new server behind the same URL), lines skipped
+        self.scrapes: Counter[str] = Counter()
+        self.scrape_skipped_lines = 0
+        self._scraping: dict[str, asyncio.Task[None]] = {}
+        self._last_scrape: dict[str, dict[str, Any]] = {}
         self.hasher = PrefixHasher(chunk_size)
         self.max_ongoing = int(max_ongoing_requests)
         self.stats = FrontEndStats()
@@ -251,11 +330,15 @@ class ReplicaProxy:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                              timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0))
-        supervisor = asyncio.create_task(self.supervise())
+        tasks = [asyncio.create_task(self.supervise())]
+        if self.observes:
+            tasks.append(asyncio.create_task(self.scrape_loop()))
         yield
-        supervisor.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await supervisor
+        for task in [*tasks, *self._scraping.values()]:
+            task.cancel()
+        for task in [*tasks, *self._scraping.values()]:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await self.session.close()
 
     async def serve(self, host: str, port: int, stop: asyncio.Event,
@@ -353,7 +436,8 @@ class ReplicaProxy:
         code = r.process.returncode
         r.kill()  # the engine core, if the server died alone
         r.healthy = False
-        self.router.forget(r.name)
+        self.router.forget(r.name)  # its estimates and cache model too; its next scrape brings its KV back
+        self._last_scrape.pop(r.name, None)
         if not r.ever_healthy and r.restarts == 0:
             self.failed_start = f"replica {r.rank} exited with status {code} before it served"
             print(f"feather-serve: error: {self.failed_start}", file=sys.stderr, flush=True)
@@ -383,9 +467,62 @@ class ReplicaProxy:
         r.last_probe = 0.0
         self._wake.set()
 
+    # -- what the replicas publish ------------------------------------------------------------------
+    async def scrape_loop(self) -> None:
+        """Every ``scrape_period_s``, read each healthy replica's ``/metrics`` (at most one scrape in
+        flight per replica) for a router that observes the service, forever."""
+        while True:
+            for r in self.replicas:
+                if r.healthy and r.name not in self._scraping:
+                    task = asyncio.create_task(self._scrape(r))
+                    self._scraping[r.name] = task
+                    task.add_done_callback(lambda _, name=r.name: self._scraping.pop(name, None))
+            await asyncio.sleep(self.scrape_period_s)
+
+    async def _scrape(self, r: Replica) -> None:
+        """One scrape of ``r``: parsed (:func:`parse_vllm_metrics`), a new server behind its URL
+        forgotten (:func:`restarted`), handed to ``router.scraped``. Nothing raises from here: a failed
+        scrape is counted."""
+        assert self.session is not None
+        incarnation = r.replica_id
+        try:
+            limit = aiohttp.ClientTimeout(total=self.scrape_timeout_s)
+            async with self.session.get(r.url + "/metrics", timeout=limit) as resp:
+                body = await resp.read()
+                if resp.status != 200:
+                    self.scrapes["error"] += 1
+                    return
+            scrape = parse_vllm_metrics(body.decode("utf-8", errors="replace"))
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+            self.scrapes["error"] += 1
+            return
+        self.scrape_skipped_lines += scrape.skipped
+        if not scrape.metrics or r.replica_id != incarnation:  # nothing of vLLM's, or a new process since
+            self.scrapes["error"] += 1
+            return
+        previous = self._last_scrape.get(r.name)
+        self._last_scrape[r.name] = scrape.metrics
+        if previous is not None and restarted(previous, scrape.metrics):
+            self.scrapes["restarted"] += 1
+            self.router.forget(r.name)
+        try:
+            self.router.scraped(r.name, scrape.metrics)
+        except Exception:  # noqa: BLE001 - a router's fault must not stop the scrapes
+            self.scrapes["error"] += 1
+            return
+        self.scrapes["ok"] += 1
+
+    def estimates(self) -> dict[str, dict[str, Any]]:
+        """What the router has learned of each replica (``router.estimates()``; empty for a router that
+        learns nothing)."""
+        estimates = getattr(self.router, "estimates", None)
+        return estimates() if callable(estimates) else {}
+
     # -- routing ----------------------------------------------------------------------------------
-    async def _pick(self, hashes: np.ndarray | None, tokens: int | None, avoid: list[str]) -> Replica | None:
-        """The replica for a request, counted in flight; ``None`` when no replica is healthy."""
+    async def _pick(self, hashes: np.ndarray | None, tokens: int | None, avoid: list[str],
+                    request_id: str | None = None) -> Replica | None:
+        """The replica for a request, counted in flight (and told the router as ``request_id`` where it
+        tracks requests); ``None`` when no replica is healthy."""
         while True:
             healthy = {r.name: r for r in self.replicas if r.healthy and r.name not in avoid}
             if not healthy:
@@ -400,15 +537,25 @@ class ReplicaProxy:
             if loads[name] < self.max_ongoing:
                 replica = healthy[name]
                 replica.in_flight += 1
-                self.router.routed(hashes, name, tokens=tokens)
+                if request_id is not None:
+                    self.router.routed(hashes, name, tokens=tokens, request_id=request_id)
+                else:
+                    self.router.routed(hashes, name, tokens=tokens)
                 return replica
             self._freed.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._freed.wait(), PROBE_PERIOD_S)
 
-    def _done(self, r: Replica) -> None:
+    def _done(self, r: Replica, request_id: str | None = None, output_tokens: int | None = None) -> None:
+        """``r`` is done with a request: no longer in flight; the router told its finish (with its
+        output tokens where it observes the service and they are known)."""
         r.in_flight -= 1
         self._freed.set()
+        if request_id is not None:
+            if self.observes:
+                self.router.finished(request_id, output_tokens=output_tokens)  # type: ignore[call-arg]
+            else:
+                self.router.finished(request_id)
 
     # -- requests ---------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -428,16 +575,20 @@ class ReplicaProxy:
             return self._error("the request body must be a JSON object", 400, "BadRequestError",
                                "bad_request")
         hashes, tokens = request_keys(body, chat, self.hasher)
-        return await self.forward(request, raw, hashes, tokens, stream=bool(body.get("stream")))
+        n = body.get("n")
+        choices = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+        return await self.forward(request, raw, hashes, tokens, stream=bool(body.get("stream")), chat=chat,
+                                  choices=choices)
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         """Any other path: to the least loaded healthy replica, as it is."""
         return await self.forward(request, await request.read(), None, None, stream=False)
 
     async def forward(self, request: web.Request, raw: bytes, hashes: np.ndarray | None, tokens: int | None,
-                      stream: bool) -> web.StreamResponse:
+                      stream: bool, chat: bool = False, choices: int = 1) -> web.StreamResponse:
         """Send ``raw`` to a replica (one retry if it is lost before answering; another replica after one
-        that sheds it, with what is left of its TTFT SLO) and relay its answer (module docstring)."""
+        that sheds it, with what is left of its TTFT SLO) and relay its answer (module docstring).
+        ``chat`` and ``choices`` (the body's ``n``) say how a stream's events count its output tokens."""
         assert self.session is not None
         arrived = time.monotonic()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
@@ -446,7 +597,8 @@ class ReplicaProxy:
         lost = 0
         shed: list[tuple[int, Mapping[str, str], bytes]] = []  # the replicas' rejections
         for attempt in itertools.count(1):
-            replica = await self._pick(hashes, tokens, avoid)
+            rid = str(next(self._ids)) if self.tracks else None  # each attempt is a request of its own
+            replica = await self._pick(hashes, tokens, avoid, rid)
             if replica is None:
                 if shed:
                     return self._shed_answer(shed, attempt - 1)
@@ -458,7 +610,7 @@ class ReplicaProxy:
             if shed and ttft_ms is not None:  # what is left of its TTFT SLO
                 left = ttft_ms - 1000.0 * (time.monotonic() - arrived)
                 if left <= 0:
-                    self._done(replica)
+                    self._done(replica, rid)
                     return self._shed_answer(shed, attempt - 1)
                 for name in [k for k in headers if k.lower() == TTFT_HEADER]:
                     del headers[name]
@@ -477,7 +629,7 @@ class ReplicaProxy:
             except _ReplicaLost as exc:
                 if upstream is not None:
                     upstream.close()
-                self._done(replica)
+                self._done(replica, rid)
                 self._lost(replica)
                 if not lost:
                     lost += 1
@@ -489,18 +641,18 @@ class ReplicaProxy:
             except BaseException:  # the client went away while waiting
                 if upstream is not None:
                     upstream.close()
-                self._done(replica)
+                self._done(replica, rid)
                 raise
             if ADMISSION_HEADER in upstream.headers:  # shed by the replica's admission rule: try another
                 upstream.release()
-                self._done(replica)
+                self._done(replica, rid)
                 self.stats.counts[(replica.name, "shed")] += 1
                 shed.append((upstream.status, upstream.headers, first))
                 avoid.append(replica.name)
                 continue
             if shed:
                 self.shed["rerouted"] += 1
-            return await self._relay(request, replica, upstream, first, attempt, stream)
+            return await self._relay(request, replica, upstream, first, attempt, stream, rid, chat, choices)
         raise AssertionError("unreachable")
 
     def _ttft_slo_ms(self, headers: Mapping[str, str]) -> float | None:
@@ -522,17 +674,25 @@ class ReplicaProxy:
         return web.Response(body=body, status=status, headers=out)
 
     async def _relay(self, request: web.Request, replica: Replica, upstream: aiohttp.ClientResponse,
-                     first: bytes, attempt: int, stream: bool) -> web.StreamResponse:
-        """The replica's answer to the client: whole, or streamed on from its first chunk."""
+                     first: bytes, attempt: int, stream: bool, rid: str | None = None, chat: bool = False,
+                     choices: int = 1) -> web.StreamResponse:
+        """The replica's answer to the client: whole, or streamed on from its first chunk. A router that
+        tracks requests is told ``rid``'s first token at a stream's first chunk (vLLM sends its first
+        bytes with the first token) and its finish at the end, with its output tokens
+        (:func:`stream_output_tokens`) where it observes the service."""
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP}
         headers["x-feather-replica"] = f"{replica.rank}/{replica.replica_id}"
         headers["x-feather-attempts"] = str(attempt)
         rank, outcome = replica.name, "ok" if upstream.status < 400 else "error_response"
         if not (stream and upstream.status == 200):
             upstream.release()
-            self._done(replica)
+            self._done(replica, rid)  # no first token seen apart: no speed sample, only its finish
             self.stats.counts[(rank, outcome)] += 1
             return web.Response(body=first, status=upstream.status, headers=headers)
+        if rid is not None and first:
+            self.router.prefilled(rid)
+        tally = rid is not None and self.observes
+        events, newline, tail = first.count(b"\n\n"), first.endswith(b"\n"), [first]
         response = web.StreamResponse(status=upstream.status, headers=headers)
         clean = False
         try:
@@ -542,6 +702,12 @@ class ReplicaProxy:
                 await response.write(chunk)
                 try:
                     chunk = await upstream.content.readany()
+                    if tally and chunk:  # SSE events end with a blank line (JSON holds no raw newline)
+                        events += chunk.count(b"\n\n") + (newline and chunk[:1] == b"\n")
+                        newline = chunk[-1:] == b"\n"
+                        tail.append(chunk)
+                        if len(tail) > 3:
+                            del tail[0]
                 except (aiohttp.ClientError, OSError) as exc:
                     outcome = "failed_mid_stream"
                     self.stats.errors["replica_lost_mid_stream"] += 1
@@ -563,7 +729,8 @@ class ReplicaProxy:
                 upstream.release()
             else:
                 upstream.close()  # the replica sees its client gone and aborts the request
-            self._done(replica)
+            output = stream_output_tokens(events, b"".join(tail), chat, choices) if tally and clean else None
+            self._done(replica, rid, output)
             self.stats.counts[(rank, outcome)] += 1
         return response
 
@@ -578,7 +745,10 @@ class ReplicaProxy:
                                  status=200 if healthy else 503)
 
     async def replica_list(self, request: web.Request) -> web.Response:
-        return web.json_response([r.info() for r in self.replicas])
+        if not self.observes:
+            return web.json_response([r.info() for r in self.replicas])
+        estimates = self.estimates()
+        return web.json_response([{**r.info(), "estimates": estimates.get(r.name)} for r in self.replicas])
 
     async def _each(self, method: str, path: str) -> list[tuple[Replica, int, bytes] | None]:
         """``method path`` on every healthy replica: ``(replica, status, body)``, ``None`` where it failed."""
@@ -608,7 +778,10 @@ class ReplicaProxy:
                 "# TYPE feather_cluster_shed_total counter",
                 *(f'feather_cluster_shed_total{{outcome="{k}"}} {self.shed[k]}'
                   for k in ("rerouted", "rejected"))]
-        return "\n".join(p for p in (replica_exposition(answered), own, "\n".join(shed)) if p) + "\n"
+        parts = [replica_exposition(answered), own, "\n".join(shed)]
+        if self.observes:
+            parts.append(estimates_exposition(self.estimates(), self.scrapes, self.scrape_skipped_lines))
+        return "\n".join(p for p in parts if p) + "\n"
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=(await self.metrics_text()).encode(),
@@ -624,6 +797,39 @@ class ReplicaProxy:
 
 
 # ------------------------------------------------------------------------------------ running it
+
+
+def _per_replica(values: float | Sequence[float] | None, names: Sequence[str], what: str,
+                 integer: bool = False) -> dict[str, Any] | None:
+    """``values`` per replica name: one for all, or one per replica in order (``None``: not given)."""
+    if values is None:
+        return None
+    given = [values] * len(names) if isinstance(values, (int, float)) else list(values)
+    if len(given) != len(names):
+        raise ValueError(f"{what}: {len(given)} values for {len(names)} replicas (give one, or one per "
+                         "replica)")
+    if any(not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0) for v in given):
+        raise ValueError(f"{what} must be > 0, got {given}")
+    if integer and any(int(v) != v or v < 1 for v in given):
+        raise ValueError(f"{what} must be whole numbers >= 1, got {given}")
+    return {name: (int(v) if integer else float(v)) for name, v in zip(names, given, strict=True)}
+
+
+def parse_per_worker(text: str | None, what: str, integer: bool = False) -> list[float] | None:
+    """A command line's ``A,B,...`` (or one value for every worker): the numbers, checked (> 0).
+
+    Raises:
+        ValueError: naming ``what``."""
+    if text is None:
+        return None
+    try:
+        values = [int(x) if integer else float(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{what}: expected {'whole numbers' if integer else 'numbers'} separated by "
+                         f"commas, got {text!r}") from None
+    if any(not (math.isfinite(v) and v > 0) for v in values):
+        raise ValueError(f"{what} must be > 0, got {text!r}")
+    return values
 
 
 def _run(proxy: ReplicaProxy, host: str, port: int, on_ready: Callable[[], None] | None) -> int:
@@ -647,9 +853,13 @@ def proxy_for(config: ClusterConfig, replicas: Sequence[Replica]) -> ReplicaProx
     """The proxy of ``config`` over ``replicas`` (not serving yet): its router, chunk size, queue bound,
     and the prefix router's knobs, each replica's KV tokens included (:meth:`ClusterConfig.router_kwargs`)."""
     knobs = config.router_kwargs()
+    if config.router == "prefix-learned":
+        knobs.pop("kv_tokens")  # told nothing: it reads each replica's KV from its /metrics
     admission = AdmissionSettings.from_env()  # feather-serve --admission RULE set it for the replicas
     return ReplicaProxy(replicas, config.router, max_ongoing_requests=config.max_ongoing_requests,
-                        ttft_slo_ms=admission.slos.get("ttft") if admission is not None else None, **knobs)
+                        ttft_slo_ms=admission.slos.get("ttft") if admission is not None else None,
+                        replica_weights=config.replica_weights, scrape_period_s=config.scrape_period_s,
+                        **knobs)
 
 
 def run_proxy(config: ClusterConfig) -> int:
@@ -688,18 +898,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
     parser.add_argument("--max-ongoing-requests", type=int, default=1024)
-    parser.add_argument("--kv-tokens", type=int, default=None,
-                        help="each worker's KV cache in tokens, for the prefix router's cache model "
-                             "(default: unknown, the model off)")
+    parser.add_argument("--kv-tokens", default=None, metavar="TOKENS[,TOKENS...]",
+                        help="the workers' KV caches in tokens, one for all or one per worker, for the "
+                             "prefix routers' cache model (default: unknown: prefix has its model off, "
+                             "prefix-learned reads each worker's vllm:cache_config_info)")
+    parser.add_argument("--replica-weights", default=None, metavar="W[,W...]",
+                        help="prefix-learned: each worker's relative speed (2 = twice as fast as 1), one per "
+                             "worker, instead of learning it")
+    parser.add_argument("--scrape-period", type=float, default=SCRAPE_PERIOD_S,
+                        help="seconds between reads of each worker's /metrics (prefix-learned)")
     args = parser.parse_args(argv)
-    if args.kv_tokens is not None and args.kv_tokens < 1:
-        parser.error(f"--kv-tokens must be >= 1, got {args.kv_tokens}")
     for url in args.worker_urls:
         if not url.startswith(("http://", "https://")):
             parser.error(f"--worker-urls: {url!r} is not http://HOST:PORT")
     replicas = [Replica(rank=k, url=url.rstrip("/")) for k, url in enumerate(args.worker_urls)]
-    proxy = ReplicaProxy(replicas, args.router, chunk_size=args.chunk_size,
-                         max_ongoing_requests=args.max_ongoing_requests, kv_tokens=args.kv_tokens)
+    try:
+        kv = parse_per_worker(args.kv_tokens, "--kv-tokens", integer=True)
+        weights = parse_per_worker(args.replica_weights, "--replica-weights")
+        proxy = ReplicaProxy(replicas, args.router, chunk_size=args.chunk_size,
+                             max_ongoing_requests=args.max_ongoing_requests,
+                             kv_tokens=kv[0] if kv is not None and len(kv) == 1 else kv,
+                             replica_weights=weights[0] if weights and len(weights) == 1 else weights,
+                             scrape_period_s=args.scrape_period)
+    except ValueError as exc:
+        parser.error(str(exc).replace("kv_tokens", "--kv-tokens").replace("replica_weights",
+                                                                          "--replica-weights"))
     return _run(proxy, args.host, args.port, lambda: print(f"proxy: serving on {args.port}", flush=True))
 
 

@@ -30,8 +30,8 @@ defaults below):
   (vLLM's ``--middleware``), whose settings this command puts in the environment
   (``FEATHER_ADMISSION``, JSON) before vLLM starts;
 * ``--print-command``: print the vLLM arguments and exit;
-* ``--replicas N`` (default 1) with ``--router {prefix,pow2,ray-prefix-affinity}``: N engine replicas
-  behind one endpoint (``docs/cluster.md``); every other option applies to every replica.
+* ``--replicas N`` (default 1) with ``--router {prefix,pow2,ray-prefix-affinity,prefix-learned}``: N
+  engine replicas behind one endpoint (``docs/cluster.md``); every other option applies to every replica.
   ``--replicas 1`` is the plain server. ``--data-plane proxy`` (the default without
   ``--ray-address``): N plain replica processes on this machine behind an asyncio proxy in this
   process (:mod:`scheduler_runtime.serving.proxy`);
@@ -156,7 +156,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], Clust
     cluster.add_argument("--replicas", type=int, default=1, help="engine replicas (default 1: plain server)")
     cluster.add_argument("--router", choices=ROUTER_CHOICES, default="prefix",
                          help="prefix: prefix affinity bounded by load (ours); pow2: power of two choices; "
-                         "ray-prefix-affinity: Ray Serve LLM's PrefixCacheAffinityRouter (--data-plane ray)")
+                         "ray-prefix-affinity: Ray Serve LLM's PrefixCacheAffinityRouter (--data-plane ray); "
+                         "prefix-learned: ours learning each replica's speed and KV (--data-plane proxy)")
     cluster.add_argument("--data-plane", choices=DATA_PLANES, default=None,
                          help="proxy: replica processes on this machine behind an asyncio proxy; ray: Ray "
                               "Serve (several machines). Default: ray with --ray-address, else proxy")
@@ -171,6 +172,12 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], Clust
                          "(default: 1 with a CUDA device, else 0)")
     cluster.add_argument("--max-ongoing-requests", type=int, default=1024,
                          help="requests in flight per replica at most (the rest wait at the router)")
+    cluster.add_argument("--replica-weights", default=None, metavar="W[,W...]",
+                         help="--router prefix-learned: each replica's relative speed (2 = twice as fast as "
+                              "1), one per replica, instead of learning it")
+    cluster.add_argument("--scrape-period", type=float, default=1.0,
+                         help="--router prefix-learned: seconds between the proxy's reads of each replica's "
+                              "/metrics (default 1)")
     ours, rest = parser.parse_known_args(argv)
 
     additional = _additional_config(parser, ours.additional_config, ADDITIONAL_CONFIG_KEY)
@@ -303,6 +310,11 @@ def _cluster_config(parser: argparse.ArgumentParser, ours: argparse.Namespace, a
     if not port.isdigit():
         parser.error(f"--port must be a port number, got {port!r}")
     try:
+        weights = None
+        if ours.replica_weights is not None:
+            from scheduler_runtime.serving.proxy import parse_per_worker
+
+            weights = tuple(parse_per_worker(ours.replica_weights, "--replica-weights") or ())
         cluster = ClusterConfig(
             replicas=ours.replicas, router=ours.router, data_plane=data_plane, vllm_args=tuple(args),
             host=flag_value(args, "--host", "127.0.0.1"), port=int(port),
@@ -310,7 +322,8 @@ def _cluster_config(parser: argparse.ArgumentParser, ours: argparse.Namespace, a
             replica_cores=tuple(cores) if (cores := _replica_cores(ours, cuda)) else None,
             replica_cpus=ours.replica_cpus,
             replica_gpus=ours.replica_gpus if ours.replica_gpus is not None else (1.0 if cuda else 0.0),
-            ray_address=ours.ray_address, max_ongoing_requests=ours.max_ongoing_requests)
+            ray_address=ours.ray_address, max_ongoing_requests=ours.max_ongoing_requests,
+            replica_weights=weights, scrape_period_s=ours.scrape_period)
     except ValueError as exc:
         parser.error(str(exc))
     if cluster.replicas > 1 and cluster.data_plane == "ray" and importlib.util.find_spec("ray") is None:

@@ -1,0 +1,273 @@
+"""The proxy feeding the learned router (``--router prefix-learned``) from what vLLM publishes and from
+the streams it relays: :mod:`scheduler_runtime.serving.vllm_metrics` and the proxy's scrapes, first
+tokens and finishes.
+
+No engine: vLLM's ``/metrics`` is a hand-written exposition in vLLM 0.32's names
+(``tests/data/vllm_metrics_sample.txt``), and the replicas are paced stand-ins
+(:class:`benchmarks.standin.StandInWorkers`) of unequal speed and KV that publish vLLM's metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from test_proxy import Running, get, post
+
+from benchmarks.standin import StandInWorkers, standin_command
+from feather_env.evaluation.endpoint import parse_prometheus
+from scheduler_runtime.learned_router import LearnedRouter
+from scheduler_runtime.router import PrefixAffinityRouter
+from scheduler_runtime.serving.cluster_base import ClusterConfig, estimates_exposition
+from scheduler_runtime.serving.proxy import ReplicaProxy, parse_per_worker, proxy_for, stream_output_tokens
+from scheduler_runtime.serving.replicas import Replica, replicas_for
+from scheduler_runtime.serving.serve import _parse
+from scheduler_runtime.serving.vllm_metrics import parse_vllm_metrics, restarted
+
+SAMPLE = Path(__file__).resolve().parent / "data" / "vllm_metrics_sample.txt"
+
+
+# ------------------------------------------------------------------------------------ the parser
+
+
+def test_a_vllm_exposition_is_read_into_the_routers_dict():
+    scrape = parse_vllm_metrics(SAMPLE.read_text())
+    m = scrape.metrics
+    assert scrape.skipped == 0
+    assert m["vllm:cache_config_info"] == {"num_gpu_blocks": 4095, "block_size": 128}
+    assert m["vllm:num_requests_running"] == 3 and m["vllm:num_requests_waiting"] == 2
+    assert m["vllm:kv_cache_usage_perc"] == 0.4375
+    assert m["vllm:request_prefill_time_seconds_sum"] == 112.5
+    assert m["vllm:request_queue_time_seconds_sum"] == 188.75
+    assert m["vllm:request_decode_time_seconds_sum"] == 1319.25
+    assert m["vllm:request_prompt_tokens_sum"] == 412672 and m["vllm:request_prompt_tokens_count"] == 199
+    assert m["vllm:request_generation_tokens_sum"] == 25344
+    assert m["vllm:prefix_cache_hits_total"] == 301056 and m["vllm:prefix_cache_queries_total"] == 412672
+    assert m["vllm:request_success_total"] == 199  # every finished_reason together
+    assert not any(k.endswith(("_bucket", "_created")) for k in m)
+    assert "vllm:num_requests_waiting_by_reason" not in m and "vllm:prompt_tokens_cached_total" not in m
+    # the keys the simulator's replicas publish (ReplicaSim.metrics) are all there
+    from feather_env.cluster_sim import _SERVED_KEYS
+
+    assert set(_SERVED_KEYS) <= set(m)
+    router = LearnedRouter()
+    router.scraped("0", m)
+    assert router.estimates()["0"]["kv_tokens"] == 4095 * 128
+
+
+def test_data_parallel_engines_are_summed():
+    text = "".join(f'vllm:cache_config_info{{engine="{e}",block_size="16",num_gpu_blocks="100"}} 1.0\n'
+                   f'vllm:num_requests_running{{engine="{e}",model_name="m"}} {e + 1}\n'
+                   f'vllm:kv_cache_usage_perc{{engine="{e}",model_name="m"}} {0.2 * (e + 1)}\n'
+                   for e in range(2))
+    m = parse_vllm_metrics(text).metrics
+    assert m["vllm:cache_config_info"] == {"num_gpu_blocks": 200, "block_size": 16}
+    assert m["vllm:num_requests_running"] == 3 and m["vllm:kv_cache_usage_perc"] == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("text, skipped", [
+    ("", 0), ("<html>502 Bad Gateway</html>", 0), ("\x00\xff garbage {{{\n", 0),
+    ('vllm:num_requests_running{engine="0"} abc\n', 1),
+    ('vllm:num_requests_running{engine="0"} NaN\n', 1),
+    ('vllm:cache_config_info{engine="0",block_size="16",num_gpu_blocks="None"} 1.0\n', 1),
+    ("vllm:cache_config_info 1.0\n", 1),
+    ('vllm:request_prefill_time_seconds_sum{engine="0"} 12.5', 1),  # cut off: no newline at the end
+])
+def test_bad_or_partial_text_is_skipped_and_counted(text, skipped):
+    scrape = parse_vllm_metrics(text)
+    assert scrape.metrics == {} and scrape.skipped == skipped
+
+
+def test_a_cut_off_answer_keeps_what_came_whole():
+    text = SAMPLE.read_text()
+    cut = text[:text.index("vllm:request_decode_time_seconds_sum") + 45]
+    scrape = parse_vllm_metrics(cut)
+    assert scrape.skipped == 1 and "vllm:request_decode_time_seconds_sum" not in scrape.metrics
+    assert scrape.metrics["vllm:request_prefill_time_seconds_sum"] == 112.5
+    assert parse_vllm_metrics(None).metrics == {}  # type: ignore[arg-type]
+
+
+def test_a_restarted_server_is_told_from_its_counters():
+    before = parse_vllm_metrics(SAMPLE.read_text()).metrics
+    assert not restarted(before, before)
+    assert restarted(before, {**before, "vllm:request_success_total": 0.0})
+    assert restarted(before, {**before, "vllm:cache_config_info": {"num_gpu_blocks": 1, "block_size": 128}})
+    assert restarted(before, {**before, "process_start_time_seconds": 2e9})
+    assert not restarted(before, {"vllm:num_requests_running": 0.0})  # nothing to compare
+
+
+def test_a_streams_output_tokens():
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":12,"total_tokens":21}}\n\n'
+    assert stream_output_tokens(99, usage + b"data: [DONE]\n\n", chat=False) == 12
+    assert stream_output_tokens(99, usage + b"data: [DONE]\n\n", chat=False, choices=2) == 6
+    done = b'data: {"choices":[{"text":"x"}]}\n\ndata: [DONE]\n\n'
+    assert stream_output_tokens(9, done, chat=False) == 8  # 8 token events and [DONE]
+    assert stream_output_tokens(10, done, chat=True) == 8  # and the role chunk first
+    assert stream_output_tokens(17, done, chat=False, choices=2) == 8
+    assert stream_output_tokens(1, b"data: [DONE]\n\n", chat=False) is None
+    escaped = b'data: {"choices":[{"text":"\\"completion_tokens\\": 5"}]}\n\ndata: [DONE]\n\n'
+    assert stream_output_tokens(2, escaped, chat=False) == 1  # a quoted one in the text is not the usage
+
+
+# ------------------------------------------------------------------------------------ configuration
+
+
+def test_the_learned_router_is_chosen_and_told_only_what_is_given():
+    urls = [Replica(0, "http://127.0.0.1:1"), Replica(1, "http://127.0.0.1:2")]
+    proxy = ReplicaProxy(urls, "prefix-learned")
+    assert isinstance(proxy.router, LearnedRouter) and proxy.tracks and proxy.observes
+    assert proxy.router.told is None and proxy.router.told_kv_tokens is None
+    told = ReplicaProxy(urls, "prefix-learned", kv_tokens=[4096, 16384], replica_weights=[1.0, 0.5])
+    assert told.router.told_kv_tokens == {"0": 4096, "1": 16384}
+    assert told.router.told("1", 0.0) == (2.0, 2.0) and told.router.told("0", 0.0) == (1.0, 1.0)
+    prefix = ReplicaProxy(urls, "prefix", kv_tokens=[4096, 16384])  # unequal KV in ours' cache model
+    assert isinstance(prefix.router, PrefixAffinityRouter) and not prefix.observes
+    assert prefix.router.cached.limits == {"0": round(1.25 * 4096), "1": round(1.25 * 16384)}
+    with pytest.raises(ValueError, match="3 values for 2 replicas"):
+        ReplicaProxy(urls, "prefix-learned", kv_tokens=[1, 2, 3])
+    with pytest.raises(ValueError, match="learned router"):
+        ReplicaProxy(urls, "prefix", replica_weights=[1.0, 2.0])
+    with pytest.raises(ValueError, match="must be > 0"):
+        ReplicaProxy(urls, "prefix-learned", replica_weights=[1.0, 0.0])
+    assert parse_per_worker("1,0.5", "--replica-weights") == [1.0, 0.5]
+    with pytest.raises(ValueError, match="--kv-tokens"):
+        parse_per_worker("4096,x", "--kv-tokens", integer=True)
+
+
+def test_feather_serve_takes_the_learned_router_on_the_proxy_only(capsys):
+    _, _, cluster, _ = _parse(["--replicas", "2", "--router", "prefix-learned", "--replica-weights", "1,0.5",
+                               "--scrape-period", "0.5", "--replica-cores", "0;0"])
+    assert cluster.router == "prefix-learned" and cluster.replica_weights == (1.0, 0.5)
+    proxy = proxy_for(cluster, [Replica(0, "http://127.0.0.1:1"), Replica(1, "http://127.0.0.1:2")])
+    # told no KV even where the engine arguments give it: it reads vllm:cache_config_info
+    assert cluster.kv_tokens is not None and proxy.router.told_kv_tokens is None
+    assert proxy.scrape_period_s == 0.5 and proxy.router.told("1", 0.0) == (2.0, 2.0)
+    for argv, message in ((["--data-plane", "ray"], "runs in the proxy data plane only"),
+                          (["--replica-weights", "1"], "1 weights for 2 replicas")):
+        with pytest.raises(SystemExit):
+            _parse(["--replicas", "2", "--router", "prefix-learned", "--replica-cores", "0;0", *argv])
+        assert message in capsys.readouterr().err
+    with pytest.raises(ValueError, match="prefix-learned only"):
+        ClusterConfig(replicas=2, replica_weights=(1.0, 1.0))
+
+
+def test_the_estimates_exposition():
+    text = estimates_exposition({"0": {"prefill_tok_s": 5000.0, "decode_tok_s": None, "kv_tokens": 4096,
+                                       "prefill_samples": 3, "decode_samples": 0}}, {"ok": 2}, 1)
+    samples = parse_prometheus(text)
+    assert ("feather_router_replica_prefill_tok_s", {"replica": "0"}, 5000.0) in samples
+    assert ("feather_router_replica_kv_tokens", {"replica": "0"}, 4096.0) in samples
+    assert not any(n == "feather_router_replica_decode_tok_s" for n, _, _ in samples)  # not learned yet
+    assert ("feather_router_replica_samples", {"replica": "0", "kind": "prefill"}, 3.0) in samples
+    assert ("feather_router_scrapes_total", {"outcome": "ok"}, 2.0) in samples
+
+
+# ------------------------------------------------------------------------------------ two paced workers
+
+FAST = {"prefill_s_per_token": 2e-5, "decode_s_per_token": 0.002, "kv_blocks": 1024, "block_size": 16}
+SLOW = {"prefill_s_per_token": 1e-4, "decode_s_per_token": 0.008, "kv_blocks": 256, "block_size": 16}
+
+
+def _estimates(url: str) -> dict[str, Any]:
+    return {str(r["rank"]): r["estimates"] for r in json.loads(get(url + "/replicas")[1])}
+
+
+def _wait(check: Any, timeout_s: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_the_proxy_learns_a_fast_and_a_slow_worker_and_forgets_a_restarted_one():
+    rng = np.random.default_rng(3)
+    with StandInWorkers(2, paces=[FAST, SLOW]) as workers:
+        replicas = [Replica(k, url) for k, url in enumerate(workers.urls)]
+        running = Running(ReplicaProxy(replicas, "prefix-learned", scrape_period_s=0.1))
+        try:
+            running.wait_healthy(2)
+            # both KV sizes come from the scrapes before anything is served
+            _wait(lambda: all(e and e["kv_tokens"] for e in _estimates(running.url).values()))
+            est = _estimates(running.url)
+            assert est["0"]["kv_tokens"] == 1024 * 16 and est["1"]["kv_tokens"] == 256 * 16
+
+            def one(i: int) -> tuple[int, dict[str, str], str]:
+                body: dict[str, Any] = {"prompt": rng.integers(3, 8000, 600).tolist(), "max_tokens": 8,
+                                        "stream": True}
+                if i % 2:  # half of them with the usage block, half counted by their events
+                    body["stream_options"] = {"include_usage": True}
+                return post(running.url, body)
+
+            with ThreadPoolExecutor(4) as pool:
+                results = list(pool.map(one, range(48)))
+            assert all(status == 200 and text.rstrip().endswith("data: [DONE]")
+                       for status, _, text in results)
+            est = _estimates(running.url)
+            fast, slow = est["0"], est["1"]
+            # both served at first (nothing learned: ours' least loaded), then mostly the fast one
+            assert slow["prefill_samples"] >= 1 and slow["decode_samples"] >= 1, est
+            assert fast["prefill_samples"] > 3 * slow["prefill_samples"], est
+            assert fast["prefill_tok_s"] > 2 * slow["prefill_tok_s"], est
+            assert fast["decode_tok_s"] > 2 * slow["decode_tok_s"], est
+            # the decode speed is about the workers' own: 1 / 2 ms and 1 / 8 ms per token
+            assert 200 < fast["decode_tok_s"] < 600 and 60 < slow["decode_tok_s"] < 150, est
+            assert fast["queued_tokens"] == slow["queued_tokens"] == 0
+            # 8 output tokens each, from the usage block or counted from the events alike
+            assert running.proxy.router._output.value == pytest.approx(8.0)
+            samples = parse_prometheus(get(running.url + "/metrics")[1])
+            gauges = {(n, lab.get("replica"), lab.get("kind")): v for n, lab, v in samples
+                      if n.startswith("feather_router_replica_")}
+            assert gauges[("feather_router_replica_prefill_tok_s", "0", None)] == pytest.approx(
+                fast["prefill_tok_s"], rel=0.5)
+            assert gauges[("feather_router_replica_kv_tokens", "1", None)] == 256 * 16
+            assert gauges[("feather_router_replica_samples", "1", "decode")] == slow["decode_samples"]
+            assert any(n == "feather_router_scrapes_total" and lab["outcome"] == "ok" and v > 0
+                       for n, lab, v in samples)
+
+            # a new server behind worker 1's URL: its counters went back, so what was learned goes
+            workers.restart(1)
+            _wait(lambda: running.proxy.scrapes["restarted"] >= 1)
+            est = _wait(lambda: (e := _estimates(running.url))["1"] and e["1"]["kv_tokens"] and e)
+            assert est["1"]["prefill_samples"] == est["1"]["decode_samples"] == 0
+            assert est["1"]["prefill_tok_s"] is None or est["1"]["prefill_tok_s"] == est["0"]["prefill_tok_s"]
+            assert est["1"]["kv_tokens"] == 256 * 16
+            assert est["0"]["prefill_samples"] == fast["prefill_samples"]  # the other one keeps its own
+        finally:
+            running.stop()
+
+
+def test_a_replica_process_that_dies_is_forgotten_and_relearned():
+    """``feather-serve --replicas N``'s path: the proxy's own replica processes (paced stand-ins); one
+    SIGKILLed is restarted, and what was learned of it goes with it (its KV comes back by a scrape)."""
+    def command(vllm_args: Any, port: int) -> list[str]:
+        return [*standin_command(vllm_args, port), "--kv-blocks", "64", "--decode-ms", "1"]
+
+    config = ClusterConfig(replicas=2, router="prefix-learned")
+    proxy = ReplicaProxy(replicas_for(config, command=command, visible_gpus=[]), "prefix-learned",
+                         scrape_period_s=0.1)
+    running = Running(proxy)
+    try:
+        running.wait_healthy(2)
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda i: post(running.url, {"prompt": [i] * 300, "max_tokens": 4, "stream": True}),
+                          range(16)))
+        est = _estimates(running.url)
+        assert all(e["prefill_samples"] > 0 and e["kv_tokens"] == 64 * 16 for e in est.values()), est
+        victim = proxy.replicas[1]
+        pid = victim.process.pid
+        os.kill(pid, signal.SIGKILL)
+        _wait(lambda: victim.process is not None and victim.process.pid != pid and victim.healthy, 30.0)
+        est = _wait(lambda: (e := _estimates(running.url))["1"] and e["1"]["kv_tokens"] and e)
+        assert est["1"]["prefill_samples"] == 0 and est["0"]["prefill_samples"] > 0, est
+    finally:
+        running.stop()
