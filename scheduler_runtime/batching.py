@@ -75,7 +75,7 @@ from scheduler_runtime.decision import (
     observation_kind,
 )
 from scheduler_runtime.groups import PrefixGroups
-from scheduler_runtime.orderings import make_ordering
+from scheduler_runtime.orderings import Ordering, make_ordering
 from scheduler_runtime.plugins import default_policy
 from scheduler_runtime.prefix_index import (
     Candidate,
@@ -96,6 +96,16 @@ __all__ = [
 ]
 
 # ---------------------------------------------------------------------------------- the core
+
+
+def _mask(stop_valid: bool) -> np.ndarray:
+    mask = np.array([stop_valid, True])
+    mask.flags.writeable = False  # shared by every pending decision
+    return mask
+
+
+#: A pending decision's mask ``[STOP valid, ADD valid]``, by whether the batch has a request.
+_MASKS = (_mask(False), _mask(True))
 
 
 class BatchingCore:
@@ -147,6 +157,16 @@ class BatchingCore:
         self._version = 0  # bumped by every change a policy could observe
         self._stop_version = -1  # _version at the last STOP
         self.ordering = make_ordering(self)
+        # The ordering's hooks that do something, bound once: a no-op of the base class (most
+        # of them, for Feather's own ordering) is not called at every release and finish.
+        hooks = {name: getattr(self.ordering, name) if getattr(type(self.ordering), name) is not
+                 getattr(Ordering, name) else None
+                 for name in ("arrive", "release", "finish", "remove", "begin_round")}
+        self._ordering_arrive = hooks["arrive"]
+        self._ordering_release = hooks["release"]
+        self._ordering_finish = hooks["finish"]
+        self._ordering_remove = hooks["remove"]
+        self._ordering_begin_round = hooks["begin_round"]
         self._add_reason = "policy" if cfg.ordering == OrderingName.FEATHER else "order"
         # the open round: free slots left, released ids, the pending decision
         self._round_open = False
@@ -154,6 +174,8 @@ class BatchingCore:
         self._released: list[str] = []
         self._pending: Decision | None = None
         self._candidate_cache: Candidate | None = None
+        #: (candidate, _version, its footprint) as _next_decision checked it against the budget
+        self._fit: tuple[str, int, float] | None = None
         self._engine: EngineView = NoEngine()
         self._now = 0.0
         self.stats = CoreStats()
@@ -193,7 +215,8 @@ class BatchingCore:
             self.cht.insert_hashed(request_id, prompt_hashes)
         entry = Entry(request_id, int(tokens.size), max(float(output_len), 1.0), float(arrival))
         self.groups.arrive(request_id, self.cht.prefix_hash(request_id, self.config.group_chunks))
-        self.ordering.arrive(entry, tokens)
+        if self._ordering_arrive is not None:
+            self._ordering_arrive(entry, tokens)
         if self._volume_q is not None:
             self._volume_q.push(request_id, volume(entry.prompt_len, entry.output_len))
         self._waiting[request_id] = entry
@@ -227,7 +250,8 @@ class BatchingCore:
                 raise UnknownRequestError(f"request {request_id!r} is neither waiting nor active")
             self.cht.remove(request_id)
             self.groups.remove(request_id)
-            self.ordering.remove(request_id)
+            if self._ordering_remove is not None:
+                self._ordering_remove(request_id)
             if self._volume_q is not None:
                 self._volume_q.discard(request_id)
             self._changed()
@@ -239,7 +263,8 @@ class BatchingCore:
             self._released.remove(request_id)  # gone before the round handed it to the engine
         self.cht.finish(request_id)
         self.groups.finish(request_id)
-        self.ordering.finish(request_id)
+        if self._ordering_finish is not None:
+            self._ordering_finish(request_id)
         self.budget.release(request_id)
         self._changed()
 
@@ -295,7 +320,8 @@ class BatchingCore:
                 self._release(entry.request_id, "max_wait")
         if not self._waiting or self._free <= 0:
             return
-        self.ordering.begin_round()
+        if self._ordering_begin_round is not None:
+            self._ordering_begin_round()
         # 2. seed an empty batch and 3. the first decision
         self._next_decision()
 
@@ -376,7 +402,9 @@ class BatchingCore:
 
     def add(self) -> None:
         """Answer the pending decision with ADD: release its candidate."""
-        pending = self._require_pending()
+        pending = self._pending  # _require_pending, inline
+        if pending is None:
+            raise RuntimeError("no decision is pending")
         self.stats.decisions += 1
         self.stats.adds += 1
         self._pending = None
@@ -480,9 +508,12 @@ class BatchingCore:
             rid = self.ordering.next_candidate()
             if rid is None:
                 return
-            if not self.budget.fits(self._footprint(rid)):
+            footprint = self._footprint(rid)
+            if not self.budget.fits(footprint):
                 self.stats.capacity_stops += 1
                 return
+            # what _release charges if nothing changes before the candidate is released
+            self._fit = (rid, self._version, footprint)
             if self._group_decision and (self.groups.in_flight(rid) or self.groups.shares_nothing(rid)):
                 # the group decision is only about opening a group: this request joins freely
                 self._release(rid, "group")
@@ -494,7 +525,7 @@ class BatchingCore:
             if self._stop_version == self._version and not self._group_decision:
                 self.stats.skipped_decisions += 1
                 return
-            self._pending = Decision(rid, np.array([bool(self._active), True]))
+            self._pending = Decision(rid, _MASKS[bool(self._active)])
             return
 
     # ------------------------------------------------------------------ internals
@@ -502,7 +533,12 @@ class BatchingCore:
     def _footprint(self, request_id: str) -> float:
         """KV tokens the request adds to the batch at its peak (0 with admission 'none')."""
         entry = self._waiting[request_id]
-        return self._footprint_of(self.cht.missing_count(request_id), entry.prompt_len, entry.output_len)
+        # _footprint_of, inline (the hot path of every decision)
+        admission = self.config.admission
+        if admission == "none":
+            return 0.0
+        unshared = min(self.cht.missing_count(request_id) * self.chunk_size, entry.prompt_len)
+        return float(unshared) + (entry.output_len if admission == "peak" else 0.0)
 
     def _footprint_of(self, missing: int, prompt_len: float, output_len: float) -> float:
         """The footprint of a request that misses ``missing`` chunks of the batch's prefixes;
@@ -525,11 +561,19 @@ class BatchingCore:
                                                        self._shortest_output))
 
     def _release(self, request_id: str, reason: str) -> None:
-        footprint = self._footprint(request_id)  # before activation: against the batch without it
+        # before activation: against the batch without it. A footprint changes only with the
+        # missing chunks, which change only with a change that bumps _version (a release, finish
+        # or abort), so the one _next_decision computed for this candidate at this version holds.
+        fit = self._fit
+        if fit is not None and fit[0] == request_id and fit[1] == self._version:
+            footprint = fit[2]
+        else:
+            footprint = self._footprint(request_id)
         entry = self._waiting.pop(request_id)
         self.cht.activate(request_id)
         self.groups.release(request_id)
-        self.ordering.release(request_id)
+        if self._ordering_release is not None:
+            self._ordering_release(request_id)
         if self._volume_q is not None:
             self._volume_q.discard(request_id)
         entry.footprint = footprint

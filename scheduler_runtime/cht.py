@@ -22,14 +22,18 @@ the fewest chunks (the shortest); that is the paper's rule and is kept on purpos
 policy that wants another opener can pick one itself.
 
 Cost. ``best_candidate`` is a heap peek (O(log W) amortized over the stale entries it pops) plus
-two binary searches. ``activate``/``finish`` do a constant number of numpy operations over the
-request's L keys, and then touch only the waiting requests that share the first key that enters
-(or leaves) the working set: those are the only ones whose missing count changes, and because
-keys are chained, the number of newly shared keys of each is found with one gather of their
-hash rows (or a vectorized binary search when that gather would be large). No Python loop runs
-per token; Python loops run per chunk only at insert (hashing, key lookup) and over shared keys
-that stop existing (a prompt's unique tail is freed without per-key dict work: see
-``_tail_owner``). Memory: one ``uint64`` row of ``max L`` hashes per request slot.
+two binary searches. ``activate``/``finish`` update the holder counts of the request's L keys
+(a list, in a loop over its L key ids: a prompt's keys are few, one per chunk, and a numpy call
+on so small an array costs more than the loop, several times more inside an engine step, whose
+caches the model's forward pass has flushed), and then touch only the waiting requests that
+share the first key that enters (or leaves) the working set: those are the only ones whose
+missing count changes, and because keys are chained, the number of newly shared keys of each is
+found with one gather of their hash rows (or a vectorized binary search when that gather would
+be large). No Python loop runs per token or per waiting request (but a heap push per holder
+whose missing count changed); Python loops run per chunk at insert (hashing, key lookup), at
+activate/finish/remove (holder counts) and over shared keys that stop existing (a prompt's
+unique tail is freed without per-key dict work: see ``_tail_owner``). Memory: one ``uint64``
+row of ``max L`` hashes per request slot, and its L key ids.
 """
 
 from __future__ import annotations
@@ -73,7 +77,8 @@ _WAITING = _ACTIVE - 1
 class _Request:
     """One request's data: its slot (row in the per-slot arrays), hashes and key ids."""
 
-    __slots__ = ("request_id", "seq", "slot", "hashes", "kids", "num_keys", "registered")
+    __slots__ = ("request_id", "seq", "slot", "hashes", "kids", "num_keys", "registered", "waiting",
+                 "missing")
 
     def __init__(
         self,
@@ -81,15 +86,19 @@ class _Request:
         seq: int,
         slot: int,
         hashes: np.ndarray,
-        kids: np.ndarray,
+        kids: list[int],
         registered: int,
     ) -> None:
         self.request_id = request_id
         self.seq = seq
         self.slot = slot
         self.hashes = hashes
-        self.kids = kids
+        self.kids = kids  # a list: one request's keys are few, and list items are cheap to read
         self.num_keys = len(kids)
+        # While waiting: whether it is (the slot's _is_waiting) and its missing count (the
+        # slot's _missing), also kept here: reading a numpy item costs more than an attribute.
+        self.waiting = True
+        self.missing = 0
         # Keys of levels < registered are in the key dict; deeper ones are this request's
         # private tail (see ChunkedHashTree._tail_owner).
         self.registered = registered
@@ -124,8 +133,12 @@ class ChunkedHashTree:
         self._inv: list[list[int]] = []  # kid -> packed (slot, seq) of waiting holders
         self._free_kids: list[int] = []
         # kid -> holders, packed as ``active * _ACTIVE + waiting``: the active count is the
-        # working set's reference count. One array, so activate() updates both in one operation.
-        self._count = np.zeros(0, dtype=np.int64)
+        # working set's reference count. One number, so activate() updates both at once. A list:
+        # a request's keys are few (one per chunk), and per-key list updates in a loop cost less
+        # than a numpy call on a small array, several times less in an engine step, whose caches
+        # the model's forward pass has flushed. (Not for very long prompts: at 256 keys, a 32K-
+        # token prompt, the loop costs about twice what the numpy calls did, in a warm loop.)
+        self._count: list[int] = []
         # Per-slot state; a slot is a request's row for its whole life (waiting then active).
         self._slot_req: list[_Request | None] = []
         self._free_slots: list[int] = []
@@ -201,13 +214,13 @@ class ChunkedHashTree:
                 owner = tail_owner[parent] if parent >= 0 else None
                 if owner is None or int(owner.hashes[level]) != h:
                     break
-                kid = int(owner.kids[level])
+                kid = owner.kids[level]
                 self._register_tail_key(owner, level, parent, kid, key)
             holders = inv[kid]
             holders.append(packed)
             # Stale entries (of requests since activated) are dropped lazily; bound them here so
             # a long-lived key (a system prompt) does not grow without limit.
-            if len(holders) > 32 and len(holders) > 4 * (int(self._count[kid]) & _WAITING) + 4:
+            if len(holders) > 32 and len(holders) > 4 * (self._count[kid] & _WAITING) + 4:
                 self._purge_holders(kid)
             kid_list.append(kid)
             parent = kid
@@ -221,15 +234,19 @@ class ChunkedHashTree:
                 kid = self._new_kid((depth << 64) | hash_list[depth], register=depth == level)
                 inv[kid].append(packed)
                 kid_list.append(kid)
-        kids = np.array(kid_list, dtype=np.int64)
         # Working set is prefix-closed, so the keys already held are exactly a prefix.
-        covered = int(np.count_nonzero(self._count[kids] >= _ACTIVE))
-        self._count[kids] += 1
-        req = _Request(request_id, seq, slot, hashes, kids, registered)
+        count = self._count
+        covered = 0
+        for kid in kid_list:
+            c = count[kid]
+            if c >= _ACTIVE:
+                covered += 1
+            count[kid] = c + 1
+        req = _Request(request_id, seq, slot, hashes, kid_list, registered)
         if registered < num_keys:
             tail_owner[kid_list[registered - 1]] = req
         self._slot_req[slot] = req
-        self._missing[slot] = num_keys - covered
+        self._missing[slot] = req.missing = num_keys - covered
         self._hmat[slot, :num_keys] = hashes
         self._hmat[slot, num_keys:] = 0
         self._waiting[request_id] = req
@@ -260,14 +277,24 @@ class ChunkedHashTree:
         return self._candidate(req)
 
     def _candidate(self, req: _Request) -> Candidate:
-        depth_before = self.shared_depth
+        # the hot path of every decision: shared_depth's cached value and _common_prefix, inline
+        depth_before = self._shared_depth
+        if depth_before is None:
+            depth_before = self.shared_depth
         if not self._active:
             depth_after = req.num_keys
         else:
-            ref = next(iter(self._active.values()))
-            depth_after = _common_prefix(req.kids, ref.kids, min(depth_before, req.num_keys))
+            a, b = req.kids, next(iter(self._active.values())).kids
+            lo, hi = 0, min(depth_before, req.num_keys)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if a[mid - 1] == b[mid - 1]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            depth_after = lo
         if depth_after:
-            w = (int(self._count[req.kids[depth_after - 1]]) & _WAITING) - 1
+            w = (self._count[req.kids[depth_after - 1]] & _WAITING) - 1
         else:
             w = len(self._waiting) - 1
         self._last_candidate = (req.request_id, depth_after)
@@ -283,18 +310,20 @@ class ChunkedHashTree:
         if req is None:
             raise UnknownRequestError(self._state_message(request_id, "waiting"))
         slot = req.slot
-        covered = req.num_keys - int(self._missing[slot])
+        covered = req.num_keys - req.missing
         self._is_waiting[slot] = False
+        req.waiting = False
         kids = req.kids
         count = self._count
-        count[kids] += _ACTIVE - 1  # one more active holder, one fewer waiting
+        for kid in kids:
+            count[kid] += _ACTIVE - 1  # one more active holder, one fewer waiting
         self._active[request_id] = req
         last = self._last_candidate
         self._shared_depth = last[1] if last is not None and last[0] == request_id else None
         self._last_candidate = None
         # Keys [covered, L) just entered the working set; a waiting request shares some of
         # them iff it holds the first one (keys are chained), so most activations stop here.
-        if covered < req.num_keys and int(count[kids[covered]]) & _WAITING:
+        if covered < req.num_keys and count[kids[covered]] & _WAITING:
             self._shift_missing(req, covered, -1)
         if not self._waiting:
             self._heap.clear()
@@ -326,12 +355,18 @@ class ChunkedHashTree:
         self._last_candidate = None
         slot = req.slot
         self._is_waiting[slot] = False
+        req.waiting = False
         count = self._count
-        count[req.kids] -= 1
-        alive = int(np.count_nonzero(count[req.kids]))  # a prefix, as in _drop_active
+        alive = 0
+        for kid in req.kids:
+            c = count[kid] - 1
+            count[kid] = c
+            if c:
+                alive += 1  # a prefix, as in _drop_active
         if alive < req.num_keys:
             self._forget_keys(req, alive)
-        self._free_slot(slot)
+        self._slot_req[slot] = None  # _free_slot, inline
+        self._free_slots.append(slot)
         if not self._waiting:
             self._heap.clear()
 
@@ -380,7 +415,7 @@ class ChunkedHashTree:
         """Keys of the request not held by the active batch (0 for an active request)."""
         req = self._waiting.get(request_id)
         if req is not None:
-            return int(self._missing[req.slot])
+            return req.missing
         if request_id in self._active:
             return 0
         raise UnknownRequestError(self._state_message(request_id, "waiting or active"))
@@ -414,26 +449,26 @@ class ChunkedHashTree:
         rc: dict[int, int] = {}
         cntw: dict[int, int] = {}
         for req in self._active.values():
-            for kid in req.kids.tolist():
+            for kid in req.kids:
                 rc[kid] = rc.get(kid, 0) + 1
         for req in self._waiting.values():
-            for kid in req.kids.tolist():
+            for kid in req.kids:
                 cntw[kid] = cntw.get(kid, 0) + 1
         live = set(rc) | set(cntw)
         for kid in live:
-            packed = int(self._count[kid])
+            packed = self._count[kid]
             assert packed >> 32 == rc.get(kid, 0), f"refcount of key {kid}"
             assert packed & _WAITING == cntw.get(kid, 0), f"waiting count of key {kid}"
         dead = [k for k in range(len(self._kid_key)) if k not in live]
         assert sorted(self._free_kids) == dead, "leftover or lost key ids"
-        assert not self._count[dead].any(), "counts on freed keys"
+        assert not any(self._count[k] for k in dead), "counts on freed keys"
         # Exactly the keys of levels < registered are findable, each under one kid; a private
         # tail key has its owner as only holder and hangs below the owner's last registered key.
         findable: dict[int, int] = {}
         owners: dict[int, _Request] = {}
         for req in (*self._waiting.values(), *self._active.values()):
             assert 1 <= req.registered <= req.num_keys
-            kids = req.kids.tolist()
+            kids = req.kids
             for level, h in enumerate(req.hashes.tolist()):
                 key, kid = (level << 64) | h, kids[level]
                 assert self._kid_key[kid] == key, "key of a key id"
@@ -449,8 +484,10 @@ class ChunkedHashTree:
         for kid in live:
             assert self._tail_owner[kid] is owners.get(kid), "private tail owner"
         for req in self._waiting.values():
-            held = sum(1 for kid in req.kids.tolist() if rc.get(kid, 0) > 0)
+            assert req.waiting, "waiting flag"
+            held = sum(1 for kid in req.kids if rc.get(kid, 0) > 0)
             assert int(self._missing[req.slot]) == req.num_keys - held, "missing count"
+            assert req.missing == int(self._missing[req.slot]), "missing count of the request"
             entry = _heap_entry(int(self._missing[req.slot]), req.seq, req.slot)
             assert entry in self._heap, "heap entry"
         live_slots = {r.slot for r in self._waiting.values()} | {
@@ -480,15 +517,17 @@ class ChunkedHashTree:
         return np.array(out, dtype=np.uint64)
 
     def _peek_heap(self) -> int | None:
-        heap = self._heap
-        is_waiting, missing, seq = self._is_waiting, self._missing, self._seq
+        heap, slot_req = self._heap, self._slot_req
         while heap:
             entry = heap[0]
             slot = entry & _SLOT_MASK
+            # the slot's _is_waiting, _seq and _missing, as its request keeps them
+            req = slot_req[slot]
             if (
-                is_waiting[slot]
-                and seq[slot] == (entry >> _SLOT_BITS) & _SEQ_MASK
-                and missing[slot] == entry >> _MISSING_SHIFT
+                req is not None
+                and req.waiting
+                and req.seq == (entry >> _SLOT_BITS) & _SEQ_MASK
+                and req.missing == entry >> _MISSING_SHIFT
             ):
                 return slot
             heapq.heappop(heap)
@@ -498,19 +537,21 @@ class ChunkedHashTree:
         self._last_candidate = None
         kids = req.kids
         count = self._count
-        count[kids] -= _ACTIVE
+        held = [c - _ACTIVE for c in map(count.__getitem__, kids)]
+        for kid, c in zip(kids, held, strict=True):
+            count[kid] = c
         self._shared_depth = None if self._active else 0
         # Along one request's chain both holder counts shrink with depth, so the keys still in
         # the working set form a prefix, and so do the keys that anyone still holds.
-        held = count[kids]
-        covered = int(np.count_nonzero(held >= _ACTIVE))
+        covered = sum(map(_ACTIVE.__le__, held))
         if covered < req.num_keys:
             if held[covered]:  # no active holder left, so this is the waiting count
                 self._shift_missing(req, covered, +1)
-            alive = int(np.count_nonzero(held))
+            alive = req.num_keys - held.count(0)
             if alive < req.num_keys:
                 self._forget_keys(req, alive)
-        self._free_slot(req.slot)
+        self._slot_req[req.slot] = None  # _free_slot, inline
+        self._free_slots.append(req.slot)
 
     def _shift_missing(self, req: _Request, start: int, sign: int) -> None:
         """Keys ``start..L-1`` of ``req`` entered (sign -1) or left (+1) the working set.
@@ -519,7 +560,7 @@ class ChunkedHashTree:
         chained), and then it shares a prefix of them: count it per holder and shift the
         holders' missing counts by that amount. Callers check that key ``start`` has holders.
         """
-        slots = self._waiting_holders(int(req.kids[start]))
+        slots = self._waiting_holders(req.kids[start])
         stop = req.num_keys
         span = stop - start
         if len(slots) * span <= _DENSE_GATHER_LIMIT:
@@ -527,10 +568,11 @@ class ChunkedHashTree:
         else:
             shared = self._shared_levels_bsearch(slots, req.hashes, start, stop)
         self._missing[slots] += sign * shared
-        heap = self._heap
+        heap, slot_req = self._heap, self._slot_req
         for m, q, slot in zip(
             self._missing[slots].tolist(), self._seq[slots].tolist(), slots.tolist(), strict=True
         ):
+            slot_req[slot].missing = m
             heapq.heappush(heap, _heap_entry(m, q, slot))
         # Every shift leaves one stale entry behind per holder; rebuild once they dominate.
         if len(heap) > 2 * len(self._waiting) + 64:
@@ -578,11 +620,11 @@ class ChunkedHashTree:
         """
         kids = req.kids
         if alive < req.registered:
-            dead_keys = map(self._kid_key.__getitem__, kids[alive : req.registered].tolist())
+            dead_keys = map(self._kid_key.__getitem__, kids[alive : req.registered])
             deque(map(self._key_to_kid.__delitem__, dead_keys), 0)  # a C-level loop
         if req.registered < req.num_keys:
-            self._tail_owner[int(kids[req.registered - 1])] = None
-        self._free_kids.extend(kids[alive:].tolist())
+            self._tail_owner[kids[req.registered - 1]] = None
+        self._free_kids.extend(kids[alive:])
 
     def _register_tail_key(
         self, owner: _Request, level: int, parent: int, kid: int, key: int
@@ -605,8 +647,7 @@ class ChunkedHashTree:
             self._kid_key.append(key)
             self._inv.append([])
             self._tail_owner.append(None)
-            if kid >= len(self._count):
-                self._count = _grow(self._count, max(64, 2 * len(self._count)))
+            self._count.append(0)
         if register:
             self._key_to_kid[key] = kid
         return kid
@@ -666,7 +707,7 @@ def _heap_entry(missing: int, seq: int, slot: int) -> int:
     return (missing << _MISSING_SHIFT) | (seq << _SLOT_BITS) | slot
 
 
-def _common_prefix(a: np.ndarray, b: np.ndarray, limit: int) -> int:
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
     """Largest k <= limit with a[:k] == b[:k], for chained keys (equality is prefix-closed)."""
     lo, hi = 0, limit
     while lo < hi:

@@ -365,6 +365,26 @@ def test_a_failing_policy_leaves_no_open_round():
 # ---------------------------------------------------------------------------- starvation
 
 
+def test_a_release_charges_the_footprint_of_the_batch_it_joins():
+    """The footprint checked for the pending candidate is reused at its release only while
+    nothing changed: here the candidate is held (STOP), the request whose prefix it shared
+    finishes, and it is released as overdue; it is charged its whole prompt, as the reference
+    core (which always computes afresh) charges it."""
+    reqs = grouped(1, 2, prefix=40, seed=3, suffix=5)
+    cores = [core_cls(CoreConfig(chunk_size=8, admission="prompt", max_wait=3.0), AlwaysStop(),
+                      kv_capacity_tokens=10_000) for core_cls in (BatchingCore, ReferenceCore)]
+    for core in cores:
+        for r in reqs:
+            core.arrive(r.rid, r.tokens, arrival=0.0, output_len=r.output_len)
+        assert core.plan(0.0, 2) == [reqs[0].rid]  # the seed; the other is asked and held
+        assert core.stats.stops == 1
+        core.finish(reqs[0].rid)
+        assert core.plan(5.0, 2) == [reqs[1].rid]  # overdue
+        assert core.stats.released["max_wait"] == 1
+        assert core._active[reqs[1].rid].footprint == len(reqs[1].tokens)
+    assert _decision_state(cores[0]) == _decision_state(cores[1])
+
+
 def test_no_request_waits_beyond_max_wait_plus_one_batch():
     """A policy that always STOPs and SVF seeding would starve the big request forever.
 
@@ -513,8 +533,28 @@ def test_dfs_weight_round_follows_the_radix_order():
 # ---------------------------------------------------------------------------- state machine
 
 
+class ReferenceCore(BatchingCore):
+    """The core without its shortcut: every release computes its footprint afresh."""
+
+    def _release(self, request_id: str, reason: str) -> None:
+        self._fit = None
+        super()._release(request_id, reason)
+
+
+def _decision_state(core: BatchingCore) -> tuple:
+    """Everything a decision changes (the timers and the round counter aside)."""
+    stats = core.stats.as_dict()
+    for timing in ("plan_calls", "decision_seconds", "max_plan_seconds"):
+        stats.pop(timing)
+    pending = core.pending
+    return (core.waiting_ids(), core.active_ids(), stats, core.budget.used, core._version,
+            core._stop_version, None if pending is None else (pending.request_id, pending.mask.tolist()),
+            [core._active[r].footprint for r in core.active_ids()])
+
+
 class CoreMachine(RuleBasedStateMachine):
-    """Arbitrary interleavings of the core's operations keep every structure consistent."""
+    """Arbitrary interleavings of the core's operations keep every structure consistent, and
+    the core decides as :class:`ReferenceCore` (its twin, given the same operations) does."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -530,9 +570,10 @@ class CoreMachine(RuleBasedStateMachine):
                 svf_seed=st.booleans(), max_wait=st.sampled_from([None, 0.0, 3.0]), group=st.booleans())
     def start(self, ordering, admission, svf_seed, max_wait, group):
         decision = "group" if group and ordering == "feather" else "request"
-        self.core = BatchingCore(CoreConfig(ordering=ordering, admission=admission, svf_seed=svf_seed,
-                                            chunk_size=8, max_wait=max_wait, decision=decision),
-                                 kv_capacity_tokens=200)
+        config = CoreConfig(ordering=ordering, admission=admission, svf_seed=svf_seed, chunk_size=8,
+                            max_wait=max_wait, decision=decision)
+        self.core = BatchingCore(config, kv_capacity_tokens=200)
+        self.ref = ReferenceCore(config, kv_capacity_tokens=200)
 
     @rule(group=st.integers(0, 3), suffix=st.integers(1, 20), out=st.integers(1, 50))
     def arrive(self, group, suffix, out):
@@ -541,13 +582,18 @@ class CoreMachine(RuleBasedStateMachine):
         rid = f"r{self.next_id}"
         self.next_id += 1
         self.core.arrive(rid, tokens, arrival=self.now, output_len=out)
+        self.ref.arrive(rid, tokens, arrival=self.now, output_len=out)
 
     @precondition(lambda self: not self.core.round_open)
     @rule(slots=st.integers(0, 6), dt=st.sampled_from([0.0, 1.0, 5.0]))
     def plan(self, slots, dt):
         self.now += dt
         before = set(self.core.active_ids())
+        state = _decision_state(self.core)
         released = self.core.plan(self.now, slots)
+        assert released == self.ref.plan(self.now, slots)
+        if slots == 0:  # the vLLM scheduler skips such a round: it must change nothing
+            assert not released and _decision_state(self.core) == state
         assert len(released) == len(set(released)) <= slots
         assert not set(released) & before and not set(released) & self.gone
         assert all(self.core.is_active(r) for r in released)
@@ -560,6 +606,7 @@ class CoreMachine(RuleBasedStateMachine):
         self.round_active = set(self.core.active_ids())
         self.round_slots = slots
         self.core.open_round(self.now, slots)
+        self.ref.open_round(self.now, slots)
 
     @precondition(lambda self: self.core.pending is not None)
     @rule(action=st.sampled_from([ADD, STOP]))
@@ -576,6 +623,7 @@ class CoreMachine(RuleBasedStateMachine):
             g = self.core.observe("group")
             assert g.shape == (9,) and g[3] == groups.num_in_flight and g[6] == groups.num_waiting_groups
         self.core.decide(action)
+        self.ref.decide(action)
         if action == ADD:
             assert self.core.is_active(pending.request_id)
         else:
@@ -585,6 +633,7 @@ class CoreMachine(RuleBasedStateMachine):
     @rule()
     def end(self):
         released = self.core.close_round()
+        assert released == self.ref.close_round()
         assert len(released) == len(set(released)) <= self.round_slots
         assert not set(released) & self.round_active and not set(released) & self.gone
         assert all(self.core.is_active(r) for r in released)
@@ -595,6 +644,7 @@ class CoreMachine(RuleBasedStateMachine):
         active = self.core.active_ids()
         rid = active[pick % len(active)]
         self.core.finish(rid)
+        self.ref.finish(rid)
         self.gone.add(rid)
 
     @precondition(lambda self: len(self.core) > 0)
@@ -604,6 +654,7 @@ class CoreMachine(RuleBasedStateMachine):
         rid = ids[pick % len(ids)]
         self.aborted_active += self.core.is_active(rid)
         self.core.remove(rid)
+        self.ref.remove(rid)
         self.gone.add(rid)
 
     @precondition(lambda self: self.core.num_active > 0)
@@ -611,9 +662,11 @@ class CoreMachine(RuleBasedStateMachine):
     def preempt(self, pick):
         active = self.core.active_ids()
         self.core.preempted(active[pick % len(active)])
+        self.ref.preempted(active[pick % len(active)])
 
     @invariant()
     def consistent(self):
+        assert _decision_state(self.core) == _decision_state(self.ref)
         self.core.check_consistency()
         stats = self.core.stats
         assert stats.arrived == len(self.core) + len(self.gone)

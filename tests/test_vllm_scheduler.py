@@ -452,3 +452,41 @@ def test_feather_async_scheduler_serves_each_request_once_in_a_cpu_engine():
         assert stats["finished"] == len(reqs) and stats["decisions"] > 0 and stats["faults"] == {}
     finally:
         engine_core_of(llm).shutdown()
+
+
+def test_metrics_export_waits_its_turn_only_while_requests_are_held():
+    """The scheduler's push exports at most once a second while requests are held, at once when a
+    counter moved with nothing held and when the scheduler goes idle; flush exports the rest."""
+    from scheduler_runtime.batching import CoreStats
+    from scheduler_runtime.schedulers import RuntimeStats
+    from scheduler_runtime.serving.vllm_scheduler import _StepMetrics
+
+    name, now = "step-metrics-test", [100.0]
+    metrics = _StepMetrics(name, interval=1.0, clock=lambda: now[0])
+    stats, runtime_stats = CoreStats(), RuntimeStats()
+
+    def exported() -> tuple[float | None, ...]:
+        read = prometheus_client.REGISTRY.get_sample_value
+        return tuple(read(f"feather_scheduler_{key}", {"scheduler": name})
+                     for key in ("decisions_total", "held_requests", "batch_requests"))
+
+    def step(plans: int, held: int, batch: int, dt: float = 0.1) -> tuple[float | None, ...]:
+        now[0] += dt
+        stats.plan_calls += plans
+        stats.decisions += plans
+        metrics.push(stats, runtime_stats, held, batch)
+        return exported()
+
+    stats.arrived = 5
+    assert step(1, 4, 1) == (1, 4, 1)  # the first push exports
+    assert step(1, 3, 2) == (1, 4, 1)  # held: waits for its second
+    assert step(1, 0, 5) == (3, 0, 5)  # nothing held, counters moved: at once
+    assert step(0, 0, 4) == (3, 0, 5)  # only the batch gauge moved: waits
+    assert step(0, 0, 0) == (3, 0, 0)  # idle: at once
+    assert step(0, 0, 0) == (3, 0, 0)
+    stats.arrived = 6
+    assert step(1, 1, 0) == (3, 0, 0)  # held again, within the second
+    assert step(1, 1, 1, dt=1.0) == (5, 1, 1)  # its second has come
+    assert step(1, 1, 1) == (5, 1, 1)
+    metrics.flush()
+    assert exported() == (6, 1, 1)

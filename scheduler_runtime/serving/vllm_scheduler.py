@@ -33,6 +33,15 @@ empty CHT) for the requests that arrive from then on. An exception in vLLM's own
 Feather's to catch. :meth:`feather_stats` reports ``faults`` (per stage), ``disabled`` and
 ``handed_to_vllm``.
 
+Cost per step. ``schedule()`` times vLLM's own ``schedule()`` (the ``super()`` call) apart
+(``feather_stats()``'s ``vllm_schedule_seconds`` over ``schedule_calls``), beside Feather's added
+time: the plan (``decision_seconds``) and the hooks (``hook_seconds``); see
+``benchmarks.scheduler_overhead``. Two things keep the hooks cheap without changing a decision:
+the runtime's round is not opened when the batch has no free slot (it would release nothing and
+change nothing: it ends before even the overdue requests), unless it retains the held groups'
+prefixes; and the counters reach Prometheus at most once a second while requests are held
+(:class:`_StepMetrics`).
+
 On CUDA, vLLM schedules asynchronously by default: use :class:`FeatherAsyncScheduler` there
 (``resolve(name, async_scheduling=True)``). vLLM's CPU platform switches async scheduling off
 (``vllm/platforms/cpu.py``), so on CPU the class runs in a synchronously stepped engine.
@@ -137,12 +146,19 @@ class _EngineView:
         return key
 
     def cached_prefix_tokens(self, request_id: str, limit: int | None = None) -> int:
-        request = self.scheduler.feather_held.get(request_id)
+        scheduler = self.scheduler
+        request = scheduler.feather_held.get(request_id)
         if request is None:
             return 0
-        manager = self.scheduler.kv_cache_manager
-        if self._first_block_decides():
-            key = self._first_block_key(request_id, request)
+        manager = scheduler.kv_cache_manager
+        settles = self._first_block_settles
+        if settles is None:
+            settles = self._first_block_decides()
+        if settles:
+            # _first_block_key's known key, read here: the cached-first scan asks once per group
+            known = self._first_keys.get(request_id)
+            key = known[1] if known is not None and known[0] is request else self._first_block_key(
+                request_id, request)
             if key is not None and manager.block_pool.cached_block_hash_to_block.get_one_block(key) is None:
                 return 0
         if limit is None:
@@ -182,6 +198,57 @@ class _EngineView:
         return moved
 
 
+#: How often, at most, ``schedule()`` exports the counters and gauges to Prometheus (seconds).
+METRICS_INTERVAL_S = 1.0
+
+
+class _StepMetrics(SchedulerMetrics):
+    """:class:`SchedulerMetrics` as ``schedule()`` pushes them: while requests are held (decisions
+    run at every step), at most once per ``interval`` seconds; while none is, whenever a counter
+    changed, and when the scheduler goes idle (nothing held, an empty batch). A push is a dozen
+    prometheus_client calls (each takes a lock; in multiprocess mode each writes a file): about
+    20 us warm, 40-60 us inside an engine step, whose caches the model's forward pass has
+    flushed; that was the largest part of the hooks' time. The counters keep their totals (each
+    export adds every increment since the last one), so ``/metrics`` shows the same figures: up to
+    a second late while requests are held, the batch gauge up to a second late while none is,
+    exact once nothing is held. :meth:`flush` exports what is pending (before the scheduler
+    replaces this object)."""
+
+    def __init__(self, scheduler_name: str, interval: float = METRICS_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(scheduler_name)
+        self.interval = interval
+        self._clock = clock
+        self._due = float("-inf")
+        #: What the last export saw: the core's counters that every other exported figure moves
+        #: with (a round, an arrival, a preemption), and the gauges.
+        self._counts: tuple[int, int, int] | None = None
+        self._gauges: tuple[int, int] | None = None
+        self._pending: tuple[Any, Any, int, int] | None = None
+
+    def push(self, stats: Any, runtime_stats: Any, held: int, batch: int) -> None:
+        now = self._clock()
+        # every exported counter moves only in a round (plan_calls), at an arrival or a preemption
+        counts = (stats.plan_calls, stats.arrived, stats.preempted)
+        if now < self._due and (held or (counts == self._counts and (batch or self._gauges == (0, 0)))):
+            self._pending = (stats, runtime_stats, held, batch)
+            return
+        self._export(stats, runtime_stats, held, batch, now, counts)
+
+    def _export(self, stats: Any, runtime_stats: Any, held: int, batch: int, now: float,
+                counts: tuple[int, int, int]) -> None:
+        self._due = now + self.interval
+        self._counts, self._gauges, self._pending = counts, (held, batch), None
+        super().push(stats, runtime_stats, held, batch)
+
+    def flush(self) -> None:
+        """Export the figures of the last push that waited for its turn, if any."""
+        pending = self._pending
+        if pending is not None:
+            stats = pending[0]
+            self._export(*pending, self._clock(), (stats.plan_calls, stats.arrived, stats.preempted))
+
+
 class _FeatherMixin:
     """The hooks; mixed into vLLM's ``Scheduler`` and ``AsyncScheduler``."""
 
@@ -205,6 +272,10 @@ class _FeatherMixin:
         self._feather_handover_pending = False
         self._feather_handed = 0
         self._feather_last_stats: dict[str, Any] = {}
+        #: Wall time of vLLM's own ``schedule()`` (the ``super()`` call) in the ``schedule()``
+        #: calls that ran with the runtime, and how many there were (``feather_stats``).
+        self.feather_vllm_schedule_seconds = 0.0
+        self.feather_schedule_calls = 0
         super().__init__(*args, **kwargs)
         #: The engine's own per-step token budget; a name's ``@TOKENS`` lowers it (feather_configure).
         self._feather_engine_budget: int = self.max_num_scheduled_tokens
@@ -236,8 +307,19 @@ class _FeatherMixin:
         self._feather_disabled = self._feather_handover_pending = False
         self._feather_handed = 0
         self._feather_last_stats = {}
+        self._feather_flush_metrics()
         self.feather = None if config.passthrough else self._feather_runtime()
-        self._feather_metrics = SchedulerMetrics(config.name)
+        self._feather_metrics = _StepMetrics(config.name)
+
+    def _feather_flush_metrics(self) -> None:
+        """Export the figures the metrics object still holds back, before it is replaced."""
+        metrics = getattr(self, "_feather_metrics", None)
+        if metrics is None:
+            return
+        try:
+            metrics.flush()
+        except Exception:  # the counts are also in feather_stats()
+            logger.warning("Feather scheduler: cannot export its counters", exc_info=True)
 
     def _feather_runtime(self) -> FeatherRuntime:
         pool = self.kv_cache_manager.block_pool
@@ -258,6 +340,8 @@ class _FeatherMixin:
         out["faults"] = dict(self._feather_faults)
         out["disabled"] = self._feather_disabled
         out["handed_to_vllm"] = self._feather_handed
+        out["vllm_schedule_seconds"] = self.feather_vllm_schedule_seconds
+        out["schedule_calls"] = self.feather_schedule_calls
         return out
 
     # -- fault isolation ----------------------------------------------------------------------
@@ -288,6 +372,7 @@ class _FeatherMixin:
         """Give every held request to vLLM's waiting queue (arrival order), then restart Feather
         unless the last fault switched it off. Only where vLLM's queues may change."""
         self._feather_handover_pending = False
+        self._feather_flush_metrics()  # before the gauges drop to 0
         held = self.feather_held.take_all()
         for request in held:
             if not request.is_finished():
@@ -301,7 +386,7 @@ class _FeatherMixin:
             return
         try:
             self.feather = self._feather_runtime()
-            self._feather_metrics = SchedulerMetrics(self.feather_config.name)
+            self._feather_metrics = _StepMetrics(self.feather_config.name)
         except Exception as exc:
             self._feather_faults["restart"] = self._feather_faults.get("restart", 0) + 1
             self._feather_disabled = True
@@ -351,17 +436,24 @@ class _FeatherMixin:
         unpaused = self._pause_state == PauseState.UNPAUSED
         if self.feather_held and unpaused:
             try:
-                planner = self.feather_planner or runtime
-                released = planner.plan(self.feather_clock(), self.feather_free_slots(), self.feather_view)
-                self.feather_held.release(released)
+                planner, free = self.feather_planner, self.feather_free_slots()
+                # the runtime's round with no free slot releases nothing and changes nothing (it
+                # ends before the overdue requests), unless it retains the held groups' prefixes
+                if planner is not None or free > 0 or core.config.retain_held_prefixes:
+                    released = (planner or runtime).plan(self.feather_clock(), free, self.feather_view)
+                    self.feather_held.release(released)
             except Exception as exc:  # fault isolation (module docstring)
                 self._feather_fault("plan", exc)
                 self._feather_hand_over()
                 return super().schedule(*args, **kwargs)  # type: ignore[misc]
         # the plan itself is counted in decision_seconds; the hooks get the rest
-        middle = time.perf_counter() - (core.stats.decision_seconds - planned)
+        middle = time.perf_counter()
         output = super().schedule(*args, **kwargs)  # type: ignore[misc]
         end = time.perf_counter()
+        # vLLM's own schedule(), on the same steps: what Feather's added time compares with
+        self.feather_vllm_schedule_seconds += end - middle
+        self.feather_schedule_calls += 1
+        middle -= core.stats.decision_seconds - planned
         if self.feather is runtime:  # no fault inside vLLM's schedule() (a preemption hook)
             try:
                 self._feather_metrics.push(core.stats, runtime.stats, core.num_waiting, core.num_active)
