@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import statistics
 import sys
@@ -487,6 +488,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                    help="the peers are tuned on each unequal fleet on this many workloads of their own "
                         f"(seeds from {TUNE_SEED_BASE}) at every load; 0: not tuned")
     p.add_argument("--tune-equal", action="store_true", help="tune the peers on the equal fleet too")
+    p.add_argument("--tuning-from", default=None,
+                   help="a previous run's JSON: its peers' tuning (per fleet) is reused, not searched again "
+                        "(the peers' tuning does not depend on ours)")
     p.add_argument("--no-bound", action="store_true", help="no no-queueing bound")
     p.add_argument("--cost-replicas", type=int, default=64, help="0: no cost measurement")
     p.add_argument("--cost-prefixes", type=int, default=2000)
@@ -507,6 +511,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     n, seeds = args.replicas, list(range(args.seeds))
     specs_by_fleet = fleets(n, args.drift_at, args.drift_until)
     loads = [float(x) for x in args.loads.split(",")]
+    reused: dict[str, Any] = {}
+    if args.tuning_from:
+        with open(args.tuning_from) as f:
+            reused = json.load(f).get("tuning") or {}
     cells, tuning = [], {}
 
     def fleet_workload(fleet: str, specs: Sequence[ReplicaSpec], seed: int) -> tuple[Workload, float]:
@@ -529,8 +537,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         sim = ClusterSim(n, engine, profiles=specs)
         phases = ([(0.0, args.drift_at, 1.0), (args.drift_at, args.drift_until, 3.0),
                    (args.drift_until, math.inf, 1.0)] if fleet == "drift" else [])
-        tuned = None
-        if args.tune_seeds > 0 and (fleet != "equal" or args.tune_equal):
+        tuned = reused.get(fleet)
+        if tuned is not None:
+            tuning[fleet] = tuned
+            log(f"{fleet}: the peers' tuning of {args.tuning_from}")
+        elif args.tune_seeds > 0 and (fleet != "equal" or args.tune_equal):
             t0 = time.perf_counter()
             runs = []
             for s in range(args.tune_seeds):  # workloads of their own, as benchmarks.router_peers draws them

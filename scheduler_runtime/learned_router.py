@@ -163,7 +163,7 @@ class LearnedRouter(PrefixAffinityRouter):
                  place_new: bool = False,
                  overhead_tokens: int = 256, prior_output_tokens: float = 64.0, told: Told | None = None,
                  told_kv_tokens: Mapping[str, int] | None = None, cache_factor: float = 0.0,
-                 **kwargs: Any) -> None:
+                 work_cache_factor: float = 1.25, **kwargs: Any) -> None:
         if kwargs.get("kv_tokens") is not None:
             raise ValueError("the learned router is told no KV size (it reads vllm:cache_config_info)")
         if band < 0 or overhead_tokens < 0 or not explore_s > 0:
@@ -177,6 +177,12 @@ class LearnedRouter(PrefixAffinityRouter):
         self.told_kv_tokens = dict(told_kv_tokens) if told_kv_tokens is not None else None
         # ours' cache model, one LRU per replica sized when its KV is known (unbounded until then)
         self.cached = PrefixHistory(self.chunk_size, 1 << 40) if cache_factor > 0 else None
+        #: what each replica holds for the learning's uncached tokens: the cache model where it routes by
+        #: one, else one of ``work_cache_factor x`` its KV that only counts (it never routes)
+        self.work_cache_factor = float(work_cache_factor)
+        self.seen = self.cached
+        if self.seen is None and work_cache_factor > 0:
+            self.seen = PrefixHistory(self.chunk_size, 1 << 40)
         self.replicas: dict[str, ReplicaLearning] = {}
         self._fleet = ReplicaLearning(DecayedRate(tau_s), DecayedRate(tau_s))  # the informed one's pool
         self._output = DecayedRate(tau_s * 10)  # output tokens per request (every replica)
@@ -202,6 +208,8 @@ class LearnedRouter(PrefixAffinityRouter):
         r.kv_tokens = kv_tokens
         if self.cached is not None:
             self.cached.set_limit(name, max(1, round(self.cache_factor * kv_tokens)))
+        elif self.seen is not None:
+            self.seen.set_limit(name, max(1, round(self.work_cache_factor * kv_tokens)))
 
     def scraped(self, replica: str, metrics: Mapping[str, Any]) -> None:
         r = self._replica(replica)
@@ -263,6 +271,8 @@ class LearnedRouter(PrefixAffinityRouter):
 
     def forget(self, replica: str) -> None:
         super().forget(replica)
+        if self.seen is not None and self.seen is not self.cached:
+            self.seen.forget(replica)
         self.replicas.pop(replica, None)
         for rid in [rid for rid, e in self._requests.items() if e[0] == replica]:
             del self._requests[rid]
@@ -309,9 +319,9 @@ class LearnedRouter(PrefixAffinityRouter):
         return (queue + uncached + self.overhead_tokens) * prefill + max(0.0, output - 1) * (decode or 0.0)
 
     def _uncached(self, hashes: np.ndarray | None, n: int, ok: Collection[str]) -> dict[str, float]:
-        if hashes is None or len(hashes) == 0 or self.cached is None:
+        if hashes is None or len(hashes) == 0 or self.seen is None:
             return dict.fromkeys(ok, float(n))
-        held = self.cached.match(hashes)
+        held = self.seen.match(hashes)
         return {r: float(max(0, n - min(n, held.get(r, 0) * self.chunk_size))) for r in ok}
 
     def weights(self, replicas: Collection[str], now: float) -> dict[str, float]:
@@ -364,6 +374,8 @@ class LearnedRouter(PrefixAffinityRouter):
         # before the prompt enters the cache model
         uncached = self._uncached(hashes, self._length(hashes, tokens), (replica,))[replica]
         super().routed(hashes, replica, tokens=tokens, request_id=request_id)
+        if self.seen is not None and self.seen is not self.cached and hashes is not None:
+            self.seen.insert(hashes, replica, tokens)
         if request_id is None:
             return
         r = self._replica(replica)
