@@ -21,9 +21,10 @@ replica. It learns, per replica:
   a request's prefill is served from the later of its routing and the replica's previous first
   token, to its own first token (a single server's service time: the time the replica spent on the
   prefills in front of it is not counted again, so the replica's queue is not taken for slowness);
-  its work is its uncached tokens by ours' cache model (with the model off, the default, its whole
-  prompt: a replica that hits its cache less looks slower by as much), plus ``overhead_tokens`` for the
-  step it costs anyway. The ratio of the two, each a sum decayed with time constant ``tau_s``
+  its work is its uncached tokens by ours' cache model (with the model off, the default, by an LRU of
+  ``work_cache_factor`` 1.25 x the replica's KV of what it was sent, which counts and never routes: on
+  whole prompts a replica that hits its cache more would look faster), plus ``overhead_tokens`` for
+  the step it costs anyway. The ratio of the two, each a sum decayed with time constant ``tau_s``
   (:class:`DecayedRate`).
 * **the decode speed**, seconds per output token of one request (its TPOT), from each finish: the time
   from its first token to its finish over its further tokens, decayed alike.
@@ -152,6 +153,9 @@ class LearnedRouter(PrefixAffinityRouter):
             the metrics).
         cache_factor: ours' cache model's size over each replica's KV (ours: 1.25); default 0, off (see
             the module docstring).
+        work_cache_factor: with the cache model off, the size over each replica's KV of the LRU that
+            counts a prefill's uncached tokens for the learned speeds (it does not route); 0: whole
+            prompts.
         **kwargs: ours' other knobs (:class:`~scheduler_runtime.router.PrefixAffinityRouter`).
     """
 
