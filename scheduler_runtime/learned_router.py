@@ -21,10 +21,12 @@ replica. It learns, per replica:
   a request's prefill is served from the later of its routing and the replica's previous first
   token, to its own first token (a single server's service time: the time the replica spent on the
   prefills in front of it is not counted again, so the replica's queue is not taken for slowness);
-  its work is its uncached tokens by ours' cache model (with the model off, the default, by an LRU of
-  ``work_cache_factor`` 1.25 x the replica's KV of what it was sent, which counts and never routes: on
-  whole prompts a replica that hits its cache more would look faster), plus ``overhead_tokens`` for
-  the step it costs anyway. The ratio of the two, each a sum decayed with time constant ``tau_s``
+  its work is its uncached tokens by ours' cache model (with the model off, the default, its whole
+  prompt, unless ``work_cache_factor > 0``: an LRU of that many times the replica's KV of what it was
+  sent, which counts and never routes; on whole prompts a replica that hits its cache more looks
+  faster. It tied on the tuning seeds and its evaluation run is not done: off by default, so that
+  ``results/unequal_replicas.json`` is this code's), plus ``overhead_tokens`` for the step it costs
+  anyway. The ratio of the two, each a sum decayed with time constant ``tau_s``
   (:class:`DecayedRate`).
 * **the decode speed**, seconds per output token of one request (its TPOT), from each finish: the time
   from its first token to its finish over its further tokens, decayed alike.
@@ -154,8 +156,8 @@ class LearnedRouter(PrefixAffinityRouter):
         cache_factor: ours' cache model's size over each replica's KV (ours: 1.25); default 0, off (see
             the module docstring).
         work_cache_factor: with the cache model off, the size over each replica's KV of the LRU that
-            counts a prefill's uncached tokens for the learned speeds (it does not route); 0: whole
-            prompts.
+            counts a prefill's uncached tokens for the learned speeds (it does not route); 0 (default):
+            whole prompts.
         **kwargs: ours' other knobs (:class:`~scheduler_runtime.router.PrefixAffinityRouter`).
     """
 
@@ -167,7 +169,7 @@ class LearnedRouter(PrefixAffinityRouter):
                  place_new: bool = False,
                  overhead_tokens: int = 256, prior_output_tokens: float = 64.0, told: Told | None = None,
                  told_kv_tokens: Mapping[str, int] | None = None, cache_factor: float = 0.0,
-                 work_cache_factor: float = 1.25, **kwargs: Any) -> None:
+                 work_cache_factor: float = 0.0, **kwargs: Any) -> None:
         if kwargs.get("kv_tokens") is not None:
             raise ValueError("the learned router is told no KV size (it reads vllm:cache_config_info)")
         if band < 0 or overhead_tokens < 0 or not explore_s > 0:
