@@ -32,11 +32,22 @@ The routers (:data:`ROUTERS`): ``prefix`` (ours as today, told nothing: no cache
 replicas' ``vllm:cache_config_info`` and learns speeds from what it serves), ``prefix-learned-place``
 (the same, also placing a new prefix by predicted completion), ``prefix-informed`` (the learned router
 told each replica's true slowdowns, drift included, and KV: the upper reference), and the peers at
-their published defaults (not tuned here): SGLang's ``cache_aware``, Ray's prefix affinity, LMetric,
-Dynamo's KV router and llm-d's predicted-latency scorer (given the SLOs below as its request's SLO;
-its one model for the pool, as llm-d ships it, and ``llm-d-per-pod``, one model per pod, the variant
-that could tell unequal pods apart).
+their published defaults: SGLang's ``cache_aware``, Ray's prefix affinity, LMetric, Dynamo's KV router
+and llm-d's predicted-latency scorer (given the SLOs below as its request's SLO; its one model for the
+pool, as llm-d ships it, and ``llm-d-per-pod``, one model per pod, the variant that could tell unequal
+pods apart); and each peer **tuned on each unequal fleet** (:func:`tune_peers`, ``"<peer> (tuned)"``
+where the tuning moved it off its defaults): :func:`benchmarks.router_peers.grids`' grids for SGLang's,
+Ray's and Dynamo's rules and :data:`LLMD_GRID` for llm-d's (LMetric has no knob), on ``--tune-seeds``
+(3) workloads of the fleet's own (seeds from 10,000, documents drawn with ``seed + 100 x replicas``, as
+``benchmarks.router_peers`` draws its tuning's) at every load, scored by mean attainment;
+``--tuning-from`` reuses a previous run's. Ours learned's own choices (its cache model off) were made
+on the same tuning seeds (:mod:`benchmarks.unequal_replicas_cache`).
 Every router that observes the service is handed each replica's metrics at every arrival.
+
+Beside each cell, the **no-queueing bound with each replica at its own speed** (:func:`fleet_bound`:
+:func:`benchmarks.router_peers.throughput_bound` with each request's floor the least over the fleet's
+kinds of replica): output tok/s no router can beat. The headline table gives ours learned over the best
+peer of the cell, over each tuned peer, over ours informed, and its tok/s over the bound.
 
 Reported per cell (fleet x load), means over the seeds: output throughput, SLO attainment (requests
 with TTFT <= 5 s and TPOT <= 50 ms over the requests submitted: the issue's SLO; ``--slo``), mean and
