@@ -32,11 +32,22 @@ The routers (:data:`ROUTERS`): ``prefix`` (ours as today, told nothing: no cache
 replicas' ``vllm:cache_config_info`` and learns speeds from what it serves), ``prefix-learned-place``
 (the same, also placing a new prefix by predicted completion), ``prefix-informed`` (the learned router
 told each replica's true slowdowns, drift included, and KV: the upper reference), and the peers at
-their published defaults (not tuned here): SGLang's ``cache_aware``, Ray's prefix affinity, LMetric,
-Dynamo's KV router and llm-d's predicted-latency scorer (given the SLOs below as its request's SLO;
-its one model for the pool, as llm-d ships it, and ``llm-d-per-pod``, one model per pod, the variant
-that could tell unequal pods apart).
+their published defaults: SGLang's ``cache_aware``, Ray's prefix affinity, LMetric, Dynamo's KV router
+and llm-d's predicted-latency scorer (given the SLOs below as its request's SLO; its one model for the
+pool, as llm-d ships it, and ``llm-d-per-pod``, one model per pod, the variant that could tell unequal
+pods apart); and each peer **tuned on each unequal fleet** (:func:`tune_peers`, ``"<peer> (tuned)"``
+where the tuning moved it off its defaults): :func:`benchmarks.router_peers.grids`' grids for SGLang's,
+Ray's and Dynamo's rules and :data:`LLMD_GRID` for llm-d's (LMetric has no knob), on ``--tune-seeds``
+(3) workloads of the fleet's own (seeds from 10,000, documents drawn with ``seed + 100 x replicas``, as
+``benchmarks.router_peers`` draws its tuning's) at every load, scored by mean attainment;
+``--tuning-from`` reuses a previous run's. Ours learned's own choices (its cache model off) were made
+on the same tuning seeds (:mod:`benchmarks.unequal_replicas_cache`).
 Every router that observes the service is handed each replica's metrics at every arrival.
+
+Beside each cell, the **no-queueing bound with each replica at its own speed** (:func:`fleet_bound`:
+:func:`benchmarks.router_peers.throughput_bound` with each request's floor the least over the fleet's
+kinds of replica): output tok/s no router can beat. The headline table gives ours learned over the best
+peer of the cell, over each tuned peer, over ours informed, and its tok/s over the bound.
 
 Reported per cell (fleet x load), means over the seeds: output throughput, SLO attainment (requests
 with TTFT <= 5 s and TPOT <= 50 ms over the requests submitted: the issue's SLO; ``--slo``), mean and
@@ -51,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import statistics
 import sys
@@ -487,6 +499,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                    help="the peers are tuned on each unequal fleet on this many workloads of their own "
                         f"(seeds from {TUNE_SEED_BASE}) at every load; 0: not tuned")
     p.add_argument("--tune-equal", action="store_true", help="tune the peers on the equal fleet too")
+    p.add_argument("--tuning-from", default=None,
+                   help="a previous run's JSON: its peers' tuning (per fleet) is reused, not searched again "
+                        "(the peers' tuning does not depend on ours)")
     p.add_argument("--no-bound", action="store_true", help="no no-queueing bound")
     p.add_argument("--cost-replicas", type=int, default=64, help="0: no cost measurement")
     p.add_argument("--cost-prefixes", type=int, default=2000)
@@ -507,6 +522,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     n, seeds = args.replicas, list(range(args.seeds))
     specs_by_fleet = fleets(n, args.drift_at, args.drift_until)
     loads = [float(x) for x in args.loads.split(",")]
+    reused: dict[str, Any] = {}
+    if args.tuning_from:
+        with open(args.tuning_from) as f:
+            reused = json.load(f).get("tuning") or {}
     cells, tuning = [], {}
 
     def fleet_workload(fleet: str, specs: Sequence[ReplicaSpec], seed: int) -> tuple[Workload, float]:
@@ -529,8 +548,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         sim = ClusterSim(n, engine, profiles=specs)
         phases = ([(0.0, args.drift_at, 1.0), (args.drift_at, args.drift_until, 3.0),
                    (args.drift_until, math.inf, 1.0)] if fleet == "drift" else [])
-        tuned = None
-        if args.tune_seeds > 0 and (fleet != "equal" or args.tune_equal):
+        tuned = reused.get(fleet)
+        if tuned is not None:
+            tuning[fleet] = tuned
+            log(f"{fleet}: the peers' tuning of {args.tuning_from}")
+        elif args.tune_seeds > 0 and (fleet != "equal" or args.tune_equal):
             t0 = time.perf_counter()
             runs = []
             for s in range(args.tune_seeds):  # workloads of their own, as benchmarks.router_peers draws them

@@ -22,8 +22,11 @@ replica. It learns, per replica:
   token, to its own first token (a single server's service time: the time the replica spent on the
   prefills in front of it is not counted again, so the replica's queue is not taken for slowness);
   its work is its uncached tokens by ours' cache model (with the model off, the default, its whole
-  prompt: a replica that hits its cache less looks slower by as much), plus ``overhead_tokens`` for the
-  step it costs anyway. The ratio of the two, each a sum decayed with time constant ``tau_s``
+  prompt, unless ``work_cache_factor > 0``: an LRU of that many times the replica's KV of what it was
+  sent, which counts and never routes; on whole prompts a replica that hits its cache more looks
+  faster. It tied on the tuning seeds and its evaluation run is not done: off by default, so that
+  ``results/unequal_replicas.json`` is this code's), plus ``overhead_tokens`` for the step it costs
+  anyway. The ratio of the two, each a sum decayed with time constant ``tau_s``
   (:class:`DecayedRate`).
 * **the decode speed**, seconds per output token of one request (its TPOT), from each finish: the time
   from its first token to its finish over its further tokens, decayed alike.
@@ -152,6 +155,9 @@ class LearnedRouter(PrefixAffinityRouter):
             the metrics).
         cache_factor: ours' cache model's size over each replica's KV (ours: 1.25); default 0, off (see
             the module docstring).
+        work_cache_factor: with the cache model off, the size over each replica's KV of the LRU that
+            counts a prefill's uncached tokens for the learned speeds (it does not route); 0 (default):
+            whole prompts.
         **kwargs: ours' other knobs (:class:`~scheduler_runtime.router.PrefixAffinityRouter`).
     """
 
@@ -163,7 +169,7 @@ class LearnedRouter(PrefixAffinityRouter):
                  place_new: bool = False,
                  overhead_tokens: int = 256, prior_output_tokens: float = 64.0, told: Told | None = None,
                  told_kv_tokens: Mapping[str, int] | None = None, cache_factor: float = 0.0,
-                 **kwargs: Any) -> None:
+                 work_cache_factor: float = 0.0, **kwargs: Any) -> None:
         if kwargs.get("kv_tokens") is not None:
             raise ValueError("the learned router is told no KV size (it reads vllm:cache_config_info)")
         if band < 0 or overhead_tokens < 0 or not explore_s > 0:
@@ -177,6 +183,12 @@ class LearnedRouter(PrefixAffinityRouter):
         self.told_kv_tokens = dict(told_kv_tokens) if told_kv_tokens is not None else None
         # ours' cache model, one LRU per replica sized when its KV is known (unbounded until then)
         self.cached = PrefixHistory(self.chunk_size, 1 << 40) if cache_factor > 0 else None
+        #: what each replica holds for the learning's uncached tokens: the cache model where it routes by
+        #: one, else one of ``work_cache_factor x`` its KV that only counts (it never routes)
+        self.work_cache_factor = float(work_cache_factor)
+        self.seen = self.cached
+        if self.seen is None and work_cache_factor > 0:
+            self.seen = PrefixHistory(self.chunk_size, 1 << 40)
         self.replicas: dict[str, ReplicaLearning] = {}
         self._fleet = ReplicaLearning(DecayedRate(tau_s), DecayedRate(tau_s))  # the informed one's pool
         self._output = DecayedRate(tau_s * 10)  # output tokens per request (every replica)
@@ -202,6 +214,8 @@ class LearnedRouter(PrefixAffinityRouter):
         r.kv_tokens = kv_tokens
         if self.cached is not None:
             self.cached.set_limit(name, max(1, round(self.cache_factor * kv_tokens)))
+        elif self.seen is not None:
+            self.seen.set_limit(name, max(1, round(self.work_cache_factor * kv_tokens)))
 
     def scraped(self, replica: str, metrics: Mapping[str, Any]) -> None:
         r = self._replica(replica)
@@ -263,6 +277,8 @@ class LearnedRouter(PrefixAffinityRouter):
 
     def forget(self, replica: str) -> None:
         super().forget(replica)
+        if self.seen is not None and self.seen is not self.cached:
+            self.seen.forget(replica)
         self.replicas.pop(replica, None)
         for rid in [rid for rid, e in self._requests.items() if e[0] == replica]:
             del self._requests[rid]
@@ -309,9 +325,9 @@ class LearnedRouter(PrefixAffinityRouter):
         return (queue + uncached + self.overhead_tokens) * prefill + max(0.0, output - 1) * (decode or 0.0)
 
     def _uncached(self, hashes: np.ndarray | None, n: int, ok: Collection[str]) -> dict[str, float]:
-        if hashes is None or len(hashes) == 0 or self.cached is None:
+        if hashes is None or len(hashes) == 0 or self.seen is None:
             return dict.fromkeys(ok, float(n))
-        held = self.cached.match(hashes)
+        held = self.seen.match(hashes)
         return {r: float(max(0, n - min(n, held.get(r, 0) * self.chunk_size))) for r in ok}
 
     def weights(self, replicas: Collection[str], now: float) -> dict[str, float]:
@@ -364,6 +380,8 @@ class LearnedRouter(PrefixAffinityRouter):
         # before the prompt enters the cache model
         uncached = self._uncached(hashes, self._length(hashes, tokens), (replica,))[replica]
         super().routed(hashes, replica, tokens=tokens, request_id=request_id)
+        if self.seen is not None and self.seen is not self.cached and hashes is not None:
+            self.seen.insert(hashes, replica, tokens)
         if request_id is None:
             return
         r = self._replica(replica)
