@@ -277,7 +277,8 @@ class ChunkedHashTree:
         return self._candidate(req)
 
     def _candidate(self, req: _Request) -> Candidate:
-        # the hot path of every decision: shared_depth's cached value and _common_prefix, inline
+        # the hot path of every decision: shared_depth's cached value, and the largest k with
+        # a[:k] == b[:k] by binary search (chained keys: equality is prefix-closed), inline
         depth_before = self._shared_depth
         if depth_before is None:
             depth_before = self.shared_depth
@@ -706,17 +707,6 @@ def _heap_entry(missing: int, seq: int, slot: int) -> int:
     """One int ordering like ``(missing, seq)``; ints compare about twice as fast as tuples."""
     return (missing << _MISSING_SHIFT) | (seq << _SLOT_BITS) | slot
 
-
-def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    """Largest k <= limit with a[:k] == b[:k], for chained keys (equality is prefix-closed)."""
-    lo, hi = 0, limit
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[mid - 1] == b[mid - 1]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def _grow(arr: np.ndarray, cap: int) -> np.ndarray:
