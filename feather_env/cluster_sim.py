@@ -338,10 +338,8 @@ class ClusterSim:
             for (rid, done), at in zip(events, times, strict=True):
                 now[0] = at
                 if done:
-                    if observes:
-                        router.finished(rid, output_tokens=replica._timelines[rid].tokens)
-                    else:
-                        router.finished(rid)
+                    router.finished(rid, output_tokens=replica._timelines[rid].tokens if observes
+                                    else None)
                 else:
                     router.prefilled(rid)
             if replica.events:

@@ -62,7 +62,7 @@ class _PeerRouter(ReplicaRouter):
     def prefilled(self, request_id: str) -> None:
         self.ledger.prefilled(request_id)
 
-    def finished(self, request_id: str) -> None:
+    def finished(self, request_id: str, output_tokens: int | None = None) -> None:
         self.ledger.finished(request_id)
 
     def forget(self, replica: str) -> None:

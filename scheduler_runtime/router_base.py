@@ -292,8 +292,9 @@ class ReplicaRouter(ABC):
     def prefilled(self, request_id: str) -> None:  # noqa: B027 - optional hook
         """The request's prompt has been prefilled (its first token came back)."""
 
-    def finished(self, request_id: str) -> None:  # noqa: B027 - optional hook
-        """The request finished: it holds no KV cache any more."""
+    def finished(self, request_id: str, output_tokens: int | None = None) -> None:  # noqa: B027
+        """The request finished: it holds no KV cache any more. ``output_tokens``: the tokens it
+        generated, where the caller knows them (a router that :attr:`observes_service` reads it)."""
 
     def forget(self, replica: str) -> None:  # noqa: B027 - optional hook
         """``replica`` is gone, and its prefix cache with it."""
@@ -305,6 +306,10 @@ class ReplicaRouter(ABC):
 
     def state(self) -> dict[str, Any]:
         """Counters for reports and ``/metrics``."""
+        return {}
+
+    def estimates(self) -> dict[str, dict[str, Any]]:
+        """What the router has learned of each replica (empty for a router that learns nothing)."""
         return {}
 
     # -- shared helpers -------------------------------------------------------------------------

@@ -515,8 +515,7 @@ class ReplicaProxy:
     def estimates(self) -> dict[str, dict[str, Any]]:
         """What the router has learned of each replica (``router.estimates()``; empty for a router that
         learns nothing)."""
-        estimates = getattr(self.router, "estimates", None)
-        return estimates() if callable(estimates) else {}
+        return self.router.estimates()
 
     # -- routing ----------------------------------------------------------------------------------
     async def _pick(self, hashes: np.ndarray | None, tokens: int | None, avoid: list[str],
@@ -552,10 +551,7 @@ class ReplicaProxy:
         r.in_flight -= 1
         self._freed.set()
         if request_id is not None:
-            if self.observes:
-                self.router.finished(request_id, output_tokens=output_tokens)  # type: ignore[call-arg]
-            else:
-                self.router.finished(request_id)
+            self.router.finished(request_id, output_tokens=output_tokens)
 
     # -- requests ---------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
