@@ -175,13 +175,13 @@ class PPOAgent(Agent):
         if self.model is None or self._scale is None:
             raise RuntimeError("PPO agent has no model: learn() or load() first")
         scaled = (np.asarray(obs, dtype=np.float32) / self._scale).astype(np.float32)
-        action, _ = self.model.predict(scaled, action_masks=np.asarray(mask, dtype=bool), deterministic=True)
+        action, _ = self.model.predict(scaled, action_masks=np.array(mask, dtype=bool), deterministic=True)
         return int(action)
 
     def predict_batch(self, obs: np.ndarray, masks: np.ndarray) -> np.ndarray:
         """Deterministic actions for many raw observations at once (SB3's own forward pass)."""
         scaled = (np.asarray(obs, dtype=np.float32) / self._scale).astype(np.float32)
-        actions, _ = self.model.predict(scaled, action_masks=np.asarray(masks, dtype=bool),
+        actions, _ = self.model.predict(scaled, action_masks=np.array(masks, dtype=bool),
                                         deterministic=True)
         return np.asarray(actions, dtype=np.int64)
 
