@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import statistics
 import subprocess
@@ -52,6 +51,7 @@ from feather_env.evaluation.endpoint import parse_prometheus
 from feather_env.reporting import format_table, machine_info, write_json
 from feather_env.workloads.build import WorkloadConfig, build_workload
 from feather_env.workloads.tokenizer import load_tokenizer
+from scheduler_runtime.sse import SSE_DONE, sse_events
 
 #: Our front ends: ``feather-serve --replicas 2`` with (data plane, router).
 FEATHER_FRONT_ENDS = {"feather-proxy": ("proxy", "prefix"), "feather-ray": ("ray", "prefix"),
@@ -102,11 +102,9 @@ async def drive(url: str, requests: Sequence[tuple[str, int]]) -> dict[str, Any]
                 "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
         async with semaphore, session.post(url + "/v1/completions", json=body) as resp:
             got = 0
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if line.startswith("data: {"):
-                    usage = json.loads(line[6:]).get("usage")
-                    got = usage["completion_tokens"] if usage else got
+            async for event in sse_events(resp.content):
+                usage = event.get("usage") if event is not SSE_DONE else None
+                got = usage["completion_tokens"] if usage else got
             done += resp.status == 200 and got == n
             tokens += got
 

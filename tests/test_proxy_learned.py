@@ -26,10 +26,11 @@ from feather_env.evaluation.endpoint import parse_prometheus
 from scheduler_runtime.learned_router import LearnedRouter
 from scheduler_runtime.router import PrefixAffinityRouter
 from scheduler_runtime.serving.cluster_base import ClusterConfig, estimates_exposition
-from scheduler_runtime.serving.proxy import ReplicaProxy, parse_per_worker, proxy_for, stream_output_tokens
+from scheduler_runtime.serving.proxy import ReplicaProxy, parse_per_worker, proxy_for
 from scheduler_runtime.serving.replicas import Replica, replicas_for
 from scheduler_runtime.serving.serve import _parse
 from scheduler_runtime.serving.vllm_metrics import parse_vllm_metrics, restarted
+from scheduler_runtime.sse import stream_output_tokens
 
 SAMPLE = Path(__file__).resolve().parent / "data" / "vllm_metrics_sample.txt"
 
@@ -262,7 +263,8 @@ def test_a_replica_process_that_dies_is_forgotten_and_relearned():
             list(pool.map(lambda i: post(running.url, {"prompt": [i] * 300, "max_tokens": 4, "stream": True}),
                           range(16)))
         # the KV comes from a scrape, whose period is not tied to the requests: wait for both
-        est = _wait(lambda: (e := _estimates(running.url)) and all(r.get("kv_tokens") for r in e.values()) and e, 30.0)
+        est = _wait(lambda: (e := _estimates(running.url)) and all(r.get("kv_tokens") for r in e.values())
+                    and e, 30.0)
         assert all(e["prefill_samples"] > 0 and e["kv_tokens"] == 64 * 16 for e in est.values()), est
         victim = proxy.replicas[1]
         pid = victim.process.pid
