@@ -142,7 +142,7 @@ def test_the_learned_router_is_chosen_and_told_only_what_is_given():
         parse_per_worker("4096,x", "--kv-tokens", integer=True)
 
 
-def test_feather_serve_takes_the_learned_router_on_the_proxy_only(capsys):
+def test_feather_serve_takes_the_learned_router(capsys):
     _, _, cluster, _ = _parse(["--replicas", "2", "--router", "prefix-learned", "--replica-weights", "1,0.5",
                                "--scrape-period", "0.5", "--replica-cores", "0;0"])
     assert cluster.router == "prefix-learned" and cluster.replica_weights == (1.0, 0.5)
@@ -150,7 +150,9 @@ def test_feather_serve_takes_the_learned_router_on_the_proxy_only(capsys):
     # told no KV even where the engine arguments give it: it reads vllm:cache_config_info
     assert cluster.kv_tokens is not None and proxy.router.told_kv_tokens is None
     assert proxy.scrape_period_s == 0.5 and proxy.router.told("1", 0.0) == (2.0, 2.0)
-    for argv, message in ((["--data-plane", "ray"], "runs in the proxy data plane only"),
+    _, _, on_ray, _ = _parse(["--replicas", "2", "--router", "prefix-learned", "--data-plane", "ray"])
+    assert on_ray.router == "prefix-learned" and on_ray.data_plane == "ray"
+    for argv, message in ((["--data-plane", "ray", "--replica-weights", "1,2"], "names its replicas"),
                           (["--replica-weights", "1"], "1 weights for 2 replicas")):
         with pytest.raises(SystemExit):
             _parse(["--replicas", "2", "--router", "prefix-learned", "--replica-cores", "0;0", *argv])

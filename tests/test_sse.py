@@ -53,8 +53,8 @@ def test_the_clients_read_a_stand_ins_stream():
             async with aiohttp.ClientSession() as session:
                 request = Request("r0", [5] * 40, prefix_group=0, output_len=6)
                 t0 = time.perf_counter()
-                sent = await _send(session, url + "/v1/completions", request, EndpointConfig(url=url), "m", t0,
-                                   None, {})
+                sent = await _send(session, url + "/v1/completions", request, EndpointConfig(url=url), "m",
+                                   t0, None, {})
                 faults = await stream_one(session, url, [5] * 40)
             return sent, faults, await drive(url, [("a prompt", 5), ("another", 3)])
 

@@ -29,10 +29,10 @@ __all__ = ["DATA_PLANES", "LIVE_ROUTERS", "PROXY_ONLY_ROUTERS", "RAY_ONLY_ROUTER
            "flag_value", "gpu_groups", "replica_exposition", "replica_kv_tokens"]
 
 ROUTER_CHOICES = ("prefix", "pow2", "ray-prefix-affinity", "prefix-learned")
-#: Routers that only the proxy data plane has: ours learning each replica's speed and KV size
-#: (:class:`~scheduler_runtime.learned_router.LearnedRouter`), fed by the proxy's relayed streams and
-#: its scrapes of each replica's ``/metrics``.
-PROXY_ONLY_ROUTERS = ("prefix-learned",)
+#: Routers that only the proxy data plane has (none now: ours learning each replica's speed and KV size,
+#: :class:`~scheduler_runtime.learned_router.LearnedRouter`, runs on both, fed by the streams the front end
+#: relays and each replica's ``/metrics``: scraped by the proxy, Ray's routing stats on Ray Serve).
+PROXY_ONLY_ROUTERS: tuple[str, ...] = ()
 #: Routers that only the Ray data plane has: Ray Serve LLM's ``PrefixCacheAffinityRouter`` (ray 2.60,
 #: its defaults; importing it needs ``pyarrow``, the ``peers`` extra), to measure ours against.
 RAY_ONLY_ROUTERS = ("ray-prefix-affinity",)
@@ -52,7 +52,7 @@ class ClusterConfig:
     Attributes:
         replicas: engine replicas (>= 1; ``feather-serve`` runs 1 as the plain server).
         router: ``"prefix"`` (ours), ``"pow2"``, ``"ray-prefix-affinity"`` (Ray's, ``ray`` only) or
-            ``"prefix-learned"`` (ours learning each replica's speed and KV, ``proxy`` only).
+            ``"prefix-learned"`` (ours learning each replica's speed and KV).
         data_plane: ``"proxy"`` (replica processes on this machine behind an asyncio proxy) or
             ``"ray"`` (a Ray Serve application, on a Ray cluster or a local instance).
         vllm_args: the vLLM API server arguments every replica is built from (``feather-serve``'s).
@@ -68,9 +68,9 @@ class ClusterConfig:
             model is told each replica's KV tokens, :attr:`kv_tokens`.
         object_store_mb: the local Ray instance's object store.
         replica_weights: ``prefix-learned`` told each replica's relative speed (one per replica)
-            instead of learning it (``--replica-weights``).
-        scrape_period_s: seconds between the proxy's reads of each replica's ``/metrics``
-            (``prefix-learned``).
+            instead of learning it (``--replica-weights``; ``proxy`` only).
+        scrape_period_s: seconds between the proxy's reads of each replica's ``/metrics``, and on Ray
+            Serve the period of each replica's routing stats (``prefix-learned``).
         replica_args: each replica's own engine arguments, over ``vllm_args`` (``--replica-args 'K:
             ARGS'``, :mod:`scheduler_runtime.serving.replica_args`; ``proxy`` only), one tuple per
             replica (``()``: the common ones alone); ``None``: every replica alike.
@@ -112,6 +112,9 @@ class ClusterConfig:
         if self.replica_weights is not None:
             if self.router != "prefix-learned":
                 raise ValueError("--replica-weights are read by --router prefix-learned only")
+            if self.data_plane == "ray":
+                raise ValueError("--replica-weights needs --data-plane proxy: Ray Serve names its replicas "
+                                 "only once they run")
             if len(self.replica_weights) != self.replicas:
                 raise ValueError(f"--replica-weights: {len(self.replica_weights)} weights for "
                                  f"{self.replicas} replicas (one per replica)")

@@ -162,7 +162,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], Clust
     cluster.add_argument("--router", choices=ROUTER_CHOICES, default="prefix",
                          help="prefix: prefix affinity bounded by load (ours); pow2: power of two choices; "
                          "ray-prefix-affinity: Ray Serve LLM's PrefixCacheAffinityRouter (--data-plane ray); "
-                         "prefix-learned: ours learning each replica's speed and KV (--data-plane proxy)")
+                         "prefix-learned: ours learning each replica's speed and KV")
     cluster.add_argument("--data-plane", choices=DATA_PLANES, default=None,
                          help="proxy: replica processes on this machine behind an asyncio proxy; ray: Ray "
                               "Serve (several machines). Default: ray with --ray-address, else proxy")
@@ -187,7 +187,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], Clust
                               "--max-num-seqs 32'; a replica's cores: --replica-cores")
     cluster.add_argument("--scrape-period", type=float, default=1.0,
                          help="--router prefix-learned: seconds between the proxy's reads of each replica's "
-                              "/metrics (default 1)")
+                              "/metrics, or on Ray Serve between each replica's routing stats (default 1)")
     ours, rest = parser.parse_known_args(argv)
 
     additional = _additional_config(parser, ours.additional_config, ADDITIONAL_CONFIG_KEY)
