@@ -68,12 +68,13 @@ COMMAND = ("flock /tmp/feather-engine.lock python -m benchmarks.frontend_loopbac
            "--json results/frontend_loopback.json")
 
 
-def requests_for(seed: int) -> list[tuple[str, int]]:
-    """``(prompt text, output tokens)`` of :mod:`benchmarks.cluster_loopback`'s workload, in its order."""
+def requests_for(seed: int, documents: int | None = None) -> list[tuple[str, int]]:
+    """``(prompt text, output tokens)`` of :mod:`benchmarks.cluster_loopback`'s workload, in its order
+    (``documents``: that many documents in place of its 12)."""
     args = dict(zip(WORKLOAD_ARGS[::2], WORKLOAD_ARGS[1::2], strict=True))
     workload = build_workload(WorkloadConfig(
         kind=args["--workload"], tasks=tuple(args["--tasks"].split(",")),
-        num_groups=int(args["--num-groups"]), max_per_group=int(args["--max-per-group"]),
+        num_groups=documents or int(args["--num-groups"]), max_per_group=int(args["--max-per-group"]),
         max_prompt_tokens=int(args["--max-prompt-tokens"]),
         max_output_tokens=int(args["--max-output-tokens"]), arrival=args["--arrival"], seed=seed))
     tokenizer = load_tokenizer()

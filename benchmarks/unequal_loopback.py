@@ -15,15 +15,16 @@ The setup (the unequal-replicas issue's): two plain ``feather-serve`` replicas, 
   kernel's fair scheduler gives half the core (the replica runs at about half speed).
 
 The workload is :mod:`benchmarks.frontend_loopback`'s (12 L-Eval documents x 6 questions as text, answers
-of 32 tokens, all at once, 8 in flight, its client): 12 documents of up to 4,096 tokens, about 49,000
-distinct prompt tokens, put the small replica under KV pressure as soon as it is given more than four of
-them (sglang-router's cache-aware rule splits documents by load, not by KV size).
+of at most 32 tokens, all at once, 8 in flight, its client; ``--documents`` for more, up to 30): 12
+documents of up to 4,096 tokens, about 48,000 distinct prompt tokens, put the small replica under KV
+pressure as soon as it is given more than four of them (sglang-router's cache-aware rule splits documents
+by load, not by KV size).
 
 Front ends, alternated, fresh replicas and front end per run (``--repeats``, default 3):
 
-* ``feather-learned`` (ours): ``python -m scheduler_runtime.serving.proxy --worker-urls U0 U1 --router
-  prefix-learned``, told nothing: it reads each replica's KV from its ``/metrics`` and learns its
-  speeds from the requests it relays;
+* ``feather-learned`` (ours): ``feather-serve --worker-urls U0 U1 --router prefix-learned`` (the proxy
+  of ``feather-serve --replicas N`` over running servers), told nothing: it reads each replica's KV from
+  its ``/metrics`` and learns its speeds from the requests it relays;
 * ``sglang-cache-aware``: ``sglang-router`` ``--policy cache_aware`` at its defaults;
 * ``sglang-tuned``: the same tuned for load, ``--balance-abs-threshold 2 --balance-rel-threshold 1.1``.
 
@@ -49,6 +50,7 @@ import argparse
 import asyncio
 import contextlib
 import math
+import shlex
 import statistics
 import subprocess
 import sys
@@ -111,11 +113,11 @@ def noisy_neighbour(core: str) -> Iterator[subprocess.Popen[bytes]]:
 
 @contextlib.contextmanager
 def ours_over(urls: Sequence[str], log_path: Path) -> Iterator[str]:
-    """Our proxy in front of ``urls`` (``--router prefix-learned``, told nothing); its URL once it
-    reports a healthy replica."""
+    """``feather-serve --worker-urls`` in front of ``urls`` (``--router prefix-learned``, told nothing);
+    its URL once it reports a healthy replica."""
     port = free_port()
     with log_path.open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "scheduler_runtime.serving.proxy", "--port", str(port),
+        proc = subprocess.Popen([sys.executable, "-m", "scheduler_runtime.serving.serve", "--port", str(port),
                                  "--router", "prefix-learned", "--worker-urls", *urls], cwd=REPO, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
         try:
@@ -282,6 +284,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--front-ends", default=",".join(FRONT_ENDS), help=f"of {','.join(FRONT_ENDS)}")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--documents", type=int, default=12,
+                   help="L-Eval documents of the workload (6 questions each; at most 30; default 12, "
+                        "frontend_loopback's)")
     p.add_argument("--small-kv-tokens", type=int, default=16384, help="replica 1's KV cache in tokens")
     p.add_argument("--kv-ratio", type=float, default=4.0, help="replica 0's KV over replica 1's")
     p.add_argument("--slo", action="append", default=None, metavar='"ttft:MS tpot:MS"|auto',
@@ -293,8 +298,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     chosen = [f.strip() for f in args.front_ends.split(",") if f.strip()]
     if not chosen or set(chosen) - set(FRONT_ENDS) or args.repeats < 1:
         p.error(f"--front-ends: some of {list(FRONT_ENDS)}; --repeats >= 1")
-    if args.small_kv_tokens < 1 or not args.kv_ratio >= 1:
-        p.error("--small-kv-tokens >= 1 and --kv-ratio >= 1")
+    if args.small_kv_tokens < 1 or not args.kv_ratio >= 1 or not 1 <= args.documents <= 30:
+        p.error("--small-kv-tokens >= 1, --kv-ratio >= 1, --documents from 1 to 30")
     specs = args.slo or [ISSUE_SLO, AUTO]
     for spec in specs:
         if spec.strip() != AUTO:
@@ -303,13 +308,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             except ValueError as exc:
                 p.error(f"--slo: {exc}")
     setup = replica_setup(args.small_kv_tokens, args.kv_ratio, args.standin)
-    requests = standin_requests(args.seed) if args.standin else requests_for(args.seed)
+    requests = standin_requests(args.seed) if args.standin else requests_for(args.seed, args.documents)
     runs = [run_once(f, requests, Path(args.out) / f"{f}-{i}", setup, args.standin)
             for i in range(args.repeats) for f in chosen]
     slos = slo_pairs(specs, runs)
-    command = COMMAND if not args.standin else COMMAND.replace("--json", "--standin --json")
+    given = [(f"--{k.replace('_', '-')}", v) for k, v in vars(args).items()
+             if k not in ("json", "out", "standin") and v != p.get_default(k)]
+    command = COMMAND.replace(" --json", "".join(f" {flag} {shlex.quote(str(v))}" for flag, v in given)
+                              + (" --standin" if args.standin else "") + " --json")
     out = {"benchmark": "unequal_loopback", "command": command, "machine": machine_info(), "seed": args.seed,
-           "standin": args.standin, "small_kv_tokens": args.small_kv_tokens, "kv_ratio": args.kv_ratio,
+           "standin": args.standin, "documents": args.documents, "small_kv_tokens": args.small_kv_tokens,
+           "kv_ratio": args.kv_ratio,
            "replica_args": setup, "concurrency": CONCURRENCY, "slos": slos, "runs": runs,
            **summarize(runs, slos)}
     print(render(out))

@@ -130,3 +130,17 @@ def test_each_replica_process_gets_its_own_arguments_and_the_routers_see_its_kv(
     told = ClusterConfig(replicas=2, vllm_args=cluster.vllm_args, replica_args=cluster.replica_args)
     prefix = proxy_for(told, replicas)
     assert prefix.router.cached.limits == {"0": round(1.25 * kv[0]), "1": round(1.25 * kv[1])}
+
+
+def test_feather_serve_fronts_running_servers_with_worker_urls(capsys):
+    """``feather-serve --worker-urls`` is the proxy over servers that already run (the unequal loopback
+    benchmark's ours runs it over stand-ins); mixed with engine options it is a usage error."""
+    from scheduler_runtime.serving.serve import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--worker-urls", "127.0.0.1:1", "--router", "prefix-learned"])
+    assert exc.value.code == 2
+    assert "feather-serve: error: --worker-urls: '127.0.0.1:1'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _parse(["--worker-urls", "http://127.0.0.1:1", "--max-num-seqs", "4"])
+    assert "give it to feather-serve alone" in capsys.readouterr().err

@@ -50,7 +50,7 @@ def test_the_whole_benchmark_runs_on_stand_ins(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv", [["--front-ends", "nginx"], ["--repeats", "0"], ["--slo", "ttft:x"],
-                                  ["--kv-ratio", "0.5"]])
+                                  ["--kv-ratio", "0.5"], ["--documents", "31"]])
 def test_bad_options_are_usage_errors(argv):
     with pytest.raises(SystemExit):
         ul.main(["--standin", *argv])

@@ -863,10 +863,10 @@ def run_proxy(config: ClusterConfig) -> int:
     return status
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m scheduler_runtime.serving.proxy --worker-urls URL ...``: the proxy over running servers."""
-    parser = argparse.ArgumentParser(prog="python -m scheduler_runtime.serving.proxy",
-                                     description=main.__doc__)
+def main(argv: Sequence[str] | None = None, prog: str = "python -m scheduler_runtime.serving.proxy") -> int:
+    """``python -m scheduler_runtime.serving.proxy --worker-urls URL ...`` (or ``feather-serve --worker-urls
+    URL ...``, ``prog`` naming it in errors): the proxy over running servers."""
+    parser = argparse.ArgumentParser(prog=prog, description=main.__doc__)
     parser.add_argument("--worker-urls", nargs="+", required=True, help="the replicas, http://HOST:PORT")
     parser.add_argument("--router", choices=ROUTER_CHOICES, default="prefix")
     parser.add_argument("--host", default="127.0.0.1")

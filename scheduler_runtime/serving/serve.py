@@ -30,6 +30,8 @@ defaults below):
   (vLLM's ``--middleware``), whose settings this command puts in the environment
   (``FEATHER_ADMISSION``, JSON) before vLLM starts;
 * ``--print-command``: print the vLLM arguments and exit;
+* ``--worker-urls URL ...``: no engine here: the proxy of ``--replicas N`` in front of servers that
+  already run (``python -m scheduler_runtime.serving.proxy``'s command line and options);
 * ``--replicas N`` (default 1) with ``--router {prefix,pow2,ray-prefix-affinity,prefix-learned}``: N
   engine replicas behind one endpoint (``docs/cluster.md``); every other option applies to every replica.
   ``--replicas 1`` is the plain server. ``--data-plane proxy`` (the default without
@@ -180,6 +182,11 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], Clust
     cluster.add_argument("--replica-weights", default=None, metavar="W[,W...]",
                          help="--router prefix-learned: each replica's relative speed (2 = twice as fast as "
                               "1), one per replica, instead of learning it")
+    cluster.add_argument("--worker-urls", nargs="+", default=None, metavar="URL",
+                         help="front servers that already run (plain feather-serve or vllm serve; no "
+                              "engine starts here): the proxy over them, with its own options only "
+                              "(--router, --host, --port, --kv-tokens, --replica-weights, --scrape-period, "
+                              "--chunk-size, --max-ongoing-requests)")
     cluster.add_argument("--replica-args", action="append", default=None, metavar="'K: ARGS'",
                          help="engine arguments of replica K (0-based) alone, over the common ones; repeat "
                               "for each replica that differs (--data-plane proxy). One of "
@@ -190,6 +197,9 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], Clust
                               "/metrics, or on Ray Serve between each replica's routing stats (default 1)")
     ours, rest = parser.parse_known_args(argv)
 
+    if ours.worker_urls is not None:  # main() hands such a command line to the proxy
+        parser.error("--worker-urls fronts running servers: give it to feather-serve alone, with the proxy's "
+                     "options (see --help)")
     additional = _additional_config(parser, ours.additional_config, ADDITIONAL_CONFIG_KEY)
     try:
         overrides: dict[str, Any] = {}
@@ -436,8 +446,13 @@ def _serve_cluster(config: ClusterConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Console entry point ``feather-serve``."""
-    args, _, cluster, admission = _parse(sys.argv[1:] if argv is None else argv)
+    """Console entry point ``feather-serve``; with ``--worker-urls``, the proxy over running servers."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a == "--worker-urls" or a.startswith("--worker-urls=") for a in argv):
+        from scheduler_runtime.serving.proxy import main as proxy_main
+
+        raise SystemExit(proxy_main(argv, prog="feather-serve"))
+    args, _, cluster, admission = _parse(argv)
     if admission is not None:  # the API-server process (each replica's) reads it
         os.environ[ADMISSION_ENV] = admission.to_json()
     if cluster.replicas > 1:
