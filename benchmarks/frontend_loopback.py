@@ -130,6 +130,19 @@ async def drive(url: str, requests: Sequence[tuple[str, int]], model: str = MODE
             "output_throughput": tokens / wall, "requests": each}
 
 
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], deadline: float, failure: str,
+                 period_s: float = 1.0) -> None:
+    """Until ``url``'s ``/health`` answers 200; ``RuntimeError(failure)`` if ``proc`` exits first or the
+    ``deadline`` (``time.monotonic``) passes."""
+    while True:
+        with contextlib.suppress(OSError):
+            http_get(url + "/health", timeout=5)
+            return
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(failure)
+        time.sleep(period_s)
+
+
 def replica_cores(n: int = 2) -> list[str]:
     """Each of ``n`` replicas' core: replica ``k``'s is the ``k``-th of this command's affinity (round
     the list)."""
@@ -160,13 +173,7 @@ def plain_replicas(log_dir: Path, own_args: Sequence[Sequence[str]] = ((), ()),
             urls.append(f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + 420
         for proc, url in zip(procs, urls, strict=True):
-            while True:
-                with contextlib.suppress(OSError):
-                    http_get(url + "/health", timeout=5)
-                    break
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"feather-serve at {url} did not start (see {log_dir})")
-                time.sleep(1.0)
+            wait_healthy(url, proc, deadline, f"feather-serve at {url} did not start (see {log_dir})")
         yield urls
     finally:
         for proc in procs:

@@ -69,6 +69,7 @@ from benchmarks.frontend_loopback import (
     plain_replicas,
     replica_cores,
     requests_for,
+    wait_healthy,
 )
 from benchmarks.frontend_overhead import stop
 from benchmarks.standin import MODEL as STANDIN_MODEL
@@ -122,14 +123,7 @@ def ours_over(urls: Sequence[str], log_path: Path) -> Iterator[str]:
                                 stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
         try:
             url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 120
-            while True:
-                with contextlib.suppress(OSError):
-                    http_get(url + "/health", timeout=5)
-                    break
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the proxy did not start (see {log_path})")
-                time.sleep(0.2)
+            wait_healthy(url, proc, time.monotonic() + 120, f"the proxy did not start (see {log_path})", 0.2)
             yield url
         finally:
             stop(proc)

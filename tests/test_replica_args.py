@@ -4,6 +4,7 @@ carried to the right replica process (paced stand-ins in place of engines: no vL
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -47,7 +48,7 @@ def test_specs_are_read_per_replica():
     (["1: --max-num-seqs '8"], "No closing quotation"),
 ])
 def test_a_bad_spec_names_the_replica_and_the_argument(specs, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         parse_replica_args(specs, 2)
 
 
