@@ -30,7 +30,8 @@ Front ends, alternated, fresh replicas and front end per run (``--repeats``, def
 
 Per run: requests completed with all their tokens, output tokens/s (all the answers' tokens over the
 wall time), attainment (requests that completed within an SLO over those submitted) for each ``--slo``
-pair, TTFT and TPOT percentiles (p50, p90, p99), the prefix-cache hit rate, the replicas' shares. The
+pair, TTFT and TPOT percentiles (p50, p90, p99), the prefix-cache hit rate, the replicas' shares and, for
+ours, what it learned of each replica by the end (``/replicas``' estimates: KV tokens, speeds). The
 SLOs: the issue's ``ttft:5000 tpot:50`` and ``auto``, a pair set at the median TTFT and median TPOT of
 every request of every run: on this tiny model on one CPU core a request takes about a second or two, so
 the issue's pair is met by nearly every request that completes (it flags failures, not speed); the
@@ -49,6 +50,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import math
 import shlex
 import statistics
@@ -115,7 +117,8 @@ def noisy_neighbour(core: str) -> Iterator[subprocess.Popen[bytes]]:
 @contextlib.contextmanager
 def ours_over(urls: Sequence[str], log_path: Path) -> Iterator[str]:
     """``feather-serve --worker-urls`` in front of ``urls`` (``--router prefix-learned``, told nothing);
-    its URL once it reports a healthy replica."""
+    its URL once it reports a healthy replica and has read each replica's ``/metrics`` once (its first
+    scrape, 1 s; at most 30 s), as a front end that has started."""
     port = free_port()
     with log_path.open("wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "scheduler_runtime.serving.serve", "--port", str(port),
@@ -124,6 +127,10 @@ def ours_over(urls: Sequence[str], log_path: Path) -> Iterator[str]:
         try:
             url = f"http://127.0.0.1:{port}"
             wait_healthy(url, proc, time.monotonic() + 120, f"the proxy did not start (see {log_path})", 0.2)
+            deadline = time.monotonic() + 30  # ready once it has read every replica's /metrics once
+            while time.monotonic() < deadline and not all((r.get("estimates") or {}).get("kv_tokens")
+                                                          for r in json.loads(http_get(url + "/replicas"))):
+                time.sleep(0.2)
             yield url
         finally:
             stop(proc)
@@ -173,9 +180,13 @@ def run_once(front_end: str, requests: Sequence[tuple[str, int]], log_dir: Path,
             result = asyncio.run(drive(url, requests, model=model))
             after = hit_counts([http_get(u + "/metrics") for u in urls])
             shares = _shares(urls)
+            # what ours learned of each replica by the end (its KV sizes and speeds)
+            learned = ({str(r["rank"]): r["estimates"] for r in json.loads(http_get(url + "/replicas"))}
+                       if front_end == OURS else None)
     queries = after[1] - before[1]
     hit_rate = (after[0] - before[0]) / queries if queries else None
-    return {"front_end": front_end, **result, "prefix_hit_rate": hit_rate, "replica_requests": shares}
+    return {"front_end": front_end, **result, "prefix_hit_rate": hit_rate, "replica_requests": shares,
+            "learned": learned}
 
 
 def _shares(urls: Sequence[str]) -> list[float]:
@@ -280,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--documents", type=int, default=12,
                    help="L-Eval documents of the workload (6 questions each; at most 30; default 12, "
-                        "frontend_loopback's)")
+                        "frontend_loopback's; --standin has its own)")
     p.add_argument("--small-kv-tokens", type=int, default=16384, help="replica 1's KV cache in tokens")
     p.add_argument("--kv-ratio", type=float, default=4.0, help="replica 0's KV over replica 1's")
     p.add_argument("--slo", action="append", default=None, metavar='"ttft:MS tpot:MS"|auto',
