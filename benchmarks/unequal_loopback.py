@@ -199,15 +199,15 @@ def _shares(urls: Sequence[str]) -> list[float]:
 
 def slo_pairs(specs: Sequence[str], runs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
     """Each ``--slo`` as ``{"ttft": ms, "tpot": ms}``; ``auto``: the medians over every completed request
-    of ``runs`` (rounded to the ms)."""
+    of ``runs`` (rounded up to the ms, so that a request at the median meets it)."""
     out = {}
     for spec in specs:
         if spec.strip() == AUTO:
             done = [r for run in runs for r in run["requests"] if r.get("completed")]
             ttfts = [r["ttft_s"] for r in done if r["ttft_s"] is not None]
             tpots = [t for r in done if (t := tpot_s(r)) is not None]
-            pair = {"ttft": round(1000 * statistics.median(ttfts)) if ttfts else math.inf,
-                    "tpot": round(1000 * statistics.median(tpots)) if tpots else math.inf}
+            pair = {"ttft": math.ceil(1000 * statistics.median(ttfts)) if ttfts else math.inf,
+                    "tpot": math.ceil(1000 * statistics.median(tpots)) if tpots else math.inf}
             out[f"auto (ttft:{pair['ttft']} tpot:{pair['tpot']})"] = pair
         else:
             out[spec.strip()] = parse_slos(spec)

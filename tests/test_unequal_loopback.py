@@ -58,3 +58,15 @@ def test_the_whole_benchmark_runs_on_stand_ins(tmp_path, capsys):
 def test_bad_options_are_usage_errors(argv):
     with pytest.raises(SystemExit):
         ul.main(["--standin", *argv])
+
+
+def test_the_auto_slo_sits_at_the_pooled_medians():
+    def run(ttft: float, e2e: float) -> dict:
+        return {"requests": [{"ttft_s": ttft, "e2e_s": e2e, "tokens": 32, "completed": True}]}
+
+    runs = [run(0.5, 1.5), run(0.7, 1.7), run(0.9, 2.5)]
+    slos = ul.slo_pairs([ul.AUTO], runs)
+    (name, pair), = slos.items()
+    assert pair == {"ttft": 700, "tpot": 33} and name == "auto (ttft:700 tpot:33)"  # 1.0 s / 31 tokens
+    # a request at the median meets it: two of the three here
+    assert [ul.figures(r, slos)["attainment"][name] for r in runs] == [1.0, 1.0, 0.0]
