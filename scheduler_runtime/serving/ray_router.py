@@ -116,9 +116,12 @@ class LearnedRequestRouter(PrefixRequestRouter):
     ingress's, hands the call over to it.
     """
 
+    def initialize_state(self, **kwargs: Any) -> None:
+        self._seen_stats: dict[str, Any] = {}  # replica id -> the last routing stats' seq read
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop Ray runs this router in
+        super().initialize_state(**kwargs)
+
     def _router(self, **kwargs: Any) -> PrefixAffinityRouter:
-        self._seen_stats: dict[str, Any] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
         return LearnedRouter(**kwargs)
 
     async def choose_replicas(self, candidate_replicas: list[Any], pending_request: Any = None
