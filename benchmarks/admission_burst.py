@@ -70,6 +70,7 @@ import numpy as np
 
 from benchmarks import measured
 from feather_env.reporting import format_table, machine_info, write_json
+from scheduler_runtime.sse import SSE_DONE, sse_events
 
 #: The engine: a 512 MiB KV cache (~130k tokens), prompts up to 4,096 tokens, 64 sequences, a budget of
 #: 4,096 tokens per step (the end-to-end admission test's ``SMALL_SERVER``).
@@ -237,18 +238,13 @@ async def send_one(session: Any, url: str, body: bytes, *, prompt_tokens: int, m
                 if resp.status != 200:
                     text = await resp.text()
                 else:
-                    async for raw in resp.content:
-                        line = raw.decode(errors="replace").strip()
-                        if not line.startswith("data: "):
-                            continue
-                        data = line[6:]
-                        if data == "[DONE]":
+                    async for event in sse_events(resp.content):
+                        if event is SSE_DONE:
                             done = True
                             break
-                        event = json.loads(data)
                         if "error" in event:
                             error_event = True
-                            text = data
+                            text = json.dumps(event)
                             continue
                         if event.get("choices") and out["ttft_s"] is None:
                             out["ttft_s"] = time.monotonic() - t0

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import time
@@ -38,6 +37,7 @@ from benchmarks import measured
 from benchmarks.cluster_loopback import per_replica
 from benchmarks.cluster_server import ClusterServer
 from feather_env.reporting import format_table, machine_info, write_json
+from scheduler_runtime.sse import SSE_DONE, sse_events
 
 SERVER_ARGS = ["--kv-cache-memory-bytes", str(256 << 20), "--max-model-len", "2048", "--max-num-seqs", "32",
                "--max-num-batched-tokens", "4096"]
@@ -61,15 +61,10 @@ async def stream_one(session: Any, url: str, prompt: list[int]) -> dict[str, Any
                 out["message"] = (await resp.text())[:300]
                 return out
             done, error = False, None
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
+            async for event in sse_events(resp.content):
+                if event is SSE_DONE:
                     done = True
                     break
-                event = json.loads(data)
                 if "error" in event:
                     error = event["error"]["message"]
                 elif event.get("usage"):

@@ -35,13 +35,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +51,9 @@ from feather_env.evaluation.endpoint import parse_prometheus
 from feather_env.reporting import format_table, machine_info, write_json
 from feather_env.workloads.build import WorkloadConfig, build_workload
 from feather_env.workloads.tokenizer import load_tokenizer
+from scheduler_runtime.serving.replica_args import without_flags
+from scheduler_runtime.serving.replicas import die_with_parent
+from scheduler_runtime.sse import SSE_DONE, sse_events
 
 #: Our front ends: ``feather-serve --replicas 2`` with (data plane, router).
 FEATHER_FRONT_ENDS = {"feather-proxy": ("proxy", "prefix"), "feather-ray": ("ray", "prefix"),
@@ -66,12 +68,13 @@ COMMAND = ("flock /tmp/feather-engine.lock python -m benchmarks.frontend_loopbac
            "--json results/frontend_loopback.json")
 
 
-def requests_for(seed: int) -> list[tuple[str, int]]:
-    """``(prompt text, output tokens)`` of :mod:`benchmarks.cluster_loopback`'s workload, in its order."""
+def requests_for(seed: int, documents: int | None = None) -> list[tuple[str, int]]:
+    """``(prompt text, output tokens)`` of :mod:`benchmarks.cluster_loopback`'s workload, in its order
+    (``documents``: that many documents in place of its 12)."""
     args = dict(zip(WORKLOAD_ARGS[::2], WORKLOAD_ARGS[1::2], strict=True))
     workload = build_workload(WorkloadConfig(
         kind=args["--workload"], tasks=tuple(args["--tasks"].split(",")),
-        num_groups=int(args["--num-groups"]), max_per_group=int(args["--max-per-group"]),
+        num_groups=documents or int(args["--num-groups"]), max_per_group=int(args["--max-per-group"]),
         max_prompt_tokens=int(args["--max-prompt-tokens"]),
         max_output_tokens=int(args["--max-output-tokens"]), arrival=args["--arrival"], seed=seed))
     tokenizer = load_tokenizer()
@@ -89,62 +92,88 @@ def hit_counts(texts: Sequence[str]) -> tuple[float, float]:
     return hits, queries
 
 
-async def drive(url: str, requests: Sequence[tuple[str, int]]) -> dict[str, Any]:
-    """Every request, at most :data:`CONCURRENCY` in flight; completions and output tokens/s."""
+async def drive(url: str, requests: Sequence[tuple[str, int]], model: str = MODEL) -> dict[str, Any]:
+    """Every request, at most :data:`CONCURRENCY` in flight; completions and output tokens/s, and each
+    request's ``ttft_s`` (send to first token; ``None``: none came), ``e2e_s``, ``tokens`` and
+    ``completed`` (every token it asked for), under ``requests``, in order."""
     import aiohttp
 
     semaphore = asyncio.Semaphore(CONCURRENCY)
     done = tokens = 0
+    each: list[dict[str, Any]] = [{} for _ in requests]
 
-    async def one(session: aiohttp.ClientSession, prompt: str, n: int) -> None:
+    async def one(session: aiohttp.ClientSession, i: int, prompt: str, n: int) -> None:
         nonlocal done, tokens
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "min_tokens": n, "ignore_eos": True,
+        body = {"model": model, "prompt": prompt, "max_tokens": n, "min_tokens": n, "ignore_eos": True,
                 "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
-        async with semaphore, session.post(url + "/v1/completions", json=body) as resp:
-            got = 0
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if line.startswith("data: {"):
-                    usage = json.loads(line[6:]).get("usage")
+        async with semaphore:
+            sent, first, got = time.monotonic(), None, 0
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                async for event in sse_events(resp.content):
+                    if event is SSE_DONE:
+                        continue
+                    if first is None and event.get("choices"):
+                        first = time.monotonic()
+                    usage = event.get("usage")
                     got = usage["completion_tokens"] if usage else got
-            done += resp.status == 200 and got == n
+                ok = resp.status == 200 and got == n
+            done += ok
             tokens += got
+            each[i] = {"ttft_s": None if first is None else first - sent, "e2e_s": time.monotonic() - sent,
+                       "tokens": got, "completed": ok}
 
     t0 = time.monotonic()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
-        await asyncio.gather(*(one(session, p, n) for p, n in requests))
+        await asyncio.gather(*(one(session, i, p, n) for i, (p, n) in enumerate(requests)))
     wall = time.monotonic() - t0
     return {"completed": done, "submitted": len(requests), "output_tokens": tokens, "wall_s": wall,
-            "output_throughput": tokens / wall}
+            "output_throughput": tokens / wall, "requests": each}
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], deadline: float, failure: str,
+                 period_s: float = 1.0) -> None:
+    """Until ``url``'s ``/health`` answers 200; ``RuntimeError(failure)`` if ``proc`` exits first or the
+    ``deadline`` (``time.monotonic``) passes."""
+    while True:
+        with contextlib.suppress(OSError):
+            http_get(url + "/health", timeout=5)
+            return
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(failure)
+        time.sleep(period_s)
+
+
+def replica_cores(n: int = 2) -> list[str]:
+    """Each of ``n`` replicas' core: replica ``k``'s is the ``k``-th of this command's affinity (round
+    the list)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return [str(cores[k % len(cores)]) for k in range(n)]
 
 
 @contextlib.contextmanager
-def plain_replicas(log_dir: Path) -> Iterator[list[str]]:
-    """Two plain ``feather-serve`` processes, replica ``k`` pinned to the ``k``-th core of this command."""
-    cores = sorted(os.sched_getaffinity(0))
+def plain_replicas(log_dir: Path, own_args: Sequence[Sequence[str]] = ((), ()),
+                   command: Callable[[int, int], list[str]] | None = None) -> Iterator[list[str]]:
+    """Plain ``feather-serve`` processes, one per entry of ``own_args`` (replica ``k`` with
+    :data:`SERVER_ARGS` and ``own_args[k]`` in place of those it names), replica ``k`` pinned to the
+    ``k``-th core of this command (:func:`replica_cores`); ``command(k, port)``: another server in place
+    of ``feather-serve`` (a stand-in), pinned the same way."""
     procs, urls = [], []
     try:
-        for k in range(2):
-            core = str(cores[k % len(cores)])
+        for k, (own, core) in enumerate(zip(own_args, replica_cores(len(own_args)), strict=True)):
             port = free_port()
             env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": core, "VLLM_SERVER_DEV_MODE": "1"}
             env.pop("PROMETHEUS_MULTIPROC_DIR", None)
             log = (log_dir / f"replica{k}.log").open("wb")
-            command = ["taskset", "-c", core, sys.executable, "-m", "scheduler_runtime.serving.serve",
-                       "--port",
-                       str(port), *SERVER_ARGS, *SERVED]
-            procs.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
+            server = command(k, port) if command is not None else [
+                sys.executable, "-m", "scheduler_runtime.serving.serve", "--port", str(port),
+                *without_flags(SERVER_ARGS, own[::2]), *own, *SERVED]
+            procs.append(subprocess.Popen(["taskset", "-c", core, *server], cwd=REPO, env=env, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True,
+                                          preexec_fn=die_with_parent))
             urls.append(f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + 420
         for proc, url in zip(procs, urls, strict=True):
-            while True:
-                with contextlib.suppress(OSError):
-                    http_get(url + "/health", timeout=5)
-                    break
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"feather-serve at {url} did not start (see {log_dir})")
-                time.sleep(1.0)
+            wait_healthy(url, proc, deadline, f"feather-serve at {url} did not start (see {log_dir})")
         yield urls
     finally:
         for proc in procs:

@@ -244,7 +244,7 @@ class StandInEngine:
         return {"replica_id": self.replica_id, "rank": self.rank, "pid": os.getpid()}
 
     async def generate(self, kind: str, body: dict[str, Any], rendered: Any, route: Any = None,
-                       avoid: Any = None) -> Any:
+                       avoid: Any = None, rid: Any = None, tokens: Any = None) -> Any:
         yield {"replica": self.replica_id, "rank": self.rank}
         self.n += 1
         rid = f"cmpl-{self.rank}-{self.n}"

@@ -26,10 +26,11 @@ from feather_env.evaluation.endpoint import parse_prometheus
 from scheduler_runtime.learned_router import LearnedRouter
 from scheduler_runtime.router import PrefixAffinityRouter
 from scheduler_runtime.serving.cluster_base import ClusterConfig, estimates_exposition
-from scheduler_runtime.serving.proxy import ReplicaProxy, parse_per_worker, proxy_for, stream_output_tokens
+from scheduler_runtime.serving.proxy import ReplicaProxy, parse_per_worker, proxy_for
 from scheduler_runtime.serving.replicas import Replica, replicas_for
 from scheduler_runtime.serving.serve import _parse
 from scheduler_runtime.serving.vllm_metrics import parse_vllm_metrics, restarted
+from scheduler_runtime.sse import stream_output_tokens
 
 SAMPLE = Path(__file__).resolve().parent / "data" / "vllm_metrics_sample.txt"
 
@@ -141,7 +142,7 @@ def test_the_learned_router_is_chosen_and_told_only_what_is_given():
         parse_per_worker("4096,x", "--kv-tokens", integer=True)
 
 
-def test_feather_serve_takes_the_learned_router_on_the_proxy_only(capsys):
+def test_feather_serve_takes_the_learned_router(capsys):
     _, _, cluster, _ = _parse(["--replicas", "2", "--router", "prefix-learned", "--replica-weights", "1,0.5",
                                "--scrape-period", "0.5", "--replica-cores", "0;0"])
     assert cluster.router == "prefix-learned" and cluster.replica_weights == (1.0, 0.5)
@@ -149,7 +150,9 @@ def test_feather_serve_takes_the_learned_router_on_the_proxy_only(capsys):
     # told no KV even where the engine arguments give it: it reads vllm:cache_config_info
     assert cluster.kv_tokens is not None and proxy.router.told_kv_tokens is None
     assert proxy.scrape_period_s == 0.5 and proxy.router.told("1", 0.0) == (2.0, 2.0)
-    for argv, message in ((["--data-plane", "ray"], "runs in the proxy data plane only"),
+    _, _, on_ray, _ = _parse(["--replicas", "2", "--router", "prefix-learned", "--data-plane", "ray"])
+    assert on_ray.router == "prefix-learned" and on_ray.data_plane == "ray"
+    for argv, message in ((["--data-plane", "ray", "--replica-weights", "1,2"], "names its replicas"),
                           (["--replica-weights", "1"], "1 weights for 2 replicas")):
         with pytest.raises(SystemExit):
             _parse(["--replicas", "2", "--router", "prefix-learned", "--replica-cores", "0;0", *argv])
@@ -262,7 +265,8 @@ def test_a_replica_process_that_dies_is_forgotten_and_relearned():
             list(pool.map(lambda i: post(running.url, {"prompt": [i] * 300, "max_tokens": 4, "stream": True}),
                           range(16)))
         # the KV comes from a scrape, whose period is not tied to the requests: wait for both
-        est = _wait(lambda: (e := _estimates(running.url)) and all(r.get("kv_tokens") for r in e.values()) and e, 30.0)
+        est = _wait(lambda: (e := _estimates(running.url)) and all(r.get("kv_tokens") for r in e.values())
+                    and e, 30.0)
         assert all(e["prefill_samples"] > 0 and e["kv_tokens"] == 64 * 16 for e in est.values()), est
         victim = proxy.replicas[1]
         pid = victim.process.pid

@@ -288,3 +288,45 @@ def test_the_fleet_bound_takes_each_request_at_the_fastest_kind(engine):
     fast = fleet_bound(engine, [ReplicaSpec()] * 2, timed, {})
     slow_only = fleet_bound(engine, [slow] * 2, timed, {})
     assert mixed == pytest.approx(fast) and slow_only < fast
+
+
+def test_the_learned_router_adapts_at_rays_routing_stats_period(data_dir):
+    """Ray Serve hands a router each replica's metrics every 10 s (``request_routing_stats_period_s``'s
+    default), the proxy every 1 s. In the simulator's drift fleet (8 replicas, replica 0 3x slower from
+    40 s to 100 s, load 0.8), the learned router read every 10 s serves as it does read at every arrival,
+    and its learned speed of replica 0 comes within 20% of the truth within 60 s of the slowdown and of
+    the recovery: the speeds come from the requests it routes; the metrics bring the KV size, read at
+    the first arrival whatever the period."""
+    from benchmarks.unequal_replicas import (
+        DEFAULT_SLO,
+        _attainment,
+        _Traced,
+        capacity,
+        convergence,
+        drift_workload,
+    )
+    from benchmarks.unequal_replicas import fleets as fleet_specs
+    from feather_env.workloads import load_workload
+    from feather_env.workloads.build import WorkloadConfig
+
+    n, at, until = 8, 40.0, 100.0
+    engine = load_scenario("leval-kv-pressure").engine_config()
+    pool = load_workload(WorkloadConfig(kind="leval", max_prompt_tokens=8192))
+    specs = fleet_specs(n, at, until)["drift"]
+    work = drift_workload(pool, n, 16, 3, seed=n)
+    rate = 0.8 * capacity(engine, specs, Workload("first block", work.requests[:len(work) // 3]))["req_s"]
+    timed = work.with_arrivals(f"poisson:{rate}", 1)
+    sim = ClusterSim(n, engine, profiles=specs)
+    out = {}
+    for scrape_s in (0.0, 10.0):
+        router = _Traced()
+        result = sim.run(timed, router, goodput=DEFAULT_SLO, scrape_s=scrape_s)
+        phases = convergence(router.trace, "0", [(0.0, at, 1.0), (at, until, 3.0), (until, math.inf, 1.0)])
+        out[scrape_s] = (_attainment(result, len(timed)), result.metrics["output_throughput"], phases,
+                         {e["kv_tokens"] for e in router.estimates().values()})
+    (att_1, out_1, _, kv_1), (att_10, out_10, phases, kv_10) = out[0.0], out[10.0]
+    assert att_10 >= 0.99 * att_1 and out_10 >= 0.99 * out_1
+    assert kv_10 == kv_1 and None not in kv_10
+    slow, recovered = phases[1], phases[2]
+    assert slow["first_s"] is not None and slow["first_s"] <= 60.0, phases
+    assert recovered["first_s"] is not None and recovered["first_s"] <= 60.0, phases

@@ -55,6 +55,7 @@ from feather_env.evaluation.report import ENDPOINT, Run
 from feather_env.records import RequestTimeline
 from feather_env.workloads import Request, Workload
 from scheduler_runtime.config import ConfigError
+from scheduler_runtime.sse import SSE_DONE, sse_events
 
 __all__ = ["EndpointConfig", "EndpointError", "ServerInfo", "evaluate_endpoint", "normalize_url",
            "parse_prometheus", "probe_server", "read_metrics", "reset_prefix_cache"]
@@ -313,14 +314,9 @@ async def _send(session: Any, url: str, request: Request, config: EndpointConfig
             if resp.status != 200:
                 body = (await resp.text())[:300]
                 return t, sent - due, f"HTTP {resp.status}: {body}"
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue  # blank separators and SSE comments
-                data = line[5:].strip()
-                if data == b"[DONE]":
+            async for chunk in sse_events(resp.content):
+                if chunk is SSE_DONE:
                     break
-                chunk = json.loads(data)
                 now = time.perf_counter() - t0
                 if chunk.get("error"):  # vLLM streams an error object when generation fails
                     raise RuntimeError(chunk["error"])

@@ -27,6 +27,12 @@ The router (the engine deployment's ``RequestRouter``, which runs in the ingress
   request's prefix hashes and the requests each replica is serving (counted from the router's own
   routed/completed callbacks); Ray then sends the request to that
   replica unless its queue is full (``--max-ongoing-requests``), else to the least loaded other one;
+* ``--router prefix-learned``: :class:`~scheduler_runtime.serving.ray_router.LearnedRequestRouter`, the
+  same around :class:`~scheduler_runtime.learned_router.LearnedRouter`, which learns each replica's speed
+  and KV size: each engine replica publishes its parsed ``/metrics`` as its Ray routing stats
+  (:meth:`EngineReplica.record_routing_stats`, every ``--scrape-period`` seconds, Ray's
+  ``request_routing_stats_period_s``), and the ingress tells the router each request's first token and
+  end with its output tokens, from the response it relays (as the proxy does);
 * ``--router pow2``: Ray Serve's default router (power of two choices on queue lengths), untouched;
 * ``--router ray-prefix-affinity``: Ray Serve LLM's ``PrefixCacheAffinityRouter`` (its defaults), the
   field's router to measure ours against; it reads the prompt text from the call (:class:`TextBody`).
@@ -64,6 +70,7 @@ import signal
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -85,12 +92,15 @@ from scheduler_runtime.serving.cluster_base import (
     FrontEndStats,
     core_binding,
     error_body,
+    estimates_exposition,
     replica_exposition,
 )
-from scheduler_runtime.serving.ray_router import PrefixRequestRouter
+from scheduler_runtime.serving.ray_router import LearnedRequestRouter, PrefixRequestRouter
+from scheduler_runtime.serving.vllm_metrics import parse_vllm_metrics
+from scheduler_runtime.sse import stream_output_tokens
 
 __all__ = ["APP_NAME", "ROUTER_CHOICES", "ClusterConfig", "EngineReplica", "FeatherIngress", "TextBody",
-           "PrefixRequestRouter",
+           "LearnedRequestRouter", "PrefixRequestRouter",
            "build_app", "run_cluster"]
 
 APP_NAME = "feather"
@@ -181,6 +191,7 @@ class EngineReplica:
         self.local_rank = int(context.rank.local_rank)
         self.replica_id = context.replica_id.unique_id
         self.cores = None
+        self._stats_seq = 0
         if replica_cores:
             self.cores = replica_cores[self.local_rank % len(replica_cores)]
             _bind_cores(self.cores)
@@ -210,9 +221,11 @@ class EngineReplica:
                 "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
 
     async def generate(self, kind: str, body: dict[str, Any], rendered: Any, route: Any = None,
-                       avoid: Any = None) -> AsyncIterator[Any]:
+                       avoid: Any = None, rid: str | None = None, tokens: int | None = None
+                       ) -> AsyncIterator[Any]:
         """Serve one request; yields ``{"replica": ...}``, then ``{"status": S, "json": ...}`` (a whole
-        answer) or ``{"status": 200, "stream": True}`` followed by vLLM's SSE strings."""
+        answer) or ``{"status": 200, "stream": True}`` followed by vLLM's SSE strings. ``route``,
+        ``avoid``, ``rid`` and ``tokens`` are for the router (it reads the call's arguments)."""
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
@@ -242,6 +255,13 @@ class EngineReplica:
         """This replica's Prometheus exposition (vLLM's and Feather's series)."""
         return {"replica_id": self.replica_id, "rank": self.rank,
                 "text": _metrics_text(self._prom_dir, self._own_registry)}
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Ray Serve's routing stats of this replica (every ``request_routing_stats_period_s``): its
+        ``/metrics`` as the learned router reads it (:func:`parse_vllm_metrics`), numbered."""
+        self._stats_seq += 1
+        return {"seq": self._stats_seq, "rank": self.rank,
+                "metrics": parse_vllm_metrics(_metrics_text(self._prom_dir, self._own_registry)).metrics}
 
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.engine.reset_prefix_cache())
@@ -295,6 +315,35 @@ class TextBody(dict):
         return TextBody, (dict(self),)
 
 
+def _learned_routers() -> list[Any]:
+    """The learning routers of this process (the ingress's; the real module's list, as this module
+    travels by value). Defined before :class:`FeatherIngress`, which ``serve.ingress`` copies with the
+    globals it finds then."""
+    return [r for r in cluster_base.LIVE_ROUTERS if hasattr(r, "relayed")]
+
+
+def _relayed(rid: str | None, **what: Any) -> None:
+    """Tell the learning routers what the ingress saw of request ``rid`` (``None``: not learning)."""
+    if rid is None:
+        return
+    for router in _learned_routers():
+        router.relayed(rid, **what)
+
+
+def _learned_estimates() -> dict[str, dict[str, Any]]:
+    """What the learning routers learned, by Ray replica id (read from this thread: retried once if the
+    router's own loop changed it meanwhile)."""
+    out: dict[str, dict[str, Any]] = {}
+    for router in _learned_routers():
+        for _ in range(2):
+            try:
+                out.update(router.estimates())
+                break
+            except RuntimeError:  # a dict changed size while read
+                continue
+    return out
+
+
 @serve.ingress(app)
 class FeatherIngress:
     """The HTTP API (the ``FeatherIngress`` deployment's class; see the module docstring)."""
@@ -307,6 +356,7 @@ class FeatherIngress:
 
         self.engine = engine
         self.router_name = router
+        self.learns = router == "prefix-learned"  # tell the router what the responses show
         self.hasher = PrefixHasher(chunk_size)
         args = _vllm_namespace(vllm_args)
         engine_args = AsyncEngineArgs.from_cli_args(args)
@@ -358,8 +408,13 @@ class FeatherIngress:
 
     @app.get("/replicas")
     async def replicas(self) -> Any:
-        """Every engine replica's identity (rank, process, cores): for operators and the fault test."""
-        return [r for r in await self.replica_results("info") if isinstance(r, dict)]
+        """Every engine replica's identity (rank, process, cores) and, with ``prefix-learned``, what the
+        router learned of it (``estimates``): for operators and the fault test."""
+        infos = [r for r in await self.replica_results("info") if isinstance(r, dict)]
+        if self.learns:
+            estimates = _learned_estimates()
+            infos = [{**r, "estimates": estimates.get(r["replica_id"])} for r in infos]
+        return infos
 
     # -- requests ---------------------------------------------------------------------------------
     async def serve_request(self, kind: str, body: dict[str, Any]) -> Any:
@@ -385,16 +440,21 @@ class FeatherIngress:
             return JSONResponse(rendered.model_dump(), status_code=rendered.error.code)
         route = None
         first_input = inputs[0] if inputs else None
+        learning: dict[str, Any] = {}
         if isinstance(first_input, dict) and first_input.get("prompt_token_ids"):
             route = self.hasher.hash(np.asarray(first_input["prompt_token_ids"], dtype=np.int64)).tolist()
+            if self.learns:
+                learning["tokens"] = len(first_input["prompt_token_ids"])
         if self.router_name == "ray-prefix-affinity":
             body = TextBody(body)
         avoid: list[str] = []
         attempt = 0
         while True:
             attempt += 1
+            if self.learns:  # each attempt is a request of its own to the router
+                learning["rid"] = uuid.uuid4().hex
             gen = self.engine.options(stream=True).generate.remote(kind, body, rendered, route=route,
-                                                                   avoid=avoid)
+                                                                   avoid=avoid, **learning)
             header: dict[str, Any] | None = None
             try:
                 header = await gen.__anext__()
@@ -404,6 +464,7 @@ class FeatherIngress:
                 first_chunk = await anext(gen, None) if first.get("stream") else None
             except Exception as exc:  # noqa: BLE001 - answered below
                 gen.cancel()
+                _relayed(learning.get("rid"), finished=True)
                 lost = _replica_lost(exc)
                 if lost and attempt == 1:
                     self.stats.retries += 1
@@ -418,19 +479,36 @@ class FeatherIngress:
             break
         rank = str(header["rank"])
         headers = {"x-feather-replica": f"{rank}/{header['replica']}", "x-feather-attempts": str(attempt)}
+        rid = learning.get("rid")
         if not first.get("stream"):
             self.stats.counts[(rank, "ok" if first["status"] == 200 else "error_response")] += 1
+            usage = (first["json"].get("usage") or {}) if first["status"] == 200 else {}
+            tokens = usage.get("completion_tokens")
+            _relayed(rid, finished=True,
+                     output_tokens=int(tokens) // max(1, int(body.get("n") or 1)) if tokens else None)
             return JSONResponse(first["json"], status_code=first["status"], headers=headers)
-        return StreamingResponse(self._relay(gen, first_chunk, rank), media_type="text/event-stream",
-                                 headers=headers)
+        if first_chunk is not None:
+            _relayed(rid, first_token=True)  # vLLM streams its first chunk with the first token
+        return StreamingResponse(self._relay(gen, first_chunk, rank, rid, kind == "chat",
+                                             int(body.get("n") or 1)),
+                                 media_type="text/event-stream", headers=headers)
 
-    async def _relay(self, gen: Any, first_chunk: str | None, rank: str) -> AsyncIterator[str]:
-        """The replica's SSE stream; a replica lost mid-stream ends it with an error event."""
+    async def _relay(self, gen: Any, first_chunk: str | None, rank: str, rid: str | None = None,
+                     chat: bool = False, choices: int = 1) -> AsyncIterator[str]:
+        """The replica's SSE stream; a replica lost mid-stream ends it with an error event. With
+        ``rid`` (``prefix-learned``), the router is told its end and output tokens (counted as the
+        proxy counts them, :func:`stream_output_tokens`)."""
         outcome = "ok"
+        events, tail = 0, ["", ""]
         try:
             if first_chunk is not None:
+                events += first_chunk.count("\n\n")
+                tail = [tail[1], first_chunk]
                 yield first_chunk
             async for chunk in gen:
+                if rid is not None and isinstance(chunk, str):
+                    events += chunk.count("\n\n")
+                    tail = [tail[1], chunk]
                 yield chunk
         except asyncio.CancelledError:  # the client went away: so does the request
             outcome = "client_gone"
@@ -446,6 +524,9 @@ class FeatherIngress:
             yield "data: [DONE]\n\n"
         finally:
             self.stats.counts[(rank, outcome)] += 1
+            if rid is not None:
+                tokens = stream_output_tokens(events, "".join(tail).encode(), chat, choices)
+                _relayed(rid, finished=True, output_tokens=tokens if outcome == "ok" else None)
 
     async def replica_results(self, method: str) -> list[Any]:
         """``method`` on every engine replica (exceptions in place of the failed ones)."""
@@ -464,7 +545,12 @@ class FeatherIngress:
         # this class travels by value (``serve.ingress`` wraps it): the routers are in the real module
         own = self.stats.exposition(self.router_name, len(results), len(answered),
                                     [router.stats() for router in cluster_base.LIVE_ROUTERS])
-        return "\n".join(p for p in (exposition, own) if p) + "\n"
+        learned = ""
+        if self.learns:  # by rank, as every other series of a replica
+            estimates = _learned_estimates()
+            learned = estimates_exposition({str(r["rank"]): estimates[r["replica_id"]] for r in answered
+                                            if r["replica_id"] in estimates})
+        return "\n".join(p for p in (exposition, own, learned) if p) + "\n"
 
 
 # ------------------------------------------------------------------------------------ deployment
@@ -488,6 +574,13 @@ def build_app(config: ClusterConfig, engine_cls: type = EngineReplica) -> Any:
         engine_options["request_router_config"] = RequestRouterConfig(
             request_router_class=PrefixRequestRouter,
             request_router_kwargs=config.router_kwargs())
+    elif config.router == "prefix-learned":
+        knobs = config.router_kwargs()
+        knobs.pop("kv_tokens")  # told nothing: it reads each replica's KV from its routing stats
+        engine_options["request_router_config"] = RequestRouterConfig(
+            request_router_class=LearnedRequestRouter, request_router_kwargs=knobs,
+            request_routing_stats_period_s=config.scrape_period_s,
+            request_routing_stats_timeout_s=max(5.0, 2 * config.scrape_period_s))
     elif config.router == "ray-prefix-affinity":
         from ray.serve.llm.request_router import PrefixCacheAffinityRouter
 

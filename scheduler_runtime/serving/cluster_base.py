@@ -22,16 +22,17 @@ from typing import Any
 
 from scheduler_runtime.hardware import kv_bytes_per_token, online_cores, parse_cores
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
+from scheduler_runtime.serving.replica_args import check_replica_args, without_flags
 
 __all__ = ["DATA_PLANES", "LIVE_ROUTERS", "PROXY_ONLY_ROUTERS", "RAY_ONLY_ROUTERS", "ROUTER_CHOICES",
            "ClusterConfig", "FrontEndStats", "core_binding", "error_body", "estimates_exposition",
            "flag_value", "gpu_groups", "replica_exposition", "replica_kv_tokens"]
 
 ROUTER_CHOICES = ("prefix", "pow2", "ray-prefix-affinity", "prefix-learned")
-#: Routers that only the proxy data plane has: ours learning each replica's speed and KV size
-#: (:class:`~scheduler_runtime.learned_router.LearnedRouter`), fed by the proxy's relayed streams and
-#: its scrapes of each replica's ``/metrics``.
-PROXY_ONLY_ROUTERS = ("prefix-learned",)
+#: Routers that only the proxy data plane has (none now: ours learning each replica's speed and KV size,
+#: :class:`~scheduler_runtime.learned_router.LearnedRouter`, runs on both, fed by the streams the front end
+#: relays and each replica's ``/metrics``: scraped by the proxy, Ray's routing stats on Ray Serve).
+PROXY_ONLY_ROUTERS: tuple[str, ...] = ()
 #: Routers that only the Ray data plane has: Ray Serve LLM's ``PrefixCacheAffinityRouter`` (ray 2.60,
 #: its defaults; importing it needs ``pyarrow``, the ``peers`` extra), to measure ours against.
 RAY_ONLY_ROUTERS = ("ray-prefix-affinity",)
@@ -51,7 +52,7 @@ class ClusterConfig:
     Attributes:
         replicas: engine replicas (>= 1; ``feather-serve`` runs 1 as the plain server).
         router: ``"prefix"`` (ours), ``"pow2"``, ``"ray-prefix-affinity"`` (Ray's, ``ray`` only) or
-            ``"prefix-learned"`` (ours learning each replica's speed and KV, ``proxy`` only).
+            ``"prefix-learned"`` (ours learning each replica's speed and KV).
         data_plane: ``"proxy"`` (replica processes on this machine behind an asyncio proxy) or
             ``"ray"`` (a Ray Serve application, on a Ray cluster or a local instance).
         vllm_args: the vLLM API server arguments every replica is built from (``feather-serve``'s).
@@ -67,9 +68,12 @@ class ClusterConfig:
             model is told each replica's KV tokens, :attr:`kv_tokens`.
         object_store_mb: the local Ray instance's object store.
         replica_weights: ``prefix-learned`` told each replica's relative speed (one per replica)
-            instead of learning it (``--replica-weights``).
-        scrape_period_s: seconds between the proxy's reads of each replica's ``/metrics``
-            (``prefix-learned``).
+            instead of learning it (``--replica-weights``; ``proxy`` only).
+        scrape_period_s: seconds between the proxy's reads of each replica's ``/metrics``, and on Ray
+            Serve the period of each replica's routing stats (``prefix-learned``).
+        replica_args: each replica's own engine arguments, over ``vllm_args`` (``--replica-args 'K:
+            ARGS'``, :mod:`scheduler_runtime.serving.replica_args`; ``proxy`` only), one tuple per
+            replica (``()``: the common ones alone); ``None``: every replica alike.
     """
 
     replicas: int
@@ -89,6 +93,7 @@ class ClusterConfig:
     object_store_mb: int = 200
     replica_weights: tuple[float, ...] | None = None
     scrape_period_s: float = 1.0
+    replica_args: tuple[tuple[str, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         """Every value checked, as ``feather-serve`` reports it (a ``ValueError`` naming the flag):
@@ -107,11 +112,27 @@ class ClusterConfig:
         if self.replica_weights is not None:
             if self.router != "prefix-learned":
                 raise ValueError("--replica-weights are read by --router prefix-learned only")
+            if self.data_plane == "ray":
+                raise ValueError("--replica-weights needs --data-plane proxy: Ray Serve names its replicas "
+                                 "only once they run")
             if len(self.replica_weights) != self.replicas:
                 raise ValueError(f"--replica-weights: {len(self.replica_weights)} weights for "
                                  f"{self.replicas} replicas (one per replica)")
             if not all(math.isfinite(w) and w > 0 for w in self.replica_weights):
                 raise ValueError(f"--replica-weights must be > 0, got {list(self.replica_weights)}")
+        if self.replica_args is not None:
+            if self.replicas < 2:
+                raise ValueError("--replica-args needs --replicas N >= 2 (one replica: give it the arguments "
+                                 "themselves)")
+            if self.data_plane == "ray":
+                raise ValueError("--replica-args needs --data-plane proxy: a Ray Serve deployment starts "
+                                 "every replica with the same arguments")
+            if len(self.replica_args) != self.replicas:
+                raise ValueError(f"--replica-args: {len(self.replica_args)} entries for {self.replicas} "
+                                 "replicas (one per replica)")
+            for rank, own in enumerate(self.replica_args):
+                if own:
+                    check_replica_args(rank, own)
         if not self.scrape_period_s > 0:
             raise ValueError(f"--scrape-period must be > 0, got {self.scrape_period_s}")
         if self.data_plane == "proxy" and self.ray_address is not None:
@@ -132,11 +153,25 @@ class ClusterConfig:
                 raise ValueError(f"--replica-cores {spec.strip()!r}: core(s) {missing} are not among this "
                                  f"machine's cores ({sorted(machine)})")
 
+    def replica_vllm_args(self, rank: int) -> tuple[str, ...]:
+        """The engine arguments replica ``rank`` starts with: :attr:`vllm_args`, its own
+        (:attr:`replica_args`) in place of the common ones they name."""
+        own = self.replica_args[rank] if self.replica_args is not None else ()
+        if not own:
+            return self.vllm_args
+        return (*without_flags(self.vllm_args, own[::2]), *own)
+
     @property
-    def kv_tokens(self) -> int | None:
+    def kv_tokens(self) -> int | tuple[int, ...] | None:
         """Each replica's KV cache in tokens, from the engine arguments it is started with
-        (:func:`replica_kv_tokens`; ``None``: not known from them)."""
-        return replica_kv_tokens(self.vllm_args)
+        (:func:`replica_kv_tokens`): one number where they are alike, one per replica where
+        ``--replica-args`` sets them apart; ``None``: not known from them (for some replica)."""
+        if not self.replica_args:
+            return replica_kv_tokens(self.vllm_args)
+        per = [replica_kv_tokens(self.replica_vllm_args(k)) for k in range(self.replicas)]
+        if any(kv is None for kv in per):
+            return None
+        return per[0] if len(set(per)) == 1 else tuple(kv for kv in per if kv is not None)
 
     def router_kwargs(self) -> dict[str, Any]:
         """The prefix router's arguments (:class:`~scheduler_runtime.router.PrefixAffinityRouter`), the

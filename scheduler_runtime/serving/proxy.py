@@ -114,9 +114,10 @@ from scheduler_runtime.serving.replicas import (
     replicas_for,
 )
 from scheduler_runtime.serving.vllm_metrics import parse_vllm_metrics, restarted
+from scheduler_runtime.sse import stream_output_tokens
 
 __all__ = ["CHARS_PER_TOKEN", "SCRAPE_PERIOD_S", "SCRAPE_TIMEOUT_S", "ReplicaProxy", "main",
-           "parse_per_worker", "proxy_for", "request_keys", "run_proxy", "stream_output_tokens"]
+           "parse_per_worker", "proxy_for", "request_keys", "run_proxy"]
 
 #: Bytes of text counted as one token: a text prompt's routing chunk is ``chunk_size`` x this many bytes.
 CHARS_PER_TOKEN = 4
@@ -191,28 +192,6 @@ def request_keys(body: Mapping[str, Any], chat: bool,
             return None, None
         data = prompt.encode()
     return _text_keys(data, hasher.chunk_size * CHARS_PER_TOKEN), -(-len(data) // CHARS_PER_TOKEN)
-
-
-def stream_output_tokens(events: int, tail: bytes, chat: bool, choices: int = 1) -> int | None:
-    """The output tokens of one choice of a streamed answer: the last ``usage`` block's
-    ``completion_tokens`` in ``tail`` (the stream's last bytes; there when the client asked
-    ``stream_options.include_usage``), else its ``events`` (SSE events, each one engine step of one
-    choice: one token) less ``[DONE]`` and, for a chat, the role chunk vLLM sends first. Over
-    ``choices`` (the request's ``n``); ``None`` when nothing is left to count."""
-    at = tail.rfind(b'"completion_tokens":')
-    if at >= 0:
-        digits = tail[at + 20:at + 40].lstrip()
-        end = 0
-        while end < len(digits) and digits[end:end + 1].isdigit():
-            end += 1
-        if end:
-            return max(0, int(digits[:end]) // max(1, choices))
-    if tail.rstrip().endswith(b"data: [DONE]"):
-        events -= 1
-    if chat:
-        events -= choices
-    tokens = events // max(1, choices)
-    return tokens if tokens > 0 else None
 
 
 class _ReplicaLost(Exception):
@@ -884,10 +863,10 @@ def run_proxy(config: ClusterConfig) -> int:
     return status
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m scheduler_runtime.serving.proxy --worker-urls URL ...``: the proxy over running servers."""
-    parser = argparse.ArgumentParser(prog="python -m scheduler_runtime.serving.proxy",
-                                     description=main.__doc__)
+def main(argv: Sequence[str] | None = None, prog: str = "python -m scheduler_runtime.serving.proxy") -> int:
+    """``python -m scheduler_runtime.serving.proxy --worker-urls URL ...`` (or ``feather-serve --worker-urls
+    URL ...``, ``prog`` naming it in errors): the proxy over running servers."""
+    parser = argparse.ArgumentParser(prog=prog, description=main.__doc__)
     parser.add_argument("--worker-urls", nargs="+", required=True, help="the replicas, http://HOST:PORT")
     parser.add_argument("--router", choices=ROUTER_CHOICES, default="prefix")
     parser.add_argument("--host", default="127.0.0.1")

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler_runtime.serving.cluster_base import ClusterConfig, core_binding, gpu_groups
+from scheduler_runtime.serving.replica_args import without_flags
 
 __all__ = ["MAX_RESTART_DELAY_S", "RESTART_DELAY_S", "STABLE_S", "Replica", "die_with_parent", "free_port",
            "replica_command", "replicas_for"]
@@ -32,22 +33,8 @@ _REPLICA_PROGRAM = ("import sys; from scheduler_runtime.serving.serve import run
 
 def replica_command(vllm_args: Sequence[str], port: int) -> list[str]:
     """One replica process: vLLM's server with ``feather-serve``'s arguments, on 127.0.0.1:``port``."""
-    args = _without(vllm_args, ("--host", "--port"))
+    args = without_flags(vllm_args, ("--host", "--port"))
     return [sys.executable, "-c", _REPLICA_PROGRAM, *args, "--host", "127.0.0.1", "--port", str(port)]
-
-
-def _without(args: Sequence[str], flags: Sequence[str]) -> list[str]:
-    """``args`` without ``flags`` (``--flag value``, ``--flag=value``, underscores too)."""
-    names = {f for flag in flags for f in (flag, "--" + flag[2:].replace("-", "_"))}
-    out, skip = [], False
-    for a in args:
-        if skip:
-            skip = False
-        elif a in names:
-            skip = True
-        elif a.split("=", 1)[0] not in names:
-            out.append(a)
-    return out
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -153,7 +140,8 @@ die_with_parent: Callable[[], None] = _parent_death_signal()
 
 def replicas_for(config: ClusterConfig, command: Callable[[Sequence[str], int], list[str]] = replica_command,
                  visible_gpus: Sequence[str] | None = None) -> list[Replica]:
-    """``config``'s replica processes (not started): ports, cores, OpenMP binding, GPUs."""
+    """``config``'s replica processes (not started): ports, cores, OpenMP binding, GPUs, and each one's
+    engine arguments (:meth:`ClusterConfig.replica_vllm_args`: the common ones and its own)."""
     if visible_gpus is None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         visible_gpus = visible.split(",") if visible else [str(i) for i in range(_cuda_devices())]
@@ -168,7 +156,7 @@ def replicas_for(config: ClusterConfig, command: Callable[[Sequence[str], int], 
         if gpus[k] is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpus[k]
         replicas.append(Replica(rank=k, url=f"http://127.0.0.1:{port}",
-                                command=command(config.vllm_args, port), env=env, cores=cores))
+                                command=command(config.replica_vllm_args(k), port), env=env, cores=cores))
     return replicas
 
 

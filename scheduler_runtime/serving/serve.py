@@ -30,6 +30,8 @@ defaults below):
   (vLLM's ``--middleware``), whose settings this command puts in the environment
   (``FEATHER_ADMISSION``, JSON) before vLLM starts;
 * ``--print-command``: print the vLLM arguments and exit;
+* ``--worker-urls URL ...``: no engine here: the proxy of ``--replicas N`` in front of servers that
+  already run (``python -m scheduler_runtime.serving.proxy``'s command line and options);
 * ``--replicas N`` (default 1) with ``--router {prefix,pow2,ray-prefix-affinity,prefix-learned}``: N
   engine replicas behind one endpoint (``docs/cluster.md``); every other option applies to every replica.
   ``--replicas 1`` is the plain server. ``--data-plane proxy`` (the default without
@@ -39,7 +41,11 @@ defaults below):
   extra), the default with ``--ray-address`` (a running Ray cluster; default: a local instance).
   Cluster options: ``--replica-cores`` (semicolon-separated CPU core lists, one per replica of a node;
   default on a CPU machine: one core each, ``none``: no pinning), ``--replica-cpus`` (Ray only),
-  ``--replica-gpus`` (default 1 with a CUDA device), ``--max-ongoing-requests``.
+  ``--replica-gpus`` (default 1 with a CUDA device), ``--max-ongoing-requests``. Unequal replicas
+  (``--data-plane proxy``): ``--replica-args 'K: ARGS'``, repeated, gives replica ``K`` (0-based) engine
+  arguments of its own over the common ones (KV size, ``--max-num-seqs``, the token budget; the allowed
+  ones: :data:`scheduler_runtime.serving.replica_args.PER_REPLICA_ARGS`), its cores being its entry of
+  ``--replica-cores``.
 
 Everything is checked before vLLM is imported (so before any model loads): the scheduler name,
 every ``--scheduler-config`` key and value (:class:`~scheduler_runtime.schedulers.SchedulerConfig`),
@@ -81,6 +87,7 @@ from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 from scheduler_runtime.serving.admission_http import ENV_VAR as ADMISSION_ENV
 from scheduler_runtime.serving.admission_http import AdmissionMiddleware, AdmissionSettings
 from scheduler_runtime.serving.cluster_base import DATA_PLANES, ROUTER_CHOICES, ClusterConfig, flag_value
+from scheduler_runtime.serving.replica_args import PER_REPLICA_ARGS, parse_replica_args
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO_ROOT / "configs" / "models" / "tiny-llama"
@@ -157,7 +164,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], Clust
     cluster.add_argument("--router", choices=ROUTER_CHOICES, default="prefix",
                          help="prefix: prefix affinity bounded by load (ours); pow2: power of two choices; "
                          "ray-prefix-affinity: Ray Serve LLM's PrefixCacheAffinityRouter (--data-plane ray); "
-                         "prefix-learned: ours learning each replica's speed and KV (--data-plane proxy)")
+                         "prefix-learned: ours learning each replica's speed and KV")
     cluster.add_argument("--data-plane", choices=DATA_PLANES, default=None,
                          help="proxy: replica processes on this machine behind an asyncio proxy; ray: Ray "
                               "Serve (several machines). Default: ray with --ray-address, else proxy")
@@ -175,11 +182,24 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], Clust
     cluster.add_argument("--replica-weights", default=None, metavar="W[,W...]",
                          help="--router prefix-learned: each replica's relative speed (2 = twice as fast as "
                               "1), one per replica, instead of learning it")
+    cluster.add_argument("--worker-urls", nargs="+", default=None, metavar="URL",
+                         help="front servers that already run (plain feather-serve or vllm serve; no "
+                              "engine starts here): the proxy over them, with its own options only "
+                              "(--router, --host, --port, --kv-tokens, --replica-weights, --scrape-period, "
+                              "--chunk-size, --max-ongoing-requests)")
+    cluster.add_argument("--replica-args", action="append", default=None, metavar="'K: ARGS'",
+                         help="engine arguments of replica K (0-based) alone, over the common ones; repeat "
+                              "for each replica that differs (--data-plane proxy). One of "
+                              f"{', '.join(PER_REPLICA_ARGS)}, e.g. '1: --kv-cache-memory-bytes 268435456 "
+                              "--max-num-seqs 32'; a replica's cores: --replica-cores")
     cluster.add_argument("--scrape-period", type=float, default=1.0,
                          help="--router prefix-learned: seconds between the proxy's reads of each replica's "
-                              "/metrics (default 1)")
+                              "/metrics, or on Ray Serve between each replica's routing stats (default 1)")
     ours, rest = parser.parse_known_args(argv)
 
+    if ours.worker_urls is not None:  # main() hands such a command line to the proxy
+        parser.error("--worker-urls fronts running servers: give it to feather-serve alone, with the proxy's "
+                     "options (see --help)")
     additional = _additional_config(parser, ours.additional_config, ADDITIONAL_CONFIG_KEY)
     try:
         overrides: dict[str, Any] = {}
@@ -225,6 +245,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], Clust
     args += ["--scheduler-cls", scheduler_cls, "--additional-config", json.dumps(additional)]
     args.append("--async-scheduling" if use_async else "--no-async-scheduling")
     cluster = _cluster_config(parser, ours, args, scheduler_config, cuda)
+    if cluster.replica_args is not None:
+        _check_replica_budgets(parser, ours.scheduler, budget, cluster.replica_args, settings)
     if settings is not None and cluster.replicas > 1 and cluster.data_plane == "ray":
         parser.error(f"--admission {settings.rule} is served by feather-serve and by --data-plane proxy, not "
                      "on Ray Serve")
@@ -235,6 +257,9 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], Clust
             where = "on Ray Serve" if cluster.data_plane == "ray" else "behind the proxy"
             print(f"# x {cluster.replicas} replicas {where}, router {cluster.router}, cores per replica "
                   f"{list(cluster.replica_cores or ()) or 'not pinned'}")
+            for rank, own in enumerate(cluster.replica_args or ()):
+                if own:
+                    print(f"# replica {rank}: {' '.join(own)}")
         raise SystemExit(0)
     return args, scheduler_config, cluster, settings
 
@@ -289,6 +314,24 @@ def _admission(parser: argparse.ArgumentParser, ours: argparse.Namespace, args: 
     return settings
 
 
+def _check_replica_budgets(parser: argparse.ArgumentParser, scheduler: str, budget: int | None,
+                           replica_args: tuple[tuple[str, ...], ...],
+                           settings: AdmissionSettings | None) -> None:
+    """Per-replica arguments that the scheduler or the admission rule would contradict: a replica's own
+    ``--max-num-batched-tokens`` against the scheduler name's ``@TOKENS``, and any against the slo and
+    deadline rules (whose settings, read by every replica, hold one engine's figures). Usage errors."""
+    for rank, own in enumerate(replica_args):
+        given = dict(zip(own[::2], own[1::2], strict=True))
+        tokens = given.get("--max-num-batched-tokens")
+        if budget is not None and tokens is not None and tokens != str(budget):
+            parser.error(f"--scheduler {scheduler} serves with a budget of {budget} tokens per step, but "
+                         f"--replica-args {rank} gives --max-num-batched-tokens {tokens}: give one")
+        if settings is not None and own:
+            parser.error(f"--replica-args {rank}: the admission rule {settings.rule!r} predicts with one "
+                         "engine's figures for every replica; per-replica engine arguments need --admission "
+                         "none or a queued-* cap")
+
+
 def _seconds_or_none(text: str, flag: str) -> float | None:
     from scheduler_runtime.config import ConfigError
 
@@ -315,6 +358,7 @@ def _cluster_config(parser: argparse.ArgumentParser, ours: argparse.Namespace, a
             from scheduler_runtime.serving.proxy import parse_per_worker
 
             weights = tuple(parse_per_worker(ours.replica_weights, "--replica-weights") or ())
+        own = parse_replica_args(ours.replica_args, max(ours.replicas, 1)) if ours.replica_args else None
         cluster = ClusterConfig(
             replicas=ours.replicas, router=ours.router, data_plane=data_plane, vllm_args=tuple(args),
             host=flag_value(args, "--host", "127.0.0.1"), port=int(port),
@@ -323,7 +367,7 @@ def _cluster_config(parser: argparse.ArgumentParser, ours: argparse.Namespace, a
             replica_cpus=ours.replica_cpus,
             replica_gpus=ours.replica_gpus if ours.replica_gpus is not None else (1.0 if cuda else 0.0),
             ray_address=ours.ray_address, max_ongoing_requests=ours.max_ongoing_requests,
-            replica_weights=weights, scrape_period_s=ours.scrape_period)
+            replica_weights=weights, scrape_period_s=ours.scrape_period, replica_args=own)
     except ValueError as exc:
         parser.error(str(exc))
     if cluster.replicas > 1 and cluster.data_plane == "ray" and importlib.util.find_spec("ray") is None:
@@ -402,8 +446,13 @@ def _serve_cluster(config: ClusterConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Console entry point ``feather-serve``."""
-    args, _, cluster, admission = _parse(sys.argv[1:] if argv is None else argv)
+    """Console entry point ``feather-serve``; with ``--worker-urls``, the proxy over running servers."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a == "--worker-urls" or a.startswith("--worker-urls=") for a in argv):
+        from scheduler_runtime.serving.proxy import main as proxy_main
+
+        raise SystemExit(proxy_main(argv, prog="feather-serve"))
+    args, _, cluster, admission = _parse(argv)
     if admission is not None:  # the API-server process (each replica's) reads it
         os.environ[ADMISSION_ENV] = admission.to_json()
     if cluster.replicas > 1:
