@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import math
 import statistics
@@ -88,7 +89,7 @@ from feather_env.engines.vllm_engine import EngineConfig
 from feather_env.reporting import format_table, machine_info, write_json
 from feather_env.scenarios import load_scenario
 from feather_env.workloads import Workload, WorkloadConfig, load_workload
-from scheduler_runtime.learned_router import LearnedRouter
+from scheduler_runtime.learned_router import VARIANTS, LearnedRouter, SecondsAffinityRouter, SloRouter
 from scheduler_runtime.peer_routers import LlmdPredictedLatencyRouter
 from scheduler_runtime.router import PrefixAffinityRouter, ReplicaRouter
 
@@ -174,6 +175,36 @@ LLMD_GRID = tuple({"per_pod": p, "selection_mode": m, "affinity_gate_tau": t}
                   for p in (False, True) for m in ("linear", "max") for t in (0.8, 0.5))
 
 
+#: Ours' variants (:data:`scheduler_runtime.learned_router.VARIANTS`, ``--variants``) and their grids, each no
+#: larger than the peers' (SGLang's 16, Ray's 12): ``prefix-slo`` where a request no replica is predicted to
+#: serve within the SLO goes, whether the rule applies to new prefixes only, and the TPOT margin;
+#: ``prefix-seconds`` its imbalance in seconds and its weights' band.
+VARIANT_GRIDS: dict[str, tuple[dict[str, Any], ...]] = {
+    SloRouter.name: tuple({"doomed": d, "scope": s, "tpot_margin": m} for d in ("ours", "sacrifice", "worst")
+                          for s in ("new", "all") for m in (0.8, 1.0)),
+    SecondsAffinityRouter.name: tuple({"imbalance_s": t, "band": b}
+                                      for t in (1.0, 2.0, 5.0, 10.0, 20.0, math.inf) for b in (0.35, 0.0)),
+}
+
+
+def variant_defaults(name: str) -> dict[str, Any]:
+    """A variant's default knobs (those of its grid)."""
+    params: dict[str, Any] = {}
+    for cls in reversed(VARIANTS[name].__mro__):  # a knob of a base class too (LearnedRouter's band)
+        if "__init__" in vars(cls):
+            params.update({k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()})
+    return {k: params[k] for k in VARIANT_GRIDS[name][0]}
+
+
+def make_variant(name: str, knobs: dict[str, Any], seed: int, slo: dict[str, float]) -> ReplicaRouter:
+    """Ours' variant ``name`` with ``knobs`` (``prefix-slo`` told the SLO, in seconds)."""
+    knobs = {k: math.inf if v == "inf" else v for k, v in knobs.items()}
+    if name == SloRouter.name:
+        return SloRouter(ttft_slo_s=slo.get("ttft", 5000.0) / 1000, tpot_slo_s=slo.get("tpot", 50.0) / 1000,
+                         **knobs)
+    return VARIANTS[name](**knobs)
+
+
 def peer_grids() -> dict[str, list[dict[str, Any]]]:
     """Each tuned peer's grid: :func:`benchmarks.router_peers.grids`' (the grids the peers are tuned with
     on equal replicas), and :data:`LLMD_GRID`."""
@@ -191,17 +222,23 @@ def make_peer(name: str, knobs: dict[str, Any], seed: int, slo: dict[str, float]
 
 
 def tune_peers(sim: ClusterSim, runs: Sequence[tuple[int, Workload]], slo: dict[str, float],
-               log: Callable[[str], None]) -> dict[str, Any]:
+               log: Callable[[str], None], variants: Sequence[str] | None = None) -> dict[str, Any]:
     """Each of :data:`TUNED`'s grid (:func:`peer_grids`) on the tuning runs ``(seed, workload with
     arrivals)``: the setting of the highest mean SLO attainment (the issue's score; of equals, the one
-    sharing the most knobs with the defaults). ``{peer: {"best": knobs, "grid": [...]}}``."""
+    sharing the most knobs with the defaults). ``{peer: {"best": knobs, "grid": [...]}}``. With
+    ``variants``, those of ours' variants instead, each on its :data:`VARIANT_GRIDS` grid: the same
+    search, runs and score as the peers'."""
     out: dict[str, Any] = {}
-    for name, grid in peer_grids().items():
+    if variants is None:
+        todo = [(name, grid, defaults(name), make_peer) for name, grid in peer_grids().items()]
+    else:
+        todo = [(name, [dict(k) for k in VARIANT_GRIDS[name]], variant_defaults(name), make_variant)
+                for name in variants]
+    for name, grid, base, maker in todo:
         t0 = time.perf_counter()
-        base = defaults(name)
         scored = []
         for knobs in grid:
-            rs = [(sim.run(w, make_peer(name, knobs, seed, slo), goodput=slo, scrape_s=0.0), len(w))
+            rs = [(sim.run(w, maker(name, knobs, seed, slo), goodput=slo, scrape_s=0.0), len(w))
                   for seed, w in runs]
             scored.append({"knobs": {k: "inf" if v == math.inf else v for k, v in knobs.items()},
                            "attainment": statistics.fmean(_attainment(r, m) for r, m in rs),
@@ -221,9 +258,12 @@ def tuned_label(name: str) -> str:
 
 def router_factories(specs: Sequence[ReplicaSpec], engine: EngineConfig,
                      slo: dict[str, float],
-                     tuned: dict[str, Any] | None = None) -> dict[str, Callable[[int], ReplicaRouter]]:
+                     tuned: dict[str, Any] | None = None, variants: Sequence[str] = (),
+                     tuned_variants: dict[str, Any] | None = None,
+                     ) -> dict[str, Callable[[int], ReplicaRouter]]:
     """Each router of :data:`ROUTERS` for a fleet, by arrival seed, and each peer tuned on it (``tuned``:
-    :func:`tune_peers`)."""
+    :func:`tune_peers`); ours' ``variants`` at their defaults, and each tuned on the fleet where the
+    tuning (``tuned_variants``) moved it off them."""
     engines = [s.engine(engine) for s in specs]
     kv = {str(i): e.num_kv_blocks * e.block_size for i, e in enumerate(engines)}
 
@@ -247,7 +287,17 @@ def router_factories(specs: Sequence[ReplicaSpec], engine: EngineConfig,
             continue  # tuned to its defaults: its default row stands for it
         knobs = {k: math.inf if v == "inf" else v for k, v in t["best"].items()}
         out[tuned_label(name)] = lambda seed, name=name, knobs=knobs: make_peer(name, knobs, seed, slo)
+    for name in variants:
+        out[name] = lambda seed, name=name: make_variant(name, {}, seed, slo)
+        t = (tuned_variants or {}).get(name)
+        if t is not None and t["best"] != _jsonable_knobs(variant_defaults(name)):
+            out[tuned_label(name)] = (lambda seed, name=name, knobs=t["best"]:
+                                      make_variant(name, knobs, seed, slo))
     return out
+
+
+def _jsonable_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
+    return {k: "inf" if v == math.inf else v for k, v in knobs.items()}
 
 
 class _Traced(LearnedRouter):
@@ -301,12 +351,17 @@ def _attainment(result: ClusterResult, submitted: int) -> float:
 def run_cell(sim: ClusterSim, workload: Workload, rate: float, seeds: Sequence[int],
              factories: dict[str, Callable[[int], ReplicaRouter]], slo: dict[str, float],
              phases: Sequence[tuple[float, float, float]] = (),
-             bound: Callable[[Workload], float] | None = None) -> dict[str, Any]:
+             bound: Callable[[Workload], float] | None = None,
+             slo2: dict[str, float] | None = None) -> dict[str, Any]:
     """Every router on ``workload`` at ``rate`` req/s, one Poisson draw per seed; with ``bound``
-    (:func:`fleet_bound` of a timed workload), the bound of each draw."""
+    (:func:`fleet_bound` of a timed workload), the bound of each draw; with ``slo2``, each run's
+    attainment under that second SLO too (``attainment_slo2``: the same runs, the routers as configured
+    and tuned for ``slo``). Each run keeps its per-replica breakdown
+    (:func:`~feather_env.cluster_sim.replica_breakdown`)."""
     routers: dict[str, Any] = {}
     bounds: list[float] = []
     per_seed: dict[str, list[dict[str, float]]] = {name: [] for name in factories}
+    per_replica: dict[str, list[list[dict[str, float]]]] = {}
     drift: list[list[dict[str, Any]]] = []
     estimates: list[dict[str, Any]] = []
     for seed in seeds:
@@ -315,13 +370,16 @@ def run_cell(sim: ClusterSim, workload: Workload, rate: float, seeds: Sequence[i
             bounds.append(bound(timed))
         for name, factory in factories.items():
             router = _Traced() if phases and name == OURS_LEARNED else factory(seed)
-            r = sim.run(timed, router, goodput=slo, scrape_s=0.0)
+            r = sim.run(timed, router, goodput=slo, scrape_s=0.0, also_slos=[slo2] if slo2 else [])
             m = r.metrics
-            per_seed[name].append({"output_throughput": m["output_throughput"],
-                                   "attainment": _attainment(r, len(timed)),
-                                   "mean_ttft_ms": m["mean_ttft_ms"], "p99_ttft_ms": m["p99_ttft_ms"],
-                                   "mean_e2el_ms": m["mean_e2el_ms"], "p99_e2el_ms": m["p99_e2el_ms"],
-                                   "prefix_hit_rate": m["prefix_hit_rate"], "wall_s": r.wall_s})
+            run = {"output_throughput": m["output_throughput"], "attainment": _attainment(r, len(timed)),
+                   "mean_ttft_ms": m["mean_ttft_ms"], "p99_ttft_ms": m["p99_ttft_ms"],
+                   "mean_e2el_ms": m["mean_e2el_ms"], "p99_e2el_ms": m["p99_e2el_ms"],
+                   "prefix_hit_rate": m["prefix_hit_rate"], "wall_s": r.wall_s}
+            if slo2:
+                run["attainment_slo2"] = r.good_by_slo[0] / len(timed)
+            per_seed[name].append(run)
+            per_replica.setdefault(name, []).append(r.per_replica)
             if isinstance(router, _Traced):
                 drift.append(convergence(router.trace, "0", phases))
             if isinstance(router, LearnedRouter) and name == OURS_LEARNED:
@@ -329,13 +387,14 @@ def run_cell(sim: ClusterSim, workload: Workload, rate: float, seeds: Sequence[i
     ours = per_seed[OURS_LEARNED]
     for name, runs in per_seed.items():
         row: dict[str, Any] = {k: statistics.fmean(x[k] for x in runs) for k in runs[0]}
-        for key in ("output_throughput", "attainment"):
+        for key in ("output_throughput", "attainment", *(("attainment_slo2",) if slo2 else ())):
             ratios = [a[key] / b[key] if b[key] else math.inf for a, b in zip(ours, runs, strict=True)]
             row[f"learned_over_this_{key}"] = statistics.median(ratios)
         if bounds:
             row["over_bound_output_throughput"] = statistics.median(
                 x["output_throughput"] / b for x, b in zip(runs, bounds, strict=True))
         row["runs"] = runs
+        row["per_replica"] = per_replica[name]
         routers[name] = row
     out = {"routers": routers, "drift": drift, "learned_estimates_at_end": estimates[:1]}
     if bounds:
@@ -393,6 +452,37 @@ def headline(res: dict[str, Any]) -> list[list[Any]]:
     return rows
 
 
+def over_row(routers: dict[str, Any], name: str, other: str, key: str) -> float:
+    """``name``'s ``key`` over ``other``'s: the median over seeds of the per-seed ratio."""
+    a, b = routers[name]["runs"], routers[other]["runs"]
+    return statistics.median(x[key] / y[key] if y[key] else math.inf for x, y in zip(a, b, strict=True))
+
+
+def variant_rows(res: dict[str, Any]) -> list[list[Any]]:
+    """Per cell and for ours learned and each of ours' variants (at defaults, and tuned where it moved):
+    attainment, its ratio to the cell's best peer (median of per-seed ratios), output tok/s and its ratio,
+    and with a second SLO the same attainment under it over the best peer under it (the peer best under
+    the first SLO)."""
+    rows = []
+    for c in res["cells"]:
+        routers = c["routers"]
+        best = best_peer(routers)
+        mine = res.get("variants", [])
+        names = [OURS_LEARNED, "prefix-informed"] + [r for r in routers if r.split(" (")[0] in mine]
+        for name in names:
+            r = routers[name]
+            row = [c["fleet"], f"{c['load']:g}", name, f"{100 * r['attainment']:.1f}%",
+                   f"{over_row(routers, name, best, 'attainment'):.2f}x", f"{r['output_throughput']:.0f}",
+                   f"{over_row(routers, name, best, 'output_throughput'):.2f}x", best]
+            if res.get("slo2"):
+                best2 = max((p for p in routers if p.split(" (")[0] in (*PEERS, LLMD_PER_POD)),
+                            key=lambda p: routers[p]["attainment_slo2"])
+                row += [f"{100 * r['attainment_slo2']:.1f}%",
+                        f"{over_row(routers, name, best2, 'attainment_slo2'):.2f}x", best2]
+            rows.append(row)
+    return rows
+
+
 def render(res: dict[str, Any]) -> str:
     """The figures in markdown: the headline (ours learned over the best peer, each tuned peer, ours
     informed and the bound), one table per cell, ours learned over every router, the peers' tuned
@@ -414,6 +504,16 @@ def render(res: dict[str, Any]) -> str:
             format_table(["fleet", "load", "learned attain.", "learned tok/s", "/ best peer",
                           *[f"/ {p}" for p in PEERS], "/ prefix-informed", "bound: learned / bound"],
                          headline(res))]
+    if res.get("variants") or res.get("slo2"):
+        headers = ["fleet", "load", "router", "attain.", "/ best peer", "tok/s", "/ best peer (tok/s)",
+                   "best peer"]
+        if res.get("slo2"):
+            s2 = res["slo2"]
+            headers += [f"attain. at TTFT <= {s2['ttft'] / 1000:g} s, TPOT <= {s2['tpot']:g} ms",
+                        "/ best peer there", "best peer there"]
+        out += ["", "Ours learned and its variants (at their defaults, and tuned on the fleet) over the "
+                "cell's best peer: median over seeds of the per-seed ratio:", "",
+                format_table(headers, variant_rows(res))]
     names = list(dict.fromkeys(name for c in res["cells"] for name in c["routers"]))
     ratio_headers = ["fleet", "load", "learned tok/s", "learned attain."] + [f"/ {r}" for r in names
                                                                             if r != OURS_LEARNED]
@@ -449,6 +549,12 @@ def render(res: dict[str, Any]) -> str:
         out += ["", f"The peers tuned on each fleet (seeds {res['tune_seeds']}, workloads of their own, "
                 "every load; highest mean attainment):", "",
                 format_table(["fleet", "peer", "tuned knobs", "tuning attainment", "settings"], rows)]
+    vt = res.get("variant_tuning") or {}
+    if vt:
+        rows = [[fleet, name, _knobs_text(t["best"]), f"{100 * t['attainment']:.1f}%", len(t["grid"])]
+                for fleet, names in vt.items() for name, t in names.items()]
+        out += ["", "Ours' variants tuned on each fleet (the peers' tuning runs and score):", "",
+                format_table(["fleet", "variant", "tuned knobs", "tuning attainment", "settings"], rows)]
     drift_rows = []
     for c in res["cells"]:
         for seed, phases in zip(res["seeds"], c.get("drift") or [], strict=False):
@@ -505,8 +611,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--no-bound", action="store_true", help="no no-queueing bound")
     p.add_argument("--cost-replicas", type=int, default=64, help="0: no cost measurement")
     p.add_argument("--cost-prefixes", type=int, default=2000)
+    p.add_argument("--variants", default="",
+                   help="ours' variants to run beside (comma-separated: "
+                        f"{', '.join(VARIANT_GRIDS)}), each at its defaults and tuned on each unequal fleet "
+                        "on the peers' tuning runs with the peers' search budget")
+    p.add_argument("--slo2", default="",
+                   help="a second, tighter SLO pair (vLLM's --goodput pairs, e.g. 'ttft:2000 tpot:30'), "
+                        "measured on the same runs")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANT_GRIDS]
+    if unknown:
+        p.error(f"unknown variants {unknown}")
     if args.quick:
         args.replicas, args.docs_per_replica = 4, 4
         args.loads, args.seeds, args.drift_at, args.drift_until = "1.0", 1, 6.0, 14.0
@@ -517,6 +634,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"[{time.perf_counter() - start:6.0f} s] {msg}", file=sys.stderr, flush=True)
 
     slo = {k: float(v) for k, v in (x.split(":") for x in args.slo.split())}
+    slo2 = {k: float(v) for k, v in (x.split(":") for x in args.slo2.split())} or None
     engine = load_scenario(args.scenario).engine_config()
     pool = load_workload(WorkloadConfig(kind="leval", max_prompt_tokens=8192))
     n, seeds = args.replicas, list(range(args.seeds))
@@ -526,7 +644,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.tuning_from:
         with open(args.tuning_from) as f:
             reused = json.load(f).get("tuning") or {}
-    cells, tuning = [], {}
+    cells, tuning, variant_tuning = [], {}, {}
 
     def fleet_workload(fleet: str, specs: Sequence[ReplicaSpec], seed: int) -> tuple[Workload, float]:
         """The fleet's workload drawn with ``seed`` and its capacity (req/s)."""
@@ -549,21 +667,26 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         phases = ([(0.0, args.drift_at, 1.0), (args.drift_at, args.drift_until, 3.0),
                    (args.drift_until, math.inf, 1.0)] if fleet == "drift" else [])
         tuned = reused.get(fleet)
-        if tuned is not None:
-            tuning[fleet] = tuned
-            log(f"{fleet}: the peers' tuning of {args.tuning_from}")
-        elif args.tune_seeds > 0 and (fleet != "equal" or args.tune_equal):
-            t0 = time.perf_counter()
-            runs = []
+        runs: list[tuple[int, Workload]] = []
+        if args.tune_seeds > 0 and (fleet != "equal" or args.tune_equal) and (tuned is None or variants):
             for s in range(args.tune_seeds):  # workloads of their own, as benchmarks.router_peers draws them
                 seed = TUNE_SEED_BASE + s
                 w, c = fleet_workload(fleet, specs, seed + 100 * n)
                 runs += [(seed, w.with_arrivals(f"poisson:{load * c}", seed)) for load in loads]
+        if tuned is not None:
+            tuning[fleet] = tuned
+            log(f"{fleet}: the peers' tuning of {args.tuning_from}")
+        elif runs:
+            t0 = time.perf_counter()
             log(f"{fleet}: tuning the peers on {len(runs)} runs")
             tuned = tune_peers(sim, runs, slo, log)
             tuning[fleet] = tuned
             log(f"{fleet}: tuned in {time.perf_counter() - t0:.0f} s")
-        factories = router_factories(specs, engine, slo, tuned)
+        if runs and variants:
+            t0 = time.perf_counter()
+            variant_tuning[fleet] = tune_peers(sim, runs, slo, log, variants=variants)
+            log(f"{fleet}: ours' variants tuned in {time.perf_counter() - t0:.0f} s")
+        factories = router_factories(specs, engine, slo, tuned, variants, variant_tuning.get(fleet))
         floors: dict[ReplicaSpec, dict[tuple[str, int], float]] = {}
 
         def bound(timed: Workload, specs: Sequence[ReplicaSpec] = specs,
@@ -574,7 +697,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             t0 = time.perf_counter()
             rate = load * cap["req_s"]
             cell = run_cell(sim, workload, rate, seeds, factories, slo, phases,
-                            None if args.no_bound else bound)
+                            None if args.no_bound else bound, slo2)
             cells.append({"fleet": fleet, "load": load, "requests": len(workload), "rate_req_s": rate,
                           "capacity_req_s": cap["req_s"],
                           "capacity_per_replica_req_s": cap["per_replica_req_s"], **cell})
@@ -587,6 +710,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
            "command": "python -m benchmarks.unequal_replicas " + " ".join(
                argv if argv is not None else sys.argv[1:]),
            "tune_seeds": [TUNE_SEED_BASE + s for s in range(args.tune_seeds)], "tuning": tuning,
+           "variants": variants, "variant_tuning": variant_tuning, "slo2": slo2,
            "cells": cells}
     if args.cost_replicas:
         t0 = time.perf_counter()
