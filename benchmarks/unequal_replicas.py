@@ -89,7 +89,13 @@ from feather_env.engines.vllm_engine import EngineConfig
 from feather_env.reporting import format_table, machine_info, write_json
 from feather_env.scenarios import load_scenario
 from feather_env.workloads import Workload, WorkloadConfig, load_workload
-from scheduler_runtime.learned_router import VARIANTS, LearnedRouter, SecondsAffinityRouter, SloRouter
+from scheduler_runtime.learned_router import (
+    VARIANTS,
+    CostRouter,
+    LearnedRouter,
+    SecondsAffinityRouter,
+    SloRouter,
+)
 from scheduler_runtime.peer_routers import LlmdPredictedLatencyRouter
 from scheduler_runtime.router import PrefixAffinityRouter, ReplicaRouter
 
@@ -175,13 +181,16 @@ LLMD_GRID = tuple({"per_pod": p, "selection_mode": m, "affinity_gate_tau": t}
                   for p in (False, True) for m in ("linear", "max") for t in (0.8, 0.5))
 
 
-#: Ours' variants (:data:`scheduler_runtime.learned_router.VARIANTS`, ``--variants``) and their grids, each no
-#: larger than the peers' (SGLang's 16, Ray's 12): ``prefix-slo`` where a request no replica is predicted to
-#: serve within the SLO goes, whether the rule applies to new prefixes only, and the TPOT margin;
-#: ``prefix-seconds`` its imbalance in seconds and its weights' band.
+#: Ours' variants (:data:`scheduler_runtime.learned_router.VARIANTS`, ``--variants``) and their grids, each of
+#: 12 settings (the peers': SGLang's 16, Ray's 12): ``prefix-slo``, where a request no replica is predicted to
+#: serve within the SLO goes, its TPOT model and margin; ``prefix-cost``, the work of a cached prompt, the
+#: speed weights' band and the load's exponent; ``prefix-seconds``, its imbalance in seconds and its band.
 VARIANT_GRIDS: dict[str, tuple[dict[str, Any], ...]] = {
-    SloRouter.name: tuple({"doomed": d, "scope": s, "tpot_margin": m} for d in ("ours", "sacrifice", "worst")
-                          for s in ("new", "all") for m in (0.8, 1.0)),
+    SloRouter.name: tuple({"doomed": d, "tpot_model": t, "tpot_margin": m}
+                          for d in ("ours", "sacrifice", "worst") for t in ("distinct", "tokens")
+                          for m in (0.8, 1.0)),
+    CostRouter.name: tuple({"overhead_tokens": o, "band": b, "load_power": p}
+                           for o in (1, 256, 1024) for b in (0.35, 0.0) for p in (1.0, 2.0)),
     SecondsAffinityRouter.name: tuple({"imbalance_s": t, "band": b}
                                       for t in (1.0, 2.0, 5.0, 10.0, 20.0, math.inf) for b in (0.35, 0.0)),
 }
