@@ -61,6 +61,7 @@ of :data:`COST_ROUTERS`' CPU per request at ``--cost-replicas`` (64) replicas (:
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import inspect
 import json
@@ -412,6 +413,119 @@ def run_cell(sim: ClusterSim, workload: Workload, rate: float, seeds: Sequence[i
     return out
 
 
+def windowed(result: ClusterResult, replica: str, window_s: float, step_s: float,
+             end_s: float) -> list[dict[str, float]]:
+    """``replica``'s share of the requests that arrived in each window ``[t, t + window_s)`` (``t`` every
+    ``step_s`` up to ``end_s - window_s``), and the attainment of the fleet's requests of that window."""
+    times = [t for t, _ in result.routed]
+    out = []
+    t = 0.0
+    while t + window_s <= end_s + 1e-9:
+        lo, hi = bisect.bisect_left(times, t), bisect.bisect_left(times, t + window_s)
+        mine = sum(1 for _, r in result.routed[lo:hi] if r == replica)
+        good = sum(result.met[lo:hi]) if result.met else 0
+        out.append({"t": t, "requests": hi - lo, "share": mine / (hi - lo) if hi > lo else math.nan,
+                    "attainment": good / (hi - lo) if hi > lo else math.nan})
+        t += step_s
+    return out
+
+
+def settle_time(series: Sequence[dict[str, float]], key: str, reference: Sequence[dict[str, float]],
+                start: float, end: float, window_s: float, tol: float) -> float | None:
+    """Seconds after ``start`` from which every window that starts at or after it and ends by ``end``
+    has ``key`` within ``tol`` (relative) of ``reference``'s same window; ``None``: never."""
+    pairs = [(a["t"], a[key], b[key]) for a, b in zip(series, reference, strict=True)
+             if a["t"] >= start and a["t"] + window_s <= end]
+    settled = None
+    for t, x, ref in reversed(pairs):
+        if not (math.isfinite(x) and math.isfinite(ref) and abs(x - ref) <= tol * abs(ref)):
+            break
+        settled = t - start
+    return settled
+
+
+def drift_share(engine: EngineConfig, pool: Workload, n: int, docs_per_replica: int, blocks: int,
+                slow_at: float, recover_at: float, factor: float, load: float, seeds: Sequence[int],
+                slo: dict[str, float], window_s: float, step_s: float,
+                log: Callable[[str], None]) -> dict[str, Any]:
+    """The issue's drift must-show: replica 0 of an equal fleet runs ``factor`` x slower (prefill and
+    decode) from ``slow_at`` to ``recover_at`` seconds; ``blocks`` of :func:`drift_workload` at ``load`` x
+    the equal fleet's capacity. Per seed, three runs: ours learned with the drift; ours informed with
+    replica 0 slow from the start to the end (the steady state of the slow phase, ours told its speed);
+    ours informed on the equal fleet (the steady state after the recovery). Each run's replica-0 share
+    and attainment per window (:func:`windowed`), the mean over seeds, and the seconds after the
+    slowdown and after the recovery from which ours learned's windows stay within 5% (share: of the
+    reference's share; attainment: of the reference's attainment, relative)."""
+    equal = [ReplicaSpec()] * n
+    drifted = [ReplicaSpec(drift=((slow_at, factor), (recover_at, 1.0)))] + [ReplicaSpec()] * (n - 1)
+    slow = [ReplicaSpec(prefill_slowdown=factor, decode_slowdown=factor)] + [ReplicaSpec()] * (n - 1)
+    workload = drift_workload(pool, n, docs_per_replica, blocks, seed=n)
+    cap = capacity(engine, equal, Workload("first block", workload.requests[:len(workload) // blocks]))
+    rate = load * cap["req_s"]
+    runs: dict[str, list[list[dict[str, float]]]] = {"learned-drift": [], "informed-slow": [],
+                                                     "informed-equal": [], "learned-slow": []}
+    attain: dict[str, list[float]] = {k: [] for k in runs}
+    end = math.inf
+    for seed in seeds:
+        timed = workload.with_arrivals(f"poisson:{rate}", seed)
+        end = min(end, max(r.arrival_time for r in timed))
+        for name, specs, informed in (("learned-drift", drifted, False), ("informed-slow", slow, True),
+                                      ("informed-equal", equal, True), ("learned-slow", slow, False)):
+            if informed:
+                router: ReplicaRouter = router_factories(specs, engine, slo)["prefix-informed"](seed)
+            else:
+                router = LearnedRouter()
+            r = ClusterSim(n, engine, profiles=specs).run(timed, router, goodput=slo, scrape_s=0.0)
+            runs[name].append(windowed(r, "0", window_s, step_s, max(x.arrival_time for x in timed)))
+            attain[name].append(_attainment(r, len(timed)))
+        log(f"drift share: seed {seed} done")
+    mean: dict[str, list[dict[str, float]]] = {}
+    for name, per_seed in runs.items():
+        k = min(len(x) for x in per_seed)
+        mean[name] = [{"t": per_seed[0][i]["t"],
+                       **{key: statistics.fmean(x[i][key] for x in per_seed if math.isfinite(x[i][key]))
+                          for key in ("share", "attainment")}} for i in range(k)]
+    k = min(len(v) for v in mean.values())
+    mean = {name: v[:k] for name, v in mean.items()}
+    ours = mean["learned-drift"]
+    out: dict[str, Any] = {"rate_req_s": rate, "capacity_req_s": cap["req_s"], "end_s": end,
+                           "slow_at_s": slow_at, "recover_at_s": recover_at, "factor": factor, "load": load,
+                           "window_s": window_s, "step_s": step_s, "attainment": attain, "mean": mean,
+                           "runs": runs}
+    for key in ("share", "attainment"):
+        out[f"{key}_settles_after_slowdown_s"] = settle_time(ours, key, mean["informed-slow"], slow_at,
+                                                            recover_at, window_s, 0.05)
+        out[f"{key}_settles_after_recovery_s"] = settle_time(ours, key, mean["informed-equal"], recover_at,
+                                                            end, window_s, 0.05)
+    return out
+
+
+def render_drift_share(d: dict[str, Any]) -> str:
+    """The drift must-show's figures in markdown."""
+    rows = []
+    for i, w in enumerate(d["mean"]["learned-drift"]):
+        rows.append([f"{w['t']:g}-{w['t'] + d['window_s']:g}"]
+                    + [f"{100 * d['mean'][k][i]['share']:.1f}% / {100 * d['mean'][k][i]['attainment']:.1f}%"
+                       for k in ("learned-drift", "learned-slow", "informed-slow", "informed-equal")])
+    def fmt(x: float | None) -> str:
+        return "never" if x is None else f"{x:g} s"
+
+    head = (f"Replica 0 slows {d['factor']:g}x at {d['slow_at_s']:g} s and recovers at "
+            f"{d['recover_at_s']:g} s (load {d['load']:g}, {d['rate_req_s']:.2f} req/s, arrivals until "
+            f"{d['end_s']:.0f} s). Ours learned's windows stay within 5% of the reference from: share "
+            f"{fmt(d['share_settles_after_slowdown_s'])} after the slowdown (reference: ours informed, "
+            f"replica 0 slow throughout), {fmt(d['share_settles_after_recovery_s'])} after the recovery "
+            "(reference: ours informed, equal fleet); attainment "
+            f"{fmt(d['attainment_settles_after_slowdown_s'])} / "
+            f"{fmt(d['attainment_settles_after_recovery_s'])}. "
+            "Whole-run attainment (mean over seeds): "
+            + ", ".join(f"{k} {100 * statistics.fmean(v):.1f}%" for k, v in d["attainment"].items()) + ".")
+    return "\n".join([head, "", "Replica 0's routed share / the fleet's attainment of the window's arrivals "
+                       "(mean over seeds):", "",
+                       format_table(["window s", "learned, drift", "learned, slow throughout",
+                                     "informed, slow throughout", "informed, equal"], rows)])
+
+
 #: The routers whose cost per request is measured (``--cost-replicas``).
 COST_ROUTERS = ("prefix", OURS_LEARNED, "sglang-cache-aware", "lmetric", LlmdPredictedLatencyRouter.name)
 
@@ -627,6 +741,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--slo2", default="",
                    help="a second, tighter SLO pair (vLLM's --goodput pairs, e.g. 'ttft:2000 tpot:30'), "
                         "measured on the same runs")
+    p.add_argument("--drift-share", action="store_true",
+                   help="only the drift must-show (drift_share()): replica 0 of an equal fleet slows "
+                        "--share-factor x at --share-slow-at s and recovers at --share-recover-at s")
+    p.add_argument("--share-factor", type=float, default=2.0)
+    p.add_argument("--share-blocks", type=int, default=5)
+    p.add_argument("--share-slow-at", type=float, default=80.0)
+    p.add_argument("--share-recover-at", type=float, default=160.0)
+    p.add_argument("--share-load", type=float, default=0.8)
+    p.add_argument("--share-window", type=float, default=20.0)
+    p.add_argument("--share-step", type=float, default=10.0)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
@@ -647,6 +771,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     engine = load_scenario(args.scenario).engine_config()
     pool = load_workload(WorkloadConfig(kind="leval", max_prompt_tokens=8192))
     n, seeds = args.replicas, list(range(args.seeds))
+    if args.drift_share:
+        d = drift_share(engine, pool, n, args.docs_per_replica, args.share_blocks, args.share_slow_at,
+                        args.share_recover_at, args.share_factor, args.share_load, seeds, slo,
+                        args.share_window, args.share_step, log)
+        res = {"benchmark": "unequal_replicas --drift-share", "machine": machine_info(), "replicas": n,
+               "docs_per_replica": args.docs_per_replica, "seeds": seeds, "slo": slo,
+               "command": "python -m benchmarks.unequal_replicas " + " ".join(
+                   argv if argv is not None else sys.argv[1:]), **d,
+               "wall_s": time.perf_counter() - start}
+        print(render_drift_share(res))
+        write_json(args.json, res)
+        return res
     specs_by_fleet = fleets(n, args.drift_at, args.drift_until)
     loads = [float(x) for x in args.loads.split(",")]
     reused: dict[str, Any] = {}

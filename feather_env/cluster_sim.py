@@ -246,6 +246,7 @@ class ClusterResult:
             by cause (TTFT, TPOT).
         routed: ``(arrival time, replica)`` of every request, in arrival order (a routed share over time).
         good_by_slo: with ``also_slos``, the good requests under each of them, in their order.
+        met: with ``goodput``, whether each request met it, in the order of ``routed``.
     """
 
     router: str
@@ -257,6 +258,7 @@ class ClusterResult:
     per_replica: list[dict[str, float]] = field(default_factory=list)
     routed: list[tuple[float, str]] = field(default_factory=list)
     good_by_slo: list[int] = field(default_factory=list)
+    met: list[bool] = field(default_factory=list)
 
     @property
     def max_over_mean(self) -> float:
@@ -386,6 +388,11 @@ class ClusterSim:
         timelines = [t for r in replicas for t in r.timelines_if_open()]
         if len(timelines) != len(requests):
             raise RuntimeError(f"{len(requests)} requests routed, {len(timelines)} served")
+        met: list[bool] = []
+        if goodput:
+            by_id = {t.request_id: t for t in timelines}
+            mine = [by_id[r.request_id] for r in requests]
+            met = [t.completed and meets_slos(t, goodput) for t in mine]
         return ClusterResult(router=router.name, replicas=len(replicas),
                              metrics=serving_metrics(timelines, goodput=goodput),
                              requests_per_replica=[len(r.timelines_if_open()) for r in replicas],
@@ -394,7 +401,8 @@ class ClusterSim:
                                           for r in replicas],
                              routed=routed,
                              good_by_slo=[sum(1 for t in timelines if t.completed and meets_slos(t, slo))
-                                          for slo in also_slos])
+                                          for slo in also_slos],
+                             met=met)
 
 
 def replica_breakdown(timelines: Sequence[RequestTimeline],
