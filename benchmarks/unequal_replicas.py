@@ -78,6 +78,7 @@ from benchmarks import measured
 from benchmarks.router_peers import (
     REFERENCE,
     TUNE_SEED_BASE,
+    ZIPF_S,
     defaults,
     grids,
     make,
@@ -85,7 +86,7 @@ from benchmarks.router_peers import (
     uniform_workload,
 )
 from benchmarks.routing import router_cost
-from feather_env.cluster_sim import ClusterResult, ClusterSim, ReplicaSpec, distinct_documents
+from feather_env.cluster_sim import ClusterResult, ClusterSim, ReplicaSpec, distinct_documents, zipf_documents
 from feather_env.engines.vllm_engine import EngineConfig
 from feather_env.reporting import format_table, machine_info, write_json
 from feather_env.scenarios import load_scenario
@@ -134,6 +135,19 @@ def drift_workload(pool: Workload, n: int, docs_per_replica: int, blocks: int, s
         block = [r for g in groups[b * size:(b + 1) * size] for r in g]
         out += [block[i] for i in rng.permutation(len(block))]
     return Workload(f"{docs.name}/blocks{blocks}", tuple(out))
+
+
+def docs_workload(pool: Workload, n: int, docs_per_replica: int, seed: int, kind: str = "leval",
+                  zipf_s: float = ZIPF_S) -> Workload:
+    """The fleets' workload (``--workload``): ``"leval"``, :func:`~benchmarks.router_peers.uniform_workload`;
+    ``"zipf"``, its Zipf-popularity variant as :func:`benchmarks.router_peers.cell_runs` draws it (as many
+    requests over as many documents, the document of rank ``k`` asked ``~ 1 / k**zipf_s``)."""
+    base = uniform_workload(pool, n, docs_per_replica, seed=seed)
+    if kind == "zipf":
+        return zipf_documents(pool, base.num_groups, len(base), zipf_s, seed=seed)
+    if kind != "leval":
+        raise ValueError(f"unknown workload {kind!r}")
+    return base
 
 
 def own_kind(spec: ReplicaSpec) -> ReplicaSpec:
@@ -606,6 +620,37 @@ def variant_rows(res: dict[str, Any]) -> list[list[Any]]:
     return rows
 
 
+def breakdown_rows(res: dict[str, Any], names: Sequence[str] | None = None) -> list[list[Any]]:
+    """Where each router's requests went and where they missed, per cell and kind of replica (the even
+    replicas, at full speed and KV, and the odd ones, the slow or small kind of the speed and KV fleets):
+    the kind's share of the requests beside its share of the capacity, and of its requests the good ones,
+    those late to their first token (TTFT misses), those in time but decoding too slowly (TPOT misses),
+    and its prefix hit rate (of its prompt tokens); summed over the seeds."""
+    rows = []
+    for c in res["cells"]:
+        caps = c["capacity_per_replica_req_s"]
+        routers = c["routers"]
+        mine_too = [r for r in routers if r.split(" (")[0] in res.get("variants", [])]
+        shown = list(names) if names is not None else [OURS_LEARNED, "prefix-informed", best_peer(routers),
+                                                       *mine_too]
+        for name in dict.fromkeys(n for n in shown if n in routers and routers[n].get("per_replica")):
+            per_seed = routers[name]["per_replica"]
+            total = sum(p["requests"] for seed in per_seed for p in seed)
+            for kind, parity in (("even", 0), ("odd", 1)):
+                mine = [p for seed in per_seed for i, p in enumerate(seed) if i % 2 == parity]
+                req = sum(p["requests"] for p in mine) or 1.0
+                cap = sum(x for i, x in enumerate(caps) if i % 2 == parity) / sum(caps)
+
+                def pct(key: str, mine: list[dict[str, float]] = mine, req: float = req) -> str:
+                    return f"{100 * sum(p.get(key, 0.0) for p in mine) / req:.0f}%"
+
+                hit = sum(p["hit_tokens"] for p in mine) / max(1.0, sum(p["prompt_tokens"] for p in mine))
+                rows.append([c["fleet"], f"{c['load']:g}", name, kind,
+                             f"{100 * sum(p['requests'] for p in mine) / total:.1f}% / {100 * cap:.1f}%",
+                             pct("good"), pct("ttft_miss"), pct("tpot_miss"), f"{100 * hit:.0f}%"])
+    return rows
+
+
 def render(res: dict[str, Any]) -> str:
     """The figures in markdown: the headline (ours learned over the best peer, each tuned peer, ours
     informed and the bound), one table per cell, ours learned over every router, the peers' tuned
@@ -637,6 +682,13 @@ def render(res: dict[str, Any]) -> str:
         out += ["", "Ours learned and its variants (at their defaults, and tuned on the fleet) over the "
                 "cell's best peer: median over seeds of the per-seed ratio:", "",
                 format_table(headers, variant_rows(res))]
+    if any(r.get("per_replica") for c in res["cells"] for r in c["routers"].values()):
+        out += ["", "Where the requests went and where they missed, by kind of replica (even: full speed and "
+                "KV; odd: the speed fleet's slow, the KV fleet's small), summed over seeds: the kind's share "
+                "of the requests / of the capacity, and of its requests the good ones, the TTFT misses, "
+                "the TPOT misses (first token in time), its prefix hit rate:", "",
+                format_table(["fleet", "load", "router", "replicas", "requests / capacity", "good",
+                              "TTFT miss", "TPOT miss", "hit"], breakdown_rows(res))]
     names = list(dict.fromkeys(name for c in res["cells"] for name in c["routers"]))
     ratio_headers = ["fleet", "load", "learned tok/s", "learned attain."] + [f"/ {r}" for r in names
                                                                             if r != OURS_LEARNED]
@@ -741,6 +793,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--slo2", default="",
                    help="a second, tighter SLO pair (vLLM's --goodput pairs, e.g. 'ttft:2000 tpot:30'), "
                         "measured on the same runs")
+    p.add_argument("--workload", choices=("leval", "zipf"), default="leval",
+                   help="the speed, KV and equal fleets' workload: L-Eval's documents, or their "
+                        "Zipf-popularity variant (--zipf-s; the drift fleet's blocks stay L-Eval)")
+    p.add_argument("--zipf-s", type=float, default=ZIPF_S)
     p.add_argument("--drift-share", action="store_true",
                    help="only the drift must-show (drift_share()): replica 0 of an equal fleet slows "
                         "--share-factor x at --share-slow-at s and recovers at --share-recover-at s")
@@ -797,12 +853,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             w = drift_workload(pool, n, args.docs_per_replica, args.drift_blocks, seed=seed)
             first = Workload("first block", w.requests[:len(w) // args.drift_blocks])
             return w, capacity(engine, specs, first)["req_s"]
-        w = uniform_workload(pool, n, args.docs_per_replica, seed=seed)
+        w = docs_workload(pool, n, args.docs_per_replica, seed, args.workload, args.zipf_s)
         return w, capacity(engine, specs, w)["req_s"]
 
     for fleet in args.fleets.split(","):
         specs = specs_by_fleet[fleet]
-        workload = uniform_workload(pool, n, args.docs_per_replica, seed=n)
+        workload = docs_workload(pool, n, args.docs_per_replica, n, args.workload, args.zipf_s)
         cap = capacity(engine, specs, workload)
         if fleet == "drift":
             workload = drift_workload(pool, n, args.docs_per_replica, args.drift_blocks, seed=n)
@@ -856,6 +912,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                argv if argv is not None else sys.argv[1:]),
            "tune_seeds": [TUNE_SEED_BASE + s for s in range(args.tune_seeds)], "tuning": tuning,
            "variants": variants, "variant_tuning": variant_tuning, "slo2": slo2,
+           "workload": args.workload, "zipf_s": args.zipf_s if args.workload == "zipf" else None,
            "cells": cells}
     if args.cost_replicas:
         t0 = time.perf_counter()
