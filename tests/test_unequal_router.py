@@ -302,3 +302,13 @@ def test_the_drift_must_show_measures_the_slow_replicas_share(tmp_path, data_dir
     equal = [w["share"] for w in out["mean"]["informed-equal"]]
     assert np.nanmean(slow) < np.nanmean(equal)
     assert (tmp_path / "d.json").exists()
+
+
+def test_settle_time_reads_absolute_and_one_sided_bands():
+    from benchmarks.unequal_replicas import settle_time
+
+    ours = [{"t": float(t), "x": v} for t, v in enumerate([0.5, 0.9, 1.2, 0.97])]
+    ref = [{"t": float(t), "x": 1.0} for t in range(4)]
+    assert settle_time(ours, "x", ref, 0.0, 5.0, 1.0, 0.05, "at-least") == 2.0  # above the reference counts
+    assert settle_time(ours, "x", ref, 0.0, 5.0, 1.0, 0.05) == 3.0  # two-sided: 1.2 is 20% off
+    assert settle_time(ours, "x", ref, 0.0, 5.0, 1.0, 0.25, "absolute") == 1.0
