@@ -262,7 +262,8 @@ def test_a_replica_process_that_dies_is_forgotten_and_relearned():
             list(pool.map(lambda i: post(running.url, {"prompt": [i] * 300, "max_tokens": 4, "stream": True}),
                           range(16)))
         # the KV comes from a scrape, whose period is not tied to the requests: wait for both
-        est = _wait(lambda: (e := _estimates(running.url)) and all(r.get("kv_tokens") for r in e.values()) and e, 30.0)
+        est = _wait(lambda: (e := _estimates(running.url))
+                    and all(r.get("kv_tokens") for r in e.values()) and e, 30.0)
         assert all(e["prefill_samples"] > 0 and e["kv_tokens"] == 64 * 16 for e in est.values()), est
         victim = proxy.replicas[1]
         pid = victim.process.pid
