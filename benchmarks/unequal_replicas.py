@@ -56,6 +56,15 @@ ratios, in output throughput and in attainment. For the drift fleet, how long af
 after the recovery the learned prefill speed of replica 0 (over the median of the others') first comes
 within 20% of the truth (1/3, then 1), and from when it stays there until the phase ends. Last, each
 of :data:`COST_ROUTERS`' CPU per request at ``--cost-replicas`` (64) replicas (:func:`cost`).
+
+Further (the note's third session): ``--variants`` runs ours' variants
+(:data:`scheduler_runtime.learned_router.VARIANTS`) at their defaults and tuned on each unequal fleet
+with the peers' search, runs and score (:data:`VARIANT_GRIDS`); ``--slo2`` counts a second SLO pair on
+the same runs; ``--workload zipf`` draws the speed, KV and equal fleets' workloads from L-Eval's
+Zipf-popularity variant; every run keeps its per-replica breakdown (:func:`breakdown_rows`: where the
+requests went and whether they missed by TTFT or TPOT); ``--drift-share`` runs only the issue's drift
+must-show (:func:`drift_share`: a replica's routed share and the attainment per window, against ours
+informed with that replica slow throughout and on the equal fleet).
 """
 
 from __future__ import annotations

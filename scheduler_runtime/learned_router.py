@@ -66,6 +66,14 @@ An informed reference (``told``, for benchmarks): told each replica's true relat
 tokens, it pools every replica's samples, each divided by its replica's slowdown at the time, into
 one fleet speed, and predicts each replica at that speed times its slowdown.
 
+Variants, selectable by name (:data:`VARIANTS`; measured by ``benchmarks.unequal_replicas --variants``,
+none the default): :class:`SloRouter` (``prefix-slo``: ours' choice unless it is predicted to miss the
+SLO's TTFT or TPOT, the TPOT from the context in flight, each document's once; a request no replica is
+predicted to serve in time placed by its ``doomed`` rule), :class:`CostRouter` (``prefix-cost``:
+LMetric's product of a prompt's uncached tokens and the replica's requests in flight, weighted by the
+learned prefill speed), :class:`SecondsAffinityRouter` (``prefix-seconds``: Ray's affinity with the
+imbalance in predicted seconds) and :class:`CostSloRouter` (``prefix-cost-slo``).
+
 Engine-free (plain Python): it imports nothing from the environment or the agents.
 """
 
