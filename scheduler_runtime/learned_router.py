@@ -435,16 +435,22 @@ class SloRouter(LearnedRouter):
     """Ours learned, routing by predicted SLO attainment (``prefix-slo``): told the SLO, not the replicas.
 
     For each candidate replica it predicts the request's TTFT (the replica's queue of uncached prefill
-    tokens and the request's own, at the replica's learned prefill speed) and TPOT (the replica's
-    learned decode time per output token: the TPOT its recent requests saw, prefill interference
-    included). Ours' choice (:class:`LearnedRouter`, prefix affinity on speed-weighted loads) stands
-    when it is predicted to meet both SLOs within ``ttft_margin`` / ``tpot_margin`` of them; else the
-    feasible replica of the least predicted TTFT (the most slack); where none is feasible (the request
-    is predicted to miss wherever it goes), ``doomed`` says where it goes: ``"ours"`` (ours' choice, its
-    cache affinity kept), ``"worst"`` (the replica of the longest predicted TTFT: the overload is kept
-    on the replicas already missing, and the others stay within their SLO), or ``"least"`` (the least
-    predicted completion). ``scope="new"`` applies the rule to new prefixes only (a known prefix stays
-    with ours' choice, its cache).
+    tokens and the request's own, at the replica's learned prefill speed) and TPOT (``tpot_model``: by
+    default the replica's learned TPOT per token of distinct context in flight, times that context with
+    this request's added: a decode step's time is mostly its batch's KV reads, and a document's shared
+    prefix is read once for all its questions). Ours' choice (:class:`LearnedRouter`, prefix affinity
+    on speed-weighted loads) stands when it is predicted to meet both SLOs within ``ttft_margin`` /
+    ``tpot_margin`` of them; else the feasible replica of the least predicted TTFT (the most slack);
+    where none is feasible (the request is predicted to miss wherever it goes), ``doomed`` says where it
+    goes: ``"ours"`` (ours' choice, its cache affinity kept), ``"worst"`` (the replica of the longest
+    predicted TTFT: the overload is kept on the replicas already missing, and the others stay within
+    their SLO), ``"sacrifice"`` (default: of the replicas already predicted past the TTFT SLO, the
+    soonest; none: the longest, as ``"worst"``: the overload is spread over the replicas given up on,
+    not piled on one), or ``"least"`` (the least predicted TTFT). ``scope="new"`` (default) applies the
+    rule to new prefixes only (a known prefix stays with ours' choice, its cache). On
+    ``benchmarks.unequal_replicas``' held-out seeds ``doomed="worst"`` (tuned) is 1.16x the best tuned
+    peer's attainment on the speed fleet at load 1, at 0.84x its throughput: it gives a replica up, as
+    Ray's rule does there (the note of 2026-12-06, third session).
 
     Args:
         ttft_slo_s, tpot_slo_s: the SLO (seconds).
