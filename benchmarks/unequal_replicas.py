@@ -232,7 +232,7 @@ def variant_defaults(name: str) -> dict[str, Any]:
 def make_variant(name: str, knobs: dict[str, Any], seed: int, slo: dict[str, float]) -> ReplicaRouter:
     """Ours' variant ``name`` with ``knobs`` (``prefix-slo`` told the SLO, in seconds)."""
     knobs = {k: math.inf if v == "inf" else v for k, v in knobs.items()}
-    if name == SloRouter.name:
+    if issubclass(VARIANTS[name], SloRouter):  # prefix-slo, prefix-cost-slo: told the SLO
         return SloRouter(ttft_slo_s=slo.get("ttft", 5000.0) / 1000, tpot_slo_s=slo.get("tpot", 50.0) / 1000,
                          **knobs)
     return VARIANTS[name](**knobs)
