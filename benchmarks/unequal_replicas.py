@@ -56,12 +56,23 @@ ratios, in output throughput and in attainment. For the drift fleet, how long af
 after the recovery the learned prefill speed of replica 0 (over the median of the others') first comes
 within 20% of the truth (1/3, then 1), and from when it stays there until the phase ends. Last, each
 of :data:`COST_ROUTERS`' CPU per request at ``--cost-replicas`` (64) replicas (:func:`cost`).
+
+Further (the note's third session): ``--variants`` runs ours' variants
+(:data:`scheduler_runtime.learned_router.VARIANTS`) at their defaults and tuned on each unequal fleet
+with the peers' search, runs and score (:data:`VARIANT_GRIDS`); ``--slo2`` counts a second SLO pair on
+the same runs; ``--workload zipf`` draws the speed, KV and equal fleets' workloads from L-Eval's
+Zipf-popularity variant; every run keeps its per-replica breakdown (:func:`breakdown_rows`: where the
+requests went and whether they missed by TTFT or TPOT); ``--drift-share`` runs only the issue's drift
+must-show (:func:`drift_share`: a replica's routed share and the attainment per window, against ours
+informed with that replica slow throughout and on the equal fleet).
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
+import inspect
 import json
 import math
 import statistics
@@ -76,6 +87,7 @@ from benchmarks import measured
 from benchmarks.router_peers import (
     REFERENCE,
     TUNE_SEED_BASE,
+    ZIPF_S,
     defaults,
     grids,
     make,
@@ -83,12 +95,18 @@ from benchmarks.router_peers import (
     uniform_workload,
 )
 from benchmarks.routing import router_cost
-from feather_env.cluster_sim import ClusterResult, ClusterSim, ReplicaSpec, distinct_documents
+from feather_env.cluster_sim import ClusterResult, ClusterSim, ReplicaSpec, distinct_documents, zipf_documents
 from feather_env.engines.vllm_engine import EngineConfig
 from feather_env.reporting import format_table, machine_info, write_json
 from feather_env.scenarios import load_scenario
 from feather_env.workloads import Workload, WorkloadConfig, load_workload
-from scheduler_runtime.learned_router import LearnedRouter
+from scheduler_runtime.learned_router import (
+    VARIANTS,
+    CostRouter,
+    LearnedRouter,
+    SecondsAffinityRouter,
+    SloRouter,
+)
 from scheduler_runtime.peer_routers import LlmdPredictedLatencyRouter
 from scheduler_runtime.router import PrefixAffinityRouter, ReplicaRouter
 
@@ -126,6 +144,19 @@ def drift_workload(pool: Workload, n: int, docs_per_replica: int, blocks: int, s
         block = [r for g in groups[b * size:(b + 1) * size] for r in g]
         out += [block[i] for i in rng.permutation(len(block))]
     return Workload(f"{docs.name}/blocks{blocks}", tuple(out))
+
+
+def docs_workload(pool: Workload, n: int, docs_per_replica: int, seed: int, kind: str = "leval",
+                  zipf_s: float = ZIPF_S) -> Workload:
+    """The fleets' workload (``--workload``): ``"leval"``, :func:`~benchmarks.router_peers.uniform_workload`;
+    ``"zipf"``, its Zipf-popularity variant as :func:`benchmarks.router_peers.cell_runs` draws it (as many
+    requests over as many documents, the document of rank ``k`` asked ``~ 1 / k**zipf_s``)."""
+    base = uniform_workload(pool, n, docs_per_replica, seed=seed)
+    if kind == "zipf":
+        return zipf_documents(pool, base.num_groups, len(base), zipf_s, seed=seed)
+    if kind != "leval":
+        raise ValueError(f"unknown workload {kind!r}")
+    return base
 
 
 def own_kind(spec: ReplicaSpec) -> ReplicaSpec:
@@ -174,6 +205,39 @@ LLMD_GRID = tuple({"per_pod": p, "selection_mode": m, "affinity_gate_tau": t}
                   for p in (False, True) for m in ("linear", "max") for t in (0.8, 0.5))
 
 
+#: Ours' variants (:data:`scheduler_runtime.learned_router.VARIANTS`, ``--variants``) and their grids, each of
+#: 12 settings (the peers': SGLang's 16, Ray's 12): ``prefix-slo``, where a request no replica is predicted to
+#: serve within the SLO goes, its TPOT model and margin; ``prefix-cost``, the work of a cached prompt, the
+#: speed weights' band and the load's exponent; ``prefix-seconds``, its imbalance in seconds and its band.
+VARIANT_GRIDS: dict[str, tuple[dict[str, Any], ...]] = {
+    SloRouter.name: tuple({"doomed": d, "tpot_model": t, "tpot_margin": m}
+                          for d in ("ours", "sacrifice", "worst") for t in ("distinct", "tokens")
+                          for m in (0.8, 1.0)),
+    CostRouter.name: tuple({"overhead_tokens": o, "band": b, "load_power": p}
+                           for o in (1, 256, 1024) for b in (0.35, 0.0) for p in (1.0, 2.0)),
+    SecondsAffinityRouter.name: tuple({"imbalance_s": t, "band": b}
+                                      for t in (1.0, 2.0, 5.0, 10.0, 20.0, math.inf) for b in (0.35, 0.0)),
+}
+
+
+def variant_defaults(name: str) -> dict[str, Any]:
+    """A variant's default knobs (those of its grid)."""
+    params: dict[str, Any] = {}
+    for cls in reversed(VARIANTS[name].__mro__):  # a knob of a base class too (LearnedRouter's band)
+        if "__init__" in vars(cls):
+            params.update({k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()})
+    return {k: params[k] for k in VARIANT_GRIDS[name][0]}
+
+
+def make_variant(name: str, knobs: dict[str, Any], seed: int, slo: dict[str, float]) -> ReplicaRouter:
+    """Ours' variant ``name`` with ``knobs`` (``prefix-slo`` told the SLO, in seconds)."""
+    knobs = {k: math.inf if v == "inf" else v for k, v in knobs.items()}
+    if issubclass(VARIANTS[name], SloRouter):  # prefix-slo, prefix-cost-slo: told the SLO
+        return SloRouter(ttft_slo_s=slo.get("ttft", 5000.0) / 1000, tpot_slo_s=slo.get("tpot", 50.0) / 1000,
+                         **knobs)
+    return VARIANTS[name](**knobs)
+
+
 def peer_grids() -> dict[str, list[dict[str, Any]]]:
     """Each tuned peer's grid: :func:`benchmarks.router_peers.grids`' (the grids the peers are tuned with
     on equal replicas), and :data:`LLMD_GRID`."""
@@ -191,17 +255,23 @@ def make_peer(name: str, knobs: dict[str, Any], seed: int, slo: dict[str, float]
 
 
 def tune_peers(sim: ClusterSim, runs: Sequence[tuple[int, Workload]], slo: dict[str, float],
-               log: Callable[[str], None]) -> dict[str, Any]:
+               log: Callable[[str], None], variants: Sequence[str] | None = None) -> dict[str, Any]:
     """Each of :data:`TUNED`'s grid (:func:`peer_grids`) on the tuning runs ``(seed, workload with
     arrivals)``: the setting of the highest mean SLO attainment (the issue's score; of equals, the one
-    sharing the most knobs with the defaults). ``{peer: {"best": knobs, "grid": [...]}}``."""
+    sharing the most knobs with the defaults). ``{peer: {"best": knobs, "grid": [...]}}``. With
+    ``variants``, those of ours' variants instead, each on its :data:`VARIANT_GRIDS` grid: the same
+    search, runs and score as the peers'."""
     out: dict[str, Any] = {}
-    for name, grid in peer_grids().items():
+    if variants is None:
+        todo = [(name, grid, defaults(name), make_peer) for name, grid in peer_grids().items()]
+    else:
+        todo = [(name, [dict(k) for k in VARIANT_GRIDS[name]], variant_defaults(name), make_variant)
+                for name in variants]
+    for name, grid, base, maker in todo:
         t0 = time.perf_counter()
-        base = defaults(name)
         scored = []
         for knobs in grid:
-            rs = [(sim.run(w, make_peer(name, knobs, seed, slo), goodput=slo, scrape_s=0.0), len(w))
+            rs = [(sim.run(w, maker(name, knobs, seed, slo), goodput=slo, scrape_s=0.0), len(w))
                   for seed, w in runs]
             scored.append({"knobs": {k: "inf" if v == math.inf else v for k, v in knobs.items()},
                            "attainment": statistics.fmean(_attainment(r, m) for r, m in rs),
@@ -221,9 +291,12 @@ def tuned_label(name: str) -> str:
 
 def router_factories(specs: Sequence[ReplicaSpec], engine: EngineConfig,
                      slo: dict[str, float],
-                     tuned: dict[str, Any] | None = None) -> dict[str, Callable[[int], ReplicaRouter]]:
+                     tuned: dict[str, Any] | None = None, variants: Sequence[str] = (),
+                     tuned_variants: dict[str, Any] | None = None,
+                     ) -> dict[str, Callable[[int], ReplicaRouter]]:
     """Each router of :data:`ROUTERS` for a fleet, by arrival seed, and each peer tuned on it (``tuned``:
-    :func:`tune_peers`)."""
+    :func:`tune_peers`); ours' ``variants`` at their defaults, and each tuned on the fleet where the
+    tuning (``tuned_variants``) moved it off them."""
     engines = [s.engine(engine) for s in specs]
     kv = {str(i): e.num_kv_blocks * e.block_size for i, e in enumerate(engines)}
 
@@ -247,7 +320,17 @@ def router_factories(specs: Sequence[ReplicaSpec], engine: EngineConfig,
             continue  # tuned to its defaults: its default row stands for it
         knobs = {k: math.inf if v == "inf" else v for k, v in t["best"].items()}
         out[tuned_label(name)] = lambda seed, name=name, knobs=knobs: make_peer(name, knobs, seed, slo)
+    for name in variants:
+        out[name] = lambda seed, name=name: make_variant(name, {}, seed, slo)
+        t = (tuned_variants or {}).get(name)
+        if t is not None and t["best"] != _jsonable_knobs(variant_defaults(name)):
+            out[tuned_label(name)] = (lambda seed, name=name, knobs=t["best"]:
+                                      make_variant(name, knobs, seed, slo))
     return out
+
+
+def _jsonable_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
+    return {k: "inf" if v == math.inf else v for k, v in knobs.items()}
 
 
 class _Traced(LearnedRouter):
@@ -301,12 +384,17 @@ def _attainment(result: ClusterResult, submitted: int) -> float:
 def run_cell(sim: ClusterSim, workload: Workload, rate: float, seeds: Sequence[int],
              factories: dict[str, Callable[[int], ReplicaRouter]], slo: dict[str, float],
              phases: Sequence[tuple[float, float, float]] = (),
-             bound: Callable[[Workload], float] | None = None) -> dict[str, Any]:
+             bound: Callable[[Workload], float] | None = None,
+             slo2: dict[str, float] | None = None) -> dict[str, Any]:
     """Every router on ``workload`` at ``rate`` req/s, one Poisson draw per seed; with ``bound``
-    (:func:`fleet_bound` of a timed workload), the bound of each draw."""
+    (:func:`fleet_bound` of a timed workload), the bound of each draw; with ``slo2``, each run's
+    attainment under that second SLO too (``attainment_slo2``: the same runs, the routers as configured
+    and tuned for ``slo``). Each run keeps its per-replica breakdown
+    (:func:`~feather_env.cluster_sim.replica_breakdown`)."""
     routers: dict[str, Any] = {}
     bounds: list[float] = []
     per_seed: dict[str, list[dict[str, float]]] = {name: [] for name in factories}
+    per_replica: dict[str, list[list[dict[str, float]]]] = {}
     drift: list[list[dict[str, Any]]] = []
     estimates: list[dict[str, Any]] = []
     for seed in seeds:
@@ -315,13 +403,16 @@ def run_cell(sim: ClusterSim, workload: Workload, rate: float, seeds: Sequence[i
             bounds.append(bound(timed))
         for name, factory in factories.items():
             router = _Traced() if phases and name == OURS_LEARNED else factory(seed)
-            r = sim.run(timed, router, goodput=slo, scrape_s=0.0)
+            r = sim.run(timed, router, goodput=slo, scrape_s=0.0, also_slos=[slo2] if slo2 else [])
             m = r.metrics
-            per_seed[name].append({"output_throughput": m["output_throughput"],
-                                   "attainment": _attainment(r, len(timed)),
-                                   "mean_ttft_ms": m["mean_ttft_ms"], "p99_ttft_ms": m["p99_ttft_ms"],
-                                   "mean_e2el_ms": m["mean_e2el_ms"], "p99_e2el_ms": m["p99_e2el_ms"],
-                                   "prefix_hit_rate": m["prefix_hit_rate"], "wall_s": r.wall_s})
+            run = {"output_throughput": m["output_throughput"], "attainment": _attainment(r, len(timed)),
+                   "mean_ttft_ms": m["mean_ttft_ms"], "p99_ttft_ms": m["p99_ttft_ms"],
+                   "mean_e2el_ms": m["mean_e2el_ms"], "p99_e2el_ms": m["p99_e2el_ms"],
+                   "prefix_hit_rate": m["prefix_hit_rate"], "wall_s": r.wall_s}
+            if slo2:
+                run["attainment_slo2"] = r.good_by_slo[0] / len(timed)
+            per_seed[name].append(run)
+            per_replica.setdefault(name, []).append(r.per_replica)
             if isinstance(router, _Traced):
                 drift.append(convergence(router.trace, "0", phases))
             if isinstance(router, LearnedRouter) and name == OURS_LEARNED:
@@ -329,19 +420,175 @@ def run_cell(sim: ClusterSim, workload: Workload, rate: float, seeds: Sequence[i
     ours = per_seed[OURS_LEARNED]
     for name, runs in per_seed.items():
         row: dict[str, Any] = {k: statistics.fmean(x[k] for x in runs) for k in runs[0]}
-        for key in ("output_throughput", "attainment"):
+        for key in ("output_throughput", "attainment", *(("attainment_slo2",) if slo2 else ())):
             ratios = [a[key] / b[key] if b[key] else math.inf for a, b in zip(ours, runs, strict=True)]
             row[f"learned_over_this_{key}"] = statistics.median(ratios)
         if bounds:
             row["over_bound_output_throughput"] = statistics.median(
                 x["output_throughput"] / b for x, b in zip(runs, bounds, strict=True))
         row["runs"] = runs
+        row["per_replica"] = per_replica[name]
         routers[name] = row
     out = {"routers": routers, "drift": drift, "learned_estimates_at_end": estimates[:1]}
     if bounds:
         out["bound_output_throughput"] = statistics.fmean(bounds)
         out["bound_runs"] = bounds
     return out
+
+
+def windowed(result: ClusterResult, replica: str, window_s: float, step_s: float,
+             end_s: float) -> list[dict[str, float]]:
+    """``replica``'s share of the requests that arrived in each window ``[t, t + window_s)`` (``t`` every
+    ``step_s`` up to ``end_s - window_s``), and the attainment of the fleet's requests of that window."""
+    times = [t for t, _ in result.routed]
+    out = []
+    t = 0.0
+    while t + window_s <= end_s + 1e-9:
+        lo, hi = bisect.bisect_left(times, t), bisect.bisect_left(times, t + window_s)
+        mine = sum(1 for _, r in result.routed[lo:hi] if r == replica)
+        good = sum(result.met[lo:hi]) if result.met else 0
+        out.append({"t": t, "requests": hi - lo, "share": mine / (hi - lo) if hi > lo else math.nan,
+                    "attainment": good / (hi - lo) if hi > lo else math.nan})
+        t += step_s
+    return out
+
+
+def settle_time(series: Sequence[dict[str, float]], key: str, reference: Sequence[dict[str, float]],
+                start: float, end: float, window_s: float, tol: float,
+                mode: str = "relative") -> float | None:
+    """Seconds after ``start`` from which every window that starts at or after it and ends by ``end``
+    has ``key`` near ``reference``'s same window: within ``tol`` of it relative (``mode="relative"``),
+    within ``tol`` absolute (``"absolute"``: shares in points), or at least ``1 - tol`` of it
+    (``"at-least"``: an attainment no worse than the reference's by more than ``tol``); ``None``: never."""
+    pairs = [(a["t"], a[key], b[key]) for a, b in zip(series, reference, strict=True)
+             if a["t"] >= start and a["t"] + window_s <= end]
+
+    def near(x: float, ref: float) -> bool:
+        if not (math.isfinite(x) and math.isfinite(ref)):
+            return False
+        if mode == "absolute":
+            return abs(x - ref) <= tol
+        if mode == "at-least":
+            return x >= (1.0 - tol) * ref
+        return abs(x - ref) <= tol * abs(ref)
+
+    settled = None
+    for t, x, ref in reversed(pairs):
+        if not near(x, ref):
+            break
+        settled = t - start
+    return settled
+
+
+def drift_share(engine: EngineConfig, pool: Workload, n: int, docs_per_replica: int, blocks: int,
+                slow_at: float, recover_at: float, factor: float, load: float, seeds: Sequence[int],
+                slo: dict[str, float], window_s: float, step_s: float,
+                log: Callable[[str], None]) -> dict[str, Any]:
+    """The issue's drift must-show: replica 0 of an equal fleet runs ``factor`` x slower (prefill and
+    decode) from ``slow_at`` to ``recover_at`` seconds; ``blocks`` of :func:`drift_workload` at ``load`` x
+    the equal fleet's capacity. Per seed, three runs: ours learned with the drift; ours informed with
+    replica 0 slow from the start to the end (the steady state of the slow phase, ours told its speed);
+    ours informed on the equal fleet (the steady state after the recovery). Each run's replica-0 share
+    and attainment per window (:func:`windowed`), the mean over seeds, and the seconds after the
+    slowdown and after the recovery from which ours learned's windows stay within 5% (share: of the
+    reference's share; attainment: of the reference's attainment, relative)."""
+    equal = [ReplicaSpec()] * n
+    drifted = [ReplicaSpec(drift=((slow_at, factor), (recover_at, 1.0)))] + [ReplicaSpec()] * (n - 1)
+    slow = [ReplicaSpec(prefill_slowdown=factor, decode_slowdown=factor)] + [ReplicaSpec()] * (n - 1)
+    workload = drift_workload(pool, n, docs_per_replica, blocks, seed=n)
+    cap = capacity(engine, equal, Workload("first block", workload.requests[:len(workload) // blocks]))
+    rate = load * cap["req_s"]
+    runs: dict[str, list[list[dict[str, float]]]] = {"learned-drift": [], "informed-slow": [],
+                                                     "informed-equal": [], "learned-slow": []}
+    attain: dict[str, list[float]] = {k: [] for k in runs}
+    end = math.inf
+    for seed in seeds:
+        timed = workload.with_arrivals(f"poisson:{rate}", seed)
+        end = min(end, max(r.arrival_time for r in timed))
+        for name, specs, informed in (("learned-drift", drifted, False), ("informed-slow", slow, True),
+                                      ("informed-equal", equal, True), ("learned-slow", slow, False)):
+            if informed:
+                router: ReplicaRouter = router_factories(specs, engine, slo)["prefix-informed"](seed)
+            else:
+                router = LearnedRouter()
+            r = ClusterSim(n, engine, profiles=specs).run(timed, router, goodput=slo, scrape_s=0.0)
+            runs[name].append(windowed(r, "0", window_s, step_s, max(x.arrival_time for x in timed)))
+            attain[name].append(_attainment(r, len(timed)))
+        log(f"drift share: seed {seed} done")
+    mean: dict[str, list[dict[str, float]]] = {}
+    for name, per_seed in runs.items():
+        k = min(len(x) for x in per_seed)
+        mean[name] = [{"t": per_seed[0][i]["t"],
+                       **{key: statistics.fmean(x[i][key] for x in per_seed if math.isfinite(x[i][key]))
+                          for key in ("share", "attainment")}} for i in range(k)]
+    k = min(len(v) for v in mean.values())
+    mean = {name: v[:k] for name, v in mean.items()}
+    ours = mean["learned-drift"]
+    out: dict[str, Any] = {"rate_req_s": rate, "capacity_req_s": cap["req_s"], "end_s": end,
+                           "slow_at_s": slow_at, "recover_at_s": recover_at, "factor": factor, "load": load,
+                           "window_s": window_s, "step_s": step_s, "attainment": attain, "mean": mean,
+                           "runs": runs}
+    for key in ("share", "attainment"):
+        out[f"{key}_settles_after_slowdown_s"] = settle_time(ours, key, mean["informed-slow"], slow_at,
+                                                            recover_at, window_s, 0.05)
+        out[f"{key}_settles_after_recovery_s"] = settle_time(ours, key, mean["informed-equal"], recover_at,
+                                                            end, window_s, 0.05)
+    # the issue's reading: ours' attainment no more than 5% below the reference's; the share within 2
+    # points (a window's share is a few dozen requests)
+    slow_ref, equal_ref = mean["informed-slow"], mean["informed-equal"]
+    out["attainment_at_least_95pct_after_s"] = [
+        settle_time(ours, "attainment", slow_ref, slow_at, recover_at, window_s, 0.05, "at-least"),
+        settle_time(ours, "attainment", equal_ref, recover_at, end, window_s, 0.05, "at-least")]
+    out["share_within_2pp_after_s"] = [
+        settle_time(ours, "share", mean["informed-slow"], slow_at, recover_at, window_s, 0.02, "absolute"),
+        settle_time(ours, "share", mean["informed-equal"], recover_at, end, window_s, 0.02, "absolute")]
+    for key in ("share", "attainment"):
+        for tol in SETTLE_TOLERANCES:  # looser bands: a window's share is a few dozen requests
+            out[f"{key}_settles_within_{tol:g}"] = [
+                settle_time(ours, key, mean["informed-slow"], slow_at, recover_at, window_s, tol),
+                settle_time(ours, key, mean["informed-equal"], recover_at, end, window_s, tol)]
+    return out
+
+
+#: The further relative bands :func:`drift_share` reports settle times for (beside the issue's 5%).
+SETTLE_TOLERANCES = (0.1, 0.2, 0.3)
+
+
+def render_drift_share(d: dict[str, Any]) -> str:
+    """The drift must-show's figures in markdown."""
+    rows = []
+    for i, w in enumerate(d["mean"]["learned-drift"]):
+        rows.append([f"{w['t']:g}-{w['t'] + d['window_s']:g}"]
+                    + [f"{100 * d['mean'][k][i]['share']:.1f}% / {100 * d['mean'][k][i]['attainment']:.1f}%"
+                       for k in ("learned-drift", "learned-slow", "informed-slow", "informed-equal")])
+    def fmt(x: float | None) -> str:
+        return "never" if x is None else f"{x:g} s"
+
+    head = (f"Replica 0 slows {d['factor']:g}x at {d['slow_at_s']:g} s and recovers at "
+            f"{d['recover_at_s']:g} s (load {d['load']:g}, {d['rate_req_s']:.2f} req/s, arrivals until "
+            f"{d['end_s']:.0f} s). Ours learned's windows stay within 5% of the reference from: share "
+            f"{fmt(d['share_settles_after_slowdown_s'])} after the slowdown (reference: ours informed, "
+            f"replica 0 slow throughout), {fmt(d['share_settles_after_recovery_s'])} after the recovery "
+            "(reference: ours informed, equal fleet); attainment "
+            f"{fmt(d['attainment_settles_after_slowdown_s'])} / "
+            f"{fmt(d['attainment_settles_after_recovery_s'])}. "
+            "Ours' attainment at least 95% of the reference's from (after the slowdown / the recovery): "
+            f"{fmt(d['attainment_at_least_95pct_after_s'][0])} / "
+            f"{fmt(d['attainment_at_least_95pct_after_s'][1])}; "
+            f"its share within 2 points of the reference's from: {fmt(d['share_within_2pp_after_s'][0])} / "
+            f"{fmt(d['share_within_2pp_after_s'][1])}. "
+            "Within wider relative bands (after the slowdown / the recovery): "
+            + "; ".join(f"{100 * tol:g}%: share {fmt(d[f'share_settles_within_{tol:g}'][0])} / "
+                        f"{fmt(d[f'share_settles_within_{tol:g}'][1])}, attainment "
+                        f"{fmt(d[f'attainment_settles_within_{tol:g}'][0])} / "
+                        f"{fmt(d[f'attainment_settles_within_{tol:g}'][1])}"
+                        for tol in SETTLE_TOLERANCES if f"share_settles_within_{tol:g}" in d) + ". "
+            "Whole-run attainment (mean over seeds): "
+            + ", ".join(f"{k} {100 * statistics.fmean(v):.1f}%" for k, v in d["attainment"].items()) + ".")
+    return "\n".join([head, "", "Replica 0's routed share / the fleet's attainment of the window's arrivals "
+                       "(mean over seeds):", "",
+                       format_table(["window s", "learned, drift", "learned, slow throughout",
+                                     "informed, slow throughout", "informed, equal"], rows)])
 
 
 #: The routers whose cost per request is measured (``--cost-replicas``).
@@ -393,6 +640,68 @@ def headline(res: dict[str, Any]) -> list[list[Any]]:
     return rows
 
 
+def over_row(routers: dict[str, Any], name: str, other: str, key: str) -> float:
+    """``name``'s ``key`` over ``other``'s: the median over seeds of the per-seed ratio."""
+    a, b = routers[name]["runs"], routers[other]["runs"]
+    return statistics.median(x[key] / y[key] if y[key] else math.inf for x, y in zip(a, b, strict=True))
+
+
+def variant_rows(res: dict[str, Any]) -> list[list[Any]]:
+    """Per cell and for ours learned and each of ours' variants (at defaults, and tuned where it moved):
+    attainment, its ratio to the cell's best peer (median of per-seed ratios), output tok/s and its ratio,
+    and with a second SLO the same attainment under it over the best peer under it (the peer best under
+    the first SLO)."""
+    rows = []
+    for c in res["cells"]:
+        routers = c["routers"]
+        best = best_peer(routers)
+        mine = res.get("variants", [])
+        names = [OURS_LEARNED, "prefix-informed"] + [r for r in routers if r.split(" (")[0] in mine]
+        for name in names:
+            r = routers[name]
+            row = [c["fleet"], f"{c['load']:g}", name, f"{100 * r['attainment']:.1f}%",
+                   f"{over_row(routers, name, best, 'attainment'):.2f}x", f"{r['output_throughput']:.0f}",
+                   f"{over_row(routers, name, best, 'output_throughput'):.2f}x", best]
+            if res.get("slo2"):
+                best2 = max((p for p in routers if p.split(" (")[0] in (*PEERS, LLMD_PER_POD)),
+                            key=lambda p: routers[p]["attainment_slo2"])
+                row += [f"{100 * r['attainment_slo2']:.1f}%",
+                        f"{over_row(routers, name, best2, 'attainment_slo2'):.2f}x", best2]
+            rows.append(row)
+    return rows
+
+
+def breakdown_rows(res: dict[str, Any], names: Sequence[str] | None = None) -> list[list[Any]]:
+    """Where each router's requests went and where they missed, per cell and kind of replica (the even
+    replicas, at full speed and KV, and the odd ones, the slow or small kind of the speed and KV fleets):
+    the kind's share of the requests beside its share of the capacity, and of its requests the good ones,
+    those late to their first token (TTFT misses), those in time but decoding too slowly (TPOT misses),
+    and its prefix hit rate (of its prompt tokens); summed over the seeds."""
+    rows = []
+    for c in res["cells"]:
+        caps = c["capacity_per_replica_req_s"]
+        routers = c["routers"]
+        mine_too = [r for r in routers if r.split(" (")[0] in res.get("variants", [])]
+        shown = list(names) if names is not None else [OURS_LEARNED, "prefix-informed", best_peer(routers),
+                                                       *mine_too]
+        for name in dict.fromkeys(n for n in shown if n in routers and routers[n].get("per_replica")):
+            per_seed = routers[name]["per_replica"]
+            total = sum(p["requests"] for seed in per_seed for p in seed)
+            for kind, parity in (("even", 0), ("odd", 1)):
+                mine = [p for seed in per_seed for i, p in enumerate(seed) if i % 2 == parity]
+                req = sum(p["requests"] for p in mine) or 1.0
+                cap = sum(x for i, x in enumerate(caps) if i % 2 == parity) / sum(caps)
+
+                def pct(key: str, mine: list[dict[str, float]] = mine, req: float = req) -> str:
+                    return f"{100 * sum(p.get(key, 0.0) for p in mine) / req:.0f}%"
+
+                hit = sum(p["hit_tokens"] for p in mine) / max(1.0, sum(p["prompt_tokens"] for p in mine))
+                rows.append([c["fleet"], f"{c['load']:g}", name, kind,
+                             f"{100 * sum(p['requests'] for p in mine) / total:.1f}% / {100 * cap:.1f}%",
+                             pct("good"), pct("ttft_miss"), pct("tpot_miss"), f"{100 * hit:.0f}%"])
+    return rows
+
+
 def render(res: dict[str, Any]) -> str:
     """The figures in markdown: the headline (ours learned over the best peer, each tuned peer, ours
     informed and the bound), one table per cell, ours learned over every router, the peers' tuned
@@ -414,6 +723,23 @@ def render(res: dict[str, Any]) -> str:
             format_table(["fleet", "load", "learned attain.", "learned tok/s", "/ best peer",
                           *[f"/ {p}" for p in PEERS], "/ prefix-informed", "bound: learned / bound"],
                          headline(res))]
+    if res.get("variants") or res.get("slo2"):
+        headers = ["fleet", "load", "router", "attain.", "/ best peer", "tok/s", "/ best peer (tok/s)",
+                   "best peer"]
+        if res.get("slo2"):
+            s2 = res["slo2"]
+            headers += [f"attain. at TTFT <= {s2['ttft'] / 1000:g} s, TPOT <= {s2['tpot']:g} ms",
+                        "/ best peer there", "best peer there"]
+        out += ["", "Ours learned and its variants (at their defaults, and tuned on the fleet) over the "
+                "cell's best peer: median over seeds of the per-seed ratio:", "",
+                format_table(headers, variant_rows(res))]
+    if any(r.get("per_replica") for c in res["cells"] for r in c["routers"].values()):
+        out += ["", "Where the requests went and where they missed, by kind of replica (even: full speed and "
+                "KV; odd: the speed fleet's slow, the KV fleet's small), summed over seeds: the kind's share "
+                "of the requests / of the capacity, and of its requests the good ones, the TTFT misses, "
+                "the TPOT misses (first token in time), its prefix hit rate:", "",
+                format_table(["fleet", "load", "router", "replicas", "requests / capacity", "good",
+                              "TTFT miss", "TPOT miss", "hit"], breakdown_rows(res))]
     names = list(dict.fromkeys(name for c in res["cells"] for name in c["routers"]))
     ratio_headers = ["fleet", "load", "learned tok/s", "learned attain."] + [f"/ {r}" for r in names
                                                                             if r != OURS_LEARNED]
@@ -449,6 +775,12 @@ def render(res: dict[str, Any]) -> str:
         out += ["", f"The peers tuned on each fleet (seeds {res['tune_seeds']}, workloads of their own, "
                 "every load; highest mean attainment):", "",
                 format_table(["fleet", "peer", "tuned knobs", "tuning attainment", "settings"], rows)]
+    vt = res.get("variant_tuning") or {}
+    if vt:
+        rows = [[fleet, name, _knobs_text(t["best"]), f"{100 * t['attainment']:.1f}%", len(t["grid"])]
+                for fleet, names in vt.items() for name, t in names.items()]
+        out += ["", "Ours' variants tuned on each fleet (the peers' tuning runs and score):", "",
+                format_table(["fleet", "variant", "tuned knobs", "tuning attainment", "settings"], rows)]
     drift_rows = []
     for c in res["cells"]:
         for seed, phases in zip(res["seeds"], c.get("drift") or [], strict=False):
@@ -505,8 +837,33 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--no-bound", action="store_true", help="no no-queueing bound")
     p.add_argument("--cost-replicas", type=int, default=64, help="0: no cost measurement")
     p.add_argument("--cost-prefixes", type=int, default=2000)
+    p.add_argument("--variants", default="",
+                   help="ours' variants to run beside (comma-separated: "
+                        f"{', '.join(VARIANT_GRIDS)}), each at its defaults and tuned on each unequal fleet "
+                        "on the peers' tuning runs with the peers' search budget")
+    p.add_argument("--slo2", default="",
+                   help="a second, tighter SLO pair (vLLM's --goodput pairs, e.g. 'ttft:2000 tpot:30'), "
+                        "measured on the same runs")
+    p.add_argument("--workload", choices=("leval", "zipf"), default="leval",
+                   help="the speed, KV and equal fleets' workload: L-Eval's documents, or their "
+                        "Zipf-popularity variant (--zipf-s; the drift fleet's blocks stay L-Eval)")
+    p.add_argument("--zipf-s", type=float, default=ZIPF_S)
+    p.add_argument("--drift-share", action="store_true",
+                   help="only the drift must-show (drift_share()): replica 0 of an equal fleet slows "
+                        "--share-factor x at --share-slow-at s and recovers at --share-recover-at s")
+    p.add_argument("--share-factor", type=float, default=2.0)
+    p.add_argument("--share-blocks", type=int, default=5)
+    p.add_argument("--share-slow-at", type=float, default=80.0)
+    p.add_argument("--share-recover-at", type=float, default=160.0)
+    p.add_argument("--share-load", type=float, default=0.8)
+    p.add_argument("--share-window", type=float, default=20.0)
+    p.add_argument("--share-step", type=float, default=10.0)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANT_GRIDS]
+    if unknown:
+        p.error(f"unknown variants {unknown}")
     if args.quick:
         args.replicas, args.docs_per_replica = 4, 4
         args.loads, args.seeds, args.drift_at, args.drift_until = "1.0", 1, 6.0, 14.0
@@ -517,16 +874,29 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"[{time.perf_counter() - start:6.0f} s] {msg}", file=sys.stderr, flush=True)
 
     slo = {k: float(v) for k, v in (x.split(":") for x in args.slo.split())}
+    slo2 = {k: float(v) for k, v in (x.split(":") for x in args.slo2.split())} or None
     engine = load_scenario(args.scenario).engine_config()
     pool = load_workload(WorkloadConfig(kind="leval", max_prompt_tokens=8192))
     n, seeds = args.replicas, list(range(args.seeds))
+    if args.drift_share:
+        d = drift_share(engine, pool, n, args.docs_per_replica, args.share_blocks, args.share_slow_at,
+                        args.share_recover_at, args.share_factor, args.share_load, seeds, slo,
+                        args.share_window, args.share_step, log)
+        res = {"benchmark": "unequal_replicas --drift-share", "machine": machine_info(), "replicas": n,
+               "docs_per_replica": args.docs_per_replica, "seeds": seeds, "slo": slo,
+               "command": "python -m benchmarks.unequal_replicas " + " ".join(
+                   argv if argv is not None else sys.argv[1:]), **d,
+               "wall_s": time.perf_counter() - start}
+        print(render_drift_share(res))
+        write_json(args.json, res)
+        return res
     specs_by_fleet = fleets(n, args.drift_at, args.drift_until)
     loads = [float(x) for x in args.loads.split(",")]
     reused: dict[str, Any] = {}
     if args.tuning_from:
         with open(args.tuning_from) as f:
             reused = json.load(f).get("tuning") or {}
-    cells, tuning = [], {}
+    cells, tuning, variant_tuning = [], {}, {}
 
     def fleet_workload(fleet: str, specs: Sequence[ReplicaSpec], seed: int) -> tuple[Workload, float]:
         """The fleet's workload drawn with ``seed`` and its capacity (req/s)."""
@@ -534,12 +904,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             w = drift_workload(pool, n, args.docs_per_replica, args.drift_blocks, seed=seed)
             first = Workload("first block", w.requests[:len(w) // args.drift_blocks])
             return w, capacity(engine, specs, first)["req_s"]
-        w = uniform_workload(pool, n, args.docs_per_replica, seed=seed)
+        w = docs_workload(pool, n, args.docs_per_replica, seed, args.workload, args.zipf_s)
         return w, capacity(engine, specs, w)["req_s"]
 
     for fleet in args.fleets.split(","):
         specs = specs_by_fleet[fleet]
-        workload = uniform_workload(pool, n, args.docs_per_replica, seed=n)
+        workload = docs_workload(pool, n, args.docs_per_replica, n, args.workload, args.zipf_s)
         cap = capacity(engine, specs, workload)
         if fleet == "drift":
             workload = drift_workload(pool, n, args.docs_per_replica, args.drift_blocks, seed=n)
@@ -549,21 +919,26 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         phases = ([(0.0, args.drift_at, 1.0), (args.drift_at, args.drift_until, 3.0),
                    (args.drift_until, math.inf, 1.0)] if fleet == "drift" else [])
         tuned = reused.get(fleet)
-        if tuned is not None:
-            tuning[fleet] = tuned
-            log(f"{fleet}: the peers' tuning of {args.tuning_from}")
-        elif args.tune_seeds > 0 and (fleet != "equal" or args.tune_equal):
-            t0 = time.perf_counter()
-            runs = []
+        runs: list[tuple[int, Workload]] = []
+        if args.tune_seeds > 0 and (fleet != "equal" or args.tune_equal) and (tuned is None or variants):
             for s in range(args.tune_seeds):  # workloads of their own, as benchmarks.router_peers draws them
                 seed = TUNE_SEED_BASE + s
                 w, c = fleet_workload(fleet, specs, seed + 100 * n)
                 runs += [(seed, w.with_arrivals(f"poisson:{load * c}", seed)) for load in loads]
+        if tuned is not None:
+            tuning[fleet] = tuned
+            log(f"{fleet}: the peers' tuning of {args.tuning_from}")
+        elif runs:
+            t0 = time.perf_counter()
             log(f"{fleet}: tuning the peers on {len(runs)} runs")
             tuned = tune_peers(sim, runs, slo, log)
             tuning[fleet] = tuned
             log(f"{fleet}: tuned in {time.perf_counter() - t0:.0f} s")
-        factories = router_factories(specs, engine, slo, tuned)
+        if runs and variants:
+            t0 = time.perf_counter()
+            variant_tuning[fleet] = tune_peers(sim, runs, slo, log, variants=variants)
+            log(f"{fleet}: ours' variants tuned in {time.perf_counter() - t0:.0f} s")
+        factories = router_factories(specs, engine, slo, tuned, variants, variant_tuning.get(fleet))
         floors: dict[ReplicaSpec, dict[tuple[str, int], float]] = {}
 
         def bound(timed: Workload, specs: Sequence[ReplicaSpec] = specs,
@@ -574,7 +949,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             t0 = time.perf_counter()
             rate = load * cap["req_s"]
             cell = run_cell(sim, workload, rate, seeds, factories, slo, phases,
-                            None if args.no_bound else bound)
+                            None if args.no_bound else bound, slo2)
             cells.append({"fleet": fleet, "load": load, "requests": len(workload), "rate_req_s": rate,
                           "capacity_req_s": cap["req_s"],
                           "capacity_per_replica_req_s": cap["per_replica_req_s"], **cell})
@@ -587,6 +962,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
            "command": "python -m benchmarks.unequal_replicas " + " ".join(
                argv if argv is not None else sys.argv[1:]),
            "tune_seeds": [TUNE_SEED_BASE + s for s in range(args.tune_seeds)], "tuning": tuning,
+           "variants": variants, "variant_tuning": variant_tuning, "slo2": slo2,
+           "workload": args.workload, "zipf_s": args.zipf_s if args.workload == "zipf" else None,
            "cells": cells}
     if args.cost_replicas:
         t0 = time.perf_counter()

@@ -53,13 +53,14 @@ from feather_env.engines.sim_backend import SimBackend
 from feather_env.engines.vllm_engine import EngineConfig
 from feather_env.records import RequestTimeline
 from feather_env.serving import env_scheduler_config
-from feather_env.serving_metrics import serving_metrics
+from feather_env.serving_metrics import meets_slos, serving_metrics
 from feather_env.workloads import Request, Workload
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 from scheduler_runtime.router import PrefixHasher, ReplicaRouter
 from scheduler_runtime.schedulers import SchedulerConfig
 
-__all__ = ["ClusterResult", "ClusterSim", "ReplicaSim", "ReplicaSpec", "distinct_documents", "zipf_documents"]
+__all__ = ["ClusterResult", "ClusterSim", "ReplicaSim", "ReplicaSpec", "distinct_documents",
+           "replica_breakdown", "zipf_documents"]
 
 
 @dataclass(frozen=True)
@@ -240,6 +241,12 @@ class ClusterResult:
         requests_per_replica: requests each replica served, replica order.
         router_state: the router's counters (:meth:`ReplicaRouter.state`).
         wall_s: how long the simulation took.
+        per_replica: per replica, replica order (:func:`replica_breakdown`): its requests, prompt and
+            prefix-hit tokens, mean queueing delay, and with ``goodput`` its good requests and its misses
+            by cause (TTFT, TPOT).
+        routed: ``(arrival time, replica)`` of every request, in arrival order (a routed share over time).
+        good_by_slo: with ``also_slos``, the good requests under each of them, in their order.
+        met: with ``goodput``, whether each request met it, in the order of ``routed``.
     """
 
     router: str
@@ -248,6 +255,10 @@ class ClusterResult:
     requests_per_replica: list[int]
     router_state: dict[str, Any] = field(default_factory=dict)
     wall_s: float = 0.0
+    per_replica: list[dict[str, float]] = field(default_factory=list)
+    routed: list[tuple[float, str]] = field(default_factory=list)
+    good_by_slo: list[int] = field(default_factory=list)
+    met: list[bool] = field(default_factory=list)
 
     @property
     def max_over_mean(self) -> float:
@@ -303,14 +314,16 @@ class ClusterSim:
 
     def run(self, workload: Workload | Sequence[Request], router: ReplicaRouter,
             hasher: PrefixHasher | None = None, *,
-            goodput: Mapping[str, float] | None = None, scrape_s: float = 1.0) -> ClusterResult:
+            goodput: Mapping[str, float] | None = None, scrape_s: float = 1.0,
+            also_slos: Sequence[Mapping[str, float]] = ()) -> ClusterResult:
         """Serve ``workload`` (arrival times as given) through ``router``.
 
         ``hasher``: the routing key (default: the replicas' CHT chunk size), computed only for a
         router that reads it. ``goodput``: SLOs in ms (``{"ttft": ..., "e2el": ...}``, vLLM's
         ``--goodput``) for the metrics' ``request_goodput``. ``scrape_s``: how often a router that
         observes the service is handed each replica's metrics (seconds of the clock, at the first
-        arrival past it).
+        arrival past it). ``also_slos``: further SLOs (ms, as ``goodput``) whose good requests are
+        counted too (:attr:`ClusterResult.good_by_slo`).
 
         Raises:
             EngineError: a request was not served exactly once with its tokens.
@@ -331,6 +344,7 @@ class ClusterSim:
                 replica.events = []
                 replica.event_times = [] if observes else None
         next_scrape = -math.inf
+        routed: list[tuple[float, str]] = []
 
         def tell(replica: ReplicaSim) -> None:  # what the router hears: first tokens and finishes
             events = replica.events or ()
@@ -364,6 +378,7 @@ class ClusterSim:
             name = router.choose(hashes, loads, tokens=n)
             router.routed(hashes, name, tokens=n, request_id=request.request_id if tracks else None)
             by_name[name].submit(request)
+            routed.append((t, name))
         for replica in replicas:
             replica.run_until(math.inf)
             if tracks:
@@ -373,10 +388,44 @@ class ClusterSim:
         timelines = [t for r in replicas for t in r.timelines_if_open()]
         if len(timelines) != len(requests):
             raise RuntimeError(f"{len(requests)} requests routed, {len(timelines)} served")
+        met: list[bool] = []
+        if goodput:
+            by_id = {t.request_id: t for t in timelines}
+            mine = [by_id[r.request_id] for r in requests]
+            met = [t.completed and meets_slos(t, goodput) for t in mine]
         return ClusterResult(router=router.name, replicas=len(replicas),
                              metrics=serving_metrics(timelines, goodput=goodput),
                              requests_per_replica=[len(r.timelines_if_open()) for r in replicas],
-                             router_state=router.state(), wall_s=time.perf_counter() - start)
+                             router_state=router.state(), wall_s=time.perf_counter() - start,
+                             per_replica=[replica_breakdown(r.timelines_if_open(), goodput)
+                                          for r in replicas],
+                             routed=routed,
+                             good_by_slo=[sum(1 for t in timelines if t.completed and meets_slos(t, slo))
+                                          for slo in also_slos],
+                             met=met)
+
+
+def replica_breakdown(timelines: Sequence[RequestTimeline],
+                      goodput: Mapping[str, float] | None = None) -> dict[str, float]:
+    """One replica's service: ``requests``, ``prompt_tokens``, ``hit_tokens`` (its prefix cache's),
+    ``mean_queue_s`` (arrival to first scheduled) and ``mean_ttft_s``; with ``goodput`` (ms) ``good``
+    and the misses by cause: ``ttft_miss`` (the first token late), ``tpot_miss`` (the first token in
+    time, the decode too slow), ``other_miss`` (the rest: unfinished, or another SLO)."""
+    done = [t for t in timelines if t.completed]
+    out: dict[str, float] = {
+        "requests": float(len(timelines)),
+        "prompt_tokens": float(sum(t.prompt_len for t in timelines)),
+        "hit_tokens": float(sum(t.prefix_hit_tokens for t in timelines)),
+        "mean_queue_s": float(np.mean([t.first_scheduled - t.arrival for t in done])) if done else 0.0,
+        "mean_ttft_s": float(np.mean([t.ttft for t in done])) if done else 0.0}
+    if goodput:
+        ttft_ms, tpot_ms = goodput.get("ttft", math.inf), goodput.get("tpot", math.inf)
+        good = sum(1 for t in done if meets_slos(t, goodput))
+        ttft_miss = sum(1 for t in done if t.ttft * 1000 > ttft_ms)
+        tpot_miss = sum(1 for t in done if t.ttft * 1000 <= ttft_ms and t.tpot * 1000 > tpot_ms)
+        out.update(good=float(good), ttft_miss=float(ttft_miss), tpot_miss=float(tpot_miss),
+                   other_miss=float(len(timelines) - good - ttft_miss - tpot_miss))
+    return out
 
 
 

@@ -66,6 +66,14 @@ An informed reference (``told``, for benchmarks): told each replica's true relat
 tokens, it pools every replica's samples, each divided by its replica's slowdown at the time, into
 one fleet speed, and predicts each replica at that speed times its slowdown.
 
+Variants, selectable by name (:data:`VARIANTS`; measured by ``benchmarks.unequal_replicas --variants``,
+none the default): :class:`SloRouter` (``prefix-slo``: ours' choice unless it is predicted to miss the
+SLO's TTFT or TPOT, the TPOT from the context in flight, each document's once; a request no replica is
+predicted to serve in time placed by its ``doomed`` rule), :class:`CostRouter` (``prefix-cost``:
+LMetric's product of a prompt's uncached tokens and the replica's requests in flight, weighted by the
+learned prefill speed), :class:`SecondsAffinityRouter` (``prefix-seconds``: Ray's affinity with the
+imbalance in predicted seconds) and :class:`CostSloRouter` (``prefix-cost-slo``).
+
 Engine-free (plain Python): it imports nothing from the environment or the agents.
 """
 
@@ -82,7 +90,8 @@ import numpy as np
 from scheduler_runtime.router import PrefixAffinityRouter
 from scheduler_runtime.router_base import PrefixHistory, prompt_tokens
 
-__all__ = ["DecayedRate", "LearnedRouter", "ReplicaLearning", "Told"]
+__all__ = ["VARIANTS", "CostRouter", "CostSloRouter", "DecayedRate", "LearnedRouter", "ReplicaLearning",
+           "SecondsAffinityRouter", "SloRouter", "Told"]
 
 #: Told slowdowns for the informed reference: ``(replica, now) -> (prefill, decode)`` slowdown factors.
 Told = Callable[[str, float], tuple[float, float]]
@@ -414,3 +423,309 @@ class LearnedRouter(PrefixAffinityRouter):
 
     def state(self) -> dict[str, Any]:
         return {**super().state(), "learned_replicas": len(self.replicas)}
+
+
+#: Where :class:`SloRouter` sends a request no replica is predicted to serve within the SLO.
+DOOMED = ("ours", "worst", "sacrifice", "least")
+#: How :class:`SloRouter` predicts a replica's TPOT.
+TPOT_MODELS = ("tokens", "distinct", "observed")
+
+
+class SloRouter(LearnedRouter):
+    """Ours learned, routing by predicted SLO attainment (``prefix-slo``): told the SLO, not the replicas.
+
+    For each candidate replica it predicts the request's TTFT (the replica's queue of uncached prefill
+    tokens and the request's own, at the replica's learned prefill speed) and TPOT (``tpot_model``: by
+    default the replica's learned TPOT per token of distinct context in flight, times that context with
+    this request's added: a decode step's time is mostly its batch's KV reads, and a document's shared
+    prefix is read once for all its questions). Ours' choice (:class:`LearnedRouter`, prefix affinity
+    on speed-weighted loads) stands when it is predicted to meet both SLOs within ``ttft_margin`` /
+    ``tpot_margin`` of them; else the feasible replica of the least predicted TTFT (the most slack);
+    where none is feasible (the request is predicted to miss wherever it goes), ``doomed`` says where it
+    goes: ``"ours"`` (ours' choice, its cache affinity kept), ``"worst"`` (the replica of the longest
+    predicted TTFT: the overload is kept on the replicas already missing, and the others stay within
+    their SLO), ``"sacrifice"`` (default: of the replicas already predicted past the TTFT SLO, the
+    soonest; none: the longest, as ``"worst"``: the overload is spread over the replicas given up on,
+    not piled on one), or ``"least"`` (the least predicted TTFT). ``scope="new"`` (default) applies the
+    rule to new prefixes only (a known prefix stays with ours' choice, its cache). On
+    ``benchmarks.unequal_replicas``' held-out seeds ``doomed="worst"`` (tuned) is 1.16x the best tuned
+    peer's attainment on the speed fleet at load 1, at 0.84x its throughput: it gives a replica up, as
+    Ray's rule does there (the note of 2026-12-06, third session).
+
+    Args:
+        ttft_slo_s, tpot_slo_s: the SLO (seconds).
+        ttft_margin, tpot_margin: a replica is feasible when predicted within these fractions of them.
+        doomed: where a request no replica is predicted to serve within the SLO goes (above).
+        scope: ``"all"`` or ``"new"`` (above).
+        tpot_model: ``"tokens"``: a replica's TPOT is predicted as its learned TPOT per token of
+            context in flight (the prompts routed there and not finished) times those tokens with this
+            request's (a decode step's time is mostly its batch's context reads); ``"distinct"``
+            (default): the same with each document's context counted once (the requests of one
+            document read its shared prefix from the CPU's cache, the calibrated step model's miss
+            term); ``"observed"``: the TPOT its recent requests saw.
+        **kwargs: :class:`LearnedRouter`'s.
+    """
+
+    name = "prefix-slo"
+
+    def __init__(self, ttft_slo_s: float = 5.0, tpot_slo_s: float = 0.05, ttft_margin: float = 0.8,
+                 tpot_margin: float = 0.9, doomed: str = "sacrifice", scope: str = "new",
+                 tpot_model: str = "distinct", **kwargs: Any) -> None:
+        if doomed not in DOOMED or scope not in ("all", "new"):
+            raise ValueError(f"doomed must be one of {DOOMED} and scope all or new")
+        if not (ttft_slo_s > 0 and tpot_slo_s > 0 and ttft_margin > 0 and tpot_margin > 0):
+            raise ValueError("SLOs and margins must be > 0")
+        super().__init__(**kwargs)
+        self.ttft_slo_s, self.tpot_slo_s = float(ttft_slo_s), float(tpot_slo_s)
+        self.ttft_margin, self.tpot_margin = float(ttft_margin), float(tpot_margin)
+        self.doomed, self.scope = doomed, scope
+        if tpot_model not in TPOT_MODELS:
+            raise ValueError(f"tpot_model must be one of {TPOT_MODELS}")
+        self.tpot_model = tpot_model
+        #: per replica: its TPOT per token of context in flight (a fit through the origin, decayed)
+        self._tpot_per_token: dict[str, DecayedRate] = {}
+        self._inflight: dict[str, float] = {}  # replica -> prompt tokens of its requests in flight
+        self._prompt: dict[str, tuple[str, float, int | None]] = {}  # request id -> (replica, tokens, doc)
+        #: replica -> document (its first chunk key) -> [requests in flight, their prompt tokens]
+        self._docs: dict[str, dict[int | None, list[float]]] = {}
+        self._k_first: dict[str, float] = {}  # request id -> its replica's K at its first token
+        self.counts.update({"slo_moved": 0, "doomed": 0})
+
+    def _context(self, replica: str, doc: int | None = None, tokens: float = 0.0) -> float:
+        """The context in flight on ``replica`` (with a request of ``tokens`` prompt tokens of document
+        ``doc`` added): its prompt tokens, or with ``tpot_model="distinct"`` each document's once (the
+        mean prompt of its requests in flight)."""
+        if self.tpot_model != "distinct":
+            return self._inflight.get(replica, 0.0) + tokens
+        docs = self._docs.get(replica, {})
+        k = self._inflight.get(replica, 0.0)  # the distinct sum, kept by _add_doc
+        if tokens and (doc is None or doc not in docs):
+            k += tokens
+        return k
+
+    def _add_doc(self, replica: str, doc: int | None, tokens: float, sign: int) -> None:
+        if self.tpot_model != "distinct":
+            self._inflight[replica] = max(0.0, self._inflight.get(replica, 0.0) + sign * tokens)
+            return
+        docs = self._docs.setdefault(replica, {})
+        count, total = docs.get(doc, [0.0, 0.0])
+        before = total / count if count else 0.0
+        count, total = count + sign, total + sign * tokens
+        after = total / count if count > 0 else 0.0
+        if count > 0:
+            docs[doc] = [count, total]
+        else:
+            docs.pop(doc, None)
+        self._inflight[replica] = max(0.0, self._inflight.get(replica, 0.0) + after - before)
+
+    def predicted(self, replicas: Collection[str], uncached: Mapping[str, float], now: float,
+                  tokens: float = 0.0, doc: int | None = None) -> dict[str, tuple[float, float]] | None:
+        """``{replica: (TTFT s, TPOT s)}`` predicted for a request of ``tokens`` prompt tokens, ``uncached``
+        of them on each replica (``None`` before every replica's prefill speed is known; a TPOT of 0
+        before the replica's first finish)."""
+        prefill = self._speeds(replicas, "prefill", now)
+        decode = self._speeds(replicas, "decode", now)
+        out = {}
+        for r in replicas:
+            p = prefill[r]
+            if p is None:
+                return None
+            queue = self._replica(r).queued_tokens
+            tpot = decode[r] or 0.0
+            if self.tpot_model != "observed":
+                rate = self._tpot_per_token.get(r)
+                k = self._context(r, doc, tokens)
+                tpot = rate.value * k if rate is not None and rate.value is not None else 0.0
+            out[r] = ((queue + uncached[r] + self.overhead_tokens) * p, tpot)
+        return out
+
+    def routed(self, hashes: np.ndarray | None, replica: str, *, tokens: int | None = None,
+               request_id: str | None = None) -> None:
+        super().routed(hashes, replica, tokens=tokens, request_id=request_id)
+        if request_id is not None:
+            n = float(self._length(hashes, tokens))
+            doc = int(hashes[0]) if hashes is not None and len(hashes) else None
+            self._prompt[request_id] = (replica, n, doc)
+            self._add_doc(replica, doc, n, +1)
+
+    def prefilled(self, request_id: str) -> None:
+        super().prefilled(request_id)
+        entry = self._prompt.get(request_id)
+        if entry is not None:
+            self._k_first[request_id] = self._context(entry[0])
+
+    def finished(self, request_id: str, output_tokens: int | None = None) -> None:
+        first = self._first.get(request_id)
+        super().finished(request_id, output_tokens)
+        entry = self._prompt.pop(request_id, None)
+        k_first = self._k_first.pop(request_id, None)
+        if entry is None:
+            return
+        replica, n, doc = entry
+        k_now = self._context(replica)
+        self._add_doc(replica, doc, n, -1)
+        if first is None or k_first is None or output_tokens is None or output_tokens <= 1:
+            return
+        now = self.clock()
+        rate = self._tpot_per_token.setdefault(replica, DecayedRate(self.tau_s))
+        # TPOT over the mean context in flight during its decode: seconds per (token x context token)
+        rate.add(now, (now - first) / (output_tokens - 1), (k_first + k_now) / 2)
+
+    def forget(self, replica: str) -> None:
+        super().forget(replica)
+        self._tpot_per_token.pop(replica, None)
+        self._inflight.pop(replica, None)
+        self._docs.pop(replica, None)
+        for rid in [rid for rid, e in self._prompt.items() if e[0] == replica]:
+            del self._prompt[rid]
+            self._k_first.pop(rid, None)
+
+    def choose(self, hashes: np.ndarray | None, loads: Mapping[str, int],
+               avoid: Collection[str] = (), *, tokens: int | None = None) -> str:
+        new_before = self.counts["new"]
+        choice = super().choose(hashes, loads, avoid, tokens=tokens)
+        if self.scope == "new" and self.counts["new"] == new_before:
+            return choice
+        now = self.clock()
+        ok = self._allowed(loads, avoid)
+        n = self._length(hashes, tokens)
+        uncached = dict.fromkeys(ok, float(n))
+        if hashes is not None and len(hashes):
+            level, owner = self.owner(hashes)
+            if owner in uncached:
+                uncached[owner] = float(max(0, n - (level + 1) * self.chunk_size))
+        doc = int(hashes[0]) if hashes is not None and len(hashes) else None
+        pred = self.predicted(ok, uncached, now, float(n), doc)
+        if pred is None:
+            return choice
+
+        def feasible(r: str) -> bool:
+            ttft, tpot = pred[r]
+            return ttft <= self.ttft_margin * self.ttft_slo_s and tpot <= self.tpot_margin * self.tpot_slo_s
+
+        if feasible(choice):
+            return choice
+        good = [r for r in ok if feasible(r)]
+        if good:
+            self.counts["slo_moved"] += 1
+            return min(good, key=lambda r: (pred[r][0], loads[r], r))
+        self.counts["doomed"] += 1
+        if self.doomed == "worst":
+            return max(ok, key=lambda r: (pred[r][0], -loads[r], r))
+        if self.doomed == "sacrifice":
+            late = [r for r in ok if pred[r][0] > self.ttft_slo_s]
+            if late:  # already past the TTFT SLO: the soonest of them
+                return min(late, key=lambda r: (pred[r][0], loads[r], r))
+            return max(ok, key=lambda r: (pred[r][0], -loads[r], r))
+        if self.doomed == "least":
+            return min(ok, key=lambda r: (pred[r][0], loads[r], r))
+        return choice
+
+
+class SecondsAffinityRouter(LearnedRouter):
+    """Ours learned with Ray's prefix affinity and an imbalance in predicted seconds of work
+    (``prefix-seconds``): a known prefix goes to its owner unless the owner's predicted wait (its queue
+    of uncached prefill tokens at its learned prefill speed) exceeds the least of the fleet's by more
+    than ``imbalance_s`` seconds; a new prefix, or one spilled, goes to the replica of the least
+    predicted completion of it (:meth:`LearnedRouter.predicted_completion`: queue, own prefill and the
+    mean output, each at that replica's speeds). Before any speed is known, ours learned.
+
+    Args:
+        imbalance_s: the owner's predicted wait over the least one's that spills (``inf``: pure
+            affinity, as Ray's rule at its defaults).
+        **kwargs: :class:`LearnedRouter`'s.
+    """
+
+    name = "prefix-seconds"
+
+    def __init__(self, imbalance_s: float = 5.0, **kwargs: Any) -> None:
+        if not imbalance_s >= 0:
+            raise ValueError("imbalance_s must be >= 0")
+        super().__init__(**kwargs)
+        self.imbalance_s = float(imbalance_s)
+
+    def choose(self, hashes: np.ndarray | None, loads: Mapping[str, int],
+               avoid: Collection[str] = (), *, tokens: int | None = None) -> str:
+        now = self.clock()
+        ok = self._allowed(loads, avoid)
+        prefill = self._speeds(ok, "prefill", now)
+        if hashes is None or len(hashes) == 0 or any(p is None for p in prefill.values()):
+            return super().choose(hashes, loads, avoid, tokens=tokens)
+        n = self._length(hashes, tokens)
+        level, owner = self.owner(hashes)
+        if owner is not None and min((level + 1) * self.chunk_size, n) < self.min_match * n:
+            owner = None
+        wait = {r: self._replica(r).queued_tokens * (prefill[r] or 0.0) for r in ok}
+        if owner in wait and wait[owner] - min(wait.values()) <= self.imbalance_s:
+            self.counts["affinity"] += 1
+            return owner
+        self.counts["new" if owner is None else "spilled"] += 1
+        cost = {r: self.predicted_completion(r, float(n), now) or 0.0 for r in ok}
+        return min(ok, key=lambda r: (cost[r], loads[r], r))
+
+
+class CostRouter(LearnedRouter):
+    """LMetric's product on learned speeds (``prefix-cost``): the replica of the least
+    ``(uncached prompt tokens + overhead_tokens) x w x (requests in flight + 1) ** load_power``, where the
+    uncached tokens are the prompt less the longest prefix that replica was sent (LMetric's KV indicator,
+    a :class:`PrefixHistory` of what each replica was sent) and ``w`` the replica's learned prefill time
+    per token over the fleet's median (:meth:`LearnedRouter.weights`: 1 within ``band``). The product is
+    a new prefill's stall (its prefill seconds) times the requests it stalls (a replica's decoding
+    requests wait out every prefill step: the TPOT misses of the unequal fleets, the note's third
+    session), so a new document goes where it stalls the least, and a known one stays where it is cheap.
+
+    Args:
+        load_power: the exponent of the load term (LMetric: 1).
+        **kwargs: :class:`LearnedRouter`'s (``overhead_tokens``: the work of a fully cached prompt).
+    """
+
+    name = "prefix-cost"
+
+    def __init__(self, load_power: float = 1.0, **kwargs: Any) -> None:
+        if not load_power > 0:
+            raise ValueError("load_power must be > 0")
+        super().__init__(**kwargs)
+        self.load_power = float(load_power)
+        self.held = PrefixHistory(self.chunk_size, 1 << 40)
+
+    def choose(self, hashes: np.ndarray | None, loads: Mapping[str, int],
+               avoid: Collection[str] = (), *, tokens: int | None = None) -> str:
+        ok = self._allowed(loads, avoid)
+        if hashes is None or len(hashes) == 0:
+            return min(ok, key=lambda r: (loads[r], r))
+        w = self.weights(ok, self.clock())
+        n = self._length(hashes, tokens)
+        held = self.held.match(hashes)
+        chunk = self.chunk_size
+
+        def score(r: str) -> float:
+            uncached = max(0, n - min(held.get(r, 0) * chunk, n))
+            return (uncached + self.overhead_tokens) * w[r] * (loads[r] + 1) ** self.load_power
+
+        if not any(held.get(r, 0) for r in ok):
+            self.counts["new"] += 1  # no replica was sent any of it
+        return min(ok, key=lambda r: (score(r), loads[r], r))
+
+    def routed(self, hashes: np.ndarray | None, replica: str, *, tokens: int | None = None,
+               request_id: str | None = None) -> None:
+        super().routed(hashes, replica, tokens=tokens, request_id=request_id)
+        if hashes is not None and len(hashes):
+            self.held.insert(hashes, replica, tokens)
+
+    def forget(self, replica: str) -> None:
+        super().forget(replica)
+        self.held.forget(replica)
+
+
+class CostSloRouter(SloRouter, CostRouter):
+    """:class:`SloRouter`'s rule over :class:`CostRouter`'s choice (``prefix-cost-slo``): LMetric's
+    product on learned speeds, then, where no replica is predicted to serve a request within the SLO,
+    ``doomed``'s placement (``scope="new"``: for a prompt no replica was sent any of)."""
+
+    name = "prefix-cost-slo"
+
+
+#: The learned router's variants by name (``benchmarks.unequal_replicas``' ``--variants``).
+VARIANTS: dict[str, type[LearnedRouter]] = {SloRouter.name: SloRouter,
+                                            SecondsAffinityRouter.name: SecondsAffinityRouter,
+                                            CostRouter.name: CostRouter, CostSloRouter.name: CostSloRouter}
