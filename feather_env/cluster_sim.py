@@ -485,6 +485,12 @@ class ClusterRun:
                                     wall_s=time.perf_counter() - self.started)
         return self.result
 
+    def stop_arrivals(self) -> None:
+        """Serve no further arrivals: the requests that have not arrived (and a pending one not routed)
+        are dropped, so that :meth:`finish` serves what was routed to its end (a look ahead's horizon)."""
+        self.requests = self.requests[:self.i]
+        self.pending = None
+
     def timelines(self) -> list[RequestTimeline]:
         """Every routed request's timeline so far, replica by replica."""
         return [t for r in self.replicas for t in r.timelines_if_open()]
