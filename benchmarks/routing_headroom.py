@@ -2,7 +2,7 @@
 lookahead oracle and a placebo, on ``feather/Routing-v0``.
 
     python -m benchmarks.routing_headroom [--fleet speed] [--load 0.8] [--seeds 0,1,2] [--horizon 30]
-                                          [--others 2] [--tuning-from results/unequal_replicas.json]
+                                          [--others 1] [--tuning-from results/unequal_replicas.json]
                                           [--json results/routing_headroom.json]
 
 The cell is one of ``benchmarks.unequal_replicas``' (default: the ``speed`` fleet, 8 replicas, every
@@ -21,7 +21,7 @@ b. ``prefix``: ours as today; each peer at its defaults and, where its tuning on
    every peer row) of the highest mean held-out attainment, chosen in hindsight over the held-out
    seeds, which favours the rule: the headroom is measured against the strongest reference;
 c. ``oracle``: a lookahead oracle (:func:`lookahead_oracle`), with foresight, not deployable: at each
-   arrival it tries each candidate replica (ours' choice; the ``--others`` replicas of least
+   arrival it tries each candidate replica (ours' choice; the ``--others`` (1) replicas of least
    ``(in flight + 1) x`` true prefill slowdown; the owner of the request's longest known prefix) on a
    copy of the whole cluster (replicas, queues, caches, ours' learned state:
    :meth:`~feather_env.cluster_sim.ClusterRun.fork`), serves the next ``--horizon`` arrivals (the
@@ -99,8 +99,9 @@ def candidates(env: RoutingEnv, others: int) -> list[int]:
     slow = [env.specs[i].slowdowns_at(a.clock)[0] for i in range(env.n)]
     ranked = sorted(range(env.n), key=lambda i: ((a.loads[env.names[i]] + 1) * slow[i], i))
     out += [i for i in ranked if i not in out][:others]
-    owner = int(np.argmax(env.features()[:, 0]))
-    if env.features()[owner, 0] > 0 and owner not in out:
+    prefix = env.features()[:, 0]
+    owner = int(np.argmax(prefix))
+    if prefix[owner] > 0 and owner not in out:
         out.append(owner)
     return out
 
@@ -121,7 +122,7 @@ def lookahead_score(env: RoutingEnv, replica: int, horizon: int) -> int:
     return sum(1 for t in f.timelines() if t.completed and meets_slos(t, env.slos))
 
 
-def lookahead_oracle(env: RoutingEnv, seed: int, *, horizon: int = 30, others: int = 2,
+def lookahead_oracle(env: RoutingEnv, seed: int, *, horizon: int = 30, others: int = 1,
                      log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Episode ``seed`` routed by the lookahead oracle (module docstring, c); its figures."""
     t0 = time.perf_counter()
@@ -144,7 +145,7 @@ def lookahead_oracle(env: RoutingEnv, seed: int, *, horizon: int = 30, others: i
             "searched": searched, "moved_off_ours": moved, "wall_s": time.perf_counter() - t0}
 
 
-def placebo(env: RoutingEnv, seed: int, *, others: int = 2, draw: int = 0) -> dict[str, Any]:
+def placebo(env: RoutingEnv, seed: int, *, others: int = 1, draw: int = 0) -> dict[str, Any]:
     """Episode ``seed`` routed by a uniform draw among the oracle's candidates (module docstring, d)."""
     rng = np.random.default_rng(1_000 * seed + draw)
     env.reset(options={"episode_seed": seed})
@@ -179,10 +180,12 @@ def _spread(xs: Sequence[float]) -> dict[str, float]:
 
 
 def run(fleet: str = "speed", load: float = 0.8, seeds: Sequence[int] = (0, 1, 2), *, horizon: int = 30,
-        others: int = 2, placebo_draws: int = 3, tuning_from: str | None = "results/unequal_replicas.json",
+        others: int = 1, placebo_draws: int = 3, tuning_from: str | None = "results/unequal_replicas.json",
         retune_seeds: Sequence[int] = (), oracle: bool = True,
-        log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Every figure of the module docstring on one cell."""
+        log: Callable[[str], None] = print,
+        partial: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every figure of the module docstring on one cell (``partial``: called with the rows after each
+    seed, for a checkpoint)."""
     env = RoutingEnv(fleet, load, episode_seeds=seeds)
     tuned = retune(env, retune_seeds, log) if retune_seeds else load_tuning(tuning_from, fleet)
     factories = {name: f for name, f in router_factories(env.specs, env.engine, env.slos, tuned).items()
@@ -202,6 +205,8 @@ def run(fleet: str = "speed", load: float = 0.8, seeds: Sequence[int] = (0, 1, 2
             rows["oracle"].append(lookahead_oracle(env, seed, horizon=horizon, others=others, log=log))
             log(f"  seed {seed}: oracle {rows['oracle'][-1]['attainment']:.3f} in "
                 f"{rows['oracle'][-1]['wall_s']:.0f} s")
+        if partial is not None:
+            partial({"fleet": fleet, "load": load, "seeds_done": seeds[:seeds.index(seed) + 1], "rows": rows})
     if not oracle:
         del rows["oracle"]
     means = {name: statistics.fmean(r["attainment"] for r in rs) for name, rs in rows.items()}
@@ -257,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--loads", default="0.8")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--horizon", type=int, default=30)
-    p.add_argument("--others", type=int, default=2)
+    p.add_argument("--others", type=int, default=1)
     p.add_argument("--placebo-draws", type=int, default=3)
     p.add_argument("--tuning-from", default="results/unequal_replicas.json")
     p.add_argument("--retune", action="store_true",
@@ -271,17 +276,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[{time.perf_counter() - start:6.0f} s] {msg}", file=sys.stderr, flush=True)
 
     seeds = [int(s) for s in args.seeds.split(",")]
-    cells = []
+    cells: list[dict[str, Any]] = []
+    command = "python -m benchmarks.routing_headroom " + " ".join(argv if argv is not None else sys.argv[1:])
+
+    def checkpoint(rows: dict[str, Any]) -> None:
+        write_json(args.json, {"benchmark": "routing_headroom", "partial": True, "command": command,
+                               "machine": machine_info(), "cells": cells, "running": rows}, quiet=True)
+
     for load in (float(x) for x in args.loads.split(",")):
         log(f"{args.fleet} x load {load:g}")
         cells.append(run(args.fleet, load, seeds, horizon=args.horizon, others=args.others,
                          placebo_draws=args.placebo_draws, tuning_from=args.tuning_from,
                          retune_seeds=[TUNE_SEED_BASE + k for k in range(3)] if args.retune else (),
-                         oracle=not args.no_oracle, log=log))
+                         oracle=not args.no_oracle, log=log, partial=checkpoint))
     payload = {"benchmark": "routing_headroom", "machine": machine_info(), "slo": DEFAULT_SLO,
-               "command": "python -m benchmarks.routing_headroom " + " ".join(
-                   argv if argv is not None else sys.argv[1:]),
-               "cells": cells, "wall_s": time.perf_counter() - start}
+               "command": command, "cells": cells, "wall_s": time.perf_counter() - start}
     print(render(payload))
     write_json(args.json, payload)
     return 0

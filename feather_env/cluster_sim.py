@@ -502,6 +502,17 @@ class ClusterRun:
         memo: dict[int, Any] = {id(self.requests): self.requests, id(self.hasher): self.hasher}
         for r in self.requests:
             memo[id(r)] = r
+        for replica in self.replicas:
+            # per-request hash caches: new entries in the copy, the cached values never change
+            for cache in (replica._hashes, replica._block_hashes):
+                memo[id(cache)] = dict(cache)
+            for t in replica._timelines.values():  # a finished request's timeline never changes
+                if t.finished_count:
+                    memo[id(t)] = t
+        for table in ("_young", "_old"):  # ours' prefix table: chunk key (int) -> replica name (str)
+            d = getattr(self.router, table, None)
+            if isinstance(d, dict):
+                memo[id(d)] = dict(d)
         return copy.deepcopy(self, memo)
 
 
