@@ -1,0 +1,334 @@
+"""Agents trained on the routing decision (``feather/Routing-v0``) against ours and the best tuned rule.
+
+    python -m benchmarks.routing_agents [--fleet speed] [--load 0.8] [--train-seeds 10000,10001,10002]
+                                        [--eval-seeds 0,1,2] [--ppo-steps 20000] [--bandit-pulls 48]
+                                        [--headroom results/routing_headroom.json]
+                                        [--json results/routing_agents.json]
+
+The cell is :mod:`benchmarks.routing_headroom`'s (default: the ``speed`` fleet, 8 replicas, load 0.8,
+L-Eval, SLO TTFT <= 5 s and TPOT <= 50 ms). The learners train on the tuning seeds' episodes
+(10,000-10,002: documents and arrivals of their own, those the peers were tuned on) and are evaluated
+greedily on the held-out seeds (0-2: the evaluation's documents, its arrivals), no learning there.
+Every figure is SLO attainment (good requests over submitted):
+
+- ``prefix-learned``: ours, the environment's advisor (:func:`~feather_env.routing_env.rule_action`:
+  identical to ``ClusterSim.run`` with it, ``tests/test_routing_env.py``);
+- ``best rule``: :mod:`benchmarks.routing_headroom`'s best deployable router on the same held-out
+  seeds (ours and every peer, tuned where tuning moved it; chosen there in hindsight), read from
+  ``--headroom`` (its per-seed figures; run again here when that file lacks the cell);
+- ``ppo``: MaskablePPO (sb3-contrib; every replica always valid, so it is PPO) on the observation over
+  its highs (in [0, 1]) and the environment's own rewards (credited at finish), ``--ppo-steps``
+  steps over the training episodes in turn; ``n_steps=1024``, ``batch_size=256``, ``ent_coef=0.01``,
+  ``gamma=0.99``, a 64x64 MLP; its deterministic policy;
+- ``bandit``: UCB1 over the parameters of a scoring rule (:class:`ScoreRule`: per replica
+  ``w_prefix x prefix + w_rule x rule - (in flight + 1) / prefill_speed ** alpha``, the load over the
+  fleet's mean, on the environment's observation: the learned speeds, never the true ones), one arm
+  per setting of :data:`ARMS` (16), one training episode per pull (``--bandit-pulls``, the training
+  seeds in turn), reward the episode's attainment; greedy: the arm of the highest mean;
+- ``placebo``: the bandit's arm with the replicas' ``prefill_speed`` column shuffled at every decision
+  (a random permutation): the same rule told speeds that belong to other replicas. Its ratio to the
+  arm shows what the speed features are worth to it.
+
+Reported per agent: held-out attainment per seed, the ratio to ours and to the best rule (median over
+the seeds of the per-seed ratio, with its range), its training cost (wall seconds, steps or pulls).
+A learned router is exported for ``feather-serve --router`` only where it beats ours beyond noise by
+>= 1.03x (the issue's rule); the JSON says by how much each falls short.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from benchmarks import measured
+from feather_env.reporting import format_table, machine_info, write_json
+from feather_env.routing_env import FEATURES, RoutingEnv, rule_action
+
+__all__ = ["ARMS", "ScoreRule", "UCBRules", "main", "play", "render", "run", "train_ppo"]
+
+Policy = Callable[[np.ndarray], int]
+TRAIN_SEEDS = (10_000, 10_001, 10_002)
+EVAL_SEEDS = (0, 1, 2)
+SHIP_RATIO = 1.03
+
+
+@dataclass(frozen=True)
+class ScoreRule:
+    """Route to the replica of the highest ``w_prefix x prefix + w_rule x rule - load / speed ** alpha``
+    (``load``: its requests in flight plus one over the fleet's mean of the same; ``speed``: its learned
+    prefill speed over the fleet's median, as observed). With ``w_rule`` 0 and ``alpha`` 0, prefix
+    affinity bounded by load counted in requests; ``alpha`` 1 divides the load by the learned speed."""
+
+    w_prefix: float
+    w_rule: float
+    alpha: float
+
+    def scores(self, obs: np.ndarray, n: int, seqs: int, speed: np.ndarray | None = None) -> np.ndarray:
+        """Each of the ``n`` replicas' score (``seqs``: the engine's max_num_seqs, the unit of
+        ``in_flight``; ``speed``: prefill speeds to use instead of the observed ones)."""
+        rows = obs[:n * len(FEATURES)].reshape(n, len(FEATURES)).astype(np.float64)
+        load = rows[:, FEATURES.index("in_flight")] + 1.0 / seqs  # requests in flight + 1
+        load = load / load.mean()
+        s = rows[:, FEATURES.index("prefill_speed")] if speed is None else speed
+        s = np.maximum(s, 0.05) ** self.alpha
+        prefix, rule = rows[:, FEATURES.index("prefix")], rows[:, FEATURES.index("rule")]
+        return self.w_prefix * prefix + self.w_rule * rule - load / s
+
+    def act(self, obs: np.ndarray, env: RoutingEnv) -> int:
+        return int(np.argmax(self.scores(obs, env.n, env.max_num_seqs)))
+
+    def knobs(self) -> dict[str, float]:
+        return {"w_prefix": self.w_prefix, "w_rule": self.w_rule, "alpha": self.alpha}
+
+
+#: The bandit's arms: 4 x 2 x 2 settings.
+ARMS = tuple(ScoreRule(p, r, a)
+             for p, r, a in itertools.product((0.5, 1.0, 2.0, 4.0), (0.0, 0.5), (0.0, 1.0)))
+
+
+def play(env: RoutingEnv, policy: Policy, seed: int) -> dict[str, Any]:
+    """One episode (``seed``) with ``policy``; its figures."""
+    obs, _ = env.reset(options={"episode_seed": seed})
+    done, info, ret = False, {}, 0.0
+    while not done:
+        obs, r, done, _, info = env.step(policy(obs))
+        ret += r
+    ep = info["episode"]
+    return {"attainment": ep["attainment"], "good": ep["good"], "return": ret,
+            "output_throughput": ep["output_throughput"], "requests_per_replica": ep["requests_per_replica"]}
+
+
+class UCBRules:
+    """UCB1 over :data:`ARMS` (each pull: one training episode, reward its attainment in [0, 1]): every arm
+    once, then ``argmax mean + c sqrt(2 ln N / n)``."""
+
+    def __init__(self, arms: Sequence[ScoreRule] = ARMS, c: float = 0.1) -> None:
+        self.arms = list(arms)
+        self.c = c
+        self.n = np.zeros(len(self.arms), dtype=np.int64)
+        self.means = np.zeros(len(self.arms))
+        self.log: list[dict[str, Any]] = []
+
+    def train(self, env: RoutingEnv, seeds: Sequence[int], pulls: int) -> None:
+        for k in range(pulls):
+            untried = np.flatnonzero(self.n == 0)
+            if untried.size:
+                i = int(untried[0])
+            else:
+                bonus = self.c * np.sqrt(2 * math.log(self.n.sum()) / self.n)
+                i = int(np.argmax(self.means + bonus))
+            seed = seeds[k % len(seeds)]
+            arm = self.arms[i]
+            r = play(env, lambda o, arm=arm: arm.act(o, env), seed)["attainment"]
+            self.n[i] += 1
+            self.means[i] += (r - self.means[i]) / self.n[i]
+            self.log.append({"arm": i, "seed": seed, "attainment": r})
+
+    def best(self) -> ScoreRule:
+        return self.arms[int(np.argmax(np.where(self.n > 0, self.means, -np.inf)))]
+
+    def summary(self) -> dict[str, Any]:
+        return {"arms": [{**a.knobs(), "pulls": int(n), "mean": float(m)}
+                         for a, n, m in zip(self.arms, self.n, self.means, strict=True)],
+                "best": self.best().knobs(), "c": self.c}
+
+
+class _PPOEnv(gym.Wrapper):
+    """What PPO trains on: the training seeds' episodes in turn, the observation over its highs."""
+
+    def __init__(self, env: RoutingEnv, seeds: Sequence[int]) -> None:
+        super().__init__(env)
+        self.seeds = list(seeds)
+        self.k = 0
+        self.observation_space = gym.spaces.Box(0.0, 1.0, env.observation_space.shape, dtype=np.float32)
+
+    @staticmethod
+    def transform(env: RoutingEnv, obs: np.ndarray) -> np.ndarray:
+        return (obs / env.observation_space.high).astype(np.float32)
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        s = self.seeds[self.k % len(self.seeds)]
+        self.k += 1
+        obs, info = self.env.reset(seed=seed, options={"episode_seed": s})
+        return self.transform(self.env.unwrapped, obs), info
+
+    def step(self, action: int):
+        obs, r, term, trunc, info = self.env.step(action)
+        return self.transform(self.env.unwrapped, obs), r, term, trunc, info
+
+    def action_masks(self) -> np.ndarray:
+        return self.env.unwrapped.action_masks()
+
+
+def train_ppo(env: RoutingEnv, seeds: Sequence[int], steps: int,
+              seed: int = 0) -> tuple[Policy, dict[str, Any]]:
+    """MaskablePPO for ``steps`` steps on the training seeds (module docstring); its deterministic policy."""
+    import torch
+    from sb3_contrib import MaskablePPO
+
+    torch.set_num_threads(1)
+    knobs = {"n_steps": 1024, "batch_size": 256, "ent_coef": 0.01, "gamma": 0.99}
+    model = MaskablePPO("MlpPolicy", _PPOEnv(env, seeds), seed=seed, verbose=0, device="cpu", **knobs)
+    model.learn(total_timesteps=steps)
+    mask = np.ones(env.n, dtype=bool)
+
+    def policy(obs: np.ndarray) -> int:
+        action, _ = model.predict(_PPOEnv.transform(env, obs), deterministic=True, action_masks=mask)
+        return int(action)
+
+    return policy, {"steps": steps, **knobs, "obs": "obs / high", "credit": "finish"}
+
+
+def _spread(xs: Sequence[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def best_rule_rows(path: str | None, fleet: str, load: float,
+                   seeds: Sequence[int]) -> tuple[str, list[float]] | None:
+    """The best rule's name and per-seed attainment from a :mod:`benchmarks.routing_headroom` JSON."""
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            payload = json.load(f)
+    except FileNotFoundError:
+        return None
+    for c in payload.get("cells") or []:
+        if c["fleet"] == fleet and c["load"] == load and list(c["seeds"]) == list(seeds):
+            name = c["best_rule"]
+            return name, [r["attainment"] for r in c["rows"][name]]
+    return None
+
+
+def run(fleet: str = "speed", load: float = 0.8, train_seeds: Sequence[int] = TRAIN_SEEDS,
+        eval_seeds: Sequence[int] = EVAL_SEEDS, *, ppo_steps: int = 20_000, bandit_pulls: int = 48,
+        headroom: str | None = "results/routing_headroom.json", seed: int = 0,
+        log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every figure of the module docstring on one cell."""
+    env = RoutingEnv(fleet, load, episode_seeds=train_seeds)
+    n = env.n
+    rows: dict[str, list[dict[str, Any]]] = {}
+    training: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    rows["prefix-learned"] = [play(env, lambda o: rule_action(o, n), s) for s in eval_seeds]
+    log(f"  ours: {time.perf_counter() - t0:.0f} s")
+    best = best_rule_rows(headroom, fleet, load, eval_seeds)
+    if best is None:
+        from benchmarks.routing_headroom import load_tuning, serve_router
+        from benchmarks.unequal_replicas import router_factories
+
+        factories = router_factories(env.specs, env.engine, env.slos,
+                                     load_tuning("results/unequal_replicas.json", fleet))
+        scored = {name: [serve_router(env, f, s)["attainment"] for s in eval_seeds]
+                  for name, f in factories.items() if name not in ("prefix-informed", "prefix-learned-place")}
+        name = max(scored, key=lambda k: statistics.fmean(scored[k]))
+        best = (name, scored[name])
+    best_name, best_att = best
+    t0 = time.perf_counter()
+    bandit = UCBRules()
+    bandit.train(env, train_seeds, bandit_pulls)
+    arm = bandit.best()
+    training["bandit"] = {**bandit.summary(), "pulls": bandit_pulls, "wall_s": time.perf_counter() - t0}
+    log(f"  bandit: {bandit_pulls} pulls in {time.perf_counter() - t0:.0f} s, best {arm.knobs()}")
+    rows["bandit"] = [play(env, lambda o: arm.act(o, env), s) for s in eval_seeds]
+    rng = np.random.default_rng(seed)
+    speed_col = FEATURES.index("prefill_speed")
+
+    def shuffled(o: np.ndarray) -> int:
+        speeds = o[:n * len(FEATURES)].reshape(n, len(FEATURES))[:, speed_col]
+        return int(np.argmax(arm.scores(o, n, env.max_num_seqs, speed=rng.permutation(speeds))))
+
+    rows["placebo"] = [play(env, shuffled, s) for s in eval_seeds]
+    if ppo_steps > 0:
+        t0 = time.perf_counter()
+        policy, info = train_ppo(env, train_seeds, ppo_steps, seed=seed)
+        training["ppo"] = {**info, "wall_s": time.perf_counter() - t0}
+        log(f"  ppo: {ppo_steps} steps in {time.perf_counter() - t0:.0f} s")
+        rows["ppo"] = [play(env, policy, s) for s in eval_seeds]
+        training["ppo"]["train_attainment"] = [play(env, policy, s)["attainment"] for s in train_seeds]
+    ours = [r["attainment"] for r in rows["prefix-learned"]]
+    ratios = {}
+    for name, rs in rows.items():
+        att = [r["attainment"] for r in rs]
+        ratios[name] = {"over_ours": _spread([a / b for a, b in zip(att, ours, strict=True)]),
+                        f"over_best_rule ({best_name})": _spread([a / b for a, b in zip(att, best_att,
+                                                                                          strict=True)]),
+                        "mean_attainment": statistics.fmean(att)}
+    learned = [k for k in ("ppo", "bandit") if k in rows]
+    top = max(learned, key=lambda k: ratios[k]["over_ours"]["median"])
+    ship = ratios[top]["over_ours"]["min"] >= SHIP_RATIO
+    return {"fleet": fleet, "load": load, "train_seeds": list(train_seeds), "eval_seeds": list(eval_seeds),
+            "best_rule": best_name, "best_rule_attainment": best_att, "rows": rows, "ratios": ratios,
+            "training": training, "best_learned": top,
+            "ship": {"rule": f"every held-out seed >= {SHIP_RATIO}x ours", "ships": ship,
+                     "best_learned_over_ours_median": ratios[top]["over_ours"]["median"],
+                     "short_of_1.03_by": SHIP_RATIO - ratios[top]["over_ours"]["median"]}}
+
+
+def _r(x: dict[str, float]) -> str:
+    return f"{x['median']:.3f} ({x['min']:.3f}-{x['max']:.3f})"
+
+
+def render(payload: dict[str, Any]) -> str:
+    """The figures in markdown."""
+    c = payload["cell"]
+    seeds = c["eval_seeds"]
+    key = next(k for k in c["ratios"]["prefix-learned"] if k.startswith("over_best_rule"))
+    rows = [[name, f"{100 * c['ratios'][name]['mean_attainment']:.1f}%"]
+            + [f"{100 * r['attainment']:.1f}%" for r in rs]
+            + [_r(c["ratios"][name]["over_ours"]), _r(c["ratios"][name][key])]
+            for name, rs in c["rows"].items()]
+    rows.append([f"best rule: {c['best_rule']}", f"{100 * statistics.fmean(c['best_rule_attainment']):.1f}%"]
+                + [f"{100 * a:.1f}%" for a in c["best_rule_attainment"]] + ["-", "1"])
+    out = [f"**{c['fleet']} fleet, load {c['load']:g}**: trained on seeds {c['train_seeds']}, held-out seeds "
+           f"{seeds}; ratios: median over the held-out seeds of the per-seed ratio (min-max).", "",
+           format_table(["policy", "mean attainment", *[f"seed {s}" for s in seeds], "/ ours", "/ best rule"],
+                        rows), "",
+           f"Best learned: `{c['best_learned']}`, {c['ship']['best_learned_over_ours_median']:.3f}x ours "
+           f"(ships at >= {SHIP_RATIO}x on every seed: {'yes' if c['ship']['ships'] else 'no'}).",
+           "", f"{measured(payload)}; `{payload['command']}`: {payload['wall_s'] / 60:.1f} min wall on one "
+           "core."]
+    return "\n".join(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--fleet", default="speed")
+    p.add_argument("--load", type=float, default=0.8)
+    p.add_argument("--train-seeds", default=",".join(map(str, TRAIN_SEEDS)))
+    p.add_argument("--eval-seeds", default=",".join(map(str, EVAL_SEEDS)))
+    p.add_argument("--ppo-steps", type=int, default=20_000)
+    p.add_argument("--bandit-pulls", type=int, default=48)
+    p.add_argument("--headroom", default="results/routing_headroom.json")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - start:6.0f} s] {msg}", file=sys.stderr, flush=True)
+
+    cell = run(args.fleet, args.load, [int(s) for s in args.train_seeds.split(",")],
+               [int(s) for s in args.eval_seeds.split(",")], ppo_steps=args.ppo_steps,
+               bandit_pulls=args.bandit_pulls, headroom=args.headroom, log=log)
+    payload = {"benchmark": "routing_agents", "machine": machine_info(),
+               "command": "python -m benchmarks.routing_agents " + " ".join(
+                   argv if argv is not None else sys.argv[1:]),
+               "cell": cell, "wall_s": time.perf_counter() - start}
+    print(render(payload))
+    write_json(args.json, payload)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
