@@ -1,7 +1,8 @@
 """Agents trained on the routing decision (``feather/Routing-v0``) against ours and the best tuned rule.
 
     python -m benchmarks.routing_agents [--fleet speed] [--load 0.8] [--train-seeds 10000,10001,10002]
-                                        [--eval-seeds 0,1,2] [--ppo-steps 20000] [--bandit-pulls 48]
+                                        [--eval-seeds 0,1,2] [--agents ppo,bandit] [--ppo-steps 20000]
+                                        [--bandit-pulls 48]
                                         [--headroom results/routing_headroom.json]
                                         [--json results/routing_agents.json]
 
@@ -25,6 +26,14 @@ Every figure is SLO attainment (good requests over submitted):
   fleet's mean, on the environment's observation: the learned speeds, never the true ones), one arm
   per setting of :data:`ARMS` (16), one training episode per pull (``--bandit-pulls``, the training
   seeds in turn), reward the episode's attainment; greedy: the arm of the highest mean;
+- ``imitation`` (``--agents imitation``): the lookahead oracle distilled (:class:`Imitation`): the
+  oracle of :mod:`benchmarks.routing_headroom` (same horizon and candidates) is run on the *training*
+  seeds, recording at each arrival where it searched the features of each candidate it could have
+  moved to (its row of the observation minus ours' choice's row, and the request's two) and whether it
+  did; a logistic regression (L2, numpy) learns to predict a move; the policy, on what a router can
+  see (the candidates named from the observation: ours' choice, the replica of least ``(in flight + 1)
+  / learned prefill speed``, the owner of the longest known prefix), moves off ours' choice to the
+  candidate of highest predicted probability when it is over ``--imitation-threshold`` (0.5);
 - ``placebo``: the bandit's arm with the replicas' ``prefill_speed`` column shuffled at every decision
   (a random permutation): the same rule told speeds that belong to other replicas. Its ratio to the
   arm shows what the speed features are worth to it.
@@ -144,6 +153,122 @@ class UCBRules:
                 "best": self.best().knobs(), "c": self.c}
 
 
+#: The per-candidate features of the imitation (rows of the observation, minus ours' choice's row).
+IMITATION_FEATURES = ("prefix", "in_flight", "queued_tokens", "prefill_speed", "decode_speed", "kv_usage")
+
+
+def _rows(obs: np.ndarray, n: int) -> np.ndarray:
+    return obs[:n * len(FEATURES)].reshape(n, len(FEATURES)).astype(np.float64)
+
+
+def move_features(obs: np.ndarray, n: int, rule: int, cand: int) -> np.ndarray:
+    """What the imitation predicts a move from ours' choice ``rule`` to ``cand`` with."""
+    rows = _rows(obs, n)
+    cols = [FEATURES.index(f) for f in IMITATION_FEATURES]
+    diff = rows[cand, cols] - rows[rule, cols]
+    g = obs[n * len(FEATURES):].astype(np.float64)
+    return np.concatenate([diff, rows[cand, cols], g, [1.0]])
+
+
+def observed_candidates(obs: np.ndarray, n: int, seqs: int) -> list[int]:
+    """A router's candidates from the observation alone: ours' choice, the replica of least
+    ``(in flight + 1) / learned prefill speed``, the owner of the longest known prefix."""
+    rows = _rows(obs, n)
+    rule = int(np.argmax(rows[:, FEATURES.index("rule")]))
+    out = [rule]
+    speed = np.maximum(rows[:, FEATURES.index("prefill_speed")], 0.05)
+    cost = (rows[:, FEATURES.index("in_flight")] + 1.0 / seqs) / speed
+    for i in np.argsort(cost, kind="stable"):
+        if int(i) not in out:
+            out.append(int(i))
+            break
+    prefix = rows[:, FEATURES.index("prefix")]
+    owner = int(np.argmax(prefix))
+    if prefix[owner] > 0 and owner not in out:
+        out.append(owner)
+    return out
+
+
+class Imitation:
+    """The lookahead oracle distilled into a move-or-not classifier (module docstring)."""
+
+    def __init__(self, threshold: float = 0.5, l2: float = 1e-2) -> None:
+        self.threshold, self.l2 = threshold, l2
+        self.w: np.ndarray | None = None
+        self.mean: np.ndarray | None = None
+        self.scale: np.ndarray | None = None
+        self.examples = 0
+        self.moves = 0
+
+    def collect(self, env: RoutingEnv, seed: int, horizon: int, others: int,
+                log: Callable[[str], None] | None = None) -> tuple[list[np.ndarray], list[float], float]:
+        """The oracle on training episode ``seed``: its move examples and its attainment."""
+        from benchmarks.routing_headroom import candidates, lookahead_score
+
+        obs, _ = env.reset(options={"episode_seed": seed})
+        xs: list[np.ndarray] = []
+        ys: list[float] = []
+        done, info = False, {}
+        while not done:
+            cands = candidates(env, others)
+            best = cands[0]
+            if len(cands) > 1:
+                scores = {c: lookahead_score(env, c, horizon) for c in cands}
+                top = max(scores.values())
+                best = cands[0] if scores[cands[0]] == top else next(c for c in cands if scores[c] == top)
+                for c in cands[1:]:
+                    xs.append(move_features(obs, env.n, cands[0], c))
+                    ys.append(1.0 if c == best else 0.0)
+            obs, _, done, _, info = env.step(best)
+        if log:
+            log(f"    imitation: oracle on training seed {seed}: {info['episode']['attainment']:.3f}, "
+                f"{int(sum(ys))} moves of {len(ys)} examples")
+        return xs, ys, info["episode"]["attainment"]
+
+    def fit(self, xs: Sequence[np.ndarray], ys: Sequence[float], iters: int = 300) -> None:
+        """L2 logistic regression by Newton's method on standardized features."""
+        x = np.array(xs)
+        y = np.array(ys)
+        self.mean = x.mean(axis=0)
+        self.scale = x.std(axis=0)
+        self.mean[-1], self.scale[-1] = 0.0, 1.0  # the bias column
+        self.scale[self.scale == 0] = 1.0
+        z = (x - self.mean) / self.scale
+        w = np.zeros(z.shape[1])
+        reg = self.l2 * np.eye(z.shape[1])
+        reg[-1, -1] = 0.0
+        for _ in range(iters):
+            p = 1.0 / (1.0 + np.exp(-z @ w))
+            grad = z.T @ (p - y) / len(y) + reg @ w
+            hess = (z * (p * (1 - p))[:, None]).T @ z / len(y) + reg + 1e-9 * np.eye(len(w))
+            step = np.linalg.solve(hess, grad)
+            w -= step
+            if np.abs(step).max() < 1e-8:
+                break
+        self.w = w
+        self.examples, self.moves = len(y), int(y.sum())
+
+    def prob(self, x: np.ndarray) -> float:
+        assert self.w is not None and self.mean is not None and self.scale is not None
+        return float(1.0 / (1.0 + np.exp(-((x - self.mean) / self.scale) @ self.w)))
+
+    def act(self, obs: np.ndarray, env: RoutingEnv) -> int:
+        cands = observed_candidates(obs, env.n, env.max_num_seqs)
+        rule = cands[0]
+        best, p_best = rule, self.threshold
+        for c in cands[1:]:
+            p = self.prob(move_features(obs, env.n, rule, c))
+            if p > p_best:
+                best, p_best = c, p
+        return best
+
+    def summary(self) -> dict[str, Any]:
+        names = ([f"d_{f}" for f in IMITATION_FEATURES] + list(IMITATION_FEATURES)
+                 + ["prompt_tokens", "fleet_in_flight", "bias"])
+        return {"threshold": self.threshold, "l2": self.l2, "examples": self.examples, "moves": self.moves,
+                "weights": dict(zip(names, map(float, self.w if self.w is not None else []), strict=False))}
+
+
 class _PPOEnv(gym.Wrapper):
     """What PPO trains on: the training seeds' episodes in turn, the observation over its highs."""
 
@@ -212,9 +337,10 @@ def best_rule_rows(path: str | None, fleet: str, load: float,
 
 
 def run(fleet: str = "speed", load: float = 0.8, train_seeds: Sequence[int] = TRAIN_SEEDS,
-        eval_seeds: Sequence[int] = EVAL_SEEDS, *, ppo_steps: int = 20_000, bandit_pulls: int = 48,
-        headroom: str | None = "results/routing_headroom.json", seed: int = 0,
-        log: Callable[[str], None] = print) -> dict[str, Any]:
+        eval_seeds: Sequence[int] = EVAL_SEEDS, *, agents: Sequence[str] = ("bandit", "ppo"),
+        ppo_steps: int = 20_000, bandit_pulls: int = 48, imitation_threshold: float = 0.5,
+        horizon: int = 30, others: int = 1, headroom: str | None = "results/routing_headroom.json",
+        seed: int = 0, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every figure of the module docstring on one cell."""
     env = RoutingEnv(fleet, load, episode_seeds=train_seeds)
     n = env.n
@@ -235,22 +361,41 @@ def run(fleet: str = "speed", load: float = 0.8, train_seeds: Sequence[int] = TR
         name = max(scored, key=lambda k: statistics.fmean(scored[k]))
         best = (name, scored[name])
     best_name, best_att = best
-    t0 = time.perf_counter()
-    bandit = UCBRules()
-    bandit.train(env, train_seeds, bandit_pulls)
-    arm = bandit.best()
-    training["bandit"] = {**bandit.summary(), "pulls": bandit_pulls, "wall_s": time.perf_counter() - t0}
-    log(f"  bandit: {bandit_pulls} pulls in {time.perf_counter() - t0:.0f} s, best {arm.knobs()}")
-    rows["bandit"] = [play(env, lambda o: arm.act(o, env), s) for s in eval_seeds]
-    rng = np.random.default_rng(seed)
-    speed_col = FEATURES.index("prefill_speed")
+    if "bandit" in agents:
+        t0 = time.perf_counter()
+        bandit = UCBRules()
+        bandit.train(env, train_seeds, bandit_pulls)
+        arm = bandit.best()
+        training["bandit"] = {**bandit.summary(), "pulls": bandit_pulls, "wall_s": time.perf_counter() - t0}
+        log(f"  bandit: {bandit_pulls} pulls in {time.perf_counter() - t0:.0f} s, best {arm.knobs()}")
+        rows["bandit"] = [play(env, lambda o: arm.act(o, env), s) for s in eval_seeds]
+        rng = np.random.default_rng(seed)
+        speed_col = FEATURES.index("prefill_speed")
 
-    def shuffled(o: np.ndarray) -> int:
-        speeds = o[:n * len(FEATURES)].reshape(n, len(FEATURES))[:, speed_col]
-        return int(np.argmax(arm.scores(o, n, env.max_num_seqs, speed=rng.permutation(speeds))))
+        def shuffled(o: np.ndarray) -> int:
+            speeds = o[:n * len(FEATURES)].reshape(n, len(FEATURES))[:, speed_col]
+            return int(np.argmax(arm.scores(o, n, env.max_num_seqs, speed=rng.permutation(speeds))))
 
-    rows["placebo"] = [play(env, shuffled, s) for s in eval_seeds]
-    if ppo_steps > 0:
+        rows["placebo"] = [play(env, shuffled, s) for s in eval_seeds]
+    if "imitation" in agents:
+        t0 = time.perf_counter()
+        imitation = Imitation(threshold=imitation_threshold)
+        xs: list[np.ndarray] = []
+        ys: list[float] = []
+        oracle_train = []
+        for s in train_seeds:
+            x, y, att = imitation.collect(env, s, horizon, others, log)
+            xs += x
+            ys += y
+            oracle_train.append(att)
+        imitation.fit(xs, ys)
+        training["imitation"] = {**imitation.summary(), "horizon": horizon, "others": others,
+                                 "oracle_train_attainment": oracle_train, "wall_s": time.perf_counter() - t0}
+        log(f"  imitation: {len(ys)} examples in {time.perf_counter() - t0:.0f} s")
+        rows["imitation"] = [play(env, lambda o: imitation.act(o, env), s) for s in eval_seeds]
+        training["imitation"]["train_attainment"] = [
+            play(env, lambda o: imitation.act(o, env), s)["attainment"] for s in train_seeds]
+    if "ppo" in agents and ppo_steps > 0:
         t0 = time.perf_counter()
         policy, info = train_ppo(env, train_seeds, ppo_steps, seed=seed)
         training["ppo"] = {**info, "wall_s": time.perf_counter() - t0}
@@ -265,7 +410,7 @@ def run(fleet: str = "speed", load: float = 0.8, train_seeds: Sequence[int] = TR
                         f"over_best_rule ({best_name})": _spread([a / b for a, b in zip(att, best_att,
                                                                                           strict=True)]),
                         "mean_attainment": statistics.fmean(att)}
-    learned = [k for k in ("ppo", "bandit") if k in rows]
+    learned = [k for k in ("ppo", "bandit", "imitation") if k in rows]
     top = max(learned, key=lambda k: ratios[k]["over_ours"]["median"])
     ship = ratios[top]["over_ours"]["min"] >= SHIP_RATIO
     return {"fleet": fleet, "load": load, "train_seeds": list(train_seeds), "eval_seeds": list(eval_seeds),
@@ -308,7 +453,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--load", type=float, default=0.8)
     p.add_argument("--train-seeds", default=",".join(map(str, TRAIN_SEEDS)))
     p.add_argument("--eval-seeds", default=",".join(map(str, EVAL_SEEDS)))
+    p.add_argument("--agents", default="bandit,ppo", help="of bandit, ppo, imitation")
     p.add_argument("--ppo-steps", type=int, default=20_000)
+    p.add_argument("--imitation-threshold", type=float, default=0.5)
+    p.add_argument("--horizon", type=int, default=30, help="the imitated oracle's")
     p.add_argument("--bandit-pulls", type=int, default=48)
     p.add_argument("--headroom", default="results/routing_headroom.json")
     p.add_argument("--json", default=None)
@@ -319,8 +467,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[{time.perf_counter() - start:6.0f} s] {msg}", file=sys.stderr, flush=True)
 
     cell = run(args.fleet, args.load, [int(s) for s in args.train_seeds.split(",")],
-               [int(s) for s in args.eval_seeds.split(",")], ppo_steps=args.ppo_steps,
-               bandit_pulls=args.bandit_pulls, headroom=args.headroom, log=log)
+               [int(s) for s in args.eval_seeds.split(",")], agents=args.agents.split(","),
+               ppo_steps=args.ppo_steps, bandit_pulls=args.bandit_pulls,
+               imitation_threshold=args.imitation_threshold, horizon=args.horizon, headroom=args.headroom,
+               log=log)
     payload = {"benchmark": "routing_agents", "machine": machine_info(),
                "command": "python -m benchmarks.routing_agents " + " ".join(
                    argv if argv is not None else sys.argv[1:]),
