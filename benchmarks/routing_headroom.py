@@ -37,7 +37,11 @@ c. ``oracle``: a lookahead oracle (:func:`lookahead_oracle`), with foresight, no
    (hindsight-free, not deployable);
 d. ``placebo``: the oracle's own candidates each arrival, one drawn at random (``--placebo-draws``
    draws, their median): the candidate set without the look ahead. Its ratio to the best rule should
-   be <= 1, showing that the oracle's gain is the look ahead's, not the candidates'.
+   be <= 1, showing that the oracle's gain is the look ahead's, not the candidates'. And
+   ``placebo (oracle's rate)`` (``--matched-placebo JSON``, added to a finished run's JSON with its own
+   command): ours, moving off ours' choice at random decisions, as often as the oracle did on that seed,
+   to a random other candidate of the oracle's (:func:`matched_placebo`): whether the oracle's gain is
+   in *which* decisions it moves, or only in how many.
 
 Reported: attainment (and output tok/s) per router and seed, the headroom ``oracle / best rule`` and
 ``oracle / prefix-learned``, ``placebo / best rule``, median over the seeds with their range.
@@ -67,7 +71,8 @@ from feather_env.reporting import format_table, machine_info, write_json
 from feather_env.routing_env import TUNE_SEED_BASE, RoutingEnv
 from feather_env.serving_metrics import meets_slos
 
-__all__ = ["candidates", "lookahead_oracle", "main", "placebo", "render", "run", "serve_router"]
+__all__ = ["add_matched_placebo", "candidates", "lookahead_oracle", "main", "matched_placebo", "placebo",
+           "render", "run", "serve_router"]
 
 DEFAULT_SLO = {"ttft": 5000.0, "tpot": 50.0}
 #: Rows that are not deployable rules (not candidates for ``best rule``).
@@ -155,6 +160,49 @@ def placebo(env: RoutingEnv, seed: int, *, others: int = 1, draw: int = 0) -> di
         _, _, done, _, info = env.step(cands[int(rng.integers(len(cands)))])
     ep = info["episode"]
     return {"attainment": ep["attainment"], "output_throughput": ep["output_throughput"]}
+
+
+def matched_placebo(env: RoutingEnv, seed: int, rate: float, *, others: int = 1,
+                    draw: int = 0) -> dict[str, Any]:
+    """Episode ``seed``: ours' choice, except that with probability ``rate`` per decision the request goes
+    to another of the oracle's candidates drawn at random (module docstring, d)."""
+    rng = np.random.default_rng(1_000 * seed + draw + 7)
+    env.reset(options={"episode_seed": seed})
+    done, info, moves = False, {}, 0
+    while not done:
+        cands = candidates(env, others)
+        a = cands[0]
+        if len(cands) > 1 and rng.random() < rate:
+            a = cands[1 + int(rng.integers(len(cands) - 1))]
+            moves += 1
+        _, _, done, _, info = env.step(a)
+    ep = info["episode"]
+    return {"attainment": ep["attainment"], "output_throughput": ep["output_throughput"], "moves": moves}
+
+
+def add_matched_placebo(path: str, draws: int = 3, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Add ``placebo (oracle's rate)`` to each cell of a finished run's JSON (its oracle's move rate per
+    seed), with its ratios and this command; the payload."""
+    with open(path) as f:
+        payload = json.load(f)
+    for c in payload["cells"]:
+        env = RoutingEnv(c["fleet"], c["load"], episode_seeds=c["seeds"])
+        rows = []
+        for seed, o in zip(c["seeds"], c["rows"]["oracle"], strict=True):
+            rate = o["moved_off_ours"] / o["searched"] if o["searched"] else 0.0
+            ds = [matched_placebo(env, seed, rate, others=c["others"], draw=d) for d in range(draws)]
+            med = sorted(ds, key=lambda r: r["attainment"])[len(ds) // 2]
+            rows.append({**med, "rate": rate, "draws": ds})
+            log(f"  {c['fleet']} {c['load']:g} seed {seed}: matched placebo {med['attainment']:.3f}")
+        name = "placebo (oracle's rate)"
+        c["rows"][name] = rows
+        c["mean_attainment"][name] = statistics.fmean(r["attainment"] for r in rows)
+        for ref in (c["best_rule"], OURS_LEARNED):
+            c["ratios"][f"{name} / {ref}"] = _spread([a["attainment"] / b["attainment"]
+                                                      for a, b in zip(rows, c["rows"][ref], strict=True)])
+        c["matched_placebo_command"] = f"python -m benchmarks.routing_headroom --matched-placebo {path}"
+    write_json(path, payload)
+    return payload
 
 
 def load_tuning(path: str | None, fleet: str) -> dict[str, Any] | None:
@@ -268,9 +316,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--retune", action="store_true",
                    help=f"tune the peers here on seeds {TUNE_SEED_BASE}-{TUNE_SEED_BASE + 2} instead")
     p.add_argument("--no-oracle", action="store_true")
+    p.add_argument("--matched-placebo", default=None, metavar="JSON",
+                   help="add the placebo at the oracle's rate to a finished run's JSON, and nothing else")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     start = time.perf_counter()
+    if args.matched_placebo:
+        print(render(add_matched_placebo(args.matched_placebo)))
+        return 0
 
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - start:6.0f} s] {msg}", file=sys.stderr, flush=True)
