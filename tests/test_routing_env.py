@@ -5,6 +5,7 @@ are the cluster's own good requests."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 import gymnasium as gym
 import numpy as np
@@ -16,9 +17,11 @@ from benchmarks import routing_headroom as headroom
 from benchmarks.router_peers import uniform_workload
 from benchmarks.unequal_replicas import capacity, fleets
 from feather_env.routing_env import FEATURES, FLEETS, RoutingEnv, fleet_specs, rule_action
+from feather_env.workloads import WorkloadConfig, load_workload
+from scheduler_runtime.learned_router import LearnedRouter
 
 
-def small(fleet: str = "speed", load: float = 1.0, **kw) -> RoutingEnv:
+def small(fleet: str = "speed", load: float = 1.0, **kw: object) -> RoutingEnv:
     return RoutingEnv(fleet, load, replicas=4, docs_per_replica=3, **kw)
 
 
@@ -27,7 +30,7 @@ def env() -> RoutingEnv:
     return small()
 
 
-def play(env: RoutingEnv, policy, seed: int = 0) -> tuple[float, dict]:
+def play(env: RoutingEnv, policy: Callable[[np.ndarray], int], seed: int = 0) -> tuple[float, dict]:
     obs, _ = env.reset(options={"episode_seed": seed})
     done, total, info = False, 0.0, {}
     while not done:
@@ -45,15 +48,10 @@ def test_registered_and_checker_passes() -> None:
 def test_following_the_rule_is_the_cluster_run(env: RoutingEnv) -> None:
     ret, ep = play(env, lambda o: rule_action(o, env.n), seed=1)
     timed = env.episode(1)
-    res = env.sim.run(timed, LearnedRouterFactory(), goodput=env.slos, scrape_s=0.0)
+    res = env.sim.run(timed, LearnedRouter(), goodput=env.slos, scrape_s=0.0)
     assert ep["requests_per_replica"] == res.requests_per_replica
     assert ret == pytest.approx(res.metrics["request_goodput"] * res.metrics["duration"])
     assert ep["output_throughput"] == pytest.approx(res.metrics["output_throughput"])
-
-
-def LearnedRouterFactory():  # noqa: N802 - a factory named as the class it builds
-    from scheduler_runtime.learned_router import LearnedRouter
-    return LearnedRouter()
 
 
 def test_each_request_routed_once_and_rewards_are_the_clusters_good(env: RoutingEnv) -> None:
@@ -88,7 +86,6 @@ def test_observation_shape_and_rule_column(env: RoutingEnv) -> None:
 def test_fleets_and_workloads_are_the_unequal_replicas_benchmarks(env: RoutingEnv) -> None:
     for fleet in FLEETS:
         assert fleet_specs(fleet, 8) == fleets(8, 40.0, 100.0)[fleet]
-    from feather_env.workloads import WorkloadConfig, load_workload
     pool = load_workload(WorkloadConfig(kind="leval", max_prompt_tokens=8192))
     w = uniform_workload(pool, env.n, env.docs_per_replica, seed=env.n)
     mine, cap = env.documents(0)
@@ -125,8 +122,7 @@ def test_fork_is_a_faithful_look_ahead(env: RoutingEnv) -> None:
     scores = [headroom.lookahead_score(env, env.rule, horizon=10**6) for _ in range(2)]
     assert scores[0] == scores[1]
     assert len(env.run.timelines()) == before  # the original run is untouched
-    done, ret = False, 0.0
-    ret = env._good
+    done, ret = False, float(env._good)
     while not done:
         obs, r, done, _, info = env.step(rule_action(obs, env.n))
         ret += r
