@@ -3,6 +3,8 @@
 - :mod:`feather_env.env`: :class:`FeatherEnv`, registered as ``feather/Batching-v0`` (the paper's
   per-request ADD/STOP) and ``feather/GroupAdmission-v0`` (the same serving loop, the decision
   to open a prefix group), with its reward classes;
+- :mod:`feather_env.routing_env`: :class:`RoutingEnv`, ``feather/Routing-v0``: the replica of each
+  request on an unequal fleet of the cluster simulator;
 - :mod:`feather_env.serving`: the serving loop an episode runs on (:class:`ServingBackend`);
 - :mod:`feather_env.engines`: its two engines, the real one (``vllm_backend``; ``vllm_engine``
   builds every vLLM engine of the project) and the simulator (``sim_backend``, serving on the
@@ -26,3 +28,5 @@ if "feather/GroupAdmission-v0" not in _gym.registry:
                   kwargs={"decision": "group"})
 if "feather/Admission-v0" not in _gym.registry:
     _gym.register(id="feather/Admission-v0", entry_point="feather_env.admission_env:AdmissionEnv")
+if "feather/Routing-v0" not in _gym.registry:
+    _gym.register(id="feather/Routing-v0", entry_point="feather_env.routing_env:RoutingEnv")

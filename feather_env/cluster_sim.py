@@ -40,6 +40,7 @@ replica's published metrics (:meth:`ReplicaSim.metrics`: what vLLM's ``/metrics`
 from __future__ import annotations
 
 import bisect
+import copy
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -59,8 +60,8 @@ from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 from scheduler_runtime.router import PrefixHasher, ReplicaRouter
 from scheduler_runtime.schedulers import SchedulerConfig
 
-__all__ = ["ClusterResult", "ClusterSim", "ReplicaSim", "ReplicaSpec", "distinct_documents",
-           "replica_breakdown", "zipf_documents"]
+__all__ = ["Arrival", "ClusterResult", "ClusterRun", "ClusterSim", "ReplicaSim", "ReplicaSpec",
+           "distinct_documents", "replica_breakdown", "zipf_documents"]
 
 
 @dataclass(frozen=True)
@@ -328,81 +329,222 @@ class ClusterSim:
         Raises:
             EngineError: a request was not served exactly once with its tokens.
         """
-        start = time.perf_counter()
-        requests = sorted(workload, key=lambda r: r.arrival_time)  # stable: queue order on ties
+        run = self.serve(workload, router, hasher, goodput=goodput, scrape_s=scrape_s, also_slos=also_slos)
+        while (arrival := run.next_arrival()) is not None:
+            run.route(router.choose(arrival.hashes, arrival.loads, tokens=arrival.tokens))
+        return run.finish()
+
+    def serve(self, workload: Workload | Sequence[Request], router: ReplicaRouter,
+              hasher: PrefixHasher | None = None, *, goodput: Mapping[str, float] | None = None,
+              scrape_s: float = 1.0, record_finishes: bool = False,
+              also_slos: Sequence[Mapping[str, float]] = ()) -> ClusterRun:
+        """:meth:`run` one arrival at a time, the choice left to the caller (:class:`ClusterRun`):
+        ``router`` hears of everything as in :meth:`run` (routings, first tokens, finishes, metrics)
+        except that its :meth:`~scheduler_runtime.router.ReplicaRouter.choose` is not called.
+        ``record_finishes``: keep each finished request's timeline (:attr:`ClusterRun.finished`)."""
+        return ClusterRun(self, workload, router, hasher, goodput=goodput, scrape_s=scrape_s,
+                          record_finishes=record_finishes, also_slos=also_slos)
+
+
+@dataclass
+class Arrival:
+    """A request at its arrival, the replicas run up to it: what a router chooses with.
+
+    Attributes:
+        index: its position in arrival order; ``request``: the request; ``clock``: its arrival time.
+        hashes: its chunk hashes (``None`` for a router that does not read them); ``tokens``: its
+            prompt's length; ``loads``: each replica's requests in flight (replica name -> count).
+    """
+
+    index: int
+    request: Request
+    clock: float
+    hashes: np.ndarray | None
+    tokens: int
+    loads: dict[str, int]
+
+
+class ClusterRun:
+    """One workload served by a :class:`ClusterSim` one arrival at a time (:meth:`ClusterSim.serve`).
+
+    :meth:`next_arrival` runs every replica up to the next request's arrival (the router hearing of
+    the first tokens and finishes before it, and scraping each replica's metrics when due) and returns
+    it; :meth:`route` sends it to a replica (the router is told, ``routed``); :meth:`finish` serves
+    every replica to its end and returns the :class:`ClusterResult`. :meth:`ClusterSim.run` is this
+    loop with the router's own choice, so a caller that routes as the router would reproduces it
+    exactly. :meth:`fork` copies the run's whole state (replicas, router, clock) for a look ahead.
+    """
+
+    def __init__(self, sim: ClusterSim, workload: Workload | Sequence[Request], router: ReplicaRouter,
+                 hasher: PrefixHasher | None = None, *, goodput: Mapping[str, float] | None = None,
+                 scrape_s: float = 1.0, record_finishes: bool = False,
+                 also_slos: Sequence[Mapping[str, float]] = ()) -> None:
+        self.started = time.perf_counter()
+        self.also_slos = tuple(also_slos)
+        #: (arrival time, replica) of each request routed, in arrival order.
+        self.routed: list[tuple[float, str]] = []
+        self.requests = sorted(workload, key=lambda r: r.arrival_time)  # stable: queue order on ties
         if hasher is None and router.uses_hashes:
-            hasher = PrefixHasher(self.config.chunk_size or DEFAULT_CHUNK_SIZE)
-        replicas = self._replicas()
-        by_name = {r.name: r for r in replicas}
-        tracks = router.tracks_requests
-        observes = router.observes_service
-        now = [0.0]  # the router's clock, when it reads one
-        if observes:
-            router.clock = lambda: now[0]
-        if tracks:
-            for replica in replicas:
+            hasher = PrefixHasher(sim.config.chunk_size or DEFAULT_CHUNK_SIZE)
+        self.hasher = hasher
+        self.router = router
+        self.goodput = goodput
+        self.scrape_s = scrape_s
+        self.replicas = sim._replicas()
+        self.by_name = {r.name: r for r in self.replicas}
+        self.tracks = router.tracks_requests
+        self.observes = router.observes_service
+        self.record_finishes = record_finishes
+        #: Timelines of the requests finished since the caller last cleared it (``record_finishes``).
+        self.finished: list[RequestTimeline] = []
+        self.now = 0.0  # the router's clock, when it reads one
+        if self.observes:
+            router.clock = self._clock
+        if self.tracks or record_finishes:
+            for replica in self.replicas:
                 replica.events = []
-                replica.event_times = [] if observes else None
-        next_scrape = -math.inf
-        routed: list[tuple[float, str]] = []
+                replica.event_times = [] if self.observes else None
+        self.next_scrape = -math.inf
+        self.i = 0  # the next request to arrive
+        self.pending: Arrival | None = None
+        self.result: ClusterResult | None = None
 
-        def tell(replica: ReplicaSim) -> None:  # what the router hears: first tokens and finishes
-            events = replica.events or ()
-            times = replica.event_times or [math.nan] * len(events)
-            for (rid, done), at in zip(events, times, strict=True):
-                now[0] = at
-                if done:
-                    router.finished(rid, output_tokens=replica._timelines[rid].tokens if observes
-                                    else None)
-                else:
-                    router.prefilled(rid)
-            if replica.events:
-                replica.events.clear()
-            if replica.event_times:
-                replica.event_times.clear()
+    def _clock(self) -> float:
+        return self.now
 
-        for request in requests:
-            t = float(request.arrival_time)
-            for replica in replicas:
-                replica.run_until(t)
-                if tracks:
-                    tell(replica)
-            now[0] = t
-            if observes and t >= next_scrape:
-                for replica in replicas:
-                    router.scraped(replica.name, replica.metrics())
-                next_scrape = t + scrape_s
-            loads = {r.name: r.in_flight for r in replicas}
-            hashes = hasher.hash(request.prompt_token_ids) if router.uses_hashes and hasher else None
-            n = len(request.prompt_token_ids)  # every router gets the length, as the proxy gives it
-            name = router.choose(hashes, loads, tokens=n)
-            router.routed(hashes, name, tokens=n, request_id=request.request_id if tracks else None)
-            by_name[name].submit(request)
-            routed.append((t, name))
-        for replica in replicas:
+    @property
+    def done(self) -> bool:
+        """Every request has been routed."""
+        return self.i >= len(self.requests) and self.pending is None
+
+    def _tell(self, replica: ReplicaSim) -> None:
+        """What the router hears of ``replica``'s first tokens and finishes (and the finishes kept)."""
+        events = replica.events or ()
+        times = replica.event_times or [math.nan] * len(events)
+        router, observes = self.router, self.observes
+        for (rid, done), at in zip(events, times, strict=True):
+            self.now = at
+            if done and self.record_finishes:
+                self.finished.append(replica._timelines[rid])
+            if not self.tracks:
+                continue
+            if done:
+                router.finished(rid, output_tokens=replica._timelines[rid].tokens if observes else None)
+            else:
+                router.prefilled(rid)
+        if replica.events:
+            replica.events.clear()
+        if replica.event_times:
+            replica.event_times.clear()
+
+    def next_arrival(self) -> Arrival | None:
+        """The next request at its arrival (the replicas run up to it), or ``None`` when every request
+        has been routed. Until it is routed, the same arrival is returned again."""
+        if self.pending is not None:
+            return self.pending
+        if self.i >= len(self.requests):
+            return None
+        request = self.requests[self.i]
+        t = float(request.arrival_time)
+        router = self.router
+        for replica in self.replicas:
+            replica.run_until(t)
+            if replica.events is not None:
+                self._tell(replica)
+        self.now = t
+        if self.observes and t >= self.next_scrape:
+            for replica in self.replicas:
+                router.scraped(replica.name, replica.metrics())
+            self.next_scrape = t + self.scrape_s
+        loads = {r.name: r.in_flight for r in self.replicas}
+        hashes = self.hasher.hash(request.prompt_token_ids) if router.uses_hashes and self.hasher else None
+        n = len(request.prompt_token_ids)  # every router gets the length, as the proxy gives it
+        self.pending = Arrival(self.i, request, t, hashes, n, loads)
+        return self.pending
+
+    def route(self, name: str) -> None:
+        """Send the pending arrival to replica ``name``."""
+        arrival = self.pending
+        if arrival is None:
+            raise RuntimeError("no arrival to route: call next_arrival() first")
+        if name not in self.by_name:
+            raise ValueError(f"no replica {name!r}")
+        self.router.routed(arrival.hashes, name, tokens=arrival.tokens,
+                           request_id=arrival.request.request_id if self.tracks else None)
+        self.by_name[name].submit(arrival.request)
+        self.routed.append((arrival.clock, name))
+        self.pending = None
+        self.i += 1
+
+    def finish(self) -> ClusterResult:
+        """Serve every replica to its end (every request must have been routed) and the result.
+
+        Raises:
+            EngineError: a request was not served exactly once with its tokens.
+        """
+        if not self.done:
+            raise RuntimeError(f"{len(self.requests) - self.i} requests not routed yet")
+        if self.result is not None:
+            return self.result
+        for replica in self.replicas:
             replica.run_until(math.inf)
-            if tracks:
-                tell(replica)
+            if replica.events is not None:
+                self._tell(replica)
             if replica.opened:
                 replica.check_complete()
-        timelines = [t for r in replicas for t in r.timelines_if_open()]
-        if len(timelines) != len(requests):
-            raise RuntimeError(f"{len(requests)} requests routed, {len(timelines)} served")
+        timelines = self.timelines()
+        if len(timelines) != len(self.requests):
+            raise RuntimeError(f"{len(self.requests)} requests routed, {len(timelines)} served")
+        goodput = self.goodput
         met: list[bool] = []
         if goodput:
             by_id = {t.request_id: t for t in timelines}
-            mine = [by_id[r.request_id] for r in requests]
-            met = [t.completed and meets_slos(t, goodput) for t in mine]
-        return ClusterResult(router=router.name, replicas=len(replicas),
-                             metrics=serving_metrics(timelines, goodput=goodput),
-                             requests_per_replica=[len(r.timelines_if_open()) for r in replicas],
-                             router_state=router.state(), wall_s=time.perf_counter() - start,
-                             per_replica=[replica_breakdown(r.timelines_if_open(), goodput)
-                                          for r in replicas],
-                             routed=routed,
-                             good_by_slo=[sum(1 for t in timelines if t.completed and meets_slos(t, slo))
-                                          for slo in also_slos],
-                             met=met)
+            met = [by_id[r.request_id].completed and meets_slos(by_id[r.request_id], goodput)
+                   for r in self.requests]
+        self.result = ClusterResult(router=self.router.name, replicas=len(self.replicas),
+                                    metrics=serving_metrics(timelines, goodput=goodput),
+                                    requests_per_replica=[len(r.timelines_if_open()) for r in self.replicas],
+                                    router_state=self.router.state(),
+                                    wall_s=time.perf_counter() - self.started,
+                                    per_replica=[replica_breakdown(r.timelines_if_open(), goodput)
+                                                 for r in self.replicas],
+                                    routed=list(self.routed),
+                                    good_by_slo=[sum(1 for t in timelines
+                                                     if t.completed and meets_slos(t, slo))
+                                                 for slo in self.also_slos],
+                                    met=met)
+        return self.result
+
+    def stop_arrivals(self) -> None:
+        """Serve no further arrivals: the requests that have not arrived (and a pending one not routed)
+        are dropped, so that :meth:`finish` serves what was routed to its end (a look ahead's horizon)."""
+        self.requests = self.requests[:self.i]
+        self.pending = None
+
+    def timelines(self) -> list[RequestTimeline]:
+        """Every routed request's timeline so far, replica by replica."""
+        return [t for r in self.replicas for t in r.timelines_if_open()]
+
+    def fork(self) -> ClusterRun:
+        """A deep copy of this run (replicas, router, clock, what is pending) sharing only what never
+        changes: the requests and their token ids, the hasher. Serving the copy leaves this run as it
+        was (a look ahead)."""
+        memo: dict[int, Any] = {id(self.requests): self.requests, id(self.hasher): self.hasher}
+        for r in self.requests:
+            memo[id(r)] = r
+        for replica in self.replicas:
+            # per-request hash caches: new entries in the copy, the cached values never change
+            for cache in (replica._hashes, replica._block_hashes):
+                memo[id(cache)] = dict(cache)
+            for t in replica._timelines.values():  # a finished request's timeline never changes
+                if t.finished_count:
+                    memo[id(t)] = t
+        for table in ("_young", "_old"):  # ours' prefix table: chunk key (int) -> replica name (str)
+            d = getattr(self.router, table, None)
+            if isinstance(d, dict):
+                memo[id(d)] = dict(d)
+        return copy.deepcopy(self, memo)
+
 
 
 def replica_breakdown(timelines: Sequence[RequestTimeline],
@@ -426,7 +568,6 @@ def replica_breakdown(timelines: Sequence[RequestTimeline],
         out.update(good=float(good), ttft_miss=float(ttft_miss), tpot_miss=float(tpot_miss),
                    other_miss=float(len(timelines) - good - ttft_miss - tpot_miss))
     return out
-
 
 
 def distinct_documents(pool: Workload, documents: int, seed: int,
