@@ -321,6 +321,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
              if k not in ("json", "out", "standin") and v != p.get_default(k)]
     command = COMMAND.replace(" --json", "".join(f" {flag} {shlex.quote(str(v))}" for flag, v in given)
                               + (" --standin" if args.standin else "") + " --json")
+    if args.json:  # the file this run wrote, not the default's
+        command = command.replace("results/unequal_loopback.json", shlex.quote(args.json))
     out = {"benchmark": "unequal_loopback", "command": command, "machine": machine_info(), "seed": args.seed,
            "standin": args.standin, "documents": args.documents, "small_kv_tokens": args.small_kv_tokens,
            "kv_ratio": args.kv_ratio,

@@ -255,6 +255,7 @@ BLOCKS: dict[str, Block] = {
     "unequal_router": _result("unequal_router", "unequal_replicas"),
     **{name: _result(name) for name in ("routing_headroom", "routing_agents", "unequal_loopback")},
     **{name: _result(name, "routing_headroom") for name in ("routing_headroom_load1", "routing_headroom_kv")},
+    "unequal_loopback_seed1": _result("unequal_loopback_seed1", "unequal_loopback"),
     "unequal_drift_share": Block("docs/results.md", from_json("unequal_drift_share.json",
                                                               "benchmarks.unequal_replicas",
                                                               "render_drift_share")),
