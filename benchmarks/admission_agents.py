@@ -82,7 +82,8 @@ from feather_env.reporting import format_table, machine_info, write_json
 from feather_env.scenarios import load_scenario
 from feather_env.serving_metrics import meets_slos
 
-__all__ = ["ContextualUCB", "TabularQ", "main", "play", "render", "run", "run_load", "state"]
+__all__ = ["ContextualUCB", "PPOTrainingEnv", "TabularQ",
+           "main", "play", "render", "run", "run_load", "state"]
 
 SCENARIOS = ("mooncake-overload-3l", "mooncake-overload-1.5l")
 PROFILE = "configs/profiles/cpu-tiny-llama-epyc-avx512.json"
@@ -268,19 +269,21 @@ def _table(n: np.ndarray, greedy: Callable[[int], int]) -> dict[str, str]:
     return out
 
 
-class _PPOEnv(gym.Wrapper):
-    """What PPO trains on: the training windows in the schedule's order, the observation log-scaled
+class PPOTrainingEnv(gym.Wrapper):
+    """What PPO trains on: the training episodes in the schedule's order (``options={"episode_seed":
+    s}``, as both ``feather/Admission-v0`` and ``feather/Routing-v0`` take them), the observation scaled
+    into [0, 1] by :meth:`transform`; here log-scaled
     (``log1p(obs) / log1p(high)``, in [0, 1]: the ratios that matter, around 1, are not squeezed
     next to 0 as ``obs / 16`` would squeeze them)."""
 
-    def __init__(self, env: AdmissionEnv, schedule: Sequence[int]) -> None:
+    def __init__(self, env: gym.Env, schedule: Sequence[int]) -> None:
         super().__init__(env)
         self.schedule = list(schedule)
         self.k = 0
         self.observation_space = gym.spaces.Box(0.0, 1.0, env.observation_space.shape, dtype=np.float32)
 
     @staticmethod
-    def transform(env: AdmissionEnv, obs: np.ndarray) -> np.ndarray:
+    def transform(env: gym.Env, obs: np.ndarray) -> np.ndarray:
         return (np.log1p(obs) / np.log1p(env.observation_space.high)).astype(np.float32)
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
@@ -306,13 +309,14 @@ def train_ppo(env: AdmissionEnv, schedule: Sequence[int], steps: int, seed: int 
     from sb3_contrib import MaskablePPO
 
     torch.set_num_threads(1)
-    model = MaskablePPO("MlpPolicy", _PPOEnv(env, schedule), n_steps=2048, batch_size=256, ent_coef=0.01,
+    model = MaskablePPO("MlpPolicy", PPOTrainingEnv(env, schedule),
+                        n_steps=2048, batch_size=256, ent_coef=0.01,
                         gamma=0.99, seed=seed, verbose=0, device="cpu")
     model.learn(total_timesteps=steps)
     mask = np.array([True, True])
 
     def policy(obs: np.ndarray) -> int:
-        action, _ = model.predict(_PPOEnv.transform(env, obs), deterministic=True, action_masks=mask)
+        action, _ = model.predict(PPOTrainingEnv.transform(env, obs), deterministic=True, action_masks=mask)
         return int(action)
 
     return policy, {"steps": steps, "n_steps": 2048, "batch_size": 256, "ent_coef": 0.01, "gamma": 0.99,

@@ -70,6 +70,7 @@ import gymnasium as gym
 import numpy as np
 
 from benchmarks import measured
+from benchmarks.admission_agents import PPOTrainingEnv
 from feather_env.reporting import format_table, machine_info, write_json
 from feather_env.routing_env import FEATURES, RoutingEnv, rule_action
 
@@ -338,31 +339,12 @@ def _save_examples(path: str | None, seed: int, xs: Sequence[np.ndarray], ys: Se
     np.savez(path, **old)
 
 
-class _PPOEnv(gym.Wrapper):
+class _PPOEnv(PPOTrainingEnv):
     """What PPO trains on: the training seeds' episodes in turn, the observation over its highs."""
 
-    def __init__(self, env: RoutingEnv, seeds: Sequence[int]) -> None:
-        super().__init__(env)
-        self.seeds = list(seeds)
-        self.k = 0
-        self.observation_space = gym.spaces.Box(0.0, 1.0, env.observation_space.shape, dtype=np.float32)
-
     @staticmethod
-    def transform(env: RoutingEnv, obs: np.ndarray) -> np.ndarray:
+    def transform(env: gym.Env, obs: np.ndarray) -> np.ndarray:
         return (obs / env.observation_space.high).astype(np.float32)
-
-    def reset(self, *, seed: int | None = None, options: dict | None = None):
-        s = self.seeds[self.k % len(self.seeds)]
-        self.k += 1
-        obs, info = self.env.reset(seed=seed, options={"episode_seed": s})
-        return self.transform(self.env.unwrapped, obs), info
-
-    def step(self, action: int):
-        obs, r, term, trunc, info = self.env.step(action)
-        return self.transform(self.env.unwrapped, obs), r, term, trunc, info
-
-    def action_masks(self) -> np.ndarray:
-        return self.env.unwrapped.action_masks()
 
 
 def clone_ours(model: Any, env: RoutingEnv, seeds: Sequence[int], updates: int = 2000) -> dict[str, Any]:

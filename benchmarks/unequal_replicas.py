@@ -81,8 +81,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
 from benchmarks import measured
 from benchmarks.router_peers import (
     REFERENCE,
@@ -95,7 +93,13 @@ from benchmarks.router_peers import (
     uniform_workload,
 )
 from benchmarks.routing import router_cost
-from feather_env.cluster_sim import ClusterResult, ClusterSim, ReplicaSpec, distinct_documents, zipf_documents
+from feather_env.cluster_sim import (
+    ClusterResult,
+    ClusterSim,
+    ReplicaSpec,
+    drift_workload,
+    zipf_documents,
+)
 from feather_env.engines.vllm_engine import EngineConfig
 from feather_env.reporting import format_table, machine_info, write_json
 from feather_env.scenarios import load_scenario
@@ -129,21 +133,6 @@ def fleets(n: int, drift_at: float, drift_until: float, factor: float = 3.0) -> 
             "kv": [small if i % 2 else ReplicaSpec() for i in range(n)],
             "drift": [ReplicaSpec(drift=((drift_at, factor), (drift_until, 1.0)))]
             + [ReplicaSpec()] * (n - 1)}
-
-
-def drift_workload(pool: Workload, n: int, docs_per_replica: int, blocks: int, seed: int) -> Workload:
-    """``blocks`` workloads of :func:`~benchmarks.router_peers.uniform_workload`'s size one after the
-    other: ``blocks x n x docs_per_replica`` distinct documents (at most 8 questions each), split into
-    consecutive blocks of ``n x docs_per_replica``, each block's questions in a random order."""
-    docs = distinct_documents(pool, blocks * n * docs_per_replica, seed=seed, max_per_group=8)
-    groups = list(docs.groups().values())
-    size = n * docs_per_replica
-    rng = np.random.default_rng(seed)
-    out = []
-    for b in range(blocks):
-        block = [r for g in groups[b * size:(b + 1) * size] for r in g]
-        out += [block[i] for i in rng.permutation(len(block))]
-    return Workload(f"{docs.name}/blocks{blocks}", tuple(out))
 
 
 def docs_workload(pool: Workload, n: int, docs_per_replica: int, seed: int, kind: str = "leval",

@@ -61,7 +61,7 @@ from scheduler_runtime.router import PrefixHasher, ReplicaRouter
 from scheduler_runtime.schedulers import SchedulerConfig
 
 __all__ = ["Arrival", "ClusterResult", "ClusterRun", "ClusterSim", "ReplicaSim", "ReplicaSpec",
-           "distinct_documents", "replica_breakdown", "zipf_documents"]
+           "distinct_documents", "drift_workload", "replica_breakdown", "zipf_documents"]
 
 
 @dataclass(frozen=True)
@@ -568,6 +568,22 @@ def replica_breakdown(timelines: Sequence[RequestTimeline],
         out.update(good=float(good), ttft_miss=float(ttft_miss), tpot_miss=float(tpot_miss),
                    other_miss=float(len(timelines) - good - ttft_miss - tpot_miss))
     return out
+
+
+def drift_workload(pool: Workload, n: int, docs_per_replica: int, blocks: int, seed: int) -> Workload:
+    """``blocks`` workloads of ``n x docs_per_replica`` documents one after the other (a run that outlasts
+    a drift's recovery): ``blocks x n x docs_per_replica`` distinct documents (at most 8 questions
+    each), split into consecutive blocks of ``n x docs_per_replica``, each block's questions in a
+    random order."""
+    docs = distinct_documents(pool, blocks * n * docs_per_replica, seed=seed, max_per_group=8)
+    groups = list(docs.groups().values())
+    size = n * docs_per_replica
+    rng = np.random.default_rng(seed)
+    out = []
+    for b in range(blocks):
+        block = [r for g in groups[b * size:(b + 1) * size] for r in g]
+        out += [block[i] for i in rng.permutation(len(block))]
+    return Workload(f"{docs.name}/blocks{blocks}", tuple(out))
 
 
 def distinct_documents(pool: Workload, documents: int, seed: int,

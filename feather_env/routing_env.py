@@ -17,7 +17,14 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from feather_env.cluster_sim import Arrival, ClusterRun, ClusterSim, ReplicaSpec, distinct_documents
+from feather_env.cluster_sim import (
+    Arrival,
+    ClusterRun,
+    ClusterSim,
+    ReplicaSpec,
+    distinct_documents,
+    drift_workload,
+)
 from feather_env.engines.vllm_engine import EngineConfig
 from feather_env.scenarios import load_scenario
 from feather_env.serving_metrics import meets_slos, parse_slos
@@ -25,7 +32,7 @@ from feather_env.workloads import Workload, WorkloadConfig, load_workload
 from scheduler_runtime.learned_router import LearnedRouter
 from scheduler_runtime.router import PrefixAffinityRouter, ReplicaRouter
 
-__all__ = ["ADVISORS", "FEATURES", "FLEETS", "GLOBALS", "TUNE_SEED_BASE", "RoutingEnv", "drift_workload",
+__all__ = ["ADVISORS", "FEATURES", "FLEETS", "GLOBALS", "TUNE_SEED_BASE", "RoutingEnv",
            "fleet_capacity", "fleet_specs", "rule_action"]
 
 #: The fleets (as ``benchmarks.unequal_replicas.fleets``).
@@ -62,20 +69,6 @@ def fleet_specs(fleet: str, n: int, drift_at: float = 40.0, drift_until: float =
     if fleet == "equal":
         return [ReplicaSpec()] * n
     raise ValueError(f"fleet must be one of {FLEETS}, got {fleet!r}")
-
-
-def drift_workload(pool: Workload, n: int, docs_per_replica: int, blocks: int, seed: int) -> Workload:
-    """``blocks`` document sets of ``n x docs_per_replica`` documents one after the other, each block's
-    questions in a random order (``benchmarks.unequal_replicas.drift_workload``)."""
-    docs = distinct_documents(pool, blocks * n * docs_per_replica, seed=seed, max_per_group=8)
-    groups = list(docs.groups().values())
-    size = n * docs_per_replica
-    rng = np.random.default_rng(seed)
-    out = []
-    for b in range(blocks):
-        block = [r for g in groups[b * size:(b + 1) * size] for r in g]
-        out += [block[i] for i in rng.permutation(len(block))]
-    return Workload(f"{docs.name}/blocks{blocks}", tuple(out))
 
 
 def fleet_capacity(engine: EngineConfig, specs: Sequence[ReplicaSpec], workload: Workload) -> float:
