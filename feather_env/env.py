@@ -501,6 +501,9 @@ class FeatherEnv(gym.Env):
                    decode_tok_s=self._decode_tokens / self._decode_seconds if self._decode_seconds else 0.0,
                    clock_s=self.backend.clock, episode_seed=self.episode_seed,
                    scheduler=self.scheduler_name, scenario=self.scenario.name)
+        admission = getattr(self.backend, "admission", None)
+        if admission is not None:  # the slo rule's correction of its prediction (its largest this run)
+            out["max_ttft_pace"] = admission.stats.max_ttft_pace
         return out
 
     # -- helpers -------------------------------------------------------------------------------------

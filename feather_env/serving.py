@@ -309,7 +309,7 @@ class ServingBackend(ABC):
             self._abort_waiting(rid)
             t.outcome, t.reason = "aborted", "deadline"
             t.finish = self.clock
-            admission.finished(rid, aborted=True)
+            admission.finished(rid, aborted=True, now=self.clock)
             self._shed += 1
             self._in_system -= 1
 

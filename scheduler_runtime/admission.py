@@ -17,10 +17,21 @@ by itself:
   (default :data:`DEFAULT_SLO_FACTOR`). The prediction counts only the prompt tokens that neither
   the prefix cache nor an earlier queued request of the same prefix already holds (a prefix index
   of block hashes, :class:`PrefixEstimate`), priced by the step-time model fitted to the machine
-  (:class:`StepTimeModel`) with the running batch's decode steps interleaved;
+  (:class:`StepTimeModel`) with the running batch's decode steps interleaved, and scaled by the
+  engine's measured pace (below);
 - ``deadline``: admit, then abort a waiting request once it can no longer meet its TTFT SLO: when
   even its own prefill on an idle engine would end past its deadline (at the latest when the
   deadline passes).
+
+The model is fitted on one engine alone on its machine; served beside other engines, or on a busier
+or slower machine, the same steps take longer. The ``slo`` rule therefore corrects its prediction by
+the engine's *pace*: the :data:`PACE_QUANTILE` quantile of measured over predicted TTFT among the
+last :data:`PACE_WINDOW` admitted requests whose prediction mattered (at least :data:`PACE_MIN_SHARE`
+of their TTFT SLO), once :data:`PACE_MIN_SAMPLES` are in, never below 1 (an engine faster than its
+model keeps the model's margin) nor above :data:`PACE_MAX`. A request aborted by the deadline rule
+counts with the time it waited (a lower bound). The quantile, not the mean: past capacity the rule
+fills the queue to its limit, so the requests admitted last sit at the limit, and with a mean pace
+half of them would miss it.
 
 Rules combine with ``+`` (``slo:0.8+deadline``). A request that could never meet its SLO (its own
 prefill alone on an idle engine takes longer than its TTFT SLO, or one decode step alone longer
@@ -40,7 +51,7 @@ at arrival (which admits or rejects), :meth:`~AdmissionController.started` at th
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -75,6 +86,15 @@ ADMISSION_KINDS = ("none", "queued-reqs", "queued-tokens", "slo", "deadline")
 DEFAULT_SLO_FACTOR = 1.0
 #: The separator of a setting's admission rule (``NAME~RULE``); ``/`` would clash with ``feather:PATH``.
 RULE_SEPARATOR = "~"
+#: The pace (module docstring): this quantile of measured over predicted TTFT ...
+PACE_QUANTILE = 0.9
+#: ... among the last this many admitted requests ...
+PACE_WINDOW = 64
+#: ... whose predicted TTFT was at least this share of their TTFT SLO, once this many are in ...
+PACE_MIN_SHARE = 0.25
+PACE_MIN_SAMPLES = 8
+#: ... clipped to [1, PACE_MAX].
+PACE_MAX = 4.0
 #: Reasons a request is refused or aborted (the counters' labels).
 REASONS = ("queued-reqs", "queued-tokens", "slo", "never-fits", "deadline")
 
@@ -407,25 +427,30 @@ class AdmissionStats:
     """Counts of one controller's decisions (the Prometheus counters read them).
 
     ``false_admits``: admitted requests that then missed their TTFT SLO (late first token, or
-    aborted by the deadline rule).
+    aborted by the deadline rule). ``ttft_pace``: the ``slo`` rule's correction of its predicted
+    TTFT now (a gauge, module docstring); ``max_ttft_pace``: the largest it has been.
     """
 
     admitted: int = 0
     rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS[:-1], 0))
     aborted: int = 0
     false_admits: int = 0
+    ttft_pace: float = 1.0
+    max_ttft_pace: float = 1.0
 
     def as_dict(self) -> dict[str, Any]:
         return {"admitted": self.admitted, "rejected": dict(self.rejected),
                 "rejected_total": sum(self.rejected.values()), "aborted": self.aborted,
-                "false_admits": self.false_admits}
+                "false_admits": self.false_admits, "ttft_pace": self.ttft_pace,
+                "max_ttft_pace": self.max_ttft_pace}
 
 
 class _Entry:
-    __slots__ = ("arrival", "attention", "cached", "deadline", "latest_start", "prompt", "started",
-                 "uncached")
+    __slots__ = ("arrival", "attention", "cached", "deadline", "latest_start", "predicted", "prompt",
+                 "started", "uncached")
 
-    def __init__(self, arrival: float, prompt: int, cached: int, deadline: float, alone: float) -> None:
+    def __init__(self, arrival: float, prompt: int, cached: int, deadline: float, alone: float,
+                 predicted: float = math.nan) -> None:
         self.arrival = arrival
         self.prompt = prompt
         self.cached = cached
@@ -433,6 +458,7 @@ class _Entry:
         self.attention = attention_work(self.uncached, cached)
         self.deadline = deadline
         self.latest_start = deadline - alone  # past this, even an idle engine is late
+        self.predicted = predicted  # the model's TTFT at admission, before the pace; NaN: not a sample
         self.started = False
 
 
@@ -479,6 +505,7 @@ class AdmissionController:
         self._queued_attention = 0.0  # the sum of their own prefill attention work
         self._queued = 0
         self._running_kv = 0
+        self._ratios: deque[float] = deque(maxlen=PACE_WINDOW)  # measured / predicted TTFT
 
     # -- the state ------------------------------------------------------------------------------
     @property
@@ -513,10 +540,16 @@ class AdmissionController:
         """The request's own prefill on an idle engine: a lower bound of its TTFT."""
         return self.model.prefill_seconds(prompt_len - cached, cached, self.token_budget, 0, 0.0)
 
+    @property
+    def pace(self) -> float:
+        """The correction of the model's TTFT by the engine's measured pace (module docstring)."""
+        return self.stats.ttft_pace
+
     def predicted_ttft(self, prompt_len: int, cached: int) -> float:
-        """Seconds until a request arriving now would see its first token, FCFS behind the queue: the
-        steps that prefill the queued requests' uncached tokens and its own, and each prompt's own
-        attention work (not that of one prompt of the backlog's length)."""
+        """Seconds until a request arriving now would see its first token, FCFS behind the queue, by
+        the model alone (the ``slo`` rule scales it by :attr:`pace`): the steps that prefill the
+        queued requests' uncached tokens and its own, and each prompt's own attention work (not
+        that of one prompt of the backlog's length)."""
         running = min(self.num_running, self.max_num_seqs)
         uncached = prompt_len - cached
         backlog = self._queued_uncached + uncached
@@ -545,6 +578,7 @@ class AdmissionController:
         tpot = min(self.slos.get("tpot", math.inf), tpot_ms if tpot_ms is not None else math.inf) / 1000.0
         decision = Decision(True)
         alone = self.alone_seconds(prompt_len, cached)
+        model = math.nan
         if rule.queued_reqs is not None and len(self._entries) + 1 > rule.queued_reqs:
             decision = self._reject("queued-reqs", f"the engine has reached its limit of {rule.queued_reqs} "
                                     "requests in flight")
@@ -556,7 +590,8 @@ class AdmissionController:
                 decision = self._reject("never-fits", f"this request cannot meet its SLOs even on an idle "
                                         f"server (its prefill alone takes ~{alone:.2f} s)", retry=False)
             elif rule.slo_factor is not None:
-                predicted = self.predicted_ttft(prompt_len, cached)
+                model = self.predicted_ttft(prompt_len, cached)
+                predicted = model * self.pace
                 limit = rule.slo_factor * slo
                 if predicted > limit:
                     decision = self._reject("slo", f"the predicted time to first token, {predicted:.2f} s, "
@@ -566,7 +601,8 @@ class AdmissionController:
                     decision = Decision(True, predicted_ttft_s=predicted)
         if decision.admit:
             self.prefix.touch(block_hashes)
-            entry = _Entry(now, prompt_len, cached, now + slo, alone)
+            sample = model if model >= PACE_MIN_SHARE * slo else math.nan
+            entry = _Entry(now, prompt_len, cached, now + slo, alone, sample)
             self._entries[request_id] = entry
             self._queued += 1
             self._queued_tokens += prompt_len
@@ -580,8 +616,10 @@ class AdmissionController:
         self.stats.rejected[reason] = self.stats.rejected.get(reason, 0) + 1
         return Decision(False, reason, 0 if not retry else max(1, math.ceil(wait)), retry, predicted, message)
 
-    def started(self, request_id: str, now: float) -> None:
-        """Its first token came (its prefill is over); unknown or already started ids are ignored."""
+    def started(self, request_id: str, now: float, *, timed: bool = True) -> None:
+        """Its first token came (its prefill is over); unknown or already started ids are ignored.
+        ``timed=False``: ``now`` is not its first token's time (a non-streaming answer's end), so it
+        does not count toward the pace."""
         entry = self._entries.get(request_id)
         if entry is None or entry.started:
             return
@@ -593,13 +631,17 @@ class AdmissionController:
         self._running_kv += entry.prompt
         if now > entry.deadline:
             self.stats.false_admits += 1
+        if timed:
+            self._measured(entry, now)
 
-    def finished(self, request_id: str, *, aborted: bool = False) -> None:
-        """It left (finished, failed, or aborted: ``aborted`` counts an abort by the deadline rule);
-        unknown ids are ignored."""
+    def finished(self, request_id: str, *, aborted: bool = False, now: float | None = None) -> None:
+        """It left (finished, failed, or aborted: ``aborted`` counts an abort by the deadline rule,
+        whose wait until ``now`` counts toward the pace); unknown ids are ignored."""
         entry = self._entries.pop(request_id, None)
         if entry is None:
             return
+        if aborted and not entry.started and now is not None:
+            self._measured(entry, now)
         if entry.started:
             self._running_kv -= entry.prompt
         else:
@@ -610,6 +652,17 @@ class AdmissionController:
         if aborted:
             self.stats.aborted += 1
             self.stats.false_admits += 1
+
+    def _measured(self, entry: _Entry, now: float) -> None:
+        """A TTFT (or a wait past the deadline) measured: update the pace."""
+        if not entry.predicted > 0:
+            return
+        self._ratios.append((now - entry.arrival) / entry.predicted)
+        if len(self._ratios) >= PACE_MIN_SAMPLES:
+            q = float(np.quantile(np.fromiter(self._ratios, float), PACE_QUANTILE))
+            pace = min(PACE_MAX, max(1.0, q))
+            self.stats.ttft_pace = pace
+            self.stats.max_ttft_pace = max(self.stats.max_ttft_pace, pace)
 
     def overdue(self, now: float) -> list[str]:
         """The deadline rule: queued requests that can no longer meet their TTFT (their own prefill on
@@ -629,8 +682,10 @@ class AdmissionController:
         return min((e.latest_start for e in self._entries.values() if not e.started), default=math.inf)
 
     def reset(self) -> None:
-        """Forget every request and the prefix estimate (a new episode); the counters stay."""
+        """Forget every request, the prefix estimate and the pace (a new episode); the counters stay."""
         self._entries.clear()
         self.prefix.clear()
+        self._ratios.clear()
+        self.stats.ttft_pace = 1.0
         self._queued = self._queued_tokens = self._queued_uncached = self._running_kv = 0
         self._queued_attention = 0.0

@@ -163,6 +163,61 @@ def test_slo_rule_rejects_when_the_predicted_ttft_exceeds_f_times_the_slo_and_sa
     assert sum(loose.offer(f"r{i}", 900, [], 0.0).admit for i in range(100)) > admitted
 
 
+def _paced(pace_ratio: float, n: int = 40) -> AdmissionController:
+    """A controller whose admitted requests each saw ``pace_ratio`` x their predicted TTFT."""
+    model = StepTimeModel(const=0.01, per_request=0.0, per_token=1e-4, per_decode_kv=0.0,
+                          per_prefill_attn=0.0)
+    c = AdmissionController("slo:1", {"ttft": 1000}, model=model, token_budget=1000, block_size=16)
+    for i in range(n):
+        d = c.offer(f"w{i}", 3000, [], 0.0)  # alone: ~0.33 s, well past a quarter of the SLO
+        assert d.admit
+        c.started(f"w{i}", pace_ratio * d.predicted_ttft_s / c.pace)
+        c.finished(f"w{i}")
+    return c
+
+
+def test_the_slo_rule_scales_its_prediction_by_the_engines_measured_pace():
+    """An engine slower than its model (every TTFT 1.5x the prediction) gets a pace of 1.5: the rule
+    admits a backlog 1.5x shorter. One faster than its model keeps the model's own margin (pace 1)."""
+    slow, fast = _paced(1.5), _paced(0.5)
+    assert slow.pace == pytest.approx(1.5) and slow.stats.as_dict()["ttft_pace"] == pytest.approx(1.5)
+    assert fast.pace == 1.0
+
+    def backlog(c: AdmissionController) -> int:
+        n = 0
+        while c.offer(f"b{n}", 900, [], 100.0).admit:
+            n += 1
+        return n
+
+    slow_n, fast_n = backlog(slow), backlog(fast)
+    assert slow_n < fast_n and slow_n == pytest.approx(fast_n / 1.5, abs=1)
+    # few samples, or predictions far below the SLO, leave the model alone
+    assert _paced(3.0, n=7).pace == 1.0
+    small = AdmissionController("slo:1", {"ttft": 60_000}, token_budget=1000, block_size=16)
+    for i in range(20):
+        small.offer(f"s{i}", 100, [], 0.0)
+        small.started(f"s{i}", 50.0)
+    assert small.pace == 1.0
+    # the quantile, not the mean: one request in five late by 2x is enough
+    mixed = AdmissionController("slo:1", {"ttft": 1000}, model=StepTimeModel(per_token=1e-4),
+                                token_budget=1000, block_size=16)
+    for i in range(50):
+        d = mixed.offer(f"m{i}", 3000, [], 0.0)
+        mixed.started(f"m{i}", (2.0 if i % 5 == 0 else 1.0) * d.predicted_ttft_s)
+        mixed.finished(f"m{i}")
+    assert mixed.pace == pytest.approx(2.0)
+    # a deadline abort counts with its wait (a lower bound of its TTFT)
+    aborts = AdmissionController("slo:1+deadline", {"ttft": 1000}, model=StepTimeModel(per_token=1e-4),
+                                 token_budget=1000, block_size=16)
+    for i in range(8):
+        d = aborts.offer(f"a{i}", 3000, [], 0.0)
+        aborts.finished(f"a{i}", aborted=True, now=3.0 * d.predicted_ttft_s)
+    assert aborts.pace == pytest.approx(3.0) and aborts.stats.aborted == 8
+    # a new episode forgets the pace; the counters keep its largest
+    slow.reset()
+    assert slow.pace == 1.0 and slow.stats.max_ttft_pace == pytest.approx(1.5)
+
+
 def test_a_request_that_can_never_fit_is_refused_with_no_retry():
     c = AdmissionController("slo", {"ttft": 100, "tpot": 50}, block_size=16)
     d = c.offer("huge", 200_000, [], 0.0)

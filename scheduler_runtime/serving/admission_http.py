@@ -392,7 +392,8 @@ class AdmissionMiddleware:
                 return
             if kind == "http.response.body" and not flight.started:
                 flight.started = True
-                self.controller.started(rid, self.clock())
+                # a whole answer's latency is not a TTFT: only a stream's first byte times the pace
+                self.controller.started(rid, self.clock(), timed=flight.stream)
                 self.metrics.push(self.controller.stats)
                 if flight.start is not None:
                     await send(flight.start)
@@ -415,7 +416,7 @@ class AdmissionMiddleware:
             self._flights.pop(rid, None)
             if flight.task is not None and not flight.task.done():
                 flight.task.cancel()
-            self.controller.finished(rid, aborted=flight.aborted)
+            self.controller.finished(rid, aborted=flight.aborted, now=self.clock())
             self.metrics.push(self.controller.stats)
 
     async def _send_deadline(self, send: Send, flight: _Flight) -> None:

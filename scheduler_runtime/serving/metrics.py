@@ -46,6 +46,8 @@ And, from the API-server process of ``feather-serve --admission RULE``
                                            label ``reason`` (``deadline``)
 ``feather_admission_false_admits_total``   admitted requests that missed their TTFT SLO (a late
                                            first byte, or aborted)
+``feather_admission_ttft_pace``            gauge: the ``slo`` rule's correction of its predicted
+                                           TTFT by the measured one (1: the model's own)
 =========================================  ====================================================
 """
 
@@ -79,8 +81,9 @@ METRIC_NAMES = tuple(f"feather_scheduler_{k}_total" for k in (*_COUNTERS, "relea
     "feather_scheduler_batch_requests",
 )
 
-ADMISSION_METRIC_NAMES = tuple(f"feather_admission_{k}_total"
-                               for k in ("admitted", "rejected", "aborted", "false_admits"))
+ADMISSION_METRIC_NAMES = (*(f"feather_admission_{k}_total"
+                                for k in ("admitted", "rejected", "aborted", "false_admits")),
+                          "feather_admission_ttft_pace")
 
 _metrics: dict[str, Any] | None = None
 _admission_metrics: dict[str, Any] | None = None
@@ -181,10 +184,12 @@ def _create_admission() -> dict[str, Any] | None:
     global _admission_metrics
     if _admission_metrics is None:
         try:
-            from prometheus_client import Counter
+            from prometheus_client import Counter, Gauge
         except ImportError:
             return None
         _admission_metrics = {
+            "ttft_pace": Gauge("feather_admission_ttft_pace", "The slo rule's correction of its "
+                               "predicted TTFT by the measured one (1: the model's own)"),
             "admitted": Counter("feather_admission_admitted", "Requests admitted by the admission rule"),
             "rejected": Counter("feather_admission_rejected", "Requests rejected by the admission rule at "
                                 "arrival, by reason", ["reason"]),
@@ -209,6 +214,8 @@ class AdmissionMetrics:
         if metrics is None:
             return
         # created now, so /metrics lists every series (at 0) from the start
+        self._pace = metrics["ttft_pace"]
+        self._pace.set(1.0)
         self._children = {"admitted": metrics["admitted"], "false_admits": metrics["false_admits"],
                           "aborted": metrics["aborted"].labels("deadline")}
         for reason in REASONS[:-1]:
@@ -218,6 +225,7 @@ class AdmissionMetrics:
         """Export the counts of ``stats`` (an ``AdmissionStats``) not exported yet."""
         if not self._children:
             return
+        self._pace.set(stats.ttft_pace)
         values = {"admitted": stats.admitted, "aborted": stats.aborted, "false_admits": stats.false_admits,
                   **{f"rejected/{reason}": n for reason, n in stats.rejected.items()}}
         for key, value in values.items():
