@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from types import SimpleNamespace
 
@@ -175,11 +176,16 @@ def server(request, tmp_path_factory):
     if pinned is not None:
         os.sched_setaffinity(0, range(os.cpu_count() or 1))
     cores = ["--replica-cores", REPLICA_CORES] if REPLICA_CORES else []
+    # on Ray, each replica's admission rule too, with a TTFT SLO no test request comes near (ten
+    # minutes): only a client's own x-slo-ttft-ms can make one shed (the proxy's is checked in
+    # tests/test_serve_admission.py)
+    admission = ["--admission", "slo", "--slo", "ttft:600000"] if request.param == "ray" else []
     try:
         cluster = ClusterServer(2, "prefix", [*SERVER_ARGS, "--chat-template", str(template),
-                                              "--data-plane", request.param, *cores],
+                                              "--data-plane", request.param, *cores, *admission],
                                 log_path=root / "server.log")
         running = cluster.__enter__()
+        running.data_plane = request.param
     finally:
         if pinned is not None:
             os.sched_setaffinity(0, pinned)
@@ -286,6 +292,30 @@ def test_metrics_are_every_replicas_and_evaluate_reads_them(server):
         assert _total(samples, name) == sum(per) == _total(samples, "cluster:" + name) > 0, name
     assert _total(samples, "feather_router_decisions_total") >= 9
     assert _total(samples, "feather_cluster_replicas", state="answered") == 2
+
+
+@pytest.mark.engine
+def test_on_ray_a_request_every_replica_sheds_is_one_clear_rejection(server):
+    """A client's 1-ms TTFT SLO: each replica's rule refuses it (it could never fit), the ingress tries
+    the other one, then answers 503 once, with x-should-retry: false; sheds are not errors."""
+    if server.data_plane != "ray":
+        pytest.skip("the proxy's admission is tests/test_serve_admission.py's")
+    body = {"model": "tiny-llama", "prompt": documents(1, tokens=64, seed=9)[0], "max_tokens": 2}
+    errors = _total(parse_prometheus(server.metrics()), "feather_cluster_errors_total")
+    request = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json", "x-slo-ttft-ms": "1"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=60)
+    error = refused.value
+    assert error.code == 503 and error.headers["x-feather-admission"] == "never-fits"
+    assert error.headers["x-should-retry"] == "false" and error.headers["x-feather-attempts"] == "2"
+    assert json.loads(error.read())["error"]["type"] == "overloaded"
+    assert complete(server, body["prompt"], max_tokens=2)[0] == 200  # without the header: served
+    samples = parse_prometheus(server.metrics())
+    assert _total(samples, "feather_cluster_shed_total", outcome="rejected") == 1
+    assert _total(samples, "feather_cluster_requests_total", outcome="shed") == 2
+    assert _total(samples, "feather_admission_rejected_total", reason="never-fits") == 2
+    assert _total(samples, "feather_cluster_errors_total") == errors
 
 
 @pytest.mark.engine

@@ -59,8 +59,9 @@ from scheduler_runtime.config import ConfigError
 from scheduler_runtime.serving.cluster_base import error_body, flag_value, replica_kv_tokens
 
 __all__ = ["ADMISSION_HEADER", "ADMISSION_PATHS", "DEFAULT_PROFILE", "ENV_VAR", "SLO_HEADERS", "TPOT_HEADER",
-           "TTFT_HEADER", "WATCH_PERIOD_S", "AdmissionMiddleware", "AdmissionSettings", "load_tokenizer",
-           "prompt_tokens", "rejection_response", "request_slos"]
+           "TTFT_HEADER", "WATCH_PERIOD_S", "AdmissionGate", "AdmissionMiddleware", "AdmissionSettings",
+           "DeadlineAborted", "deadline_error", "load_tokenizer", "prompt_tokens", "rejection_response",
+           "request_slos", "sse_error"]
 
 #: The environment variable that carries :class:`AdmissionSettings` (JSON) to the API-server process.
 ENV_VAR = "FEATHER_ADMISSION"
@@ -302,7 +303,127 @@ async def _send_json(send: Send, status: int, body: bytes,
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-class AdmissionMiddleware:
+def deadline_error() -> dict[str, Any]:
+    """The error body of a request aborted by the deadline rule (an HTTP 504's, or an SSE event's)."""
+    message = ("the request was aborted before its first token: it could no longer meet its "
+               "time-to-first-token SLO (admission rule 'deadline')")
+    return error_body(message, DEADLINE_STATUS, "deadline")
+
+
+def sse_error(error: Mapping[str, Any]) -> str:
+    """A stream's end on an error: the SSE event ``data: {"error": ...}`` then ``data: [DONE]``."""
+    return f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n"
+
+
+class DeadlineAborted(Exception):
+    """The deadline rule aborted the request (:meth:`AdmissionGate.run`)."""
+
+
+class AdmissionGate:
+    """One engine's admission in a front end: its controller, the requests it admitted in flight, and
+    the deadline rule's watcher, which cancels the awaited call of a request that can no longer meet
+    its TTFT. The ASGI middleware is one; the Ray Serve engine replica holds one.
+
+    Args:
+        settings: the settings (``None``: from :data:`ENV_VAR`, which must then be set).
+        clock: seconds, monotonic (tests pass a fake one).
+
+    Raises:
+        ConfigError: no settings.
+    """
+
+    def __init__(self, settings: AdmissionSettings | None = None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        from scheduler_runtime.serving.metrics import AdmissionMetrics
+
+        settings = settings or AdmissionSettings.from_env()
+        if settings is None:
+            raise ConfigError(f"admission needs its settings in {ENV_VAR}: start the server with "
+                              "feather-serve --admission RULE")
+        self.settings = settings
+        self.controller = settings.controller()
+        self.clock = clock
+        self.metrics = AdmissionMetrics()
+        self._flights: dict[str, _Flight] = {}
+        self._ids = itertools.count()
+        self._watcher: asyncio.Task | None = None
+
+    def admit(self, prompts: Sequence[Sequence[int]], slos: Mapping[str, float]) -> tuple[str, Decision]:
+        """Offer a request of these prompts' token ids (keyed by the first's blocks) with its own SLOs
+        (:func:`request_slos`): its id in this gate and the decision."""
+        rid = f"admission-{next(self._ids)}"
+        hashes = prompt_block_hashes(prompts[0], self.settings.block_size)
+        decision = self.controller.offer(rid, sum(map(len, prompts)), hashes, self.clock(),
+                                         ttft_ms=slos.get("ttft"), tpot_ms=slos.get("tpot"))
+        self.metrics.push(self.controller.stats)
+        return rid, decision
+
+    def begin(self, rid: str, stream: bool) -> _Flight:
+        """An admitted request starts downstream."""
+        flight = self._flights[rid] = _Flight(stream)
+        return flight
+
+    async def run(self, flight: _Flight, call: Awaitable[Any]) -> Any:
+        """Await ``call`` as a task the deadline rule may cancel while the request has sent nothing.
+
+        Raises:
+            DeadlineAborted: the rule cancelled it.
+        """
+        flight.task = asyncio.ensure_future(call)
+        if self.controller.rule.deadline and self._watcher is None:
+            self._watcher = asyncio.ensure_future(self._watch())
+        try:
+            result = await flight.task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if not flight.aborted or (current is not None and current.cancelling()):
+                raise
+            raise DeadlineAborted from None
+        if flight.aborted:  # the call swallowed its cancellation: what it sent was held back
+            raise DeadlineAborted
+        return result
+
+    def first_byte(self, rid: str, flight: _Flight) -> None:
+        """The request's first byte goes out: its first token (a stream's), or its whole answer."""
+        if flight.started:
+            return
+        flight.started = True
+        # a whole answer's latency is not a TTFT: only a stream's first byte times the pace
+        self.controller.started(rid, self.clock(), timed=flight.stream)
+        self.metrics.push(self.controller.stats)
+
+    def end(self, rid: str, flight: _Flight) -> None:
+        """The request left (answered, aborted, failed, or its client went away)."""
+        self._flights.pop(rid, None)
+        if flight.task is not None and not flight.task.done():
+            flight.task.cancel()
+        self.controller.finished(rid, aborted=flight.aborted, now=self.clock())
+        self.metrics.push(self.controller.stats)
+
+    def check_deadlines(self) -> list[str]:
+        """Abort the waiting requests the deadline rule names now (their downstream calls are
+        cancelled; each answers its client); returns their ids."""
+        out = []
+        for rid in self.controller.overdue(self.clock()):
+            flight = self._flights.get(rid)
+            if flight is None or flight.started or flight.aborted or flight.task is None:
+                continue
+            flight.aborted = True
+            flight.task.cancel()
+            out.append(rid)
+        return out
+
+    async def _watch(self) -> None:
+        """While requests wait, :meth:`check_deadlines` every :data:`WATCH_PERIOD_S`."""
+        try:
+            while self.controller.num_queued:
+                self.check_deadlines()
+                await asyncio.sleep(WATCH_PERIOD_S)
+        finally:
+            self._watcher = None
+
+
+class AdmissionMiddleware(AdmissionGate):
     """The ASGI middleware (module docstring); vLLM builds it as ``AdmissionMiddleware(app)``.
 
     Args:
@@ -317,21 +438,9 @@ class AdmissionMiddleware:
 
     def __init__(self, app: ASGIApp, settings: AdmissionSettings | None = None, *, tokenizer: Any = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        from scheduler_runtime.serving.metrics import AdmissionMetrics
-
-        settings = settings or AdmissionSettings.from_env()
-        if settings is None:
-            raise ConfigError(f"AdmissionMiddleware needs its settings in {ENV_VAR}: start the server "
-                              "with feather-serve --admission RULE")
+        super().__init__(settings, clock=clock)
         self.app = app
-        self.settings = settings
-        self.controller = settings.controller()
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings.tokenizer)
-        self.clock = clock
-        self.metrics = AdmissionMetrics()
-        self._flights: dict[str, _Flight] = {}
-        self._ids = itertools.count()
-        self._watcher: asyncio.Task | None = None
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.settings.tokenizer)
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
         admitted_path = scope.get("method") == "POST" and scope.get("path") in ADMISSION_PATHS
@@ -362,16 +471,11 @@ class AdmissionMiddleware:
             body = None
         prompts = prompt_tokens(body, scope["path"].endswith("/chat/completions"), self.tokenizer) \
             if isinstance(body, dict) else None
-        length = sum(map(len, prompts or ()))
-        if not length:  # nothing the rule can read: vLLM answers it
+        if not sum(map(len, prompts or ())):  # nothing the rule can read: vLLM answers it
             await self.app(scope, replay, send)
             return
         assert prompts is not None and isinstance(body, dict)
-        rid = f"admission-{next(self._ids)}"
-        hashes = prompt_block_hashes(prompts[0], self.settings.block_size)
-        decision = self.controller.offer(rid, length, hashes, self.clock(), ttft_ms=slos.get("ttft"),
-                                         tpot_ms=slos.get("tpot"))
-        self.metrics.push(self.controller.stats)
+        rid, decision = self.admit(prompts, slos)
         if not decision.admit:
             status, extra, payload = rejection_response(decision, self.settings.status)
             await _send_json(send, status, payload, extra)
@@ -381,7 +485,7 @@ class AdmissionMiddleware:
     async def _serve(self, rid: str, stream: bool, scope: MutableMapping[str, Any],
                      receive: Receive, send: Send) -> None:
         """Run the admitted request downstream, tracking its first byte and its end (module docstring)."""
-        flight = _Flight(stream)
+        flight = self.begin(rid, stream)
 
         async def tracked_send(message: dict) -> None:
             if flight.aborted:  # the deadline rule answered it
@@ -391,68 +495,28 @@ class AdmissionMiddleware:
                 flight.start = message
                 return
             if kind == "http.response.body" and not flight.started:
-                flight.started = True
-                # a whole answer's latency is not a TTFT: only a stream's first byte times the pace
-                self.controller.started(rid, self.clock(), timed=flight.stream)
-                self.metrics.push(self.controller.stats)
+                self.first_byte(rid, flight)
                 if flight.start is not None:
                     await send(flight.start)
             await send(message)
 
-        self._flights[rid] = flight
         try:
-            flight.task = asyncio.ensure_future(self.app(scope, receive, tracked_send))
-            if self.controller.rule.deadline and self._watcher is None:
-                self._watcher = asyncio.ensure_future(self._watch())
             try:
-                await flight.task
-            except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if not flight.aborted or (current is not None and current.cancelling()):
-                    raise
-            if flight.aborted:
+                await self.run(flight, self.app(scope, receive, tracked_send))
+            except DeadlineAborted:
                 await self._send_deadline(send, flight)
         finally:
-            self._flights.pop(rid, None)
-            if flight.task is not None and not flight.task.done():
-                flight.task.cancel()
-            self.controller.finished(rid, aborted=flight.aborted, now=self.clock())
-            self.metrics.push(self.controller.stats)
+            self.end(rid, flight)
 
     async def _send_deadline(self, send: Send, flight: _Flight) -> None:
         """A request aborted by the deadline rule: its error, as an SSE event or an HTTP 504."""
-        message = ("the request was aborted before its first token: it could no longer meet its "
-                   "time-to-first-token SLO (admission rule 'deadline')")
-        error = error_body(message, DEADLINE_STATUS, "deadline")
+        error = deadline_error()
         if not flight.stream:
             await _send_json(send, DEADLINE_STATUS, json.dumps(error).encode())
             return
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
-        await send({"type": "http.response.body", "more_body": False,
-                    "body": f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()})
-
-    def check_deadlines(self) -> list[str]:
-        """Abort the waiting requests the deadline rule names now (their downstream calls are
-        cancelled; each answers its client); returns their ids."""
-        out = []
-        for rid in self.controller.overdue(self.clock()):
-            flight = self._flights.get(rid)
-            if flight is None or flight.started or flight.aborted or flight.task is None:
-                continue
-            flight.aborted = True
-            flight.task.cancel()
-            out.append(rid)
-        return out
-
-    async def _watch(self) -> None:
-        """While requests wait, :meth:`check_deadlines` every :data:`WATCH_PERIOD_S`."""
-        try:
-            while self.controller.num_queued:
-                self.check_deadlines()
-                await asyncio.sleep(WATCH_PERIOD_S)
-        finally:
-            self._watcher = None
+        await send({"type": "http.response.body", "more_body": False, "body": sse_error(error).encode()})
 
 
 async def _read_body(receive: Receive) -> tuple[bytes, bool]:

@@ -46,6 +46,15 @@ error body, or, mid-stream, an SSE ``error`` event and ``[DONE]``. Nothing is se
 happens only when the first replica died, and its generation died with it. Response headers say
 which replica answered (``x-feather-replica``) and after how many attempts (``x-feather-attempts``).
 
+Admission (``--admission slo|deadline``, :mod:`scheduler_runtime.admission`): each engine replica holds
+an :class:`~scheduler_runtime.serving.admission_http.AdmissionGate` of the settings ``feather-serve`` puts
+in ``FEATHER_ADMISSION`` (forwarded to the deployments), and decides before its engine sees the request,
+on the token ids the ingress rendered; a rejection comes back as the replica's whole answer with its
+``x-feather-admission`` header, and the ingress tries a replica it has not tried yet, with what is left of
+the request's TTFT SLO (``slos``), answering the soonest-retry rejection when every replica shed it. The
+``deadline`` rule aborts a request whose first token has not come in time: an SSE error event, or an HTTP
+504. Sheds count as ``feather_cluster_shed_total``, not as errors.
+
 Metrics (``/metrics``): every engine replica's own exposition (vLLM's ``vllm:*`` series and Feather's
 ``feather_scheduler_*``), each sample with a ``replica`` label (the replica's Ray Serve rank), so a
 client that sums a metric over its samples (``evaluate.py --endpoint``) gets the cluster's total; the
@@ -86,6 +95,18 @@ except ImportError as exc:  # the optional extra
 
 from scheduler_runtime.router import PrefixHasher
 from scheduler_runtime.serving import cluster_base
+from scheduler_runtime.serving.admission_http import (
+    ADMISSION_HEADER,
+    DEADLINE_STATUS,
+    AdmissionGate,
+    AdmissionSettings,
+    DeadlineAborted,
+    deadline_error,
+    rejection_response,
+    request_slos,
+    sse_error,
+)
+from scheduler_runtime.serving.admission_http import ENV_VAR as ADMISSION_ENV
 from scheduler_runtime.serving.cluster_base import (
     ROUTER_CHOICES,
     ClusterConfig,
@@ -94,6 +115,7 @@ from scheduler_runtime.serving.cluster_base import (
     error_body,
     estimates_exposition,
     replica_exposition,
+    soonest_retry,
 )
 from scheduler_runtime.serving.ray_router import LearnedRequestRouter, PrefixRequestRouter
 from scheduler_runtime.serving.vllm_metrics import parse_vllm_metrics
@@ -107,7 +129,8 @@ APP_NAME = "feather"
 ENGINE_DEPLOYMENT = "FeatherEngine"
 INGRESS_DEPLOYMENT = "FeatherIngress"
 #: Environment variables the deployments get from the command's environment (when set there).
-FORWARDED_ENV = ("VLLM_SERVER_DEV_MODE", "TOKENIZERS_PARALLELISM", "VLLM_LOGGING_LEVEL", "HF_HUB_OFFLINE")
+FORWARDED_ENV = ("VLLM_SERVER_DEV_MODE", "TOKENIZERS_PARALLELISM", "VLLM_LOGGING_LEVEL", "HF_HUB_OFFLINE",
+                 ADMISSION_ENV)
 #: Exceptions of a request whose replica died (by name: ray is an optional dependency).
 _REPLICA_LOST = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "ReplicaUnavailableError",
                  "DeploymentUnavailableError")
@@ -146,6 +169,16 @@ def _prerendered(serving: Any) -> None:
         serving.render_completion_request = render
     if hasattr(serving, "render_chat_request"):
         serving.render_chat_request = render
+
+
+def _prompt_ids(kind: str, rendered: Any) -> list[int] | None:
+    """The first prompt's token ids of a request the ingress rendered (a chat's rendering is
+    ``(conversation, inputs)``, a completion's its inputs; ``None``: none to read)."""
+    inputs = rendered[1] if kind == "chat" and isinstance(rendered, (list, tuple)) and len(rendered) > 1 \
+        else rendered
+    first = inputs[0] if isinstance(inputs, (list, tuple)) and inputs else None
+    ids = first.get("prompt_token_ids") if isinstance(first, dict) else None
+    return list(ids) if ids else None
 
 
 def _bind_cores(spec: str) -> None:
@@ -213,6 +246,9 @@ class EngineReplica:
             serving = getattr(self.state, name, None)
             if serving is not None:
                 _prerendered(serving)
+        # feather-serve --admission slo|deadline: this replica's rule (its counters in its Prometheus folder)
+        settings = AdmissionSettings.from_env()
+        self.admission = AdmissionGate(settings) if settings is not None else None
 
     def info(self) -> dict[str, Any]:
         """Who this replica is (its process, rank and cores)."""
@@ -221,35 +257,73 @@ class EngineReplica:
                 "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
 
     async def generate(self, kind: str, body: dict[str, Any], rendered: Any, route: Any = None,
-                       avoid: Any = None, rid: str | None = None, tokens: int | None = None
-                       ) -> AsyncIterator[Any]:
+                       avoid: Any = None, rid: str | None = None, tokens: int | None = None,
+                       slos: dict[str, float] | None = None) -> AsyncIterator[Any]:
         """Serve one request; yields ``{"replica": ...}``, then ``{"status": S, "json": ...}`` (a whole
-        answer) or ``{"status": 200, "stream": True}`` followed by vLLM's SSE strings. ``route``,
-        ``avoid``, ``rid`` and ``tokens`` are for the router (it reads the call's arguments)."""
+        answer; with ``"headers"`` when this replica's admission rule rejected it) or ``{"status":
+        200, "stream": True}`` followed by vLLM's SSE strings. ``slos``: the request's own SLOs in
+        milliseconds (its ``x-slo-*-ms`` headers, what is left of its TTFT after another replica shed
+        it). ``route``, ``avoid``, ``rid`` and ``tokens`` are for the router (it reads the call's
+        arguments)."""
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
         yield {"replica": self.replica_id, "rank": self.rank}
-        if kind == "chat":
-            request, serving = ChatCompletionRequest.model_validate(body), self.state.openai_serving_chat
-            create = serving.create_chat_completion
-        else:
-            request, serving = CompletionRequest.model_validate(body), self.state.openai_serving_completion
-            create = serving.create_completion
-        token = _RENDERED.set(rendered)
+        stream = bool(body.get("stream"))
+        gate, key, flight = self.admission, "", None
+        ids = _prompt_ids(kind, rendered)
+        if gate is not None and ids:
+            key, decision = gate.admit([ids], slos or {})
+            if not decision.admit:
+                status, headers, payload = rejection_response(decision, gate.settings.status)
+                yield {"status": status, "json": json.loads(payload),
+                       "headers": {k.decode(): v.decode() for k, v in headers}}
+                return
+            flight = gate.begin(key, stream)
+        result: Any = None
         try:
-            result = await create(request, None)
+            if kind == "chat":
+                request = ChatCompletionRequest.model_validate(body)
+                create = self.state.openai_serving_chat.create_chat_completion
+            else:
+                request = CompletionRequest.model_validate(body)
+                create = self.state.openai_serving_completion.create_completion
+            token = _RENDERED.set(rendered)
+            try:  # a task made now (the deadline rule's) copies the rendered request's context
+                call = create(request, None)
+                result = await (gate.run(flight, call) if gate is not None and flight is not None else call)
+            finally:
+                _RENDERED.reset(token)
+            if isinstance(result, ErrorResponse):
+                if gate is not None and flight is not None:
+                    gate.first_byte(key, flight)
+                yield {"status": result.error.code, "json": result.model_dump()}
+            elif hasattr(result, "__aiter__"):
+                first = None
+                if gate is not None and flight is not None:  # the deadline rule may abort it until then
+                    first = await gate.run(flight, anext(result, None))
+                    gate.first_byte(key, flight)
+                yield {"status": 200, "stream": True}
+                if first is not None:
+                    yield first
+                async for chunk in result:
+                    yield chunk
+            else:
+                if gate is not None and flight is not None:
+                    gate.first_byte(key, flight)
+                yield {"status": 200, "json": result.model_dump()}
+        except DeadlineAborted:
+            if hasattr(result, "aclose"):  # vLLM aborts the request in its engine
+                await result.aclose()
+            if stream:
+                yield {"status": 200, "stream": True}
+                yield sse_error(deadline_error())
+            else:
+                yield {"status": DEADLINE_STATUS, "json": deadline_error()}
         finally:
-            _RENDERED.reset(token)
-        if isinstance(result, ErrorResponse):
-            yield {"status": result.error.code, "json": result.model_dump()}
-        elif hasattr(result, "__aiter__"):
-            yield {"status": 200, "stream": True}
-            async for chunk in result:
-                yield chunk
-        else:
-            yield {"status": 200, "json": result.model_dump()}
+            if gate is not None and flight is not None:
+                gate.end(key, flight)
 
     async def metrics(self) -> dict[str, Any]:
         """This replica's Prometheus exposition (vLLM's and Feather's series)."""
@@ -348,7 +422,8 @@ def _learned_estimates() -> dict[str, dict[str, Any]]:
 class FeatherIngress:
     """The HTTP API (the ``FeatherIngress`` deployment's class; see the module docstring)."""
 
-    async def __init__(self, engine: Any, vllm_args: Sequence[str], chunk_size: int, router: str) -> None:
+    async def __init__(self, engine: Any, vllm_args: Sequence[str], chunk_size: int, router: str,
+                       replicas: int = 1) -> None:
         from starlette.datastructures import State
         from vllm import AsyncEngineArgs, envs
         from vllm.config import VllmConfig
@@ -370,17 +445,33 @@ class FeatherIngress:
         await init_render_app_state(vllm_config, self.state, args)
         self.dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0")
         self.stats = FrontEndStats()
+        self.replicas = replicas
+        # feather-serve --admission slo|deadline: each engine replica's rule; its TTFT SLO bounds reroutes
+        admission = AdmissionSettings.from_env()
+        self.admits = admission is not None
+        self.ttft_slo_ms = admission.slos.get("ttft") if admission is not None else None
 
     # -- the API ----------------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(self, raw: Request) -> Any:
-        body = await _json_body(raw)
-        return body if isinstance(body, Response) else await self.serve_request("completion", body)
+        return await self._answer("completion", raw)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, raw: Request) -> Any:
+        return await self._answer("chat", raw)
+
+    async def _answer(self, kind: str, raw: Request) -> Any:
         body = await _json_body(raw)
-        return body if isinstance(body, Response) else await self.serve_request("chat", body)
+        if isinstance(body, Response):
+            return body
+        slos: dict[str, float] = {}
+        if self.admits:  # a client's x-slo-*-ms headers tighten its SLOs (the replicas' rule reads them)
+            try:
+                slos = request_slos({k.lower(): v for k, v in raw.headers.items()})
+            except ValueError as exc:
+                self.stats.errors["bad_request"] += 1
+                return JSONResponse(error_body(str(exc), 400, "BadRequestError"), status_code=400)
+        return await self.serve_request(kind, body, slos)
 
     @app.get("/v1/models")
     async def models(self) -> Any:
@@ -417,9 +508,12 @@ class FeatherIngress:
         return infos
 
     # -- requests ---------------------------------------------------------------------------------
-    async def serve_request(self, kind: str, body: dict[str, Any]) -> Any:
+    async def serve_request(self, kind: str, body: dict[str, Any],
+                            slos: dict[str, float] | None = None) -> Any:
         """Render, route and answer one ``/v1/completions`` (``kind="completion"``) or
-        ``/v1/chat/completions`` (``"chat"``) request (see the module docstring for faults)."""
+        ``/v1/chat/completions`` (``"chat"``) request (see the module docstring for faults and sheds);
+        ``slos``: its own SLOs in milliseconds (its ``x-slo-*-ms`` headers)."""
+        arrived = time.monotonic()
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
@@ -448,13 +542,21 @@ class FeatherIngress:
         if self.router_name == "ray-prefix-affinity":
             body = TextBody(body)
         avoid: list[str] = []
-        attempt = 0
+        slos = dict(slos or {})
+        ttft_ms = min([v for v in (self.ttft_slo_ms, slos.get("ttft")) if v is not None], default=None)
+        shed: list[tuple[int, dict[str, str], Any]] = []  # the replicas' rejections
+        attempt = lost = 0
         while True:
             attempt += 1
+            if shed and ttft_ms is not None:  # another replica, with what is left of its TTFT SLO
+                left = ttft_ms - 1000.0 * (time.monotonic() - arrived)
+                if left <= 0:
+                    return self._shed_answer(shed, attempt - 1)
+                slos["ttft"] = left
             if self.learns:  # each attempt is a request of its own to the router
                 learning["rid"] = uuid.uuid4().hex
-            gen = self.engine.options(stream=True).generate.remote(kind, body, rendered, route=route,
-                                                                   avoid=avoid, **learning)
+            gen = self.engine.options(stream=True).generate.remote(
+                kind, body, rendered, route=route, avoid=list(avoid), slos=dict(slos), **learning)
             header: dict[str, Any] | None = None
             try:
                 header = await gen.__anext__()
@@ -465,17 +567,28 @@ class FeatherIngress:
             except Exception as exc:  # noqa: BLE001 - answered below
                 gen.cancel()
                 _relayed(learning.get("rid"), finished=True)
-                lost = _replica_lost(exc)
-                if lost and attempt == 1:
+                is_lost = _replica_lost(exc)
+                if is_lost and not lost:
+                    lost += 1
                     self.stats.retries += 1
                     if header is not None:
                         avoid.append(header["replica"])
                     continue
-                self.stats.errors["replica_lost" if lost else "replica_error"] += 1
+                self.stats.errors["replica_lost" if is_lost else "replica_error"] += 1
                 detail = str(exc).splitlines()[0] if str(exc) else ""
                 message = (f"the engine replica serving this request failed before answering "
-                           f"({type(exc).__name__}{', on the retry too' if attempt > 1 else ''}): {detail}")
+                           f"({type(exc).__name__}{', on the retry too' if lost else ''}): {detail}")
                 return JSONResponse(error_body(message, 503, "ServiceUnavailableError"), status_code=503)
+            if ADMISSION_HEADER in (first.get("headers") or {}):  # shed by its rule: try another replica
+                _relayed(learning.get("rid"), finished=True)
+                self.stats.counts[(str(header["rank"]), "shed")] += 1
+                shed.append((first["status"], first["headers"], first["json"]))
+                avoid.append(header["replica"])
+                if len(set(avoid)) >= self.replicas:
+                    return self._shed_answer(shed, attempt)
+                continue
+            if shed:
+                self.stats.shed["rerouted"] += 1
             break
         rank = str(header["rank"])
         headers = {"x-feather-replica": f"{rank}/{header['replica']}", "x-feather-attempts": str(attempt)}
@@ -492,6 +605,13 @@ class FeatherIngress:
         return StreamingResponse(self._relay(gen, first_chunk, rank, rid, kind == "chat",
                                              int(body.get("n") or 1)),
                                  media_type="text/event-stream", headers=headers)
+
+    def _shed_answer(self, shed: Sequence[tuple[int, dict[str, str], Any]], attempts: int) -> JSONResponse:
+        """Every replica tried shed the request: the rejection that lets it retry soonest."""
+        status, headers, payload = soonest_retry(shed)
+        self.stats.shed["rejected"] += 1
+        return JSONResponse(payload, status_code=status,
+                            headers={**headers, "x-feather-attempts": str(attempts)})
 
     async def _relay(self, gen: Any, first_chunk: str | None, rank: str, rid: str | None = None,
                      chat: bool = False, choices: int = 1) -> AsyncIterator[str]:
@@ -592,7 +712,7 @@ def build_app(config: ClusterConfig, engine_cls: type = EngineReplica) -> Any:
                                ray_actor_options={"num_cpus": 0, **runtime_env})
     cores = list(config.replica_cores) if config.replica_cores else None
     return ingress.bind(engine.bind(list(config.vllm_args), cores), list(config.vllm_args), config.chunk_size,
-                        config.router)
+                        config.router, config.replicas)
 
 
 def _start_ray(config: ClusterConfig) -> None:

@@ -18,7 +18,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from scheduler_runtime.hardware import kv_bytes_per_token, online_cores, parse_cores
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
@@ -26,7 +26,7 @@ from scheduler_runtime.serving.replica_args import check_replica_args, without_f
 
 __all__ = ["DATA_PLANES", "LIVE_ROUTERS", "PROXY_ONLY_ROUTERS", "RAY_ONLY_ROUTERS", "ROUTER_CHOICES",
            "ClusterConfig", "FrontEndStats", "core_binding", "error_body", "estimates_exposition",
-           "flag_value", "gpu_groups", "replica_exposition", "replica_kv_tokens"]
+           "flag_value", "gpu_groups", "replica_exposition", "replica_kv_tokens", "soonest_retry"]
 
 ROUTER_CHOICES = ("prefix", "pow2", "ray-prefix-affinity", "prefix-learned")
 #: Routers that only the proxy data plane has (none now: ours learning each replica's speed and KV size,
@@ -237,6 +237,16 @@ def error_body(message: str, status: int, err_type: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": err_type, "param": None, "code": status}}
 
 
+S = TypeVar("S", bound=tuple)
+
+
+def soonest_retry(shed: Sequence[S]) -> S:
+    """Every replica tried shed a request: of their rejections ``(status, headers, body)`` (headers
+    with lower-case names), the one that lets it retry soonest (``retry-after``), else the last."""
+    retryable = [s for s in shed if "retry-after" in s[1]]
+    return min(retryable, key=lambda s: int(s[1]["retry-after"])) if retryable else shed[-1]
+
+
 # ------------------------------------------------------------------------------------ /metrics
 
 #: One exposition's families: ``{name: (type, help, [(sample name, labels, value), ...])}``.
@@ -331,6 +341,9 @@ class FrontEndStats:
     retries: int = 0
     #: requests answered with an error, by reason
     errors: Counter[str] = field(default_factory=Counter)
+    #: requests shed by a replica's admission rule and then served by another ("rerouted"), or by none
+    #: ("rejected"); sheds are not errors
+    shed: Counter[str] = field(default_factory=Counter)
 
     def exposition(self, router: str, replicas: int, answered: int,
                    router_stats: Iterable[Mapping[str, float]] = (),
@@ -349,6 +362,10 @@ class FrontEndStats:
         lines += _family("feather_cluster_errors_total", "counter",
                          "Requests answered with an error, by reason",
                          [({"reason": k}, n) for k, n in sorted(self.errors.items())])
+        lines += _family("feather_cluster_shed_total", "counter",
+                         "Requests a replica's admission rule shed, by what followed: served by another "
+                         "replica (rerouted) or rejected by every one tried (rejected)",
+                         [({"outcome": k}, self.shed[k]) for k in ("rerouted", "rejected")])
         lines += _family("feather_cluster_router_info", "gauge", "The router of the engine replicas",
                          [({"router": router}, 1)])
         for stats in router_stats:

@@ -105,6 +105,7 @@ from scheduler_runtime.serving.cluster_base import (
     error_body,
     estimates_exposition,
     replica_exposition,
+    soonest_retry,
 )
 from scheduler_runtime.serving.replicas import (
     MAX_RESTART_DELAY_S,
@@ -279,8 +280,6 @@ class ReplicaProxy:
         self.max_ongoing = int(max_ongoing_requests)
         self.stats = FrontEndStats()
         self.ttft_slo_ms = ttft_slo_ms
-        #: requests shed by a replica's admission rule and served by another ("rerouted"), or by none
-        self.shed: Counter[str] = Counter()
         self.decision_seconds = 0.0
         self.decisions = 0
         self.dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0")
@@ -626,7 +625,7 @@ class ReplicaProxy:
                 avoid.append(replica.name)
                 continue
             if shed:
-                self.shed["rerouted"] += 1
+                self.stats.shed["rerouted"] += 1
             return await self._relay(request, replica, upstream, first, attempt, stream, rid, chat, choices)
         raise AssertionError("unreachable")
 
@@ -640,10 +639,8 @@ class ReplicaProxy:
     def _shed_answer(self, shed: Sequence[tuple[int, Mapping[str, str], bytes]],
                      attempts: int) -> web.Response:
         """Every replica tried shed the request: the rejection that lets it retry soonest (else the last)."""
-        retryable = [s for s in shed if "retry-after" in s[1]]
-        status, headers, body = (min(retryable, key=lambda s: int(s[1]["retry-after"])) if retryable
-                                 else shed[-1])
-        self.shed["rejected"] += 1
+        status, headers, body = soonest_retry(shed)
+        self.stats.shed["rejected"] += 1
         out = {k: v for k, v in headers.items() if k.lower() not in _HOP}
         out["x-feather-attempts"] = str(attempts)
         return web.Response(body=body, status=status, headers=out)
@@ -748,12 +745,7 @@ class ReplicaProxy:
         states = {"healthy": sum(r.healthy for r in self.replicas),
                   "restarts": sum(r.restarts for r in self.replicas)}
         own = self.stats.exposition(self.router_name, len(self.replicas), len(answered), [stats], states)
-        shed = ["# HELP feather_cluster_shed_total Requests a replica's admission rule shed, by what "
-                "followed: served by another replica (rerouted) or rejected by every one tried (rejected)",
-                "# TYPE feather_cluster_shed_total counter",
-                *(f'feather_cluster_shed_total{{outcome="{k}"}} {self.shed[k]}'
-                  for k in ("rerouted", "rejected"))]
-        parts = [replica_exposition(answered), own, "\n".join(shed)]
+        parts = [replica_exposition(answered), own]
         if self.observes:
             parts.append(estimates_exposition(self.estimates(), self.scrapes, self.scrape_skipped_lines))
         return "\n".join(p for p in parts if p) + "\n"

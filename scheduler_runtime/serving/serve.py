@@ -247,9 +247,6 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], Clust
     cluster = _cluster_config(parser, ours, args, scheduler_config, cuda)
     if cluster.replica_args is not None:
         _check_replica_budgets(parser, ours.scheduler, budget, cluster.replica_args, settings)
-    if settings is not None and cluster.replicas > 1 and cluster.data_plane == "ray":
-        parser.error(f"--admission {settings.rule} is served by feather-serve and by --data-plane proxy, not "
-                     "on Ray Serve")
     if ours.print_command:
         env = [f"{ADMISSION_ENV}={shlex.quote(settings.to_json())}"] if settings is not None else []
         print(" ".join([*env, "python -m vllm.entrypoints.openai.api_server", *map(_quote, args)]))
