@@ -296,14 +296,15 @@ def test_metrics_are_every_replicas_and_evaluate_reads_them(server):
 
 @pytest.mark.engine
 def test_on_ray_a_request_every_replica_sheds_is_one_clear_rejection(server):
-    """A client's 1-ms TTFT SLO: each replica's rule refuses it (it could never fit), the ingress tries
-    the other one, then answers 503 once, with x-should-retry: false; sheds are not errors."""
+    """A client's 1-µs TPOT SLO: each replica's rule refuses it (it could never fit), the ingress tries
+    the other one (its TTFT SLO leaves time), then answers 503 once, with x-should-retry: false; sheds
+    are not errors."""
     if server.data_plane != "ray":
         pytest.skip("the proxy's admission is tests/test_serve_admission.py's")
     body = {"model": "tiny-llama", "prompt": documents(1, tokens=64, seed=9)[0], "max_tokens": 2}
     errors = _total(parse_prometheus(server.metrics()), "feather_cluster_errors_total")
     request = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"content-type": "application/json", "x-slo-ttft-ms": "1"})
+                                     headers={"content-type": "application/json", "x-slo-tpot-ms": "0.001"})
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=60)
     error = refused.value
