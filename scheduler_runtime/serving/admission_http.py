@@ -44,7 +44,7 @@ import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +143,23 @@ class AdmissionSettings:
             StepTimeModel.from_profile(step_model)
         except ConfigError as exc:
             raise ConfigError(f"the admission profile {profile}: {exc}") from None
+        base = cls(rule=str(AdmissionRule.parse(rule)), slos=dict(slos), status=int(status),
+                   step_model=step_model)
+        return base.for_engine(vllm_args, token_budget)
+
+    def for_engine(self, vllm_args: Sequence[str], token_budget: int | None = None) -> AdmissionSettings:
+        """These settings (rule, SLOs, status, step model) with the engine figures of a server started
+        with ``vllm_args``: its tokenizer, block size, token budget, ``--max-num-seqs`` and KV cache in
+        tokens (:func:`~scheduler_runtime.serving.cluster_base.replica_kv_tokens`; ``1 << 20`` where the
+        arguments do not say). What :meth:`for_server` computes, and each replica of ``feather-serve
+        --replicas N --replica-args 'K: ARGS'`` from its own arguments
+        (:meth:`~scheduler_runtime.serving.cluster_base.ClusterConfig.replica_admission`).
+
+        ``token_budget``: as :meth:`for_server`'s.
+
+        Raises:
+            ConfigError: an engine argument that is not an integer, or figures the rule cannot use.
+        """
         try:
             budget = token_budget or int(flag_value(vllm_args, "--max-num-batched-tokens",
                                                     str(VLLM_CPU_SERVER_BUDGET)))
@@ -151,10 +168,9 @@ class AdmissionSettings:
         except ValueError as exc:
             raise ConfigError(f"admission: an engine argument is not an integer: {exc}") from None
         model = flag_value(vllm_args, "--model", "")
-        settings = cls(rule=str(AdmissionRule.parse(rule)), slos=dict(slos), status=int(status),
-                       tokenizer=flag_value(vllm_args, "--tokenizer", model), block_size=block,
-                       token_budget=budget, max_num_seqs=seqs,
-                       kv_capacity_tokens=replica_kv_tokens(vllm_args) or 1 << 20, step_model=step_model)
+        settings = replace(self, tokenizer=flag_value(vllm_args, "--tokenizer", model), block_size=block,
+                           token_budget=budget, max_num_seqs=seqs,
+                           kv_capacity_tokens=replica_kv_tokens(vllm_args) or 1 << 20)
         settings.controller()  # checked as the server will build it
         return settings
 
