@@ -222,6 +222,9 @@ def test_the_prefix_router_is_told_each_replicas_kv_tokens():
     assert replica_kv_tokens((*base, "--kv_cache_dtype", "fp8")) == 2 * replica_kv_tokens(base) + 16
     # two tensor-parallel ranks: each holds half of the KV heads in the same bytes
     assert replica_kv_tokens((*base, "--tensor-parallel-size", "2")) == 2 * replica_kv_tokens(base) + 16
+    # vLLM's --num-gpu-blocks-override: that many blocks whatever the bytes (a hub model's too)
+    assert replica_kv_tokens((*base, "--num-gpu-blocks-override", "65")) == 64 * 16
+    assert replica_kv_tokens(("--model", "meta-llama/Llama-3.1-8B", "--num_gpu_blocks_override=9")) == 8 * 16
     # unknown: vLLM sizes the cache at start, a hub model, dtype auto; then the cache model is off
     assert replica_kv_tokens((*model, "--dtype", "bfloat16")) is None
     assert replica_kv_tokens(("--model", "meta-llama/Llama-3.1-8B", *kv, "--dtype", "bfloat16")) is None

@@ -200,12 +200,21 @@ def replica_kv_tokens(vllm_args: Sequence[str]) -> int | None:
     vLLM's blocks of ``--block-size`` tokens in ``--kv-cache-memory-bytes`` (bytes per token from the
     ``--model`` directory's ``config.json``, in ``--kv-cache-dtype`` or else ``--dtype``, sharded over
     ``--tensor-parallel-size`` and ``--pipeline-parallel-size``), less vLLM's null block: what the
-    simulator's engine holds for the same configuration (``EngineConfig.usable_kv_tokens``).
+    simulator's engine holds for the same configuration (``EngineConfig.usable_kv_tokens``). With
+    ``--num-gpu-blocks-override`` vLLM allocates that many blocks whatever the bytes: those, less the
+    null block.
 
     ``None`` where the arguments do not say: no ``--kv-cache-memory-bytes`` (vLLM sizes the cache from
     the free memory it finds at start), a model that is not a local directory with a ``config.json``
     (a hub name), or a dtype ``auto``. The prefix router's cache model is then off.
     """
+    override = flag_value(vllm_args, "--num-gpu-blocks-override", "")
+    if override:
+        try:
+            blocks, block = int(override), int(flag_value(vllm_args, "--block-size", "16"))
+        except ValueError:
+            return None
+        return (blocks - 1) * block if blocks > 1 else None
     kv_bytes = flag_value(vllm_args, "--kv-cache-memory-bytes", "")
     model = flag_value(vllm_args, "--model", "")
     dtype = flag_value(vllm_args, "--kv-cache-dtype", "auto")
