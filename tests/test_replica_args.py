@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import pytest
 from test_proxy import Running, get
 
 from benchmarks.standin import standin_command
+from scheduler_runtime.admission import prompt_block_hashes
+from scheduler_runtime.serving.admission_http import DEFAULT_PROFILE, ENV_VAR, AdmissionSettings
 from scheduler_runtime.serving.cluster_base import ClusterConfig, flag_value, replica_kv_tokens
 from scheduler_runtime.serving.proxy import proxy_for
 from scheduler_runtime.serving.replica_args import check_replica_args, parse_replica_args
@@ -67,8 +71,6 @@ def test_feather_serve_takes_them_and_refuses_what_contradicts_them(capsys):
             (["--replicas", "1", "--replica-args", "0: --max-num-seqs 8"], "needs --replicas N >= 2"),
             (["--replicas", "2", "--scheduler", "feather-heuristic@4096",
               "--replica-args", "1: --max-num-batched-tokens 2048"], "budget of 4096 tokens"),
-            (["--replicas", "2", "--admission", "slo", "--slo", "ttft:5000", "--replica-args", SMALL],
-             "one engine's figures"),
             (["--replicas", "2", "--replica-args", "1: --foo 1"], "not a per-replica engine argument")):
         with pytest.raises(SystemExit):
             _parse(argv)
@@ -77,6 +79,78 @@ def test_feather_serve_takes_them_and_refuses_what_contradicts_them(capsys):
         ClusterConfig(replicas=3, replica_args=((), ()))
     with pytest.raises(ValueError, match="not a per-replica"):
         ClusterConfig(replicas=2, replica_args=((), ("--enforce-eager",)))
+
+
+ADMISSION = ["--admission", "slo+deadline", "--slo", "ttft:5000 tpot:100", "--admission-profile",
+             str(DEFAULT_PROFILE)]
+
+
+def test_each_replica_gets_admission_settings_of_its_own_arguments(capsys):
+    """The slo and deadline rules predict with each replica's own engine figures: its KV cache, its
+    --max-num-seqs and its token budget, from the common arguments and its --replica-args."""
+    _, _, cluster, common = _parse(["--replicas", "3", *ADMISSION, "--replica-args", SMALL,
+                                    "--replica-args", "2: --max-num-batched-tokens 512"])
+    assert common is not None and cluster.admission == common
+    big, small, slow = (cluster.replica_admission(k) for k in range(3))
+    assert big == common  # no arguments of its own: the common settings
+    assert small is not None and slow is not None
+    assert small.kv_capacity_tokens == replica_kv_tokens(cluster.replica_vllm_args(1))
+    assert small.kv_capacity_tokens < big.kv_capacity_tokens
+    assert (small.max_num_seqs, small.token_budget) == (32, big.token_budget)
+    assert (slow.token_budget, slow.kv_capacity_tokens, slow.max_num_seqs) == (512, big.kv_capacity_tokens,
+                                                                              big.max_num_seqs)
+    for own in (small, slow):  # the rule, SLOs, status, tokenizer and step model are the fleet's
+        assert replace(own, kv_capacity_tokens=big.kv_capacity_tokens, max_num_seqs=big.max_num_seqs,
+                       token_budget=big.token_budget) == big
+    # the scheduler name's @TOKENS is every replica's budget unless one gives its own (the same one)
+    _, _, at, _ = _parse(["--replicas", "2", "--scheduler", "fcfs@4096", *ADMISSION, "--replica-args", SMALL])
+    assert [at.replica_admission(k).token_budget for k in range(2)] == [4096, 4096]
+    assert at.replica_admission(1).max_num_seqs == 32
+    # and the rule decides by them: a long prompt cannot meet its TTFT at a replica's small budget
+    # (never-fits, the proxy tries another replica), and is admitted at the large one
+    controllers = [replace(s, slos={"ttft": 0.0}).controller() for s in (big, slow)]
+    prompt = list(range(8000))
+    alone = [c.alone_seconds(len(prompt)) for c in controllers]
+    assert alone[0] < alone[1]
+    ttft_ms = 1000.0 * (alone[0] + alone[1]) / 2
+    hashes = prompt_block_hashes(prompt, big.block_size)
+    decisions = [replace(s, slos={"ttft": ttft_ms}).controller().offer("r", len(prompt), hashes, 0.0)
+                 for s in (big, slow)]
+    assert decisions[0].admit and not decisions[1].admit
+    assert decisions[1].reason == "never-fits" and not decisions[1].retry
+
+
+def test_each_replica_process_is_started_with_its_own_admission_settings():
+    """Each replica's API server reads its settings from its own environment (the middleware's
+    :data:`ENV_VAR`), set per replica over the one feather-serve's process holds."""
+    _, _, cluster, common = _parse(["--replicas", "2", *ADMISSION, "--replica-args", SMALL])
+    replicas = replicas_for(cluster, command=lambda args, port: ["true"], visible_gpus=[])
+    got = [AdmissionSettings.from_env(r.env) for r in replicas]
+    assert got == [common, cluster.replica_admission(1)] and got[0] != got[1]
+    assert got[1] is not None and got[1].max_num_seqs == 32
+    # without a middleware no replica is told any
+    _, _, plain, _ = _parse(["--replicas", "2", "--replica-args", SMALL])
+    plain_replicas = replicas_for(plain, command=lambda args, port: ["true"], visible_gpus=[])
+    assert all(ENV_VAR not in r.env for r in plain_replicas)
+
+
+def test_print_command_shows_each_replicas_own_admission_settings(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _parse(["--replicas", "3", *ADMISSION, "--replica-args", SMALL,
+                "--replica-args", "2: --long-prefill-token-threshold 512", "--print-command"])
+    assert exit_info.value.code == 0
+    first, *lines = capsys.readouterr().out.strip().splitlines()
+    env = shlex.split(first)[0].split("=", 1)
+    common = AdmissionSettings.from_env({env[0]: env[1]})
+    assert common is not None
+    _, _, cluster, _ = _parse(["--replicas", "3", *ADMISSION, "--replica-args", SMALL])
+    small = cluster.replica_admission(1)
+    assert small is not None
+    assert lines[1:] == [
+        "# replica 1: --kv-cache-memory-bytes 268435456 --max-num-seqs 32",
+        f"# replica 1: {ENV_VAR} as above but "
+        f'{{"kv_capacity_tokens": {small.kv_capacity_tokens}, "max_num_seqs": 32}}',
+        "# replica 2: --long-prefill-token-threshold 512"]  # the same admission settings: no line
 
 
 def test_the_help_documents_it(capsys):

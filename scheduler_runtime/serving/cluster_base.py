@@ -18,11 +18,14 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from scheduler_runtime.hardware import kv_bytes_per_token, online_cores, parse_cores
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 from scheduler_runtime.serving.replica_args import check_replica_args, without_flags
+
+if TYPE_CHECKING:  # admission_http imports this module
+    from scheduler_runtime.serving.admission_http import AdmissionSettings
 
 __all__ = ["DATA_PLANES", "LIVE_ROUTERS", "PROXY_ONLY_ROUTERS", "RAY_ONLY_ROUTERS", "ROUTER_CHOICES",
            "ClusterConfig", "FrontEndStats", "core_binding", "error_body", "estimates_exposition",
@@ -74,6 +77,10 @@ class ClusterConfig:
         replica_args: each replica's own engine arguments, over ``vllm_args`` (``--replica-args 'K:
             ARGS'``, :mod:`scheduler_runtime.serving.replica_args`; ``proxy`` only), one tuple per
             replica (``()``: the common ones alone); ``None``: every replica alike.
+        admission: the settings of the ``slo`` / ``deadline`` admission middleware
+            (:class:`~scheduler_runtime.serving.admission_http.AdmissionSettings`) from the common
+            arguments (``None``: no middleware); each replica is started with its own,
+            :meth:`replica_admission` (``proxy`` only).
     """
 
     replicas: int
@@ -94,6 +101,7 @@ class ClusterConfig:
     replica_weights: tuple[float, ...] | None = None
     scrape_period_s: float = 1.0
     replica_args: tuple[tuple[str, ...], ...] | None = None
+    admission: AdmissionSettings | None = None
 
     def __post_init__(self) -> None:
         """Every value checked, as ``feather-serve`` reports it (a ``ValueError`` naming the flag):
@@ -160,6 +168,24 @@ class ClusterConfig:
         if not own:
             return self.vllm_args
         return (*without_flags(self.vllm_args, own[::2]), *own)
+
+    def replica_admission(self, rank: int) -> AdmissionSettings | None:
+        """The admission middleware's settings of replica ``rank`` (``None``: no middleware): those of
+        :attr:`admission` (rule, SLOs, status, step model) with the engine figures of the arguments it
+        starts with (:meth:`replica_vllm_args`, by
+        :meth:`~scheduler_runtime.serving.admission_http.AdmissionSettings.for_engine`): its own KV cache,
+        ``--max-num-seqs`` and token budget where ``--replica-args`` gives them. The token budget is the
+        replica's own ``--max-num-batched-tokens``, else :attr:`admission`'s (the scheduler name's
+        ``@TOKENS`` included).
+
+        Raises:
+            ConfigError: figures the rule cannot use.
+        """
+        own = self.replica_args[rank] if self.replica_args is not None else ()
+        if self.admission is None or not own:
+            return self.admission
+        budget = None if "--max-num-batched-tokens" in own[::2] else self.admission.token_budget
+        return self.admission.for_engine(self.replica_vllm_args(rank), budget)
 
     @property
     def kv_tokens(self) -> int | tuple[int, ...] | None:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler_runtime.serving.admission_http import ENV_VAR as ADMISSION_ENV
 from scheduler_runtime.serving.cluster_base import ClusterConfig, core_binding, gpu_groups
 from scheduler_runtime.serving.replica_args import without_flags
 
@@ -140,8 +141,10 @@ die_with_parent: Callable[[], None] = _parent_death_signal()
 
 def replicas_for(config: ClusterConfig, command: Callable[[Sequence[str], int], list[str]] = replica_command,
                  visible_gpus: Sequence[str] | None = None) -> list[Replica]:
-    """``config``'s replica processes (not started): ports, cores, OpenMP binding, GPUs, and each one's
-    engine arguments (:meth:`ClusterConfig.replica_vllm_args`: the common ones and its own)."""
+    """``config``'s replica processes (not started): ports, cores, OpenMP binding, GPUs, each one's
+    engine arguments (:meth:`ClusterConfig.replica_vllm_args`: the common ones and its own) and, with an
+    admission middleware, its own settings in its environment (:meth:`ClusterConfig.replica_admission`,
+    computed from those arguments)."""
     if visible_gpus is None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         visible_gpus = visible.split(",") if visible else [str(i) for i in range(_cuda_devices())]
@@ -155,6 +158,9 @@ def replicas_for(config: ClusterConfig, command: Callable[[Sequence[str], int], 
             cores, env = core_binding(config.replica_cores[k % len(config.replica_cores)])
         if gpus[k] is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpus[k]
+        admission = config.replica_admission(k)
+        if admission is not None:
+            env[ADMISSION_ENV] = admission.to_json()
         replicas.append(Replica(rank=k, url=f"http://127.0.0.1:{port}",
                                 command=command(config.replica_vllm_args(k), port), env=env, cores=cores))
     return replicas

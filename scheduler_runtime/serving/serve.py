@@ -45,7 +45,9 @@ defaults below):
   (``--data-plane proxy``): ``--replica-args 'K: ARGS'``, repeated, gives replica ``K`` (0-based) engine
   arguments of its own over the common ones (KV size, ``--max-num-seqs``, the token budget; the allowed
   ones: :data:`scheduler_runtime.serving.replica_args.PER_REPLICA_ARGS`), its cores being its entry of
-  ``--replica-cores``.
+  ``--replica-cores``; under the ``slo`` and ``deadline`` rules each replica's middleware gets settings
+  of its own, from those arguments
+  (:meth:`~scheduler_runtime.serving.cluster_base.ClusterConfig.replica_admission`).
 
 Everything is checked before vLLM is imported (so before any model loads): the scheduler name,
 every ``--scheduler-config`` key and value (:class:`~scheduler_runtime.schedulers.SchedulerConfig`),
@@ -244,9 +246,10 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], Clust
     settings = _admission(parser, ours, args, budget)
     args += ["--scheduler-cls", scheduler_cls, "--additional-config", json.dumps(additional)]
     args.append("--async-scheduling" if use_async else "--no-async-scheduling")
-    cluster = _cluster_config(parser, ours, args, scheduler_config, cuda)
+    cluster = _cluster_config(parser, ours, args, scheduler_config, cuda, settings)
+    own_admission = None
     if cluster.replica_args is not None:
-        _check_replica_budgets(parser, ours.scheduler, budget, cluster.replica_args, settings)
+        own_admission = _check_replica_args(parser, ours.scheduler, budget, cluster)
     if ours.print_command:
         env = [f"{ADMISSION_ENV}={shlex.quote(settings.to_json())}"] if settings is not None else []
         print(" ".join([*env, "python -m vllm.entrypoints.openai.api_server", *map(_quote, args)]))
@@ -257,6 +260,9 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], Clust
             for rank, own in enumerate(cluster.replica_args or ()):
                 if own:
                     print(f"# replica {rank}: {' '.join(own)}")
+                if differ := (own_admission or {}).get(rank):  # its own admission settings
+                    print(f"# replica {rank}: {ADMISSION_ENV} as above but "
+                          f"{json.dumps(differ, sort_keys=True)}")
         raise SystemExit(0)
     return args, scheduler_config, cluster, settings
 
@@ -311,22 +317,30 @@ def _admission(parser: argparse.ArgumentParser, ours: argparse.Namespace, args: 
     return settings
 
 
-def _check_replica_budgets(parser: argparse.ArgumentParser, scheduler: str, budget: int | None,
-                           replica_args: tuple[tuple[str, ...], ...],
-                           settings: AdmissionSettings | None) -> None:
-    """Per-replica arguments that the scheduler or the admission rule would contradict: a replica's own
-    ``--max-num-batched-tokens`` against the scheduler name's ``@TOKENS``, and any against the slo and
-    deadline rules (whose settings, read by every replica, hold one engine's figures). Usage errors."""
-    for rank, own in enumerate(replica_args):
+def _check_replica_args(parser: argparse.ArgumentParser, scheduler: str, budget: int | None,
+                        cluster: ClusterConfig) -> dict[int, dict[str, Any]]:
+    """Per-replica arguments checked against the scheduler and the admission rule: a replica's own
+    ``--max-num-batched-tokens`` against the scheduler name's ``@TOKENS``, and each replica's admission
+    settings (:meth:`ClusterConfig.replica_admission`, from its own arguments) built as the replica will
+    build them. Usage errors. Returns, per replica whose admission settings differ from the common ones,
+    the fields that differ and their values there (for ``--print-command``)."""
+    assert cluster.replica_args is not None
+    differ: dict[int, dict[str, Any]] = {}
+    common = json.loads(cluster.admission.to_json()) if cluster.admission is not None else {}
+    for rank, own in enumerate(cluster.replica_args):
         given = dict(zip(own[::2], own[1::2], strict=True))
         tokens = given.get("--max-num-batched-tokens")
         if budget is not None and tokens is not None and tokens != str(budget):
             parser.error(f"--scheduler {scheduler} serves with a budget of {budget} tokens per step, but "
                          f"--replica-args {rank} gives --max-num-batched-tokens {tokens}: give one")
-        if settings is not None and own:
-            parser.error(f"--replica-args {rank}: the admission rule {settings.rule!r} predicts with one "
-                         "engine's figures for every replica; per-replica engine arguments need --admission "
-                         "none or a queued-* cap")
+        try:
+            settings = cluster.replica_admission(rank)
+        except ValueError as exc:  # ConfigError
+            parser.error(f"--replica-args {rank}: {exc}")
+        if settings is not None and settings != cluster.admission:
+            mine = json.loads(settings.to_json())
+            differ[rank] = {k: v for k, v in mine.items() if common.get(k) != v}
+    return differ
 
 
 def _seconds_or_none(text: str, flag: str) -> float | None:
@@ -341,8 +355,10 @@ def _seconds_or_none(text: str, flag: str) -> float | None:
 
 
 def _cluster_config(parser: argparse.ArgumentParser, ours: argparse.Namespace, args: list[str],
-                    scheduler_config: dict[str, Any], cuda: bool) -> ClusterConfig:
-    """The cluster the options describe over replicas started with ``args``: the data plane Ray
+                    scheduler_config: dict[str, Any], cuda: bool,
+                    admission: AdmissionSettings | None = None) -> ClusterConfig:
+    """The cluster the options describe over replicas started with ``args`` (and the admission
+    middleware's ``admission`` settings, from which each replica's own are built): the data plane Ray
     with ``--ray-address``, else the proxy; on a CUDA machine a GPU per replica, on a CPU one a core
     each. A bad option is a usage error (status 2) with :class:`ClusterConfig`'s message."""
     data_plane = ours.data_plane or ("ray" if ours.ray_address is not None else "proxy")
@@ -364,7 +380,8 @@ def _cluster_config(parser: argparse.ArgumentParser, ours: argparse.Namespace, a
             replica_cpus=ours.replica_cpus,
             replica_gpus=ours.replica_gpus if ours.replica_gpus is not None else (1.0 if cuda else 0.0),
             ray_address=ours.ray_address, max_ongoing_requests=ours.max_ongoing_requests,
-            replica_weights=weights, scrape_period_s=ours.scrape_period, replica_args=own)
+            replica_weights=weights, scrape_period_s=ours.scrape_period, replica_args=own,
+            admission=admission)
     except ValueError as exc:
         parser.error(str(exc))
     if cluster.replicas > 1 and cluster.data_plane == "ray" and importlib.util.find_spec("ray") is None:
