@@ -11,7 +11,9 @@ Only the engine arguments of :data:`PER_REPLICA_ARGS` may differ between replica
 engine, not what it serves (the model, the scheduler) nor where (the host and port the proxy gives
 it). A replica's cores are its entry of ``--replica-cores 'A;B'``, already one per replica. Each
 argument is checked here, before any replica starts: a problem is a ``ValueError`` whose message
-names the replica and the argument (``feather-serve`` reports it as a usage error).
+names the replica and the argument (``feather-serve`` reports it as a usage error). Under the ``slo``
+and ``deadline`` admission rules each replica predicts with its own engine's figures, from the same
+arguments (:meth:`~scheduler_runtime.serving.cluster_base.ClusterConfig.replica_admission`).
 
 Nothing here imports vLLM, Ray or an HTTP server.
 """
