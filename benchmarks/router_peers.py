@@ -207,11 +207,18 @@ def at_rate(workload: Workload, rate: float) -> Workload:
                     tuple(r.with_arrival((r.arrival_time - t0) * scale) for r in workload), "trace")
 
 
-def mooncake_windows(window_s: float, seeds: Sequence[int]) -> list[Workload]:
+def mooncake_pool(max_prompt_tokens: int | None = None) -> Workload:
+    """The Mooncake synthetic trace as ``configs/scenarios/mooncake-synthetic.yaml`` reads it (64 token ids
+    per hash id: lengths / 8); with ``max_prompt_tokens``, each prompt cut to its first so many tokens
+    (the loader's ``overflow="truncate"``: a cut prompt keeps its leading blocks, so its shared prefix)."""
+    overrides = None if max_prompt_tokens is None else {"workload": {"max_prompt_tokens": max_prompt_tokens}}
+    return load_scenario(MOONCAKE_SCENARIO, overrides).pool
+
+
+def mooncake_windows(window_s: float, seeds: Sequence[int], pool: Workload | None = None) -> list[Workload]:
     """Windows of ``window_s`` seconds of the Mooncake synthetic trace (one per seed, drawn as
-    :meth:`Workload.window` draws them), as ``configs/scenarios/mooncake-synthetic.yaml`` reads it
-    (64 token ids per hash id: lengths / 8)."""
-    pool = load_scenario(MOONCAKE_SCENARIO).pool
+    :meth:`Workload.window` draws them), of ``pool`` (default: :func:`mooncake_pool`, uncut)."""
+    pool = mooncake_pool() if pool is None else pool
     return [pool.window(window_s, seed) for seed in seeds]
 
 

@@ -65,6 +65,24 @@ Zipf-popularity variant; every run keeps its per-replica breakdown (:func:`break
 requests went and whether they missed by TTFT or TPOT); ``--drift-share`` runs only the issue's drift
 must-show (:func:`drift_share`: a replica's routed share and the attainment per window, against ours
 informed with that replica slow throughout and on the equal fleet).
+
+``--workload mooncake`` (the note's fourth session) draws the speed, KV and equal fleets' workloads from the
+Mooncake FAST'25 synthetic trace, read by the one loader of it
+(:func:`benchmarks.router_peers.mooncake_pool`: ``feather_env.workloads.custom``'s, as
+``configs/scenarios/mooncake-synthetic.yaml`` reads it: each hash id a fixed block of 64 token ids, so the
+trace's lengths / 8 and its shared prefixes kept). Its prompts are **cut** at the engine's scenario's
+``max_prompt_tokens`` (8,192 for ``leval-kv-pressure``, as its L-Eval pool is; the loader's
+``overflow="truncate"``, which keeps a prompt's first blocks: 47 of the trace's 3,993 prompts), so every
+request fits the engine's ``max_model_len`` (8,832) and a quarter-KV replica (none is skipped; one that
+did not fit would raise). Each seed is a window (:func:`mooncake_workload`) of ``--mooncake-window`` (18)
+x replicas seconds of the trace, about 70 requests per replica as L-Eval's 16 documents per replica give;
+a held-out seed's window and a tuning seed's (``seed + 100 x replicas`` from 10,000, as above) are
+distinct draws over the whole trace, which may overlap (as L-Eval's tuning and held-out draws may share
+documents): the trace is not stationary (its prompts grow longer and share more of their blocks from its
+start to its end, as its conversations go on), so windows from disjoint parts of it would tune the peers
+on another regime than the one reported. The arrivals are the window's own timestamps scaled to ``load`` x the
+capacity of that window on the fleet (:func:`timed_runs`, :func:`benchmarks.router_peers.at_rate`), each
+window's capacity measured as above; the drift fleet's blocks stay L-Eval.
 """
 
 from __future__ import annotations
@@ -86,9 +104,12 @@ from benchmarks.router_peers import (
     REFERENCE,
     TUNE_SEED_BASE,
     ZIPF_S,
+    at_rate,
     defaults,
     grids,
     make,
+    mooncake_pool,
+    mooncake_windows,
     throughput_bound,
     uniform_workload,
 )
@@ -122,6 +143,9 @@ FLEETS = ("equal", "speed", "kv", "drift")
 DEFAULT_SLO = {"ttft": 5000.0, "tpot": 50.0}
 #: How close a learned speed must come to the truth, and how often the drift's trace samples it.
 WITHIN, TRACE_S = 0.2, 1.0
+#: ``--workload mooncake``: seconds of the trace per replica in a window (at the trace's 3.9 req/s about 70
+#: requests per replica, as many as L-Eval's 16 documents per replica give: 572 at 8 replicas).
+MOONCAKE_WINDOW_PER_REPLICA_S = 18.0
 
 
 def fleets(n: int, drift_at: float, drift_until: float, factor: float = 3.0) -> dict[str, list[ReplicaSpec]]:
@@ -146,6 +170,22 @@ def docs_workload(pool: Workload, n: int, docs_per_replica: int, seed: int, kind
     if kind != "leval":
         raise ValueError(f"unknown workload {kind!r}")
     return base
+
+
+def mooncake_workload(pool: Workload, n: int, seed: int,
+                      window_per_replica_s: float = MOONCAKE_WINDOW_PER_REPLICA_S) -> Workload:
+    """``--workload mooncake``: a window of ``window_per_replica_s`` x ``n`` seconds of the Mooncake trace
+    ``pool`` (:func:`benchmarks.router_peers.mooncake_pool`), drawn with ``seed`` as
+    :func:`benchmarks.router_peers.mooncake_windows` draws one (its start a request drawn at random among
+    those whose window ends within the trace): a tuning seed's window and a held-out one's are distinct
+    draws, which may overlap, as L-Eval's tuning and held-out workloads may share documents. A window
+    not shorter than the trace raises (every seed would draw the same one)."""
+    times = [r.arrival_time for r in pool]
+    window = window_per_replica_s * n
+    if window >= max(times) - min(times):
+        raise ValueError(f"a window of {window:g} s is not shorter than the trace "
+                         f"({max(times) - min(times):.0f} s)")
+    return mooncake_windows(window, [seed], pool=pool)[0]
 
 
 def own_kind(spec: ReplicaSpec) -> ReplicaSpec:
@@ -370,12 +410,12 @@ def _attainment(result: ClusterResult, submitted: int) -> float:
     return (m.get("request_goodput") or 0.0) * m["duration"] / submitted
 
 
-def run_cell(sim: ClusterSim, workload: Workload, rate: float, seeds: Sequence[int],
+def run_cell(sim: ClusterSim, runs: Sequence[tuple[int, Workload]],
              factories: dict[str, Callable[[int], ReplicaRouter]], slo: dict[str, float],
              phases: Sequence[tuple[float, float, float]] = (),
              bound: Callable[[Workload], float] | None = None,
              slo2: dict[str, float] | None = None) -> dict[str, Any]:
-    """Every router on ``workload`` at ``rate`` req/s, one Poisson draw per seed; with ``bound``
+    """Every router on each run ``(seed, workload with arrivals)`` (:func:`timed_runs`); with ``bound``
     (:func:`fleet_bound` of a timed workload), the bound of each draw; with ``slo2``, each run's
     attainment under that second SLO too (``attainment_slo2``: the same runs, the routers as configured
     and tuned for ``slo``). Each run keeps its per-replica breakdown
@@ -386,8 +426,7 @@ def run_cell(sim: ClusterSim, workload: Workload, rate: float, seeds: Sequence[i
     per_replica: dict[str, list[list[dict[str, float]]]] = {}
     drift: list[list[dict[str, Any]]] = []
     estimates: list[dict[str, Any]] = []
-    for seed in seeds:
-        timed = workload.with_arrivals(f"poisson:{rate}", seed)
+    for seed, timed in runs:
         if bound is not None:
             bounds.append(bound(timed))
         for name, factory in factories.items():
@@ -423,6 +462,15 @@ def run_cell(sim: ClusterSim, workload: Workload, rate: float, seeds: Sequence[i
         out["bound_output_throughput"] = statistics.fmean(bounds)
         out["bound_runs"] = bounds
     return out
+
+
+def timed_runs(workloads: Sequence[tuple[int, Workload, float]], load: float,
+               trace: bool = False) -> list[tuple[int, Workload]]:
+    """``(seed, workload with arrivals)`` at ``load`` x the capacity of each ``(seed, workload, capacity
+    in req/s)``: Poisson arrivals drawn with the seed, or (``trace``: Mooncake) the workload's own
+    timestamps scaled to that rate (:func:`benchmarks.router_peers.at_rate`)."""
+    return [(seed, at_rate(w, load * cap) if trace else w.with_arrivals(f"poisson:{load * cap}", seed))
+            for seed, w, cap in workloads]
 
 
 def windowed(result: ClusterResult, replica: str, window_s: float, step_s: float,
@@ -691,14 +739,24 @@ def breakdown_rows(res: dict[str, Any], names: Sequence[str] | None = None) -> l
     return rows
 
 
+def _workload_text(res: dict[str, Any]) -> str:
+    leval = (f"L-Eval ({res['docs_per_replica']} documents per replica; drift: {res['drift_blocks']} such "
+             f"blocks), arrival seeds {res['seeds']}")
+    if res.get("workload") != "mooncake":
+        return leval
+    return (f"the Mooncake synthetic trace (64 tokens per hash id, prompts cut at "
+            f"{res['max_prompt_tokens']:,} tokens; a window of {res['mooncake_window_per_replica_s']:g} s x "
+            f"replicas of the trace per seed, its own timestamps scaled to the load), window seeds "
+            f"{res['seeds']}")
+
+
 def render(res: dict[str, Any]) -> str:
     """The figures in markdown: the headline (ours learned over the best peer, each tuned peer, ours
     informed and the bound), one table per cell, ours learned over every router, the peers' tuned
     settings, the drift's convergence."""
     slo = res["slo"]
-    out = [f"{res['replicas']} simulated `{res['scenario_engine']}` replicas per fleet, L-Eval "
-           f"({res['docs_per_replica']} documents per replica; drift: {res['drift_blocks']} such blocks), "
-           f"arrival seeds {res['seeds']}; SLO TTFT <= {slo['ttft'] / 1000:g} s and TPOT <= {slo['tpot']:g} "
+    out = [f"{res['replicas']} simulated `{res['scenario_engine']}` replicas per fleet, "
+           f"{_workload_text(res)}; SLO TTFT <= {slo['ttft'] / 1000:g} s and TPOT <= {slo['tpot']:g} "
            "ms; "
            "peers at their defaults and tuned on each unequal fleet. "
            f"{measured(res)}; `{res['command']}`: {res['wall_s'] / 60:.1f} min wall "
@@ -754,7 +812,8 @@ def render(res: dict[str, Any]) -> str:
         rows = [[name, r["output_throughput"], f"{100 * r['attainment']:.1f}%", r["mean_ttft_ms"] / 1000,
                  r["p99_ttft_ms"] / 1000, r["mean_e2el_ms"] / 1000, r["p99_e2el_ms"] / 1000,
                  f"{100 * r['prefix_hit_rate']:.0f}%"] for name, r in c["routers"].items()]
-        out += ["", f"**{c['fleet']}, load {c['load']:g}**: {c['requests']} requests, "
+        many = "requests (mean over windows)" if c.get("requests_per_seed") else "requests"
+        out += ["", f"**{c['fleet']}, load {c['load']:g}**: {c['requests']} {many}, "
                 f"{c['rate_req_s']:.2f} req/s (capacity {c['capacity_req_s']:.2f} req/s)", "",
                 format_table(headers, rows)]
     tuning = res.get("tuning") or {}
@@ -833,10 +892,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--slo2", default="",
                    help="a second, tighter SLO pair (vLLM's --goodput pairs, e.g. 'ttft:2000 tpot:30'), "
                         "measured on the same runs")
-    p.add_argument("--workload", choices=("leval", "zipf"), default="leval",
-                   help="the speed, KV and equal fleets' workload: L-Eval's documents, or their "
-                        "Zipf-popularity variant (--zipf-s; the drift fleet's blocks stay L-Eval)")
+    p.add_argument("--workload", choices=("leval", "zipf", "mooncake"), default="leval",
+                   help="the speed, KV and equal fleets' workload: L-Eval's documents, their "
+                        "Zipf-popularity variant (--zipf-s), or windows of the Mooncake trace "
+                        "(--mooncake-window; mooncake_workload()); the drift fleet's blocks stay L-Eval")
     p.add_argument("--zipf-s", type=float, default=ZIPF_S)
+    p.add_argument("--mooncake-window", type=float, default=MOONCAKE_WINDOW_PER_REPLICA_S,
+                   help="--workload mooncake: seconds of the trace per replica in a window")
     p.add_argument("--drift-share", action="store_true",
                    help="only the drift must-show (drift_share()): replica 0 of an equal fleet slows "
                         "--share-factor x at --share-slow-at s and recovers at --share-recover-at s")
@@ -857,6 +919,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         args.replicas, args.docs_per_replica = 4, 4
         args.loads, args.seeds, args.drift_at, args.drift_until = "1.0", 1, 6.0, 14.0
         args.cost_replicas, args.cost_prefixes, args.tune_seeds = 8, 50, 1
+        args.mooncake_window = 4.5
     start = time.perf_counter()
 
     def log(msg: str) -> None:
@@ -886,24 +949,35 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         with open(args.tuning_from) as f:
             reused = json.load(f).get("tuning") or {}
     cells, tuning, variant_tuning = [], {}, {}
+    moon = None
+    if args.workload == "mooncake":  # prompts cut as the scenario's L-Eval pool's are (8,192 tokens)
+        moon = mooncake_pool(load_scenario(args.scenario).workload.max_prompt_tokens)
+        longest = max(r.prompt_len + r.output_len for r in moon)
+        if longest > engine.max_model_len:
+            raise ValueError(f"a Mooncake request of {longest} tokens exceeds {args.scenario}'s "
+                             f"max_model_len {engine.max_model_len}")
 
-    def fleet_workload(fleet: str, specs: Sequence[ReplicaSpec], seed: int) -> tuple[Workload, float]:
-        """The fleet's workload drawn with ``seed`` and its capacity (req/s)."""
+    def fleet_workload(fleet: str, specs: Sequence[ReplicaSpec],
+                       seed: int) -> tuple[Workload, dict[str, Any]]:
+        """The fleet's workload drawn with ``seed`` and its capacity (:func:`capacity`)."""
         if fleet == "drift":
             w = drift_workload(pool, n, args.docs_per_replica, args.drift_blocks, seed=seed)
             first = Workload("first block", w.requests[:len(w) // args.drift_blocks])
-            return w, capacity(engine, specs, first)["req_s"]
-        w = docs_workload(pool, n, args.docs_per_replica, seed, args.workload, args.zipf_s)
-        return w, capacity(engine, specs, w)["req_s"]
+            return w, capacity(engine, specs, first)
+        if moon is not None:
+            w = mooncake_workload(moon, n, seed, args.mooncake_window)
+        else:
+            w = docs_workload(pool, n, args.docs_per_replica, seed, args.workload, args.zipf_s)
+        return w, capacity(engine, specs, w)
 
     for fleet in args.fleets.split(","):
         specs = specs_by_fleet[fleet]
-        workload = docs_workload(pool, n, args.docs_per_replica, n, args.workload, args.zipf_s)
-        cap = capacity(engine, specs, workload)
-        if fleet == "drift":
-            workload = drift_workload(pool, n, args.docs_per_replica, args.drift_blocks, seed=n)
-            first = workload.requests[:len(workload) // args.drift_blocks]
-            cap = capacity(engine, specs, Workload("first block", first))
+        trace = moon is not None and fleet != "drift"  # a window of the trace per seed, its own timestamps
+        if trace:
+            evaluated = [(seed, *fleet_workload(fleet, specs, seed)) for seed in seeds]
+        else:  # one workload (documents drawn with seed n), a Poisson draw per seed
+            workload, cap = fleet_workload(fleet, specs, n)
+            evaluated = [(seed, workload, cap) for seed in seeds]
         sim = ClusterSim(n, engine, profiles=specs)
         phases = ([(0.0, args.drift_at, 1.0), (args.drift_at, args.drift_until, 3.0),
                    (args.drift_until, math.inf, 1.0)] if fleet == "drift" else [])
@@ -913,7 +987,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             for s in range(args.tune_seeds):  # workloads of their own, as benchmarks.router_peers draws them
                 seed = TUNE_SEED_BASE + s
                 w, c = fleet_workload(fleet, specs, seed + 100 * n)
-                runs += [(seed, w.with_arrivals(f"poisson:{load * c}", seed)) for load in loads]
+                runs += [run for load in loads for run in timed_runs([(seed, w, c["req_s"])], load, trace)]
         if tuned is not None:
             tuning[fleet] = tuned
             log(f"{fleet}: the peers' tuning of {args.tuning_from}")
@@ -934,14 +1008,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                   floors: dict[ReplicaSpec, dict[tuple[str, int], float]] = floors) -> float:
             return fleet_bound(engine, specs, timed, floors)
 
+        caps = [c for _, _, c in evaluated]
+        if trace:  # each window's own capacity: the cell's means, and each window's
+            per_replica = zip(*(c["per_replica_req_s"] for c in caps), strict=True)
+            cap = {"req_s": statistics.fmean(c["req_s"] for c in caps),
+                   "per_replica_req_s": [statistics.fmean(x) for x in per_replica]}
+        windows = ({"requests_per_seed": [len(w) for _, w, _ in evaluated],
+                    "capacity_per_seed_req_s": [c["req_s"] for c in caps]} if trace else {})
         for load in loads:
             t0 = time.perf_counter()
-            rate = load * cap["req_s"]
-            cell = run_cell(sim, workload, rate, seeds, factories, slo, phases,
-                            None if args.no_bound else bound, slo2)
-            cells.append({"fleet": fleet, "load": load, "requests": len(workload), "rate_req_s": rate,
-                          "capacity_req_s": cap["req_s"],
-                          "capacity_per_replica_req_s": cap["per_replica_req_s"], **cell})
+            runs = timed_runs([(seed, w, c["req_s"]) for seed, w, c in evaluated], load, trace)
+            cell = run_cell(sim, runs, factories, slo, phases, None if args.no_bound else bound, slo2)
+            cells.append({"fleet": fleet, "load": load,
+                          "requests": round(statistics.fmean(len(w) for _, w, _ in evaluated)),
+                          "rate_req_s": load * cap["req_s"], "capacity_req_s": cap["req_s"],
+                          "capacity_per_replica_req_s": cap["per_replica_req_s"], **windows, **cell})
             log(f"{fleet} x load {load:g}: {time.perf_counter() - t0:.0f} s")
     out = {"benchmark": "unequal_replicas", "machine": machine_info(), "scenario_engine": args.scenario,
            "engine": engine.to_dict(), "replicas": n, "docs_per_replica": args.docs_per_replica,
@@ -953,6 +1034,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
            "tune_seeds": [TUNE_SEED_BASE + s for s in range(args.tune_seeds)], "tuning": tuning,
            "variants": variants, "variant_tuning": variant_tuning, "slo2": slo2,
            "workload": args.workload, "zipf_s": args.zipf_s if args.workload == "zipf" else None,
+           **({"mooncake_window_per_replica_s": args.mooncake_window,
+               "max_prompt_tokens": load_scenario(args.scenario).workload.max_prompt_tokens}
+              if moon is not None else {}),
            "cells": cells}
     if args.cost_replicas:
         t0 = time.perf_counter()

@@ -267,6 +267,31 @@ def test_the_zipf_workload_has_as_many_requests_as_l_eval_over_as_many_documents
         docs_workload(pool, 2, 3, seed=2, kind="mooncake")
 
 
+def test_the_mooncake_workload_is_a_window_of_the_trace_with_shared_prefixes(data_dir):
+    """``--workload mooncake``: a window of 18 s x replicas of the trace (about 70 requests per replica),
+    prompts cut at the L-Eval scenario's 8,192 tokens, its blocks shared between requests; a tuning seed's
+    window is another than a held-out seed's; the trace's own timestamps scaled to the rate."""
+    from benchmarks.router_peers import TUNE_SEED_BASE, mooncake_pool
+    from benchmarks.unequal_replicas import MOONCAKE_WINDOW_PER_REPLICA_S, mooncake_workload, timed_runs
+
+    pool = mooncake_pool(load_scenario("leval-kv-pressure").workload.max_prompt_tokens)
+    assert max(r.prompt_len for r in pool) == 8192
+    held, tuning = mooncake_workload(pool, 2, seed=0), mooncake_workload(pool, 2, seed=TUNE_SEED_BASE + 200)
+    for w in (held, tuning):
+        times = [r.arrival_time for r in w]
+        assert min(times) == 0 and max(times) < 2 * MOONCAKE_WINDOW_PER_REPLICA_S
+        assert 2 * 40 < len(w) < 2 * 110
+        prompt = sum(r.prompt_len for r in w)
+        assert w.cached_prompt_tokens(128) > 0.1 * prompt  # whole 128-token blocks an earlier prompt shared
+    assert {r.request_id for r in held} != {r.request_id for r in tuning}
+    assert 1.5 * len(held) < len(mooncake_workload(pool, 4, seed=0)) < 2.5 * len(held)
+    [(seed, timed)] = timed_runs([(0, held, 10.0)], 0.8, trace=True)
+    times = [r.arrival_time for r in timed]
+    assert seed == 0 and (len(timed) - 1) / max(times) == pytest.approx(8.0)
+    with pytest.raises(ValueError):
+        mooncake_workload(pool, 64, seed=0)  # longer than the trace: every seed's window alike
+
+
 def test_the_benchmark_runs_the_variants_and_a_second_slo(tmp_path, data_dir):
     from benchmarks import unequal_replicas
 
