@@ -375,16 +375,17 @@ class AdmissionGate:
         return rid, decision
 
     def begin(self, rid: str, stream: bool) -> _Flight:
-        """An admitted request starts downstream."""
+        """An admitted request starts downstream; the gate holds its flight until :meth:`end`."""
         flight = self._flights[rid] = _Flight(stream)
         return flight
 
-    async def run(self, flight: _Flight, call: Awaitable[Any]) -> Any:
-        """Await ``call`` as a task the deadline rule may cancel while the request has sent nothing.
+    async def run(self, rid: str, call: Awaitable[Any]) -> Any:
+        """Await ``call`` as a task the deadline rule may cancel while request ``rid`` has sent nothing.
 
         Raises:
             DeadlineAborted: the rule cancelled it.
         """
+        flight = self._flights[rid]
         flight.task = asyncio.ensure_future(call)
         if self.controller.rule.deadline and self._watcher is None:
             self._watcher = asyncio.ensure_future(self._watch())
@@ -399,8 +400,9 @@ class AdmissionGate:
             raise DeadlineAborted
         return result
 
-    def first_byte(self, rid: str, flight: _Flight) -> None:
+    def first_byte(self, rid: str) -> None:
         """The request's first byte goes out: its first token (a stream's), or its whole answer."""
+        flight = self._flights[rid]
         if flight.started:
             return
         flight.started = True
@@ -408,9 +410,9 @@ class AdmissionGate:
         self.controller.started(rid, self.clock(), timed=flight.stream)
         self.metrics.push(self.controller.stats)
 
-    def end(self, rid: str, flight: _Flight) -> None:
+    def end(self, rid: str) -> None:
         """The request left (answered, aborted, failed, or its client went away)."""
-        self._flights.pop(rid, None)
+        flight = self._flights.pop(rid)
         if flight.task is not None and not flight.task.done():
             flight.task.cancel()
         self.controller.finished(rid, aborted=flight.aborted, now=self.clock())
@@ -511,18 +513,18 @@ class AdmissionMiddleware(AdmissionGate):
                 flight.start = message
                 return
             if kind == "http.response.body" and not flight.started:
-                self.first_byte(rid, flight)
+                self.first_byte(rid)
                 if flight.start is not None:
                     await send(flight.start)
             await send(message)
 
         try:
             try:
-                await self.run(flight, self.app(scope, receive, tracked_send))
+                await self.run(rid, self.app(scope, receive, tracked_send))
             except DeadlineAborted:
                 await self._send_deadline(send, flight)
         finally:
-            self.end(rid, flight)
+            self.end(rid)
 
     async def _send_deadline(self, send: Send, flight: _Flight) -> None:
         """A request aborted by the deadline rule: its error, as an SSE event or an HTTP 504."""

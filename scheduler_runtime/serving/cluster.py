@@ -271,16 +271,17 @@ class EngineReplica:
 
         yield {"replica": self.replica_id, "rank": self.rank}
         stream = bool(body.get("stream"))
-        gate, key, flight = self.admission, "", None
+        gate, key = None, ""  # the gate of an admitted request
         ids = _prompt_ids(kind, rendered)
-        if gate is not None and ids:
-            key, decision = gate.admit([ids], slos or {})
+        if self.admission is not None and ids:
+            key, decision = self.admission.admit([ids], slos or {})
             if not decision.admit:
-                status, headers, payload = rejection_response(decision, gate.settings.status)
+                status, headers, payload = rejection_response(decision, self.admission.settings.status)
                 yield {"status": status, "json": json.loads(payload),
                        "headers": {k.decode(): v.decode() for k, v in headers}}
                 return
-            flight = gate.begin(key, stream)
+            gate = self.admission
+            gate.begin(key, stream)
         result: Any = None
         try:
             if kind == "chat":
@@ -292,26 +293,26 @@ class EngineReplica:
             token = _RENDERED.set(rendered)
             try:  # a task made now (the deadline rule's) copies the rendered request's context
                 call = create(request, None)
-                result = await (gate.run(flight, call) if gate is not None and flight is not None else call)
+                result = await (gate.run(key, call) if gate is not None else call)
             finally:
                 _RENDERED.reset(token)
             if isinstance(result, ErrorResponse):
-                if gate is not None and flight is not None:
-                    gate.first_byte(key, flight)
+                if gate is not None:
+                    gate.first_byte(key)
                 yield {"status": result.error.code, "json": result.model_dump()}
             elif hasattr(result, "__aiter__"):
                 first = None
-                if gate is not None and flight is not None:  # the deadline rule may abort it until then
-                    first = await gate.run(flight, anext(result, None))
-                    gate.first_byte(key, flight)
+                if gate is not None:  # the deadline rule may abort it until then
+                    first = await gate.run(key, anext(result, None))
+                    gate.first_byte(key)
                 yield {"status": 200, "stream": True}
                 if first is not None:
                     yield first
                 async for chunk in result:
                     yield chunk
             else:
-                if gate is not None and flight is not None:
-                    gate.first_byte(key, flight)
+                if gate is not None:
+                    gate.first_byte(key)
                 yield {"status": 200, "json": result.model_dump()}
         except DeadlineAborted:
             if hasattr(result, "aclose"):  # vLLM aborts the request in its engine
@@ -322,8 +323,8 @@ class EngineReplica:
             else:
                 yield {"status": DEADLINE_STATUS, "json": deadline_error()}
         finally:
-            if gate is not None and flight is not None:
-                gate.end(key, flight)
+            if gate is not None:
+                gate.end(key)
 
     async def metrics(self) -> dict[str, Any]:
         """This replica's Prometheus exposition (vLLM's and Feather's series)."""
