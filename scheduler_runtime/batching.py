@@ -137,6 +137,9 @@ class BatchingCore:
             raise ValueError(f"the policy reads the {self.policy_obs_kind!r} observation but the core "
                              f"asks the {cfg.decision!r} decision")
         self._policy_observes = getattr(policy, "observes", True)
+        #: the base observation handed over as a tuple of ints (no float32 array) to a policy that
+        #: reads any sequence (``reads_plain``): the same numbers, exactly, at a fraction of the cost
+        self._plain_obs = self.policy_obs_kind == "base" and getattr(policy, "reads_plain", False)
         reset = getattr(policy, "reset", None)
         if reset is not None:
             reset()
@@ -237,6 +240,22 @@ class BatchingCore:
         self._drop_active(request_id)
         self.stats.finished += 1
 
+    def leave(self, request_id: str, *, aborted: bool) -> bool:
+        """The engine freed a request: :meth:`finish` an active one, :meth:`remove` one aborted or
+        still waiting; False (and nothing changes) for an id the core does not know. One call on
+        the engine's hot path instead of a membership test and a dispatch."""
+        if request_id in self._active:
+            self._drop_active(request_id)
+            if aborted:
+                self.stats.aborted += 1
+            else:
+                self.stats.finished += 1
+            return True
+        if request_id in self._waiting:
+            self.remove(request_id)
+            return True
+        return False
+
     def remove(self, request_id: str) -> None:
         """Abort a waiting or active request: nothing of it stays in the core.
 
@@ -266,7 +285,9 @@ class BatchingCore:
         if self._ordering_finish is not None:
             self._ordering_finish(request_id)
         self.budget.release(request_id)
-        self._changed()
+        self._version += 1  # _changed, inline (once per request the engine frees)
+        if self._pending is not None:
+            self._changed_during_round()
 
     def preempted(self, request_id: str) -> None:
         """The engine preempted an active request. It stays in the batch: the engine puts it
@@ -279,9 +300,12 @@ class BatchingCore:
     def _changed(self) -> None:
         self._version += 1
         if self._pending is not None:
-            # an arrival or finish during an open round: the candidate may no longer be best
-            self._pending = None
-            self._next_decision()
+            self._changed_during_round()
+
+    def _changed_during_round(self) -> None:
+        # an arrival or finish during an open round: the candidate may no longer be best
+        self._pending = None
+        self._next_decision()
 
     # ------------------------------------------------------------------ a round of decisions
 
@@ -347,13 +371,10 @@ class BatchingCore:
         pending = self._pending
         if pending is None:
             raise RuntimeError("no decision is pending")
-        cand = self._candidate_cache
-        if cand is None or cand.request_id != pending.request_id:
-            cand = self.cht.candidate(pending.request_id)
-            self._candidate_cache = cand
-        delta = cand.depth_before - cand.depth_after
         if kind == "base":
-            return np.array([len(self._active), delta, cand.w], dtype=np.float32)
+            return np.array(self._base_observation(pending), dtype=np.float32)
+        cand = self._pending_candidate(pending)
+        delta = cand.depth_before - cand.depth_after
         rid = pending.request_id
         entry = self._waiting[rid]
         engine = self._engine
@@ -389,6 +410,20 @@ class BatchingCore:
             ],
             dtype=np.float32,
         )
+
+    def _pending_candidate(self, pending: Decision) -> Candidate:
+        cand = self._candidate_cache
+        if cand is None or cand.request_id != pending.request_id:
+            cand = self.cht.candidate(pending.request_id)
+            self._candidate_cache = cand
+        return cand
+
+    def _base_observation(self, pending: Decision) -> tuple[int, int, int]:
+        """The pending decision's ``(batch size, delta, w)``."""
+        cand = self._candidate_cache  # _pending_candidate, inline (the hot path of every decision)
+        if cand is None or cand.request_id != pending.request_id:
+            cand = self._pending_candidate(pending)
+        return len(self._active), cand.depth_before - cand.depth_after, cand.w
 
     def kv_committed(self) -> float:
         """The KV cache's share in use or promised (the group observation's ``kv_usage``): the
@@ -463,9 +498,12 @@ class BatchingCore:
         try:
             self.open_round(now, free_slots, engine)
             policy, kind = self.policy, self.policy_obs_kind
-            observes = self._policy_observes
+            observes, plain = self._policy_observes, self._plain_obs
             while (pending := self._pending) is not None:
-                obs = self.observe(kind) if observes else None
+                if plain:
+                    obs = self._base_observation(pending)
+                else:
+                    obs = self.observe(kind) if observes else None
                 action = int(policy.act(obs, pending.mask))  # type: ignore[arg-type]
                 if action == ADD:
                     self.add()

@@ -39,7 +39,6 @@ row of ``max L`` hashes per request slot, and its L key ids.
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
@@ -257,12 +256,20 @@ class ChunkedHashTree:
 
         It stays in the queue: ``activate`` moves it. None when nothing is waiting.
         """
-        slot = self._peek_heap()
-        if slot is None:
-            return None
-        req = self._slot_req[slot]
-        assert req is not None
-        return self._candidate(req)
+        heap, slot_req = self._heap, self._slot_req
+        while heap:  # the heap's top, its stale entries dropped
+            entry = heap[0]
+            # the slot's _is_waiting, _seq and _missing, as its request keeps them
+            req = slot_req[entry & _SLOT_MASK]
+            if (
+                req is not None
+                and req.waiting
+                and req.seq == (entry >> _SLOT_BITS) & _SEQ_MASK
+                and req.missing == entry >> _MISSING_SHIFT
+            ):
+                return self._candidate(req)
+            heapq.heappop(heap)
+        return None
 
     def candidate(self, request_id: str) -> Candidate:
         """What adding waiting request ``request_id`` would do to the batch (any waiting request,
@@ -338,7 +345,26 @@ class ChunkedHashTree:
         req = self._active.pop(request_id, None)
         if req is None:
             raise UnknownRequestError(self._state_message(request_id, "active"))
-        self._drop_active(req)
+        self._last_candidate = None
+        count = self._count
+        # Along one request's chain both holder counts shrink with depth, so the keys still in
+        # the working set (an active holder left) form a prefix, and so do the keys that anyone
+        # still holds: count both in one pass (prompts are a few keys long at the usual chunk).
+        covered = alive = 0
+        for kid in req.kids:
+            c = count[kid] - _ACTIVE
+            count[kid] = c
+            if c:
+                alive += 1
+                if c >= _ACTIVE:
+                    covered += 1
+        self._shared_depth = None if self._active else 0
+        if covered < alive:  # key ``covered`` has holders, all waiting: they miss it again
+            self._shift_missing(req, covered, +1)
+        if alive < req.num_keys:
+            self._forget_keys(req, alive)
+        self._slot_req[req.slot] = None  # _free_slot, inline
+        self._free_slots.append(req.slot)
 
     def remove(self, request_id: str) -> None:
         """Abort a request, waiting or active.
@@ -346,9 +372,8 @@ class ChunkedHashTree:
         Raises:
             UnknownRequestError: ``request_id`` is neither waiting nor active.
         """
-        req = self._active.pop(request_id, None)
-        if req is not None:
-            self._drop_active(req)
+        if request_id in self._active:
+            self.finish(request_id)
             return
         req = self._waiting.pop(request_id, None)
         if req is None:
@@ -363,7 +388,7 @@ class ChunkedHashTree:
             c = count[kid] - 1
             count[kid] = c
             if c:
-                alive += 1  # a prefix, as in _drop_active
+                alive += 1  # a prefix, as in finish
         if alive < req.num_keys:
             self._forget_keys(req, alive)
         self._slot_req[slot] = None  # _free_slot, inline
@@ -517,43 +542,6 @@ class ChunkedHashTree:
             out.append(h)
         return np.array(out, dtype=np.uint64)
 
-    def _peek_heap(self) -> int | None:
-        heap, slot_req = self._heap, self._slot_req
-        while heap:
-            entry = heap[0]
-            slot = entry & _SLOT_MASK
-            # the slot's _is_waiting, _seq and _missing, as its request keeps them
-            req = slot_req[slot]
-            if (
-                req is not None
-                and req.waiting
-                and req.seq == (entry >> _SLOT_BITS) & _SEQ_MASK
-                and req.missing == entry >> _MISSING_SHIFT
-            ):
-                return slot
-            heapq.heappop(heap)
-        return None
-
-    def _drop_active(self, req: _Request) -> None:
-        self._last_candidate = None
-        kids = req.kids
-        count = self._count
-        held = [c - _ACTIVE for c in map(count.__getitem__, kids)]
-        for kid, c in zip(kids, held, strict=True):
-            count[kid] = c
-        self._shared_depth = None if self._active else 0
-        # Along one request's chain both holder counts shrink with depth, so the keys still in
-        # the working set form a prefix, and so do the keys that anyone still holds.
-        covered = sum(map(_ACTIVE.__le__, held))
-        if covered < req.num_keys:
-            if held[covered]:  # no active holder left, so this is the waiting count
-                self._shift_missing(req, covered, +1)
-            alive = req.num_keys - held.count(0)
-            if alive < req.num_keys:
-                self._forget_keys(req, alive)
-        self._slot_req[req.slot] = None  # _free_slot, inline
-        self._free_slots.append(req.slot)
-
     def _shift_missing(self, req: _Request, start: int, sign: int) -> None:
         """Keys ``start..L-1`` of ``req`` entered (sign -1) or left (+1) the working set.
 
@@ -621,8 +609,9 @@ class ChunkedHashTree:
         """
         kids = req.kids
         if alive < req.registered:
-            dead_keys = map(self._kid_key.__getitem__, kids[alive : req.registered])
-            deque(map(self._key_to_kid.__delitem__, dead_keys), 0)  # a C-level loop
+            key_to_kid, kid_key = self._key_to_kid, self._kid_key
+            for kid in kids[alive : req.registered]:
+                del key_to_kid[kid_key[kid]]
         if req.registered < req.num_keys:
             self._tail_owner[kids[req.registered - 1]] = None
         self._free_kids.extend(kids[alive:])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -157,12 +157,12 @@ class Entry:
         self.footprint = 0.0
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
     """The pending decision: ADD ``request_id`` to the batch, or STOP (see :meth:`BatchingCore.observe`).
 
     ``mask`` is ``[STOP valid, ADD valid]``; a pending decision always has ADD valid (a candidate
-    that does not fit ends the round instead) and STOP valid (an empty batch is seeded).
+    that does not fit ends the round instead) and STOP valid (an empty batch is seeded). A named
+    tuple (immutable, as a frozen dataclass, and built several times faster: one per decision).
     """
 
     request_id: str

@@ -115,7 +115,9 @@ class BatchingPolicy(Protocol):
     ``mask`` is ``bool [STOP valid, ADD valid]``; the answer is 0 (STOP) or 1 (ADD).
     Optional: ``reset()``, called once when the core starts using the policy, and
     ``observes = False`` for a policy that never reads the observation (the core then skips
-    computing it).
+    computing it), and ``reads_plain = True`` for one whose ``act`` reads any sequence of
+    numbers: on the base observation the core then hands it a tuple of ints (the same values,
+    without building an array at every decision).
     """
 
     def act(self, obs: np.ndarray, mask: np.ndarray) -> int: ...

@@ -110,6 +110,9 @@ class Policy(ABC):
     """A loaded policy: ``act(obs, mask) -> 0 (STOP) | 1 (ADD)``, obs in the environment's raw units."""
 
     kind: str = ""
+    #: ``act`` reads any sequence of numbers (``_clip`` makes a list of it): the core may hand
+    #: it a tuple (``decision.BatchingPolicy``)
+    reads_plain: bool = True
 
     def __init__(self, obs_spec: ObservationSpec, agent: str = "", meta: dict[str, Any] | None = None,
                  path: str | None = None) -> None:

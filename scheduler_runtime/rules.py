@@ -47,6 +47,9 @@ class HeuristicRule:
       degenerates to the delta thresholds alone. Kept for comparison.
     """
 
+    #: ``act`` reads any sequence of numbers (the core hands it a tuple: ``decision.BatchingPolicy``)
+    reads_plain: ClassVar[bool] = True
+
     delta_max: float = 5
     delta_max_shared: float = 7
     w_shared: float = 10

@@ -574,13 +574,10 @@ class FeatherRuntime:
         """Ids to release to the engine now, in order (see :meth:`BatchingCore.plan`)."""
         return self.core.plan(now, free_slots, engine)
 
-    def left_engine(self, request_id: str, aborted: bool) -> None:
-        """The engine freed a request it knew (finished, or aborted/errored)."""
-        core = self.core
-        if aborted or not core.is_active(request_id):
-            core.remove(request_id)
-        else:
-            core.finish(request_id)
+    def left_engine(self, request_id: str, aborted: bool) -> bool:
+        """The engine freed a request (finished, or aborted/errored); False for one the core does
+        not know (:meth:`BatchingCore.leave`)."""
+        return self.core.leave(request_id, aborted=aborted)
 
     def preempted(self, request_id: str) -> None:
         if self.core.is_active(request_id):

@@ -190,6 +190,48 @@ def test_policy_sees_batch_size_delta_and_w_of_the_cht_candidate():
     assert sizes == list(range(1, len(sizes) + 1))
 
 
+class PlainRecorder(Recorder):
+    """A policy that reads any sequence of numbers (``reads_plain``): the core hands it a tuple."""
+
+    reads_plain = True
+
+    def act(self, obs, mask):
+        self.calls.append((obs, mask.copy()))
+        return self.inner.act(obs, mask)
+
+
+def test_a_policy_reading_plain_numbers_gets_the_same_observation_as_a_tuple():
+    reqs = grouped(5, 7, prefix=90, seed=12)
+    cores, recorders, released = [], [], []
+    for recorder in (Recorder(HeuristicRule()), PlainRecorder(HeuristicRule())):
+        core = BatchingCore(CoreConfig(chunk_size=CHUNK, max_wait=None), recorder, kv_capacity_tokens=2_000)
+        released.append(simulate(core, reqs, slots=6)[0])
+        cores.append(core)
+        recorders.append(recorder)
+    arrays, plain = recorders[0].calls, recorders[1].calls
+    assert len(arrays) == len(plain) > 20
+    assert all(type(obs) is tuple and all(type(x) is int for x in obs) for obs, _ in plain)
+    assert [o.tolist() for o, _ in arrays] == [list(o) for o, _ in plain]
+    assert released[0] == released[1]  # the same decisions, at the same times
+
+
+def test_leave_finishes_or_aborts_and_ignores_an_unknown_id():
+    reqs = grouped(2, 4, prefix=40, seed=13)
+    core = BatchingCore(CoreConfig(chunk_size=CHUNK))
+    for r in reqs:
+        core.arrive(r.rid, r.tokens, arrival=0.0, output_len=r.output_len)
+    first, second = core.plan(0.0, 2)
+    waiting = core.waiting_ids()[0]
+    assert core.leave(first, aborted=False) and core.stats.finished == 1 and core.stats.aborted == 0
+    assert core.leave(second, aborted=True) and core.stats.aborted == 1
+    assert core.leave(waiting, aborted=False) and core.stats.aborted == 2  # freed before release
+    before = (core.waiting_ids(), core.active_ids(), core.cht.num_keys)
+    assert not core.leave("never-held", aborted=False)
+    assert (core.waiting_ids(), core.active_ids(), core.cht.num_keys) == before
+    assert core.stats.finished == 1 and core.stats.aborted == 2
+    core.check_consistency()
+
+
 def test_aborted_requests_leave_nothing_in_the_cht():
     reqs = grouped(4, 6, prefix=50, seed=5)
     for ordering in ORDERINGS:

@@ -171,7 +171,7 @@ class SimBackend(ServingBackend):
         runtime = self.runtime
         if self.held.drop(request_id) is None:  # released: in the engine's queue
             self.engine.abort_request(request_id)
-        if runtime is not None and request_id in runtime:
+        if runtime is not None:
             runtime.left_engine(request_id, aborted=True)
 
     def _deadline(self) -> float:
@@ -243,7 +243,8 @@ class SimBackend(ServingBackend):
         for rid in res.finished:
             t = self._timelines[rid]
             self._record_tokens(rid, t.output_len - t.tokens, True, now, adv)
-            runtime.left_engine(rid, aborted=False)
+            if not runtime.left_engine(rid, aborted=False):
+                raise RuntimeError(f"the simulated engine finished {rid!r}, which its scheduler never held")
             self._hit.pop(rid, None)
         return bool(res.finished) or (bool(res.admitted) and runtime.core.config.decision == "group")
 

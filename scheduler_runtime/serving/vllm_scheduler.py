@@ -440,8 +440,10 @@ class _FeatherMixin:
                 # the runtime's round with no free slot releases nothing and changes nothing (it
                 # ends before the overdue requests), unless it retains the held groups' prefixes
                 if planner is not None or free > 0 or core.config.retain_held_prefixes:
-                    released = (planner or runtime).plan(self.feather_clock(), free, self.feather_view)
-                    self.feather_held.release(released)
+                    # the runtime's round is its core's (FeatherRuntime.plan), called directly
+                    released = (planner or core).plan(self.feather_clock(), free, self.feather_view)
+                    if released:
+                        self.feather_held.release(released)
             except Exception as exc:  # fault isolation (module docstring)
                 self._feather_fault("plan", exc)
                 self._feather_hand_over()
@@ -481,10 +483,11 @@ class _FeatherMixin:
         result = super()._free_request(request, *args, **kwargs)  # type: ignore[misc]
         self.feather_held.drop(request.request_id)  # a held request was aborted
         runtime = self.feather
-        if runtime is not None and request.request_id in runtime:
+        if runtime is not None:
             start = time.perf_counter()
             try:
-                # Anything but a normal end (stop string/EOS, length) counts as an abort.
+                # Anything but a normal end (stop string/EOS, length) counts as an abort; a request
+                # the runtime never held (handed to vLLM by a fault) is not its to count.
                 runtime.left_engine(request.request_id, aborted=request.status not in _COMPLETED)
             except Exception as exc:  # fault isolation (module docstring)
                 self._feather_fault("freed", exc)
