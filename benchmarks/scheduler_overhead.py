@@ -46,23 +46,20 @@ whose step (tens of ms of Python and CPU kernels) flushes the caches between two
 calls: the same code runs several times faster in a loop of its own. Runs vary with the load of a
 shared machine: compare within one run.
 
-Measured 2026-12-06 (issue 51) on a shared 2-core AMD EPYC, the engine on core 1, engine steps of
-100-125 ms (the host was loaded: 57 ms on 2026-11-29). ``feather-heuristic+svf`` at 1,000
-waiting, Feather's added us per step before -> after that issue's changes, the two code versions
-alternating in one session (``--waiting 1000 --steps 60``): 303 -> 189, 271 -> 159 (the changes
-but their last step), 267 -> 177 (-34% to -41%), beside vLLM's own ``schedule()`` of 860-1,090 us
-(0.19 of it, from 0.25-0.33). Full runs of the final code: 161 us at 1,000 waiting with the other
-core idle (``results/scheduler_overhead.json``: median step 158 us, vLLM's own 850 us, 1.07% of a
-15-ms step; 148 us at 500 waiting, 178 us at 10,000, 41 us at 64) and 235 us with tests running
-on the other core. Each shipped policy
-at 1,000 waiting: 136-169 us, 0.9-1.1% of a 15-ms step (``results/scheduler_overhead_policies.json``;
-214-282 us before). So the added time stays under a fifth of vLLM's own, but 150 us is reached
-only at 500 waiting and by some of the policies, not at 1,000 for ``feather-heuristic+svf``:
-about 1.5 requests are released and 1.5 freed per step, each through
-some twenty Python calls (CHT, candidate, footprint, observation, policy, groups, budget,
-vLLM's queue), each costing a few microseconds in the cold caches an engine step leaves (the
-same work replayed without the engine, in a warm loop, costs several times less); below that
-needs fewer calls per request (one fused release path) or a compiled core.
+Measured 2026-12-06 (issue 51) on a shared 2-core AMD EPYC, the engine on core 1.
+``feather-heuristic+svf`` at 1,000 waiting, Feather's added us per step, two code versions
+alternating in one session, 5 runs each (``--waiting 1000 --steps 60``; medians): 162.1 before
+the second cut, **130.2 after** (each run: 135.2, 129.0, 130.2, 127.2, 131.9), the same decisions.
+What the cut removed: the float32 array built for every decision (a policy that declares
+``reads_plain`` gets the base observation as a tuple of ints), the layers between vLLM's free hook
+and the core (one ``BatchingCore.leave``), the CHT finish's several passes over a request's keys
+(one), a function call per candidate (the heap peek inline) and a frozen dataclass per decision
+(a named tuple). Full run of that code (``results/scheduler_overhead.json``): 23, 127, 131 and 123
+us at 64, 500, 1,000 and 10,000 waiting, 0.05-0.17 of vLLM's own ``schedule()`` (426-786 us),
+0.15-0.87% of a 15-ms step. Each shipped policy at 1,000 waiting
+(``results/scheduler_overhead_policies.json``): 123-138 us, 0.82-0.92% of a 15-ms step. Each
+release and each finish still goes through some fifteen Python calls in the cold caches an
+engine step leaves; below that needs a compiled core.
 """
 
 from __future__ import annotations
