@@ -47,22 +47,23 @@ replica is then sent fewer new documents, and its hot documents spill sooner. Wi
 prefix that no replica holds (or holds no longer, by the cache model) goes instead to the replica
 predicted to finish it first (:meth:`LearnedRouter.predicted_completion`: its queue of uncached prefill
 tokens and the request's own uncached tokens at its prefill speed, the mean output at its decode
-speed); ``benchmarks.unequal_replicas`` measures it as ``prefix-learned-place``. With ``kv_guard`` (on),
-on a fleet whose published KV sizes differ, a new prefix is not placed where it would not fit: where
-ours' choice holds (by an LRU of what it was sent, its KV in size) so many distinct prompt tokens that
-this prompt's would overflow its KV, and another replica still has room for it, it goes to the replica
-with room that it fills least (its resident tokens with the prompt's over its KV;
-:meth:`LearnedRouter.kv_room`). It matters most on first placement: before anything is learned
-(``weights()`` are all 1 until every replica has a prefill sample) ours splits the first burst of
-documents by requests in flight alone, and on ``benchmarks.unequal_loopback`` the rounds that gave the
-quarter-KV replica five documents of twelve (42/30 requests) served 30-50 tok/s where those that gave
-it four (48/24) served 44-67 (the note of 2026-12-06). Once every replica is full it says nothing;
-on equal-KV fleets, never. Tried on that
-benchmark's fleets and dropped, without a row of their own (the note of 2026-12-06 says how they
-fared): the same prediction overriding ours on a known prefix whenever ours' choice is predicted to
-finish 25% later, or to start more than 3, 5 or 8 s later, than the best replica (spilling documents
-lost on every fleet, as the tighter load bounds of ``benchmarks.router_peers`` did); weights from the
-decode speed too (a request's TPOT here is mostly the prefill steps it waits behind: load, not
+speed); ``benchmarks.unequal_replicas`` measures it as ``prefix-learned-place``. With ``kv_guard`` (off by
+default), on a fleet whose published KV sizes differ, a new prefix is not placed where it would not fit:
+where ours' choice holds (by an LRU of what it was sent, its KV in size) so many distinct prompt tokens
+that this prompt's would overflow its KV, and another replica still has room for it, it goes to the
+replica with room that it fills least (its resident tokens with the prompt's over its KV;
+:meth:`LearnedRouter.kv_room`); once every replica is full it says nothing, and on equal-KV fleets,
+never. On ``benchmarks.unequal_loopback`` (real engines; the quarter-KV replica at half speed), where
+ours without it gave that replica five documents of twelve in 4 of 9 rounds (42/30 requests, 34-46
+tok/s), with it ours gave it four or three in all nine (48/24 or 54/18, 57-79 tok/s); on
+``benchmarks.unequal_replicas``' kv fleet (a quarter of the KV at equal speed; 128 documents, more
+than the fleet holds) it left throughput level and lost attainment (70.3% against 75.3% at load 0.8,
+57.7% against 59.3% at 1): hence off (the note of 2026-12-06, fifth session). Tried on
+``benchmarks.unequal_replicas``' fleets and dropped, without a row of their own (the note of 2026-12-06
+says how they fared): the same prediction overriding ours on a known prefix whenever ours' choice is
+predicted to finish 25% later, or to start more than 3, 5 or 8 s later, than the best replica (spilling
+documents lost on every fleet, as the tighter load bounds of ``benchmarks.router_peers`` did); weights
+from the decode speed too (a request's TPOT here is mostly the prefill steps it waits behind: load, not
 speed); and a small-KV replica's load weighted up by its KV's shortfall from the median.
 
 Adapting and exploring: with ``tau_s`` 20 s an estimate moves most of the way to a new speed within
@@ -100,7 +101,7 @@ import numpy as np
 from scheduler_runtime.router import PrefixAffinityRouter
 from scheduler_runtime.router_base import PrefixHistory, prompt_tokens
 
-__all__ = ["KV_GUARD", "VARIANTS", "CostRouter", "CostSloRouter", "DecayedRate", "LearnedRouter",
+__all__ = ["VARIANTS", "CostRouter", "CostSloRouter", "DecayedRate", "LearnedRouter",
            "ReplicaLearning", "SecondsAffinityRouter", "SloRouter", "Told"]
 
 #: Told slowdowns for the informed reference: ``(replica, now) -> (prefill, decode)`` slowdown factors.
@@ -167,8 +168,7 @@ class LearnedRouter(PrefixAffinityRouter):
         place_new: a new prefix goes to the replica predicted to finish it first (default off: ours'
             least weighted load; see the module docstring).
         kv_guard: a new prefix that would overflow ours' choice's KV goes to a replica with room for
-            it, on a fleet of unequal KV (see the module docstring): ``"always"``, ``"first"`` (only
-            until every replica's prefill speed is learned) or ``"off"``.
+            it, on a fleet of unequal KV (see the module docstring; default off).
         overhead_tokens: work a prefill costs beyond its uncached tokens (a fully cached prompt still
             takes a step).
         prior_output_tokens: the predicted output before any request has finished.
@@ -188,7 +188,7 @@ class LearnedRouter(PrefixAffinityRouter):
     observes_service = True
 
     def __init__(self, tau_s: float = 20.0, explore_s: float = 20.0, band: float = 0.35,
-                 place_new: bool = False, kv_guard: str = "always",
+                 place_new: bool = False, kv_guard: bool = False,
                  overhead_tokens: int = 256, prior_output_tokens: float = 64.0, told: Told | None = None,
                  told_kv_tokens: Mapping[str, int] | None = None, cache_factor: float = 0.0,
                  work_cache_factor: float = 0.0, **kwargs: Any) -> None:
@@ -196,12 +196,10 @@ class LearnedRouter(PrefixAffinityRouter):
             raise ValueError("the learned router is told no KV size (it reads vllm:cache_config_info)")
         if band < 0 or overhead_tokens < 0 or not explore_s > 0:
             raise ValueError("band and overhead_tokens must be >= 0 and explore_s > 0")
-        if kv_guard not in KV_GUARD:
-            raise ValueError(f"kv_guard must be one of {KV_GUARD}, got {kv_guard!r}")
         super().__init__(cache_factor=cache_factor, **kwargs)
         self.tau_s, self.explore_s = float(tau_s), float(explore_s)
         self.place_new = bool(place_new)
-        self.kv_guard = kv_guard
+        self.kv_guard = bool(kv_guard)
         #: the guard's view of what each replica holds: an LRU of the prompts it was sent since its KV
         #: became known, its KV in size (:meth:`kv_room`)
         self.resident = PrefixHistory(self.chunk_size, 1 << 40)
@@ -376,16 +374,11 @@ class LearnedRouter(PrefixAffinityRouter):
             out[r] = 1.0 if abs(w - 1.0) < self.band else w
         return out
 
-    def kv_room(self, replicas: Collection[str], tokens: int, now: float | None = None) -> dict[str, float]:
+    def kv_room(self, replicas: Collection[str], tokens: int) -> dict[str, float]:
         """The replicas of ``replicas`` with room for a new prompt of ``tokens`` tokens, each with the share
         of its KV it would then hold (its resident distinct prompt tokens, by :attr:`resident`, and the
         prompt's, over its KV tokens). Empty, the guard silent, unless every one's KV is known and they
-        differ (equal replicas are placed as ours places them), and, with ``kv_guard="first"``, once
-        every one's prefill speed is learned (at ``now``; the clock's if ``None``)."""
-        if self.kv_guard == "first":
-            speeds = self._speeds(replicas, "prefill", self.clock() if now is None else now)
-            if all(v is not None for v in speeds.values()):
-                return {}
+        differ (equal replicas are placed as ours places them)."""
         kv = {r: self._replica(r).kv_tokens for r in replicas}
         sizes = [k for k in kv.values() if k is not None]
         if len(sizes) < len(kv) or len(set(sizes)) < 2:
@@ -404,8 +397,8 @@ class LearnedRouter(PrefixAffinityRouter):
         choice = super().choose(hashes, loads, avoid, tokens=tokens)
         if self.counts["new"] == new_before:
             return choice  # a known prefix: ours' affinity, bounded by the weighted loads
-        if self.kv_guard != "off":
-            room = self.kv_room(self._allowed(loads, avoid), self._length(hashes, tokens), now)
+        if self.kv_guard:
+            room = self.kv_room(self._allowed(loads, avoid), self._length(hashes, tokens))
             if room and choice not in room:
                 self.counts["kv_guarded"] += 1
                 choice = min(room, key=lambda r: (room[r], loads[r], r))
@@ -436,7 +429,7 @@ class LearnedRouter(PrefixAffinityRouter):
         super().routed(hashes, replica, tokens=tokens, request_id=request_id)
         if self.seen is not None and self.seen is not self.cached and hashes is not None:
             self.seen.insert(hashes, replica, tokens)
-        if self.kv_guard != "off" and hashes is not None and len(hashes) and self._replica(replica).kv_tokens:
+        if self.kv_guard and hashes is not None and len(hashes) and self._replica(replica).kv_tokens:
             self.resident.insert(hashes, replica, tokens)  # once its KV (the LRU's size) is known
         if request_id is None:
             return
@@ -472,8 +465,6 @@ class LearnedRouter(PrefixAffinityRouter):
         return {**super().state(), "learned_replicas": len(self.replicas)}
 
 
-#: When :class:`LearnedRouter`'s KV guard acts (``kv_guard``).
-KV_GUARD = ("off", "first", "always")
 #: Where :class:`SloRouter` sends a request no replica is predicted to serve within the SLO.
 DOOMED = ("ours", "worst", "sacrifice", "least")
 #: How :class:`SloRouter` predicts a replica's TPOT.

@@ -212,32 +212,23 @@ def _first_burst(router: LearnedRouter, kv: dict[str, int], docs: int = 8,
 
 
 def test_a_new_document_is_not_placed_where_it_would_overflow_the_kv():
-    """Eight 4,000-token documents at once on replicas of 65,536 and 12,288 KV tokens: ours alone splits
-    them by load, 4/4 (the small one overflows); with the guard the small one is given what fits, 3."""
+    """Eight 4,000-token documents at once on replicas of 65,536 and 12,288 KV tokens: ours alone (the
+    default) splits them by load, 4/4 (the small one overflows); with the guard the small one is given
+    what fits, 3."""
     kv = {"a": 65_536, "b": 12_288}
-    assert _first_burst(LearnedRouter(kv_guard="off"), kv) == {"a": 4, "b": 4}
-    guarded = LearnedRouter()
+    assert _first_burst(LearnedRouter(), kv) == {"a": 4, "b": 4}
+    guarded = LearnedRouter(kv_guard=True)
     assert _first_burst(guarded, kv) == {"a": 5, "b": 3}
     assert guarded.state()["kv_guarded"] == 1
     assert guarded.kv_room(["a", "b"], 4000) == {"a": pytest.approx(24_000 / 65_536)}
 
 
-def test_the_first_placement_guard_stops_once_every_speed_is_learned():
-    kv = {"a": 65_536, "b": 12_288}
-    first = LearnedRouter(kv_guard="first")
-    assert _first_burst(first, kv) == {"a": 5, "b": 3}  # nothing learned yet: as "always"
-    assert first.kv_room(["a", "b"], 4000) == {"a": pytest.approx(24_000 / 65_536)}
-    for i in range(8):  # their first tokens: every replica has a prefill sample
-        first.prefilled(f"d{i}")
-    assert first.kv_room(["a", "b"], 4000) == {}
-    with pytest.raises(ValueError):
-        LearnedRouter(kv_guard="sometimes")
-
-
 def test_the_kv_guard_leaves_equal_replicas_to_ours():
-    kv = {"a": 12_288, "b": 12_288}
-    assert _first_burst(LearnedRouter(), kv) == _first_burst(LearnedRouter(kv_guard="off"), kv)
-    assert LearnedRouter().kv_room(["a", "b"], 100) == {}
+    for tokens in (12_288, 65_536):  # full, and with room on both
+        kv = dict.fromkeys(("a", "b"), tokens)
+        guarded = LearnedRouter(kv_guard=True)
+        assert _first_burst(guarded, kv) == _first_burst(LearnedRouter(), kv)
+        assert guarded.kv_room(["a", "b"], 100) == {} and guarded.state()["kv_guarded"] == 0
 
 
 def test_the_learned_router_is_told_no_kv():
