@@ -47,12 +47,23 @@ replica is then sent fewer new documents, and its hot documents spill sooner. Wi
 prefix that no replica holds (or holds no longer, by the cache model) goes instead to the replica
 predicted to finish it first (:meth:`LearnedRouter.predicted_completion`: its queue of uncached prefill
 tokens and the request's own uncached tokens at its prefill speed, the mean output at its decode
-speed); ``benchmarks.unequal_replicas`` measures it as ``prefix-learned-place``. Tried on that
-benchmark's fleets and dropped, without a row of their own (the note of 2026-12-06 says how they
-fared): the same prediction overriding ours on a known prefix whenever ours' choice is predicted to
-finish 25% later, or to start more than 3, 5 or 8 s later, than the best replica (spilling documents
-lost on every fleet, as the tighter load bounds of ``benchmarks.router_peers`` did); weights from the
-decode speed too (a request's TPOT here is mostly the prefill steps it waits behind: load, not
+speed); ``benchmarks.unequal_replicas`` measures it as ``prefix-learned-place``. With ``kv_guard`` (off by
+default), on a fleet whose published KV sizes differ, a new prefix is not placed where it would not fit:
+where ours' choice holds (by an LRU of what it was sent, its KV in size) so many distinct prompt tokens
+that this prompt's would overflow its KV, and another replica still has room for it, it goes to the
+replica with room that it fills least (its resident tokens with the prompt's over its KV;
+:meth:`LearnedRouter.kv_room`); once every replica is full it says nothing, and on equal-KV fleets,
+never. On ``benchmarks.unequal_loopback`` (real engines; the quarter-KV replica at half speed), where
+ours without it gave that replica five documents of twelve in 4 of 9 rounds (42/30 requests, 34-46
+tok/s), with it ours gave it four or three in all nine (48/24 or 54/18, 57-79 tok/s); on
+``benchmarks.unequal_replicas``' kv fleet (a quarter of the KV at equal speed; 128 documents, more
+than the fleet holds) it left throughput level and lost attainment (70.3% against 75.3% at load 0.8,
+57.7% against 59.3% at 1): hence off (the note of 2026-12-06, fifth session). Tried on
+``benchmarks.unequal_replicas``' fleets and dropped, without a row of their own (the note of 2026-12-06
+says how they fared): the same prediction overriding ours on a known prefix whenever ours' choice is
+predicted to finish 25% later, or to start more than 3, 5 or 8 s later, than the best replica (spilling
+documents lost on every fleet, as the tighter load bounds of ``benchmarks.router_peers`` did); weights
+from the decode speed too (a request's TPOT here is mostly the prefill steps it waits behind: load, not
 speed); and a small-KV replica's load weighted up by its KV's shortfall from the median.
 
 Adapting and exploring: with ``tau_s`` 20 s an estimate moves most of the way to a new speed within
@@ -90,8 +101,8 @@ import numpy as np
 from scheduler_runtime.router import PrefixAffinityRouter
 from scheduler_runtime.router_base import PrefixHistory, prompt_tokens
 
-__all__ = ["VARIANTS", "CostRouter", "CostSloRouter", "DecayedRate", "LearnedRouter", "ReplicaLearning",
-           "SecondsAffinityRouter", "SloRouter", "Told"]
+__all__ = ["VARIANTS", "CostRouter", "CostSloRouter", "DecayedRate", "LearnedRouter",
+           "ReplicaLearning", "SecondsAffinityRouter", "SloRouter", "Told"]
 
 #: Told slowdowns for the informed reference: ``(replica, now) -> (prefill, decode)`` slowdown factors.
 Told = Callable[[str, float], tuple[float, float]]
@@ -156,6 +167,8 @@ class LearnedRouter(PrefixAffinityRouter):
             fraction from the fleet's median.
         place_new: a new prefix goes to the replica predicted to finish it first (default off: ours'
             least weighted load; see the module docstring).
+        kv_guard: a new prefix that would overflow ours' choice's KV goes to a replica with room for
+            it, on a fleet of unequal KV (see the module docstring; default off).
         overhead_tokens: work a prefill costs beyond its uncached tokens (a fully cached prompt still
             takes a step).
         prior_output_tokens: the predicted output before any request has finished.
@@ -175,7 +188,7 @@ class LearnedRouter(PrefixAffinityRouter):
     observes_service = True
 
     def __init__(self, tau_s: float = 20.0, explore_s: float = 20.0, band: float = 0.35,
-                 place_new: bool = False,
+                 place_new: bool = False, kv_guard: bool = False,
                  overhead_tokens: int = 256, prior_output_tokens: float = 64.0, told: Told | None = None,
                  told_kv_tokens: Mapping[str, int] | None = None, cache_factor: float = 0.0,
                  work_cache_factor: float = 0.0, **kwargs: Any) -> None:
@@ -186,6 +199,10 @@ class LearnedRouter(PrefixAffinityRouter):
         super().__init__(cache_factor=cache_factor, **kwargs)
         self.tau_s, self.explore_s = float(tau_s), float(explore_s)
         self.place_new = bool(place_new)
+        self.kv_guard = bool(kv_guard)
+        #: the guard's view of what each replica holds: an LRU of the prompts it was sent since its KV
+        #: became known, its KV in size (:meth:`kv_room`)
+        self.resident = PrefixHistory(self.chunk_size, 1 << 40)
         self.overhead_tokens = int(overhead_tokens)
         self.prior_output_tokens = float(prior_output_tokens)
         self.told = told
@@ -205,7 +222,7 @@ class LearnedRouter(PrefixAffinityRouter):
         self._requests: dict[str, tuple[str, float, float]] = {}
         self._first: dict[str, float] = {}  # request id -> its first token's time
         self.band = float(band)
-        self.counts.update({"placed": 0, "weighted": 0})
+        self.counts.update({"placed": 0, "weighted": 0, "kv_guarded": 0})
 
     # -- what it learns -------------------------------------------------------------------------
     def _replica(self, name: str) -> ReplicaLearning:
@@ -221,6 +238,7 @@ class LearnedRouter(PrefixAffinityRouter):
         if r.kv_tokens == kv_tokens:
             return
         r.kv_tokens = kv_tokens
+        self.resident.set_limit(name, max(1, kv_tokens))
         if self.cached is not None:
             self.cached.set_limit(name, max(1, round(self.cache_factor * kv_tokens)))
         elif self.seen is not None:
@@ -288,6 +306,7 @@ class LearnedRouter(PrefixAffinityRouter):
         super().forget(replica)
         if self.seen is not None and self.seen is not self.cached:
             self.seen.forget(replica)
+        self.resident.forget(replica)
         self.replicas.pop(replica, None)
         for rid in [rid for rid, e in self._requests.items() if e[0] == replica]:
             del self._requests[rid]
@@ -355,6 +374,18 @@ class LearnedRouter(PrefixAffinityRouter):
             out[r] = 1.0 if abs(w - 1.0) < self.band else w
         return out
 
+    def kv_room(self, replicas: Collection[str], tokens: int) -> dict[str, float]:
+        """The replicas of ``replicas`` with room for a new prompt of ``tokens`` tokens, each with the share
+        of its KV it would then hold (its resident distinct prompt tokens, by :attr:`resident`, and the
+        prompt's, over its KV tokens). Empty, the guard silent, unless every one's KV is known and they
+        differ (equal replicas are placed as ours places them)."""
+        kv = {r: self._replica(r).kv_tokens for r in replicas}
+        sizes = [k for k in kv.values() if k is not None]
+        if len(sizes) < len(kv) or len(set(sizes)) < 2:
+            return {}
+        fill = {r: (self.resident.size[r] + tokens) / k for r, k in kv.items() if k is not None}
+        return {r: f for r, f in fill.items() if f <= 1.0}
+
     def choose(self, hashes: np.ndarray | None, loads: Mapping[str, int],
                avoid: Collection[str] = (), *, tokens: int | None = None) -> str:
         now = self.clock()
@@ -364,8 +395,15 @@ class LearnedRouter(PrefixAffinityRouter):
             loads = {r: (load + 1) * w[r] - 1 for r, load in loads.items()}
         new_before = self.counts["new"]
         choice = super().choose(hashes, loads, avoid, tokens=tokens)
-        if not self.place_new or self.counts["new"] == new_before:
+        if self.counts["new"] == new_before:
             return choice  # a known prefix: ours' affinity, bounded by the weighted loads
+        if self.kv_guard:
+            room = self.kv_room(self._allowed(loads, avoid), self._length(hashes, tokens))
+            if room and choice not in room:
+                self.counts["kv_guarded"] += 1
+                choice = min(room, key=lambda r: (room[r], loads[r], r))
+        if not self.place_new:
+            return choice
         # a prefix no replica holds (or holds no longer) is prefilled in full wherever it goes:
         # the replica that is predicted to finish it first
         ok = self._allowed(loads, avoid)
@@ -391,6 +429,8 @@ class LearnedRouter(PrefixAffinityRouter):
         super().routed(hashes, replica, tokens=tokens, request_id=request_id)
         if self.seen is not None and self.seen is not self.cached and hashes is not None:
             self.seen.insert(hashes, replica, tokens)
+        if self.kv_guard and hashes is not None and len(hashes) and self._replica(replica).kv_tokens:
+            self.resident.insert(hashes, replica, tokens)  # once its KV (the LRU's size) is known
         if request_id is None:
             return
         r = self._replica(replica)

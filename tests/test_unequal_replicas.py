@@ -194,6 +194,43 @@ def test_forget_drops_what_was_learned():
     assert "a" not in fleet.router.estimates()
 
 
+def _first_burst(router: LearnedRouter, kv: dict[str, int], docs: int = 8,
+                 prompt: int = 4000) -> dict[str, int]:
+    """``docs`` new documents routed at once, none finished, nothing learned (loads: requests in flight),
+    to replicas publishing ``kv`` tokens: the documents each replica was given."""
+    for name, tokens in kv.items():
+        router.scraped(name, {"vllm:cache_config_info": {"num_gpu_blocks": tokens // 16, "block_size": 16}})
+    hasher, rng = PrefixHasher(), np.random.default_rng(3)
+    loads, given = dict.fromkeys(kv, 0), dict.fromkeys(kv, 0)
+    for i in range(docs):
+        hashes = hasher.hash(rng.integers(5, 30_000, prompt, dtype=np.int32))
+        replica = router.choose(hashes, loads, tokens=prompt)
+        router.routed(hashes, replica, tokens=prompt, request_id=f"d{i}")
+        loads[replica] += 1
+        given[replica] += 1
+    return given
+
+
+def test_a_new_document_is_not_placed_where_it_would_overflow_the_kv():
+    """Eight 4,000-token documents at once on replicas of 65,536 and 12,288 KV tokens: ours alone (the
+    default) splits them by load, 4/4 (the small one overflows); with the guard the small one is given
+    what fits, 3."""
+    kv = {"a": 65_536, "b": 12_288}
+    assert _first_burst(LearnedRouter(), kv) == {"a": 4, "b": 4}
+    guarded = LearnedRouter(kv_guard=True)
+    assert _first_burst(guarded, kv) == {"a": 5, "b": 3}
+    assert guarded.state()["kv_guarded"] == 1
+    assert guarded.kv_room(["a", "b"], 4000) == {"a": pytest.approx(24_000 / 65_536)}
+
+
+def test_the_kv_guard_leaves_equal_replicas_to_ours():
+    for tokens in (12_288, 65_536):  # full, and with room on both
+        kv = dict.fromkeys(("a", "b"), tokens)
+        guarded = LearnedRouter(kv_guard=True)
+        assert _first_burst(guarded, kv) == _first_burst(LearnedRouter(), kv)
+        assert guarded.kv_room(["a", "b"], 100) == {} and guarded.state()["kv_guarded"] == 0
+
+
 def test_the_learned_router_is_told_no_kv():
     with pytest.raises(ValueError):
         LearnedRouter(kv_tokens=1000)
