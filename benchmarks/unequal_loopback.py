@@ -24,7 +24,8 @@ Front ends, alternated, fresh replicas and front end per run (``--repeats``, def
 
 * ``feather-learned`` (ours): ``feather-serve --worker-urls U0 U1 --router prefix-learned`` (the proxy
   of ``feather-serve --replicas N`` over running servers), told nothing: it reads each replica's KV from
-  its ``/metrics`` and learns its speeds from the requests it relays;
+  its ``/metrics`` and learns its speeds from the requests it relays (``--kv-guard``: with its KV guard,
+  a new document placed where it fits a replica's published KV);
 * ``sglang-cache-aware``: ``sglang-router`` ``--policy cache_aware`` at its defaults;
 * ``sglang-tuned``: the same tuned for load, ``--balance-abs-threshold 2 --balance-rel-threshold 1.1``.
 
@@ -115,14 +116,16 @@ def noisy_neighbour(core: str) -> Iterator[subprocess.Popen[bytes]]:
 
 
 @contextlib.contextmanager
-def ours_over(urls: Sequence[str], log_path: Path) -> Iterator[str]:
-    """``feather-serve --worker-urls`` in front of ``urls`` (``--router prefix-learned``, told nothing);
+def ours_over(urls: Sequence[str], log_path: Path, kv_guard: bool = False) -> Iterator[str]:
+    """``feather-serve --worker-urls`` in front of ``urls`` (``--router prefix-learned``, told nothing;
+    ``--kv-guard`` with ``kv_guard``);
     its URL once it reports a healthy replica and has read each replica's ``/metrics`` once (its first
     scrape, 1 s; at most 30 s), as a front end that has started."""
     port = free_port()
     with log_path.open("wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "scheduler_runtime.serving.serve", "--port", str(port),
-                                 "--router", "prefix-learned", "--worker-urls", *urls], cwd=REPO, stdout=log,
+                                 "--router", "prefix-learned", *(["--kv-guard"] if kv_guard else []),
+                                 "--worker-urls", *urls], cwd=REPO, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
         try:
             url = f"http://127.0.0.1:{port}"
@@ -163,7 +166,7 @@ def replica_setup(small_kv_tokens: int, kv_ratio: float, standin: bool) -> list[
 
 
 def run_once(front_end: str, requests: Sequence[tuple[str, int]], log_dir: Path,
-             setup: Sequence[Sequence[str]], standin: bool) -> dict[str, Any]:
+             setup: Sequence[Sequence[str]], standin: bool, kv_guard: bool = False) -> dict[str, Any]:
     """One front end over two fresh unequal replicas, the small one's neighbour busy while it runs."""
     from benchmarks.router_fidelity import SGLangRouter
 
@@ -172,7 +175,7 @@ def run_once(front_end: str, requests: Sequence[tuple[str, int]], log_dir: Path,
     own = [()] * len(setup) if standin else setup
     model = STANDIN_MODEL if standin else "unknown"
     with plain_replicas(log_dir, own, command) as urls, noisy_neighbour(replica_cores()[1]):
-        front = (ours_over(urls, log_dir / "proxy.log") if front_end == OURS
+        front = (ours_over(urls, log_dir / "proxy.log", kv_guard) if front_end == OURS
                  else SGLangRouter(urls, SGLANG[front_end]))
         with front as entered:
             url = entered if isinstance(entered, str) else entered.url
@@ -297,6 +300,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--slo", action="append", default=None, metavar='"ttft:MS tpot:MS"|auto',
                    help=f"an SLO pair for attainment, repeatable (default: {ISSUE_SLO!r} and {AUTO!r})")
     p.add_argument("--standin", action="store_true", help="stand-in workers and a small workload (a test)")
+    p.add_argument("--kv-guard", action="store_true",
+                   help="ours with --kv-guard (a new document goes where it fits the replica's published KV)")
     p.add_argument("--out", default="runs/unequal-loopback")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -314,17 +319,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 p.error(f"--slo: {exc}")
     setup = replica_setup(args.small_kv_tokens, args.kv_ratio, args.standin)
     requests = standin_requests(args.seed) if args.standin else requests_for(args.seed, args.documents)
-    runs = [run_once(f, requests, Path(args.out) / f"{f}-{i}", setup, args.standin)
+    runs = [run_once(f, requests, Path(args.out) / f"{f}-{i}", setup, args.standin, args.kv_guard)
             for i in range(args.repeats) for f in chosen]
     slos = slo_pairs(specs, runs)
     given = [(f"--{k.replace('_', '-')}", v) for k, v in vars(args).items()
              if k not in ("json", "out", "standin") and v != p.get_default(k)]
-    command = COMMAND.replace(" --json", "".join(f" {flag} {shlex.quote(str(v))}" for flag, v in given)
+    command = COMMAND.replace(" --json", "".join(f" {flag}" if v is True else f" {flag} {shlex.quote(str(v))}"
+                                                 for flag, v in given)
                               + (" --standin" if args.standin else "") + " --json")
     if args.json:  # the file this run wrote, not the default's
         command = command.replace("results/unequal_loopback.json", shlex.quote(args.json))
     out = {"benchmark": "unequal_loopback", "command": command, "machine": machine_info(), "seed": args.seed,
-           "standin": args.standin, "documents": args.documents, "small_kv_tokens": args.small_kv_tokens,
+           "standin": args.standin, "kv_guard": args.kv_guard, "documents": args.documents,
+           "small_kv_tokens": args.small_kv_tokens,
            "kv_ratio": args.kv_ratio,
            "replica_args": setup, "concurrency": CONCURRENCY, "slos": slos, "runs": runs,
            **summarize(runs, slos)}

@@ -27,6 +27,7 @@ from scheduler_runtime.learned_router import LearnedRouter
 from scheduler_runtime.router import PrefixAffinityRouter
 from scheduler_runtime.serving.cluster_base import ClusterConfig, estimates_exposition
 from scheduler_runtime.serving.proxy import ReplicaProxy, parse_per_worker, proxy_for
+from scheduler_runtime.serving.proxy import main as proxy_main
 from scheduler_runtime.serving.replicas import Replica, replicas_for
 from scheduler_runtime.serving.serve import _parse
 from scheduler_runtime.serving.vllm_metrics import parse_vllm_metrics, restarted
@@ -159,6 +160,26 @@ def test_feather_serve_takes_the_learned_router(capsys):
         assert message in capsys.readouterr().err
     with pytest.raises(ValueError, match="prefix-learned only"):
         ClusterConfig(replicas=2, replica_weights=(1.0, 1.0))
+
+
+def test_the_kv_guard_reaches_the_learned_router_on_every_path(capsys):
+    urls = [Replica(0, "http://127.0.0.1:1"), Replica(1, "http://127.0.0.1:2")]
+    assert ReplicaProxy(urls, "prefix-learned", kv_guard=True).router.kv_guard
+    assert not ReplicaProxy(urls, "prefix-learned").router.kv_guard
+    with pytest.raises(ValueError, match="learned router"):
+        ReplicaProxy(urls, "prefix", kv_guard=True)
+    _, _, cluster, _ = _parse(["--replicas", "2", "--router", "prefix-learned", "--kv-guard",
+                               "--replica-cores", "0;0"])
+    assert cluster.kv_guard and proxy_for(cluster, urls).router.kv_guard
+    knobs = cluster.learned_router_kwargs()  # what Ray Serve's request router is built with
+    assert knobs["kv_guard"] is True and "kv_tokens" not in knobs
+    assert LearnedRouter(**knobs).kv_guard
+    with pytest.raises(SystemExit):
+        _parse(["--replicas", "2", "--router", "prefix", "--kv-guard", "--replica-cores", "0;0"])
+    assert "--kv-guard is a knob of --router prefix-learned only" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # over running servers: the proxy's own command line
+        proxy_main(["--worker-urls", "http://127.0.0.1:1", "--router", "prefix", "--kv-guard"])
+    assert "--kv-guard" in capsys.readouterr().err
 
 
 def test_the_estimates_exposition():

@@ -696,10 +696,8 @@ def build_app(config: ClusterConfig, engine_cls: type = EngineReplica) -> Any:
             request_router_class=PrefixRequestRouter,
             request_router_kwargs=config.router_kwargs())
     elif config.router == "prefix-learned":
-        knobs = config.router_kwargs()
-        knobs.pop("kv_tokens")  # told nothing: it reads each replica's KV from its routing stats
         engine_options["request_router_config"] = RequestRouterConfig(
-            request_router_class=LearnedRequestRouter, request_router_kwargs=knobs,
+            request_router_class=LearnedRequestRouter, request_router_kwargs=config.learned_router_kwargs(),
             request_routing_stats_period_s=config.scrape_period_s,
             request_routing_stats_timeout_s=max(5.0, 2 * config.scrape_period_s))
     elif config.router == "ray-prefix-affinity":

@@ -74,6 +74,8 @@ class ClusterConfig:
             instead of learning it (``--replica-weights``; ``proxy`` only).
         scrape_period_s: seconds between the proxy's reads of each replica's ``/metrics``, and on Ray
             Serve the period of each replica's routing stats (``prefix-learned``).
+        kv_guard: ``prefix-learned`` places a new document where it fits the replica's published KV
+            (``--kv-guard``; :class:`~scheduler_runtime.learned_router.LearnedRouter`'s ``kv_guard``).
         replica_args: each replica's own engine arguments, over ``vllm_args`` (``--replica-args 'K:
             ARGS'``, :mod:`scheduler_runtime.serving.replica_args`; ``proxy`` only), one tuple per
             replica (``()``: the common ones alone); ``None``: every replica alike.
@@ -100,6 +102,7 @@ class ClusterConfig:
     object_store_mb: int = 200
     replica_weights: tuple[float, ...] | None = None
     scrape_period_s: float = 1.0
+    kv_guard: bool = False
     replica_args: tuple[tuple[str, ...], ...] | None = None
     admission: AdmissionSettings | None = None
 
@@ -128,6 +131,8 @@ class ClusterConfig:
                                  f"{self.replicas} replicas (one per replica)")
             if not all(math.isfinite(w) and w > 0 for w in self.replica_weights):
                 raise ValueError(f"--replica-weights must be > 0, got {list(self.replica_weights)}")
+        if self.kv_guard and self.router != "prefix-learned":
+            raise ValueError("--kv-guard is a knob of --router prefix-learned only")
         if self.replica_args is not None:
             if self.replicas < 2:
                 raise ValueError("--replica-args needs --replicas N >= 2 (one replica: give it the arguments "
@@ -205,6 +210,15 @@ class ClusterConfig:
         its cache model needs (:attr:`kv_tokens`)."""
         return {"load_factor": self.load_factor, "slack": self.slack, "chunk_size": self.chunk_size,
                 "kv_tokens": self.kv_tokens}
+
+    def learned_router_kwargs(self) -> dict[str, Any]:
+        """The learned router's arguments (:class:`~scheduler_runtime.learned_router.LearnedRouter`), the
+        same for both data planes: the prefix router's, told no KV size (it reads each replica's from
+        its metrics), and ``kv_guard``."""
+        knobs = self.router_kwargs()
+        del knobs["kv_tokens"]
+        knobs["kv_guard"] = self.kv_guard
+        return knobs
 
 
 def flag_value(args: Sequence[str], flag: str, default: str) -> str:

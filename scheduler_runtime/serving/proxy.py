@@ -225,6 +225,8 @@ class ReplicaProxy:
             twice as fast as 1.0), instead of learning it (``--replica-weights``).
         scrape_period_s, scrape_timeout_s: how often each replica's ``/metrics`` is read for a router
             that observes the service (``router.scraped``), and a scrape's time limit.
+        kv_guard: the learned router places a new document where it fits the replica's published KV
+            (``--kv-guard``; :class:`LearnedRouter`'s ``kv_guard``).
     """
 
     def __init__(self, replicas: Sequence[Replica], router: str | ReplicaRouter = "prefix", *,
@@ -232,7 +234,7 @@ class ReplicaProxy:
                  load_factor: float = 20.0, slack: int = 2, kv_tokens: int | Sequence[int] | None = None,
                  ttft_slo_ms: float | None = None, replica_weights: Sequence[float] | None = None,
                  scrape_period_s: float = SCRAPE_PERIOD_S,
-                 scrape_timeout_s: float = SCRAPE_TIMEOUT_S) -> None:
+                 scrape_timeout_s: float = SCRAPE_TIMEOUT_S, kv_guard: bool = False) -> None:
         if not replicas:
             raise ValueError("the proxy needs at least one replica")
         if max_ongoing_requests < 1:
@@ -257,13 +259,15 @@ class ReplicaProxy:
                 slowdowns = {name: 1.0 / w for name, w in weights.items()}
                 told = lambda replica, now: (slowdowns.get(replica, 1.0),) * 2  # noqa: E731
             self.router = LearnedRouter(load_factor=load_factor, slack=slack, chunk_size=chunk_size,
-                                        told_kv_tokens=per_kv, told=told)
+                                        told_kv_tokens=per_kv, told=told, kv_guard=kv_guard)
         elif router == "pow2":
             self.router = PowerOfTwoRouter()
         else:
             raise ValueError(f"router must be one of {list(ROUTER_CHOICES)}, got {router!r}")
         if weights and not isinstance(self.router, LearnedRouter):
             raise ValueError("replica_weights are read by the learned router (prefix-learned) only")
+        if kv_guard and not isinstance(self.router, LearnedRouter):
+            raise ValueError("kv_guard is a knob of the learned router (prefix-learned) only")
         self.router_name = self.router.name
         #: the router is told each request's life (routed with the proxy's id, first token, finish)
         self.tracks = bool(self.router.tracks_requests)
@@ -819,9 +823,8 @@ def _run(proxy: ReplicaProxy, host: str, port: int, on_ready: Callable[[], None]
 def proxy_for(config: ClusterConfig, replicas: Sequence[Replica]) -> ReplicaProxy:
     """The proxy of ``config`` over ``replicas`` (not serving yet): its router, chunk size, queue bound,
     and the prefix router's knobs, each replica's KV tokens included (:meth:`ClusterConfig.router_kwargs`)."""
-    knobs = config.router_kwargs()
-    if config.router == "prefix-learned":
-        knobs.pop("kv_tokens")  # told nothing: it reads each replica's KV from its /metrics
+    # the learned router is told nothing: it reads each replica's KV from its /metrics
+    knobs = config.learned_router_kwargs() if config.router == "prefix-learned" else config.router_kwargs()
     admission = AdmissionSettings.from_env()  # feather-serve --admission RULE set it for the replicas
     return ReplicaProxy(replicas, config.router, max_ongoing_requests=config.max_ongoing_requests,
                         ttft_slo_ms=admission.slos.get("ttft") if admission is not None else None,
@@ -874,6 +877,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m scheduler_run
                              "worker, instead of learning it")
     parser.add_argument("--scrape-period", type=float, default=SCRAPE_PERIOD_S,
                         help="seconds between reads of each worker's /metrics (prefix-learned)")
+    parser.add_argument("--kv-guard", action="store_true",
+                        help="prefix-learned: a new document goes where it fits the worker's published KV "
+                             "(workers of unequal KV)")
     args = parser.parse_args(argv)
     for url in args.worker_urls:
         if not url.startswith(("http://", "https://")):
@@ -886,10 +892,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m scheduler_run
                              max_ongoing_requests=args.max_ongoing_requests,
                              kv_tokens=kv[0] if kv is not None and len(kv) == 1 else kv,
                              replica_weights=weights[0] if weights and len(weights) == 1 else weights,
-                             scrape_period_s=args.scrape_period)
+                             scrape_period_s=args.scrape_period, kv_guard=args.kv_guard)
     except ValueError as exc:
-        parser.error(str(exc).replace("kv_tokens", "--kv-tokens").replace("replica_weights",
-                                                                          "--replica-weights"))
+        message = str(exc)
+        for name in ("kv_tokens", "replica_weights", "kv_guard"):
+            message = message.replace(name, "--" + name.replace("_", "-"))
+        parser.error(message)
     return _run(proxy, args.host, args.port, lambda: print(f"proxy: serving on {args.port}", flush=True))
 
 

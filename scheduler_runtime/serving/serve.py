@@ -188,12 +188,15 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], Clust
                          help="front servers that already run (plain feather-serve or vllm serve; no "
                               "engine starts here): the proxy over them, with its own options only "
                               "(--router, --host, --port, --kv-tokens, --replica-weights, --scrape-period, "
-                              "--chunk-size, --max-ongoing-requests)")
+                              "--kv-guard, --chunk-size, --max-ongoing-requests)")
     cluster.add_argument("--replica-args", action="append", default=None, metavar="'K: ARGS'",
                          help="engine arguments of replica K (0-based) alone, over the common ones; repeat "
                               "for each replica that differs (--data-plane proxy). One of "
                               f"{', '.join(PER_REPLICA_ARGS)}, e.g. '1: --kv-cache-memory-bytes 268435456 "
                               "--max-num-seqs 32'; a replica's cores: --replica-cores")
+    cluster.add_argument("--kv-guard", action="store_true",
+                         help="--router prefix-learned: a new document goes where it fits the replica's "
+                              "published KV (replicas of unequal KV)")
     cluster.add_argument("--scrape-period", type=float, default=1.0,
                          help="--router prefix-learned: seconds between the proxy's reads of each replica's "
                               "/metrics, or on Ray Serve between each replica's routing stats (default 1)")
@@ -380,7 +383,8 @@ def _cluster_config(parser: argparse.ArgumentParser, ours: argparse.Namespace, a
             replica_cpus=ours.replica_cpus,
             replica_gpus=ours.replica_gpus if ours.replica_gpus is not None else (1.0 if cuda else 0.0),
             ray_address=ours.ray_address, max_ongoing_requests=ours.max_ongoing_requests,
-            replica_weights=weights, scrape_period_s=ours.scrape_period, replica_args=own,
+            replica_weights=weights, scrape_period_s=ours.scrape_period, kv_guard=ours.kv_guard,
+            replica_args=own,
             admission=admission)
     except ValueError as exc:
         parser.error(str(exc))
