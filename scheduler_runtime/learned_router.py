@@ -199,10 +199,9 @@ class LearnedRouter(PrefixAffinityRouter):
         super().__init__(cache_factor=cache_factor, **kwargs)
         self.tau_s, self.explore_s = float(tau_s), float(explore_s)
         self.place_new = bool(place_new)
-        self.kv_guard = bool(kv_guard)
         #: the guard's view of what each replica holds: an LRU of the prompts it was sent since its KV
-        #: became known, its KV in size (:meth:`kv_room`)
-        self.resident = PrefixHistory(self.chunk_size, 1 << 40)
+        #: became known, its KV in size (:meth:`kv_room`); None with the guard off
+        self.resident = PrefixHistory(self.chunk_size, 1 << 40) if kv_guard else None
         self.overhead_tokens = int(overhead_tokens)
         self.prior_output_tokens = float(prior_output_tokens)
         self.told = told
@@ -224,6 +223,11 @@ class LearnedRouter(PrefixAffinityRouter):
         self.band = float(band)
         self.counts.update({"placed": 0, "weighted": 0, "kv_guarded": 0})
 
+    @property
+    def kv_guard(self) -> bool:
+        """Whether the KV guard places new prefixes (see the module docstring)."""
+        return self.resident is not None
+
     # -- what it learns -------------------------------------------------------------------------
     def _replica(self, name: str) -> ReplicaLearning:
         r = self.replicas.get(name)
@@ -238,7 +242,8 @@ class LearnedRouter(PrefixAffinityRouter):
         if r.kv_tokens == kv_tokens:
             return
         r.kv_tokens = kv_tokens
-        self.resident.set_limit(name, max(1, kv_tokens))
+        if self.resident is not None:
+            self.resident.set_limit(name, max(1, kv_tokens))
         if self.cached is not None:
             self.cached.set_limit(name, max(1, round(self.cache_factor * kv_tokens)))
         elif self.seen is not None:
@@ -306,7 +311,8 @@ class LearnedRouter(PrefixAffinityRouter):
         super().forget(replica)
         if self.seen is not None and self.seen is not self.cached:
             self.seen.forget(replica)
-        self.resident.forget(replica)
+        if self.resident is not None:
+            self.resident.forget(replica)
         self.replicas.pop(replica, None)
         for rid in [rid for rid, e in self._requests.items() if e[0] == replica]:
             del self._requests[rid]
@@ -378,7 +384,9 @@ class LearnedRouter(PrefixAffinityRouter):
         """The replicas of ``replicas`` with room for a new prompt of ``tokens`` tokens, each with the share
         of its KV it would then hold (its resident distinct prompt tokens, by :attr:`resident`, and the
         prompt's, over its KV tokens). Empty, the guard silent, unless every one's KV is known and they
-        differ (equal replicas are placed as ours places them)."""
+        differ (equal replicas are placed as ours places them), and with the guard off."""
+        if self.resident is None:
+            return {}
         kv = {r: self._replica(r).kv_tokens for r in replicas}
         sizes = [k for k in kv.values() if k is not None]
         if len(sizes) < len(kv) or len(set(sizes)) < 2:
@@ -395,10 +403,12 @@ class LearnedRouter(PrefixAffinityRouter):
             loads = {r: (load + 1) * w[r] - 1 for r, load in loads.items()}
         new_before = self.counts["new"]
         choice = super().choose(hashes, loads, avoid, tokens=tokens)
-        if self.counts["new"] == new_before:
-            return choice  # a known prefix: ours' affinity, bounded by the weighted loads
+        if self.counts["new"] == new_before or not (self.kv_guard or self.place_new):
+            return choice  # a known prefix, or no option for a new one: ours
+        ok = self._allowed(loads, avoid)
+        n = self._length(hashes, tokens)
         if self.kv_guard:
-            room = self.kv_room(self._allowed(loads, avoid), self._length(hashes, tokens))
+            room = self.kv_room(ok, n)
             if room and choice not in room:
                 self.counts["kv_guarded"] += 1
                 choice = min(room, key=lambda r: (room[r], loads[r], r))
@@ -406,8 +416,6 @@ class LearnedRouter(PrefixAffinityRouter):
             return choice
         # a prefix no replica holds (or holds no longer) is prefilled in full wherever it goes:
         # the replica that is predicted to finish it first
-        ok = self._allowed(loads, avoid)
-        n = self._length(hashes, tokens)
         uncached = self._uncached(hashes, n, ok)
         cost = {r: self.predicted_completion(r, uncached[r], now) for r in ok}
         if any(c is None for c in cost.values()):
@@ -429,8 +437,9 @@ class LearnedRouter(PrefixAffinityRouter):
         super().routed(hashes, replica, tokens=tokens, request_id=request_id)
         if self.seen is not None and self.seen is not self.cached and hashes is not None:
             self.seen.insert(hashes, replica, tokens)
-        if self.kv_guard and hashes is not None and len(hashes) and self._replica(replica).kv_tokens:
-            self.resident.insert(hashes, replica, tokens)  # once its KV (the LRU's size) is known
+        resident = self.resident
+        if resident is not None and hashes is not None and len(hashes) and self._replica(replica).kv_tokens:
+            resident.insert(hashes, replica, tokens)  # once its KV (the LRU's size) is known
         if request_id is None:
             return
         r = self._replica(replica)
