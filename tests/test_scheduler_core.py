@@ -202,11 +202,10 @@ class PlainRecorder(Recorder):
 
 def test_a_policy_reading_plain_numbers_gets_the_same_observation_as_a_tuple():
     reqs = grouped(5, 7, prefix=90, seed=12)
-    cores, recorders, released = [], [], []
+    recorders, released = [], []
     for recorder in (Recorder(HeuristicRule()), PlainRecorder(HeuristicRule())):
         core = BatchingCore(CoreConfig(chunk_size=CHUNK, max_wait=None), recorder, kv_capacity_tokens=2_000)
         released.append(simulate(core, reqs, slots=6)[0])
-        cores.append(core)
         recorders.append(recorder)
     arrays, plain = recorders[0].calls, recorders[1].calls
     assert len(arrays) == len(plain) > 20
