@@ -122,7 +122,7 @@ from feather_env.cluster_sim import (
     zipf_documents,
 )
 from feather_env.engines.vllm_engine import EngineConfig
-from feather_env.reporting import format_table, machine_info, write_json
+from feather_env.reporting import format_table, machine_info, median_interval, write_json
 from feather_env.scenarios import load_scenario
 from feather_env.workloads import Workload, WorkloadConfig, load_workload
 from scheduler_runtime.learned_router import (
@@ -141,6 +141,8 @@ LLMD_PER_POD = "llm-d-per-pod"
 ROUTERS = ("prefix", OURS_LEARNED, "prefix-learned-place", "prefix-informed", *PEERS, LLMD_PER_POD)
 FLEETS = ("equal", "speed", "kv", "drift")
 DEFAULT_SLO = {"ttft": 5000.0, "tpot": 50.0}
+#: The headline's interval for a median of per-seed ratios (:func:`~feather_env.reporting.median_interval`).
+INTERVAL = 0.9
 #: How close a learned speed must come to the truth, and how often the drift's trace samples it.
 WITHIN, TRACE_S = 0.2, 1.0
 #: ``--workload mooncake``: seconds of the trace per replica in a window (at the trace's 3.9 req/s about 70
@@ -451,6 +453,8 @@ def run_cell(sim: ClusterSim, runs: Sequence[tuple[int, Workload]],
         for key in ("output_throughput", "attainment", *(("attainment_slo2",) if slo2 else ())):
             ratios = [a[key] / b[key] if b[key] else math.inf for a, b in zip(ours, runs, strict=True)]
             row[f"learned_over_this_{key}"] = statistics.median(ratios)
+            low, high, coverage = median_interval(ratios, INTERVAL)
+            row[f"learned_over_this_{key}_interval"] = [low, high, coverage]
         if bounds:
             row["over_bound_output_throughput"] = statistics.median(
                 x["output_throughput"] / b for x, b in zip(runs, bounds, strict=True))
@@ -663,16 +667,18 @@ def headline(res: dict[str, Any]) -> list[list[Any]]:
         ours = routers[OURS_LEARNED]
         best = best_peer(routers)
 
-        def ratio(name: str, routers: dict[str, Any] = routers) -> str:
+        def ratio(name: str, routers: dict[str, Any] = routers, interval: bool = False) -> str:
             r = routers[name]
-            return (f"{r['learned_over_this_attainment']:.2f}x "
+            ci = r.get("learned_over_this_attainment_interval")
+            shown = f" [{ci[0]:.2f}-{ci[1]:.2f}]" if interval and ci and ci[2] >= INTERVAL else ""
+            return (f"{r['learned_over_this_attainment']:.2f}x{shown} "
                     f"({r['learned_over_this_output_throughput']:.2f}x)")
 
         bound = c.get("bound_output_throughput")
         rows.append([c["fleet"], f"{c['load']:g}", f"{100 * ours['attainment']:.1f}%",
                      ours["output_throughput"],
-                     f"{best}: {ratio(best)}", *[ratio(p) for p in _peer_rows(routers)],
-                     ratio("prefix-informed"),
+                     f"{best}: {ratio(best, interval=True)}", *[ratio(p) for p in _peer_rows(routers)],
+                     ratio("prefix-informed", interval=True),
                      f"{bound:.0f}: {ours['over_bound_output_throughput']:.3f}" if bound else "-"])
     return rows
 
@@ -764,7 +770,9 @@ def render(res: dict[str, Any]) -> str:
     out += ["", "Headline: ours learned over the best peer of the cell (of every peer row, at defaults or "
             "tuned), over each peer tuned on that fleet (at its defaults where not tuned or tuned to its "
             "defaults: LMetric, every peer on the equal fleet), and over ours informed: attainment "
-            "(output tok/s), median over seeds of the per-seed ratio; last, the no-queueing bound with "
+            "(output tok/s), median over seeds of the per-seed ratio, with, over the best peer and ours "
+            f"informed, a distribution-free {100 * INTERVAL:g}% interval for that median in brackets "
+            "(the sign test's order statistics; shown from 5 seeds on); last, the no-queueing bound with "
             "each replica at its own speed (output tok/s, mean over seeds) and ours learned's tok/s over it "
             "(median):", "",
             format_table(["fleet", "load", "learned attain.", "learned tok/s", "/ best peer",

@@ -1,4 +1,5 @@
-"""Where and when a figure was measured, and how it is written: machine description, JSON output, tables.
+"""Where and when a figure was measured, and how it is written: machine description, JSON output, tables,
+and how sure a median over seeds is (:func:`median_interval`).
 
 Shared by evaluate.py, the calibration and every benchmark (a low module: it imports nothing of
 the toolkit)."""
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import platform
 from collections.abc import Sequence
@@ -43,6 +45,28 @@ def write_json(path: str | Path | None, payload: dict[str, Any], *, quiet: bool 
     path.write_text(json.dumps(payload, indent=2, default=float) + "\n")
     if not quiet:
         print(f"wrote {path}")
+
+
+def median_interval(values: Sequence[float], level: float = 0.9) -> tuple[float, float, float]:
+    """A distribution-free confidence interval for the median of ``values`` (independent draws, e.g. one
+    ratio per seed): the order statistics ``x(k)`` and ``x(n + 1 - k)`` with the largest ``k`` whose
+    interval covers the median with probability at least ``level`` (the binomial sign test's interval).
+    Returns ``(low, high, coverage)``; where no ``k`` reaches ``level`` (too few values: 3 give at most
+    75%), the whole range and its coverage, ``1 - 2 / 2 ** n``."""
+    if not values:
+        raise ValueError("median_interval needs at least one value")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    x = sorted(values)
+    n = len(x)
+
+    def below(k: int) -> float:  # P(Binomial(n, 1/2) < k): the median lies below x(k)
+        return sum(math.comb(n, i) for i in range(k)) / 2.0**n
+
+    k = 1
+    while k + 1 <= (n + 1) // 2 and 1.0 - 2.0 * below(k + 1) >= level:
+        k += 1
+    return x[k - 1], x[n - k], 1.0 - 2.0 * below(k)
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
