@@ -50,10 +50,15 @@ tokens and the request's own uncached tokens at its prefill speed, the mean outp
 speed); ``benchmarks.unequal_replicas`` measures it as ``prefix-learned-place``. With ``kv_guard`` (off by
 default), on a fleet whose published KV sizes differ, a new prefix is not placed where it would not fit:
 where ours' choice holds (by an LRU of what it was sent, its KV in size) so many distinct prompt tokens
-that this prompt's would overflow its KV, and another replica still has room for it, it goes to the
-replica with room that it fills least (its resident tokens with the prompt's over its KV;
-:meth:`LearnedRouter.kv_room`); once every replica is full it says nothing, and on equal-KV fleets,
-never. On ``benchmarks.unequal_loopback`` (real engines; the quarter-KV replica at half speed), where
+that this prompt's would fill more than ``kv_fill`` (90%) of its KV, and another replica still has room
+for it, it goes to the replica with room that it fills least (its resident tokens with the prompt's over
+its KV; :meth:`LearnedRouter.kv_room`); once every replica is full it says nothing, and on equal-KV
+fleets, never. The tenth it keeps is for what the requests in flight add to their documents (their
+questions, their answers, their last blocks): on ``benchmarks.unequal_loopback`` four documents of
+3,600-4,100 tokens fill the small replica's 16,512 KV tokens to 94-99% with nothing in flight, and the
+rounds where ours gave it four (48/24 requests) missed more of the SLO than those where it gave it three
+(the note of 2026-12-06, sixth session). On ``benchmarks.unequal_loopback`` (real engines; the
+quarter-KV replica at half speed), where
 ours without it gave that replica five documents of twelve in 4 of 9 rounds (42/30 requests, 34-46
 tok/s), with it ours gave it four or three in all nine (48/24 or 54/18, 57-79 tok/s); on
 ``benchmarks.unequal_replicas``' kv fleet (a quarter of the KV at equal speed; 128 documents, more
@@ -169,6 +174,8 @@ class LearnedRouter(PrefixAffinityRouter):
             least weighted load; see the module docstring).
         kv_guard: a new prefix that would overflow ours' choice's KV goes to a replica with room for
             it, on a fleet of unequal KV (see the module docstring; default off).
+        kv_fill: the share of a replica's KV the guard fills with distinct prompt tokens (the rest is
+            for what the requests in flight add).
         overhead_tokens: work a prefill costs beyond its uncached tokens (a fully cached prompt still
             takes a step).
         prior_output_tokens: the predicted output before any request has finished.
@@ -188,17 +195,18 @@ class LearnedRouter(PrefixAffinityRouter):
     observes_service = True
 
     def __init__(self, tau_s: float = 20.0, explore_s: float = 20.0, band: float = 0.35,
-                 place_new: bool = False, kv_guard: bool = False,
+                 place_new: bool = False, kv_guard: bool = False, kv_fill: float = 0.9,
                  overhead_tokens: int = 256, prior_output_tokens: float = 64.0, told: Told | None = None,
                  told_kv_tokens: Mapping[str, int] | None = None, cache_factor: float = 0.0,
                  work_cache_factor: float = 0.0, **kwargs: Any) -> None:
         if kwargs.get("kv_tokens") is not None:
             raise ValueError("the learned router is told no KV size (it reads vllm:cache_config_info)")
-        if band < 0 or overhead_tokens < 0 or not explore_s > 0:
-            raise ValueError("band and overhead_tokens must be >= 0 and explore_s > 0")
+        if band < 0 or overhead_tokens < 0 or not explore_s > 0 or not 0 < kv_fill <= 1:
+            raise ValueError("band and overhead_tokens must be >= 0, explore_s > 0 and kv_fill in (0, 1]")
         super().__init__(cache_factor=cache_factor, **kwargs)
         self.tau_s, self.explore_s = float(tau_s), float(explore_s)
         self.place_new = bool(place_new)
+        self.kv_fill = float(kv_fill)
         #: the guard's view of what each replica holds: an LRU of the prompts it was sent since its KV
         #: became known, its KV in size (:meth:`kv_room`); None with the guard off
         self.resident = PrefixHistory(self.chunk_size, 1 << 40) if kv_guard else None
@@ -392,7 +400,7 @@ class LearnedRouter(PrefixAffinityRouter):
         if len(sizes) < len(kv) or len(set(sizes)) < 2:
             return {}
         fill = {r: (self.resident.size[r] + tokens) / k for r, k in kv.items() if k is not None}
-        return {r: f for r, f in fill.items() if f <= 1.0}
+        return {r: f for r, f in fill.items() if f <= self.kv_fill}
 
     def choose(self, hashes: np.ndarray | None, loads: Mapping[str, int],
                avoid: Collection[str] = (), *, tokens: int | None = None) -> str:

@@ -213,14 +213,21 @@ def _first_burst(router: LearnedRouter, kv: dict[str, int], docs: int = 8,
 
 def test_a_new_document_is_not_placed_where_it_would_overflow_the_kv():
     """Eight 4,000-token documents at once on replicas of 65,536 and 12,288 KV tokens: ours alone (the
-    default) splits them by load, 4/4 (the small one overflows); with the guard the small one is given
-    what fits, 3."""
+    default) splits them by load, 4/4 (the small one overflows); with the guard filling a replica's KV
+    to the brim (``kv_fill=1``) the small one is given what fits, 3;
+    at the default fill (90%, a tenth kept for what the requests in flight add) 2."""
     kv = {"a": 65_536, "b": 12_288}
     assert _first_burst(LearnedRouter(), kv) == {"a": 4, "b": 4}
+    brim = LearnedRouter(kv_guard=True, kv_fill=1.0)
+    assert _first_burst(brim, kv) == {"a": 5, "b": 3}
+    assert brim.state()["kv_guarded"] == 1
+    assert brim.kv_room(["a", "b"], 4000) == {"a": pytest.approx(24_000 / 65_536)}
     guarded = LearnedRouter(kv_guard=True)
-    assert _first_burst(guarded, kv) == {"a": 5, "b": 3}
-    assert guarded.state()["kv_guarded"] == 1
-    assert guarded.kv_room(["a", "b"], 4000) == {"a": pytest.approx(24_000 / 65_536)}
+    assert _first_burst(guarded, kv) == {"a": 6, "b": 2}
+    assert guarded.state()["kv_guarded"] == 4  # b, the less loaded, is ours' choice four times more
+    assert guarded.kv_room(["a", "b"], 4000) == {"a": pytest.approx(28_000 / 65_536)}  # b: 12,000 > 90%
+    with pytest.raises(ValueError):
+        LearnedRouter(kv_guard=True, kv_fill=1.5)
 
 
 def test_the_kv_guard_leaves_equal_replicas_to_ours():
