@@ -54,16 +54,15 @@ that this prompt's would fill more than ``kv_fill`` (90%) of its KV, and another
 for it, it goes to the replica with room that it fills least (its resident tokens with the prompt's over
 its KV; :meth:`LearnedRouter.kv_room`); once every replica is full it says nothing, and on equal-KV
 fleets, never. The tenth it keeps is for what the requests in flight add to their documents (their
-questions, their answers, their last blocks): on ``benchmarks.unequal_loopback`` four documents of
-3,600-4,100 tokens fill the small replica's 16,512 KV tokens to 94-99% with nothing in flight, and the
-rounds where ours gave it four (48/24 requests) missed more of the SLO than those where it gave it three
-(the note of 2026-12-06, sixth session). On ``benchmarks.unequal_loopback`` (real engines; the
-quarter-KV replica at half speed), where
-ours without it gave that replica five documents of twelve in 4 of 9 rounds (42/30 requests, 34-46
-tok/s), with it ours gave it four or three in all nine (48/24 or 54/18, 57-79 tok/s); on
-``benchmarks.unequal_replicas``' kv fleet (a quarter of the KV at equal speed; 128 documents, more
-than the fleet holds) it left throughput level and lost attainment (70.3% against 75.3% at load 0.8,
-57.7% against 59.3% at 1): hence off (the note of 2026-12-06, fifth session). Tried on
+questions, answers and last blocks): on ``benchmarks.unequal_loopback`` (real engines; the quarter-KV
+replica at half speed) four documents' shared 3,600-4,000 tokens fill the small replica's 16,512 KV
+tokens to 90-97% with nothing in flight, and over every loopback run on record ours' rounds that gave it
+four documents (48/24 requests) attained a median 87.5% of the SLO, those that gave it three (54/18)
+94.4%, and those that gave it five (42/30, the guard's cause) 81.9% (the note of 2026-12-06, sixth
+session). On ``benchmarks.unequal_replicas``' kv fleet with L-Eval (a quarter of the KV at equal speed;
+128 documents, more than the fleet holds) the guard loses attainment, 68.6% (fill 100%) and 72.9% (90%)
+against 76.5% without it at load 0.8 over 12 held-out seeds, where with Zipf's popular documents it wins
+(91.8% and 90.2% against 89.4%): hence off (the notes of the fifth and sixth sessions). Tried on
 ``benchmarks.unequal_replicas``' fleets and dropped, without a row of their own (the note of 2026-12-06
 says how they fared): the same prediction overriding ours on a known prefix whenever ours' choice is
 predicted to finish 25% later, or to start more than 3, 5 or 8 s later, than the best replica (spilling
@@ -159,6 +158,10 @@ class ReplicaLearning:
     scraped: dict[str, float] = field(default_factory=dict)
     #: prefill seconds per uncached token by vLLM's histograms (the deltas between scrapes, decayed)
     metrics_prefill: DecayedRate | None = None
+    #: the front end's prompt sizes of the requests finished here, summed (against vLLM's own count)
+    finished_prompt: float = 0.0
+    #: at the previous scrape: vLLM's prompt tokens of finished requests, and ``finished_prompt``
+    prompt_seen: tuple[float, float] | None = None
 
 
 class LearnedRouter(PrefixAffinityRouter):
@@ -228,6 +231,10 @@ class LearnedRouter(PrefixAffinityRouter):
         #: request id -> (replica, uncached tokens predicted, when routed)
         self._requests: dict[str, tuple[str, float, float]] = {}
         self._first: dict[str, float] = {}  # request id -> its first token's time
+        self._sizes: dict[str, float] = {}  # request id -> its prompt's size as the front end counted it
+        #: vLLM's prompt tokens per token the front end counted (a text prompt's is its bytes / 4), over
+        #: the requests finished between scrapes, every replica's pooled and decayed: the KV guard's scale
+        self.token_scale = DecayedRate(tau_s * 10)
         self.band = float(band)
         self.counts.update({"placed": 0, "weighted": 0, "kv_guarded": 0})
 
@@ -274,6 +281,14 @@ class LearnedRouter(PrefixAffinityRouter):
                         r.metrics_prefill = DecayedRate(self.tau_s)
                     r.metrics_prefill.add(self.clock(), seconds, tokens)
             r.scraped = now
+        counted = metrics.get("vllm:request_prompt_tokens_sum")
+        if counted is not None:
+            seen = (float(counted), r.finished_prompt)
+            if r.prompt_seen is not None:
+                engine, ours = seen[0] - r.prompt_seen[0], seen[1] - r.prompt_seen[1]
+                if engine > 0 and ours > 0:
+                    self.token_scale.add(self.clock(), engine, ours)
+            r.prompt_seen = seen
 
     def _slowdowns(self, replica: str, now: float) -> tuple[float, float]:
         assert self.told is not None
@@ -298,9 +313,12 @@ class LearnedRouter(PrefixAffinityRouter):
     def finished(self, request_id: str, output_tokens: int | None = None) -> None:
         entry = self._requests.pop(request_id, None)
         first = self._first.pop(request_id, None)
+        size = self._sizes.pop(request_id, None)
         if entry is None:
             return
         replica = entry[0]
+        if size is not None and first is not None:  # it reached the engine, which counts its prompt
+            self._replica(replica).finished_prompt += size
         if first is None:  # never heard of its first token: its prefill leaves the queue now
             r = self._replica(replica)
             r.queued_tokens = max(0.0, r.queued_tokens - entry[1])
@@ -325,6 +343,7 @@ class LearnedRouter(PrefixAffinityRouter):
         for rid in [rid for rid, e in self._requests.items() if e[0] == replica]:
             del self._requests[rid]
             self._first.pop(rid, None)
+            self._sizes.pop(rid, None)
 
     # -- the speeds it predicts with ------------------------------------------------------------
     def _speeds(self, replicas: Collection[str], part: str, now: float,
@@ -399,7 +418,8 @@ class LearnedRouter(PrefixAffinityRouter):
         sizes = [k for k in kv.values() if k is not None]
         if len(sizes) < len(kv) or len(set(sizes)) < 2:
             return {}
-        fill = {r: (self.resident.size[r] + tokens) / k for r, k in kv.items() if k is not None}
+        scale = min(2.0, max(0.5, self.token_scale.value or 1.0))  # the front end's sizes in engine tokens
+        fill = {r: (self.resident.size[r] + tokens) * scale / k for r, k in kv.items() if k is not None}
         return {r: f for r, f in fill.items() if f <= self.kv_fill}
 
     def choose(self, hashes: np.ndarray | None, loads: Mapping[str, int],
@@ -453,6 +473,7 @@ class LearnedRouter(PrefixAffinityRouter):
         r = self._replica(replica)
         r.queued_tokens += uncached
         self._requests[request_id] = (replica, uncached, self.clock())
+        self._sizes[request_id] = float(self._length(hashes, tokens))
 
     # -- what it shows --------------------------------------------------------------------------
     def estimates(self) -> dict[str, dict[str, Any]]:
@@ -479,7 +500,8 @@ class LearnedRouter(PrefixAffinityRouter):
         return out
 
     def state(self) -> dict[str, Any]:
-        return {**super().state(), "learned_replicas": len(self.replicas)}
+        return {**super().state(), "learned_replicas": len(self.replicas),
+                "token_scale": self.token_scale.value}
 
 
 #: Where :class:`SloRouter` sends a request no replica is predicted to serve within the SLO.

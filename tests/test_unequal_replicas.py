@@ -230,6 +230,48 @@ def test_a_new_document_is_not_placed_where_it_would_overflow_the_kv():
         LearnedRouter(kv_guard=True, kv_fill=1.5)
 
 
+def test_the_kv_guard_counts_prompts_in_the_engine_s_tokens_it_learns_from_the_scrapes():
+    """A text prompt's size at the front end is its bytes / 4; vLLM's ``request_prompt_tokens`` of the
+    requests finished between two scrapes says how many tokens that was. Where the engine counted 1.25
+    tokens per one the front end did, the guard scales what a replica holds by it, and a 6,000-token
+    prompt that fits the small replica at face value (73% of its KV) no longer does (92%)."""
+    router = LearnedRouter(kv_guard=True)
+    now = [0.0]
+    router.clock = lambda: now[0]
+    kv = {"a": 65_536, "b": 12_288}
+    counted = dict.fromkeys(kv, 0.0)
+
+    def scrape() -> None:
+        for name, tokens in kv.items():
+            info = {"num_gpu_blocks": tokens // 16, "block_size": 16}
+            router.scraped(name, {"vllm:cache_config_info": info,
+                                  "vllm:request_prompt_tokens_sum": counted[name]})
+
+    scrape()
+    hasher, rng = PrefixHasher(), np.random.default_rng(5)
+    for i in range(2):  # one 3,000-token document (by the front end's count) each, served
+        hashes = hasher.hash(rng.integers(5, 30_000, 3000, dtype=np.int32))
+        name = "ab"[i]
+        router.routed(hashes, name, tokens=3000, request_id=f"r{i}")
+        now[0] += 1.0
+        router.prefilled(f"r{i}")
+        router.finished(f"r{i}", 8)
+        counted[name] += 3750.0  # the engine's tokens for it
+    assert router.kv_room(["a", "b"], 2900) == {"a": pytest.approx(5900 / 65_536),
+                                                 "b": pytest.approx(5900 / 12_288)}
+    scrape()
+    assert router.state()["token_scale"] == pytest.approx(1.25)
+    room = router.kv_room(["a", "b"], 2900)  # b: 5,900 x 1.25 = 7,375 of 12,288 (60%): still room
+    assert room == {"a": pytest.approx(5900 * 1.25 / 65_536), "b": pytest.approx(5900 * 1.25 / 12_288)}
+    assert "b" in router.kv_room(["a", "b"], 5800)  # 8,800 at face value (72%), 11,000 (90%) scaled
+    assert "b" not in router.kv_room(["a", "b"], 6000)  # 9,000: 73% at face value, 92% in engine tokens
+    # a request that never reached the engine (no first token) is not counted against vLLM's count
+    hashes = hasher.hash(rng.integers(5, 30_000, 1000, dtype=np.int32))
+    router.routed(hashes, "a", tokens=1000, request_id="lost")
+    router.finished("lost", None)
+    assert router.replicas["a"].finished_prompt == pytest.approx(3000.0)
+
+
 def test_the_kv_guard_leaves_equal_replicas_to_ours():
     for tokens in (12_288, 65_536):  # full, and with room on both
         kv = dict.fromkeys(("a", "b"), tokens)
