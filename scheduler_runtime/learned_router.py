@@ -53,11 +53,15 @@ where ours' choice holds (by an LRU of what it was sent, its KV in size) so many
 that this prompt's would fill more than ``kv_fill`` (90%) of its KV, and another replica still has room
 for it, it goes to the replica with room that it fills least (its resident tokens with the prompt's over
 its KV; :meth:`LearnedRouter.kv_room`); once every replica is full it says nothing, and on equal-KV
-fleets, never. The tenth it keeps is for what the requests in flight add to their documents (their
-questions, answers and last blocks): on ``benchmarks.unequal_loopback`` (real engines; the quarter-KV
-replica at half speed) four documents' shared 3,600-4,000 tokens fill the small replica's 16,512 KV
-tokens to 90-97% with nothing in flight, and over every loopback run on record ours' rounds that gave it
-four documents (48/24 requests) attained a median 87.5% of the SLO, those that gave it three (54/18)
+fleets, never. It counts in the engine's tokens: the front end's prompt sizes (a text prompt's is its
+bytes / 4, 0.73-1.06 of the engine's count on the loopback's documents) times ``token_scale``, vLLM's
+``request_prompt_tokens`` over the sizes the front end counted for the requests finished between two
+scrapes (every replica's pooled, decayed; 1 until learned). The tenth it keeps is for what the requests
+in flight add to their documents (their questions, answers and last blocks): on
+``benchmarks.unequal_loopback`` (real engines; the quarter-KV replica at half speed) four documents'
+shared 3,600-4,000 tokens fill the small replica's 16,512 KV tokens to 90-97% with nothing in flight,
+and over every loopback run on record ours' rounds that gave it four documents (48/24 requests)
+attained a median 87.5% of the SLO, those that gave it three (54/18)
 94.4%, and those that gave it five (42/30, the guard's cause) 81.9% (the note of 2026-12-06, sixth
 session). On ``benchmarks.unequal_replicas``' kv fleet with L-Eval (a quarter of the KV at equal speed;
 128 documents, more than the fleet holds) the guard loses attainment, 68.6% (fill 100%) and 72.9% (90%)
