@@ -50,23 +50,19 @@ tokens and the request's own uncached tokens at its prefill speed, the mean outp
 speed); ``benchmarks.unequal_replicas`` measures it as ``prefix-learned-place``. With ``kv_guard`` (off by
 default), on a fleet whose published KV sizes differ, a new prefix is not placed where it would not fit:
 where ours' choice holds (by an LRU of what it was sent, its KV in size) so many distinct prompt tokens
-that this prompt's would fill more than ``kv_fill`` (90%) of its KV, and another replica still has room
+that this prompt's would fill more than ``kv_fill`` (all) of its KV, and another replica still has room
 for it, it goes to the replica with room that it fills least (its resident tokens with the prompt's over
 its KV; :meth:`LearnedRouter.kv_room`); once every replica is full it says nothing, and on equal-KV
-fleets, never. It counts in the engine's tokens: the front end's prompt sizes (a text prompt's is its
-bytes / 4, 0.73-1.06 of the engine's count on the loopback's documents) times ``token_scale``, vLLM's
-``request_prompt_tokens`` over the sizes the front end counted for the requests finished between two
-scrapes (every replica's pooled, decayed; 1 until learned). The tenth it keeps is for what the requests
-in flight add to their documents (their questions, answers and last blocks): on
-``benchmarks.unequal_loopback`` (real engines; the quarter-KV replica at half speed) four documents'
-shared 3,600-4,000 tokens fill the small replica's 16,512 KV tokens to 90-97% with nothing in flight,
-and over every loopback run on record ours' rounds that gave it four documents (48/24 requests)
-attained a median 87.5% of the SLO, those that gave it three (54/18)
-94.4%, and those that gave it five (42/30, the guard's cause) 81.9% (the note of 2026-12-06, sixth
-session). On ``benchmarks.unequal_replicas``' kv fleet with L-Eval (a quarter of the KV at equal speed;
-128 documents, more than the fleet holds) the guard loses attainment, 68.6% (fill 100%) and 72.9% (90%)
-against 76.5% without it at load 0.8 over 12 held-out seeds, where with Zipf's popular documents it wins
-(91.8% and 90.2% against 89.4%): hence off (the notes of the fifth and sixth sessions). Tried on
+fleets, never. On ``benchmarks.unequal_loopback`` (real engines; the quarter-KV replica at half speed),
+where ours without it gave that replica five documents of twelve in 4 of 9 rounds (42/30 requests, 34-46
+tok/s), with it ours gave it four or three in all nine (48/24 or 54/18, 57-79 tok/s). A fill of 90%
+(with the front end's text sizes, bytes / 4, scaled to the engine's token count) gave it three on every
+seed and lost where four had served better (seed 3: 1.11x the tuned ``sglang-router``'s throughput and
+0.89x its attainment, against 1.45x and 1.08x), so the guard fills to the brim (the note of 2026-12-06,
+sixth session). On ``benchmarks.unequal_replicas``' kv fleet with L-Eval (a quarter of the KV at equal
+speed; 128 documents, more than the fleet holds) the guard loses attainment, 68.6% (fill 100%) and 72.9%
+(90%) against 76.5% without it at load 0.8 over 12 held-out seeds, where with Zipf's popular documents
+it wins (91.8% and 90.2% against 89.4%): hence off (the notes of the fifth and sixth sessions). Tried on
 ``benchmarks.unequal_replicas``' fleets and dropped, without a row of their own (the note of 2026-12-06
 says how they fared): the same prediction overriding ours on a known prefix whenever ours' choice is
 predicted to finish 25% later, or to start more than 3, 5 or 8 s later, than the best replica (spilling
@@ -162,10 +158,6 @@ class ReplicaLearning:
     scraped: dict[str, float] = field(default_factory=dict)
     #: prefill seconds per uncached token by vLLM's histograms (the deltas between scrapes, decayed)
     metrics_prefill: DecayedRate | None = None
-    #: the front end's prompt sizes of the requests finished here, summed (against vLLM's own count)
-    finished_prompt: float = 0.0
-    #: at the previous scrape: vLLM's prompt tokens of finished requests, and ``finished_prompt``
-    prompt_seen: tuple[float, float] | None = None
 
 
 class LearnedRouter(PrefixAffinityRouter):
@@ -181,8 +173,8 @@ class LearnedRouter(PrefixAffinityRouter):
             least weighted load; see the module docstring).
         kv_guard: a new prefix that would overflow ours' choice's KV goes to a replica with room for
             it, on a fleet of unequal KV (see the module docstring; default off).
-        kv_fill: the share of a replica's KV the guard fills with distinct prompt tokens (the rest is
-            for what the requests in flight add).
+        kv_fill: the share of a replica's KV the guard fills with distinct prompt tokens (default all;
+            a smaller share keeps room for what the requests in flight add).
         overhead_tokens: work a prefill costs beyond its uncached tokens (a fully cached prompt still
             takes a step).
         prior_output_tokens: the predicted output before any request has finished.
@@ -202,7 +194,7 @@ class LearnedRouter(PrefixAffinityRouter):
     observes_service = True
 
     def __init__(self, tau_s: float = 20.0, explore_s: float = 20.0, band: float = 0.35,
-                 place_new: bool = False, kv_guard: bool = False, kv_fill: float = 0.9,
+                 place_new: bool = False, kv_guard: bool = False, kv_fill: float = 1.0,
                  overhead_tokens: int = 256, prior_output_tokens: float = 64.0, told: Told | None = None,
                  told_kv_tokens: Mapping[str, int] | None = None, cache_factor: float = 0.0,
                  work_cache_factor: float = 0.0, **kwargs: Any) -> None:
@@ -235,10 +227,6 @@ class LearnedRouter(PrefixAffinityRouter):
         #: request id -> (replica, uncached tokens predicted, when routed)
         self._requests: dict[str, tuple[str, float, float]] = {}
         self._first: dict[str, float] = {}  # request id -> its first token's time
-        self._sizes: dict[str, float] = {}  # request id -> its prompt's size as the front end counted it
-        #: vLLM's prompt tokens per token the front end counted (a text prompt's is its bytes / 4), over
-        #: the requests finished between scrapes, every replica's pooled and decayed: the KV guard's scale
-        self.token_scale = DecayedRate(tau_s * 10)
         self.band = float(band)
         self.counts.update({"placed": 0, "weighted": 0, "kv_guarded": 0})
 
@@ -285,14 +273,6 @@ class LearnedRouter(PrefixAffinityRouter):
                         r.metrics_prefill = DecayedRate(self.tau_s)
                     r.metrics_prefill.add(self.clock(), seconds, tokens)
             r.scraped = now
-        counted = metrics.get("vllm:request_prompt_tokens_sum")
-        if counted is not None:
-            seen = (float(counted), r.finished_prompt)
-            if r.prompt_seen is not None:
-                engine, ours = seen[0] - r.prompt_seen[0], seen[1] - r.prompt_seen[1]
-                if engine > 0 and ours > 0:
-                    self.token_scale.add(self.clock(), engine, ours)
-            r.prompt_seen = seen
 
     def _slowdowns(self, replica: str, now: float) -> tuple[float, float]:
         assert self.told is not None
@@ -317,12 +297,9 @@ class LearnedRouter(PrefixAffinityRouter):
     def finished(self, request_id: str, output_tokens: int | None = None) -> None:
         entry = self._requests.pop(request_id, None)
         first = self._first.pop(request_id, None)
-        size = self._sizes.pop(request_id, None)
         if entry is None:
             return
         replica = entry[0]
-        if size is not None and first is not None:  # it reached the engine, which counts its prompt
-            self._replica(replica).finished_prompt += size
         if first is None:  # never heard of its first token: its prefill leaves the queue now
             r = self._replica(replica)
             r.queued_tokens = max(0.0, r.queued_tokens - entry[1])
@@ -347,7 +324,6 @@ class LearnedRouter(PrefixAffinityRouter):
         for rid in [rid for rid, e in self._requests.items() if e[0] == replica]:
             del self._requests[rid]
             self._first.pop(rid, None)
-            self._sizes.pop(rid, None)
 
     # -- the speeds it predicts with ------------------------------------------------------------
     def _speeds(self, replicas: Collection[str], part: str, now: float,
@@ -422,8 +398,7 @@ class LearnedRouter(PrefixAffinityRouter):
         sizes = [k for k in kv.values() if k is not None]
         if len(sizes) < len(kv) or len(set(sizes)) < 2:
             return {}
-        scale = min(2.0, max(0.5, self.token_scale.value or 1.0))  # the front end's sizes in engine tokens
-        fill = {r: (self.resident.size[r] + tokens) * scale / k for r, k in kv.items() if k is not None}
+        fill = {r: (self.resident.size[r] + tokens) / k for r, k in kv.items() if k is not None}
         return {r: f for r, f in fill.items() if f <= self.kv_fill}
 
     def choose(self, hashes: np.ndarray | None, loads: Mapping[str, int],
@@ -477,7 +452,6 @@ class LearnedRouter(PrefixAffinityRouter):
         r = self._replica(replica)
         r.queued_tokens += uncached
         self._requests[request_id] = (replica, uncached, self.clock())
-        self._sizes[request_id] = float(self._length(hashes, tokens))
 
     # -- what it shows --------------------------------------------------------------------------
     def estimates(self) -> dict[str, dict[str, Any]]:
@@ -504,8 +478,7 @@ class LearnedRouter(PrefixAffinityRouter):
         return out
 
     def state(self) -> dict[str, Any]:
-        return {**super().state(), "learned_replicas": len(self.replicas),
-                "token_scale": self.token_scale.value}
+        return {**super().state(), "learned_replicas": len(self.replicas)}
 
 
 #: Where :class:`SloRouter` sends a request no replica is predicted to serve within the SLO.

@@ -213,63 +213,20 @@ def _first_burst(router: LearnedRouter, kv: dict[str, int], docs: int = 8,
 
 def test_a_new_document_is_not_placed_where_it_would_overflow_the_kv():
     """Eight 4,000-token documents at once on replicas of 65,536 and 12,288 KV tokens: ours alone (the
-    default) splits them by load, 4/4 (the small one overflows); with the guard filling a replica's KV
-    to the brim (``kv_fill=1``) the small one is given what fits, 3;
-    at the default fill (90%, a tenth kept for what the requests in flight add) 2."""
+    default) splits them by load, 4/4 (the small one overflows); with the guard (filling a replica's KV
+    to the brim, its default) the small one is given what fits, 3; filling 90% (``kv_fill``), 2."""
     kv = {"a": 65_536, "b": 12_288}
     assert _first_burst(LearnedRouter(), kv) == {"a": 4, "b": 4}
-    brim = LearnedRouter(kv_guard=True, kv_fill=1.0)
-    assert _first_burst(brim, kv) == {"a": 5, "b": 3}
-    assert brim.state()["kv_guarded"] == 1
-    assert brim.kv_room(["a", "b"], 4000) == {"a": pytest.approx(24_000 / 65_536)}
     guarded = LearnedRouter(kv_guard=True)
-    assert _first_burst(guarded, kv) == {"a": 6, "b": 2}
-    assert guarded.state()["kv_guarded"] == 4  # b, the less loaded, is ours' choice four times more
-    assert guarded.kv_room(["a", "b"], 4000) == {"a": pytest.approx(28_000 / 65_536)}  # b: 12,000 > 90%
+    assert _first_burst(guarded, kv) == {"a": 5, "b": 3}
+    assert guarded.state()["kv_guarded"] == 1
+    assert guarded.kv_room(["a", "b"], 4000) == {"a": pytest.approx(24_000 / 65_536)}
+    tenth = LearnedRouter(kv_guard=True, kv_fill=0.9)
+    assert _first_burst(tenth, kv) == {"a": 6, "b": 2}
+    assert tenth.state()["kv_guarded"] == 4  # b, the less loaded, is ours' choice four times more
+    assert tenth.kv_room(["a", "b"], 4000) == {"a": pytest.approx(28_000 / 65_536)}  # b: 12,000 > 90%
     with pytest.raises(ValueError):
         LearnedRouter(kv_guard=True, kv_fill=1.5)
-
-
-def test_the_kv_guard_counts_prompts_in_the_engine_s_tokens_it_learns_from_the_scrapes():
-    """A text prompt's size at the front end is its bytes / 4; vLLM's ``request_prompt_tokens`` of the
-    requests finished between two scrapes says how many tokens that was. Where the engine counted 1.25
-    tokens per one the front end did, the guard scales what a replica holds by it, and a 6,000-token
-    prompt that fits the small replica at face value (73% of its KV) no longer does (92%)."""
-    router = LearnedRouter(kv_guard=True)
-    now = [0.0]
-    router.clock = lambda: now[0]
-    kv = {"a": 65_536, "b": 12_288}
-    counted = dict.fromkeys(kv, 0.0)
-
-    def scrape() -> None:
-        for name, tokens in kv.items():
-            info = {"num_gpu_blocks": tokens // 16, "block_size": 16}
-            router.scraped(name, {"vllm:cache_config_info": info,
-                                  "vllm:request_prompt_tokens_sum": counted[name]})
-
-    scrape()
-    hasher, rng = PrefixHasher(), np.random.default_rng(5)
-    for i in range(2):  # one 3,000-token document (by the front end's count) each, served
-        hashes = hasher.hash(rng.integers(5, 30_000, 3000, dtype=np.int32))
-        name = "ab"[i]
-        router.routed(hashes, name, tokens=3000, request_id=f"r{i}")
-        now[0] += 1.0
-        router.prefilled(f"r{i}")
-        router.finished(f"r{i}", 8)
-        counted[name] += 3750.0  # the engine's tokens for it
-    assert router.kv_room(["a", "b"], 2900) == {"a": pytest.approx(5900 / 65_536),
-                                                 "b": pytest.approx(5900 / 12_288)}
-    scrape()
-    assert router.state()["token_scale"] == pytest.approx(1.25)
-    room = router.kv_room(["a", "b"], 2900)  # b: 5,900 x 1.25 = 7,375 of 12,288 (60%): still room
-    assert room == {"a": pytest.approx(5900 * 1.25 / 65_536), "b": pytest.approx(5900 * 1.25 / 12_288)}
-    assert "b" in router.kv_room(["a", "b"], 5800)  # 8,800 at face value (72%), 11,000 (90%) scaled
-    assert "b" not in router.kv_room(["a", "b"], 6000)  # 9,000: 73% at face value, 92% in engine tokens
-    # a request that never reached the engine (no first token) is not counted against vLLM's count
-    hashes = hasher.hash(rng.integers(5, 30_000, 1000, dtype=np.int32))
-    router.routed(hashes, "a", tokens=1000, request_id="lost")
-    router.finished("lost", None)
-    assert router.replicas["a"].finished_prompt == pytest.approx(3000.0)
 
 
 def test_the_kv_guard_leaves_equal_replicas_to_ours():
@@ -416,3 +373,21 @@ def test_the_learned_router_adapts_at_rays_routing_stats_period(data_dir):
     slow, recovered = phases[1], phases[2]
     assert slow["first_s"] is not None and slow["first_s"] <= 60.0, phases
     assert recovered["first_s"] is not None and recovered["first_s"] <= 60.0, phases
+
+
+def test_the_knob_study_runs_ours_variants_beside_today_s_default(tmp_path, data_dir):
+    """``benchmarks.unequal_replicas_cache``: every variant asked for and today's default (the reference,
+    always run), on the benchmark's held-out draws, each run kept; an unknown variant is a usage error."""
+    from benchmarks import unequal_replicas_cache as study
+
+    out = study.main(["--seeds", "2", "--held-out", "--fleets", "kv", "--loads", "1.0",
+                      "--variant", "learned, KV guard, fill 0.9", "--variant", "prefix-informed",
+                      "--json", str(tmp_path / "k.json")])
+    assert (tmp_path / "k.json").exists() and out["seeds"] == [0, 1] and out["held_out"]
+    rows = {c["router"]: c for c in out["cells"]}
+    assert set(rows) == {study.REFERENCE, "learned, KV guard, fill 0.9", "prefix-informed"}
+    assert rows[study.REFERENCE]["over_reference_attainment"] == 1.0
+    for row in rows.values():
+        assert len(row["runs"]) == 2 and 0.0 <= row["attainment"] <= 1.0
+    with pytest.raises(SystemExit):
+        study.main(["--variant", "learned, no such knob"])
