@@ -190,6 +190,57 @@ def mooncake_workload(pool: Workload, n: int, seed: int,
     return mooncake_windows(window, [seed], pool=pool)[0]
 
 
+@dataclasses.dataclass(frozen=True)
+class FleetDraws:
+    """How the benchmark draws a fleet's workloads (its options): L-Eval's documents (``pool``), their Zipf
+    variant, or windows of the Mooncake trace (``moon``); the drift fleet's blocks are L-Eval's."""
+
+    engine: EngineConfig
+    pool: Workload
+    replicas: int
+    docs_per_replica: int = 16
+    drift_blocks: int = 3
+    workload: str = "leval"
+    zipf_s: float = ZIPF_S
+    moon: Workload | None = None
+    mooncake_window: float = MOONCAKE_WINDOW_PER_REPLICA_S
+
+    def trace(self, fleet: str) -> bool:
+        """Whether the fleet's runs are windows of the trace at their own timestamps (else Poisson)."""
+        return self.moon is not None and fleet != "drift"
+
+    def draw(self, fleet: str, specs: Sequence[ReplicaSpec], seed: int) -> tuple[Workload, dict[str, Any]]:
+        """The fleet's workload drawn with ``seed`` and its capacity (:func:`capacity`; the drift fleet's on
+        its first block)."""
+        n = self.replicas
+        if fleet == "drift":
+            w = drift_workload(self.pool, n, self.docs_per_replica, self.drift_blocks, seed=seed)
+            first = Workload("first block", w.requests[:len(w) // self.drift_blocks])
+            return w, capacity(self.engine, specs, first)
+        if self.moon is not None:
+            w = mooncake_workload(self.moon, n, seed, self.mooncake_window)
+        else:
+            w = docs_workload(self.pool, n, self.docs_per_replica, seed, self.workload, self.zipf_s)
+        return w, capacity(self.engine, specs, w)
+
+    def held_out(self, fleet: str, specs: Sequence[ReplicaSpec],
+                 seeds: Sequence[int]) -> list[tuple[int, Workload, dict[str, Any]]]:
+        """``(seed, workload, capacity)`` of the evaluation: a window of the trace per seed, or one workload
+        (documents drawn with seed ``replicas``) that each seed gives its own Poisson arrivals."""
+        if self.trace(fleet):
+            return [(seed, *self.draw(fleet, specs, seed)) for seed in seeds]
+        workload, cap = self.draw(fleet, specs, self.replicas)
+        return [(seed, workload, cap) for seed in seeds]
+
+    def tuning(self, fleet: str, specs: Sequence[ReplicaSpec],
+               count: int) -> list[tuple[int, Workload, dict[str, Any]]]:
+        """``(seed, workload, capacity)`` of the tuning: ``count`` workloads of their own, seeds from
+        :data:`~benchmarks.router_peers.TUNE_SEED_BASE`, each drawn with ``seed + 100 x replicas`` (as
+        :mod:`benchmarks.router_peers` draws its tuning's)."""
+        seeds = [TUNE_SEED_BASE + s for s in range(count)]
+        return [(seed, *self.draw(fleet, specs, seed + 100 * self.replicas)) for seed in seeds]
+
+
 def own_kind(spec: ReplicaSpec) -> ReplicaSpec:
     """A replica's kind: its spec without a drift (at its own speed)."""
     return ReplicaSpec(spec.prefill_slowdown, spec.decode_slowdown, spec.kv_cache_gib, spec.max_num_seqs,
@@ -965,36 +1016,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             raise ValueError(f"a Mooncake request of {longest} tokens exceeds {args.scenario}'s "
                              f"max_model_len {engine.max_model_len}")
 
-    def fleet_workload(fleet: str, specs: Sequence[ReplicaSpec],
-                       seed: int) -> tuple[Workload, dict[str, Any]]:
-        """The fleet's workload drawn with ``seed`` and its capacity (:func:`capacity`)."""
-        if fleet == "drift":
-            w = drift_workload(pool, n, args.docs_per_replica, args.drift_blocks, seed=seed)
-            first = Workload("first block", w.requests[:len(w) // args.drift_blocks])
-            return w, capacity(engine, specs, first)
-        if moon is not None:
-            w = mooncake_workload(moon, n, seed, args.mooncake_window)
-        else:
-            w = docs_workload(pool, n, args.docs_per_replica, seed, args.workload, args.zipf_s)
-        return w, capacity(engine, specs, w)
-
+    draws = FleetDraws(engine, pool, n, args.docs_per_replica, args.drift_blocks, args.workload, args.zipf_s,
+                       moon, args.mooncake_window)
     for fleet in args.fleets.split(","):
         specs = specs_by_fleet[fleet]
-        trace = moon is not None and fleet != "drift"  # a window of the trace per seed, its own timestamps
-        if trace:
-            evaluated = [(seed, *fleet_workload(fleet, specs, seed)) for seed in seeds]
-        else:  # one workload (documents drawn with seed n), a Poisson draw per seed
-            workload, cap = fleet_workload(fleet, specs, n)
-            evaluated = [(seed, workload, cap) for seed in seeds]
+        trace = draws.trace(fleet)
+        evaluated = draws.held_out(fleet, specs, seeds)
         sim = ClusterSim(n, engine, profiles=specs)
         phases = ([(0.0, args.drift_at, 1.0), (args.drift_at, args.drift_until, 3.0),
                    (args.drift_until, math.inf, 1.0)] if fleet == "drift" else [])
         tuned = reused.get(fleet)
         runs: list[tuple[int, Workload]] = []
         if args.tune_seeds > 0 and (fleet != "equal" or args.tune_equal) and (tuned is None or variants):
-            for s in range(args.tune_seeds):  # workloads of their own, as benchmarks.router_peers draws them
-                seed = TUNE_SEED_BASE + s
-                w, c = fleet_workload(fleet, specs, seed + 100 * n)
+            for seed, w, c in draws.tuning(fleet, specs, args.tune_seeds):
                 runs += [run for load in loads for run in timed_runs([(seed, w, c["req_s"])], load, trace)]
         if tuned is not None:
             tuning[fleet] = tuned
@@ -1021,6 +1055,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             per_replica = zip(*(c["per_replica_req_s"] for c in caps), strict=True)
             cap = {"req_s": statistics.fmean(c["req_s"] for c in caps),
                    "per_replica_req_s": [statistics.fmean(x) for x in per_replica]}
+        else:  # one workload for every seed
+            cap = caps[0]
         windows = ({"requests_per_seed": [len(w) for _, w, _ in evaluated],
                     "capacity_per_seed_req_s": [c["req_s"] for c in caps]} if trace else {})
         for load in loads:

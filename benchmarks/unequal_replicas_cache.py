@@ -1,31 +1,52 @@
-"""Ours learned's cache model on unequal replicas: the variants tried on the tuning seeds.
+"""Ours learned's knobs on unequal replicas (its cache model, the LRU that counts its work, the KV guard),
+on the tuning seeds or the held-out ones.
 
     python -m benchmarks.unequal_replicas_cache
+    python -m benchmarks.unequal_replicas_cache --workload zipf --seeds 12 \
+        --variant 'learned, work LRU 1 x KV' --variant prefix-informed --json results/work_lru_zipf.json
 
-:mod:`benchmarks.unequal_replicas`' fleets ``kv``, ``equal`` and ``speed`` (8 replicas), each on
-workloads of its own drawn as that benchmark's tuning draws them (seeds 10,000-10,002, documents drawn
-with ``seed + 100 x replicas``; the fleet's capacity measured on the first, where that benchmark's
-tuning measures it on each), at loads 0.8 and 1: ours as today
+:mod:`benchmarks.unequal_replicas`' fleets (``--fleets``; default ``kv``, ``equal`` and ``speed``; 8
+replicas) and workloads (``--workload``: L-Eval, its Zipf variant or the Mooncake trace, drawn by
+:class:`~benchmarks.unequal_replicas.FleetDraws` as that benchmark draws them), on ``--seeds`` (3)
+workloads of their own as that benchmark's tuning draws them (seeds from 10,000, documents drawn with
+``seed + 100 x replicas``, each its own capacity), or with ``--held-out`` on its evaluation's seeds, at
+loads 0.8 and 1. Each variant's mean attainment, and its attainment over ``learned, cache off`` (today's
+default, always run): the median of the per-seed ratios with a distribution-free 90% interval
+(:func:`~feather_env.reporting.median_interval`). The first study's variants (the default set): ours as today
 (``prefix``, no cache model), and :class:`~scheduler_runtime.learned_router.LearnedRouter` with ours'
 cache model at 1.25 x each replica's published KV (the first version's default), with it off (today's
 default), at 2, 3 and 5 x KV, at 1.25 x at least the fleet's median KV (``floor``: a small replica's
 model as large as a median one's) or half of it, and keeping a document whose owner's model evicted it on
-that owner while the owner is within 1 or 3 requests of the least loaded (``stay``). Prints per variant
-and cell the mean attainment (each seed's), output tok/s and prefix hit rate. About 6 min on one core.
+that owner while the owner is within 1 or 3 requests of the least loaded (``stay``). Further (the note's
+sixth session; ``--variant``, repeatable): counting a prefill's work as its tokens uncached by an LRU of 1
+or 2 x the replica's KV of what it was sent (``work_cache_factor``), the KV guard filling to 100% or 90%,
+and ours informed (``prefix-informed``). Prints per variant and cell the mean attainment, output tok/s
+and prefix hit rate; ``--json`` keeps every run. About 6 min on one core for the default set at 3 seeds.
 """
 
 from __future__ import annotations
 
+import argparse
+import math
 import statistics
 import sys
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from benchmarks.router_peers import TUNE_SEED_BASE, uniform_workload
-from benchmarks.unequal_replicas import DEFAULT_SLO, _attainment, capacity, fleets
+from benchmarks.router_peers import mooncake_pool
+from benchmarks.unequal_replicas import (
+    DEFAULT_SLO,
+    FleetDraws,
+    _attainment,
+    fleets,
+    router_factories,
+    timed_runs,
+)
 from feather_env.cluster_sim import ClusterSim
+from feather_env.reporting import machine_info, median_interval, write_json
 from feather_env.scenarios import load_scenario
 from feather_env.workloads import WorkloadConfig, load_workload
 from scheduler_runtime.learned_router import LearnedRouter, ReplicaLearning
@@ -83,33 +104,83 @@ VARIANTS: dict[str, Callable[[], ReplicaRouter]] = {
     "learned, floor half median": lambda: FloorLearned(0.5, cache_factor=1.25),
     "learned, stay within 1": lambda: StayLearned(1, cache_factor=1.25),
     "learned, stay within 3": lambda: StayLearned(3, cache_factor=1.25),
+    "learned, work LRU 1 x KV": lambda: LearnedRouter(work_cache_factor=1.0),
+    "learned, work LRU 2 x KV": lambda: LearnedRouter(work_cache_factor=2.0),
+    "learned, KV guard, fill 1": lambda: LearnedRouter(kv_guard=True, kv_fill=1.0),
+    "learned, KV guard, fill 0.9": lambda: LearnedRouter(kv_guard=True, kv_fill=0.9),
 }
+#: Rows of :mod:`benchmarks.unequal_replicas` itself (:func:`~benchmarks.unequal_replicas.router_factories`).
+ROWS = ("prefix-informed",)
+#: The cache model's variants (the first study's set, the default).
+CACHE_VARIANTS = tuple(list(VARIANTS)[:10])
+REFERENCE = "learned, cache off"
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    del argv
-    n, seeds = 8, [TUNE_SEED_BASE + s for s in range(3)]
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", choices=("leval", "zipf", "mooncake"), default="leval")
+    p.add_argument("--fleets", default="kv,equal,speed")
+    p.add_argument("--loads", default="0.8,1.0")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--held-out", action="store_true",
+                   help="the benchmark's evaluation seeds (0, 1, ...), not its tuning seeds")
+    p.add_argument("--variant", action="append", default=None,
+                   help=f"repeatable (default: the cache model's set), of: {'; '.join([*VARIANTS, *ROWS])}")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    names = list(dict.fromkeys(args.variant or CACHE_VARIANTS))
+    if set(names) - set(VARIANTS) - set(ROWS):
+        p.error(f"--variant: one of {[*VARIANTS, *ROWS]}")
+    if REFERENCE not in names:
+        names.insert(0, REFERENCE)
+    start = time.perf_counter()
+    n = 8
     engine = load_scenario("leval-kv-pressure").engine_config()
     pool = load_workload(WorkloadConfig(kind="leval", max_prompt_tokens=8192))
+    moon = (mooncake_pool(load_scenario("leval-kv-pressure").workload.max_prompt_tokens)
+            if args.workload == "mooncake" else None)
+    draws = FleetDraws(engine, pool, n, workload=args.workload, moon=moon)
     specs_by_fleet = fleets(n, 40.0, 100.0)
-    for fleet in ("kv", "equal", "speed"):
+    cells = []
+    print("| fleet | load | router | attainment (mean) | / learned, cache off (median [90% interval]) | "
+          "tok/s | hit |")
+    print("|---|---|---|---|---|---|---|")
+    for fleet in args.fleets.split(","):
         specs = specs_by_fleet[fleet]
         sim = ClusterSim(n, engine, profiles=specs)
-        workloads = {s: uniform_workload(pool, n, 16, seed=s + 100 * n) for s in seeds}
-        cap = capacity(engine, specs, workloads[seeds[0]])["req_s"]
-        for load in (0.8, 1.0):
-            for name, factory in VARIANTS.items():
-                att, tok, hit = [], [], []
-                for s in seeds:
-                    timed = workloads[s].with_arrivals(f"poisson:{load * cap}", s)
-                    r = sim.run(timed, factory(), goodput=DEFAULT_SLO, scrape_s=0.0)
-                    att.append(_attainment(r, len(timed)))
-                    tok.append(r.metrics["output_throughput"])
-                    hit.append(r.metrics["prefix_hit_rate"])
-                print(f"| {fleet} | {load:g} | {name} | {100 * statistics.fmean(att):.1f}% "
-                      f"({' / '.join(f'{100 * a:.0f}' for a in att)}) | {statistics.fmean(tok):.0f} | "
-                      f"{100 * statistics.fmean(hit):.0f}% |", flush=True)
+        drawn = (draws.held_out(fleet, specs, range(args.seeds)) if args.held_out
+                 else draws.tuning(fleet, specs, args.seeds))
+        rows = router_factories(specs, engine, DEFAULT_SLO)
+        for load in (float(x) for x in args.loads.split(",")):
+            runs = timed_runs([(seed, w, c["req_s"]) for seed, w, c in drawn], load, draws.trace(fleet))
+            per: dict[str, list[dict[str, float]]] = {}
+            for name in names:
+                for seed, timed in runs:
+                    router = rows[name](seed) if name in ROWS else VARIANTS[name]()
+                    r = sim.run(timed, router, goodput=DEFAULT_SLO, scrape_s=0.0)
+                    per.setdefault(name, []).append({"attainment": _attainment(r, len(timed)),
+                                                     "output_throughput": r.metrics["output_throughput"],
+                                                     "prefix_hit_rate": r.metrics["prefix_hit_rate"]})
+            for name in names:
+                ratios = [a["attainment"] / b["attainment"] if b["attainment"] else math.inf
+                          for a, b in zip(per[name], per[REFERENCE], strict=True)]
+                low, high, coverage = median_interval(ratios)
+                row = {k: statistics.fmean(x[k] for x in per[name]) for k in per[name][0]}
+                shown = f" [{low:.3f}-{high:.3f}]" if coverage >= 0.9 else ""
+                print(f"| {fleet} | {load:g} | {name} | {100 * row['attainment']:.1f}% | "
+                      f"{statistics.median(ratios):.3f}x{shown} | "
+                      f"{row['output_throughput']:.0f} | {100 * row['prefix_hit_rate']:.0f}% |", flush=True)
+                cells.append({"fleet": fleet, "load": load, "router": name, **row,
+                              "over_reference_attainment": statistics.median(ratios),
+                              "over_reference_interval": [low, high, coverage], "runs": per[name]})
+    out = {"benchmark": "unequal_replicas_cache", "machine": machine_info(),
+           "command": "python -m benchmarks.unequal_replicas_cache " + " ".join(
+               argv if argv is not None else sys.argv[1:]),
+           "workload": args.workload, "seeds": [seed for seed, _, _ in drawn], "held_out": args.held_out,
+           "reference": REFERENCE, "cells": cells, "wall_s": time.perf_counter() - start}
+    write_json(args.json, out)
+    return out
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()
