@@ -253,8 +253,10 @@ BLOCKS: dict[str, Block] = {
     **{name: _result(name, "admission_burst") for name in ("admission_burst_replicas2_quiet",
                                                            "admission_burst_slo0.8_quiet",
                                                            "admission_burst_pace")},
-    **{name: _result(name, "unequal_replicas") for name in ("unequal_router", "unequal_replicas_mooncake",
-                                                           "unequal_replicas_mooncake16")},
+    **{name: _result(name, "unequal_replicas") for name in (
+        "unequal_router", "unequal_replicas_mooncake", "unequal_replicas_mooncake16",
+        "unequal_replicas_seeds12", "unequal_replicas_zipf_seeds12", "unequal_replicas_mooncake_seeds12",
+        "unequal_replicas_mooncake16_seeds12")},
     **{name: _result(name) for name in ("routing_headroom", "routing_agents", "unequal_loopback")},
     **{name: _result(name, "routing_headroom") for name in ("routing_headroom_load1", "routing_headroom_kv")},
     **{name: _result(name, "unequal_loopback") for name in ("unequal_loopback_seed1",
