@@ -56,13 +56,13 @@ its KV; :meth:`LearnedRouter.kv_room`); once every replica is full it says nothi
 fleets, never. On ``benchmarks.unequal_loopback`` (real engines; the quarter-KV replica at half speed),
 where ours without it gave that replica five documents of twelve in 4 of 9 rounds (42/30 requests, 34-46
 tok/s), with it ours gave it four or three in all nine (48/24 or 54/18, 57-79 tok/s). A fill of 90%
-(with the front end's text sizes, bytes / 4, scaled to the engine's token count) gave it three on every
-seed and lost where four had served better (seed 3: 1.11x the tuned ``sglang-router``'s throughput and
-0.89x its attainment, against 1.45x and 1.08x), so the guard fills to the brim (the note of 2026-12-06,
-sixth session). On ``benchmarks.unequal_replicas``' kv fleet with L-Eval (a quarter of the KV at equal
-speed; 128 documents, more than the fleet holds) the guard loses attainment, 68.6% (fill 100%) and 72.9%
-(90%) against 76.5% without it at load 0.8 over 12 held-out seeds, where with Zipf's popular documents
-it wins (91.8% and 90.2% against 89.4%): hence off (the notes of the fifth and sixth sessions). Tried on
+gave it three where the brim gave four (seeds 2 and 3) and lost there (seed 3: 1.11x the tuned
+``sglang-router``'s throughput and 0.89x its attainment, against 1.45x and 1.08x), so the guard fills to
+the brim (the note of 2026-12-06, sixth session). On ``benchmarks.unequal_replicas``' kv fleet with
+L-Eval (a quarter of the KV at equal speed; 128 documents, more than the fleet holds) the guard loses
+attainment, 68.6% (fill 100%) and 72.9% (90%) against 76.5% without it at load 0.8 over 12 held-out
+seeds, where with Zipf's popular documents it wins (91.8% and 90.2% against 89.4%): hence off (the notes
+of the fifth and sixth sessions). Tried on
 ``benchmarks.unequal_replicas``' fleets and dropped, without a row of their own (the note of 2026-12-06
 says how they fared): the same prediction overriding ours on a known prefix whenever ours' choice is
 predicted to finish 25% later, or to start more than 3, 5 or 8 s later, than the best replica (spilling
