@@ -206,8 +206,8 @@ class LearnedRouter(PrefixAffinityRouter):
         self.tau_s, self.explore_s = float(tau_s), float(explore_s)
         self.place_new = bool(place_new)
         self.kv_fill = float(kv_fill)
-        #: the guard's view of what each replica holds: an LRU of the prompts it was sent since its KV
-        #: became known, its KV in size (:meth:`kv_room`); None with the guard off
+        #: the guard's view of what each replica holds: an LRU of the prompts it was sent, its KV in size
+        #: once that is known (:meth:`kv_room`); None with the guard off
         self.resident = PrefixHistory(self.chunk_size, 1 << 40) if kv_guard else None
         self.overhead_tokens = int(overhead_tokens)
         self.prior_output_tokens = float(prior_output_tokens)
@@ -444,9 +444,9 @@ class LearnedRouter(PrefixAffinityRouter):
         super().routed(hashes, replica, tokens=tokens, request_id=request_id)
         if self.seen is not None and self.seen is not self.cached and hashes is not None:
             self.seen.insert(hashes, replica, tokens)
-        resident = self.resident
-        if resident is not None and hashes is not None and len(hashes) and self._replica(replica).kv_tokens:
-            resident.insert(hashes, replica, tokens)  # once its KV (the LRU's size) is known
+        if self.resident is not None and hashes is not None and len(hashes):
+            # before its KV is known too: the LRU is cut to the KV once it is (PrefixHistory.set_limit)
+            self.resident.insert(hashes, replica, tokens)
         if request_id is None:
             return
         r = self._replica(replica)

@@ -229,6 +229,21 @@ def test_a_new_document_is_not_placed_where_it_would_overflow_the_kv():
         LearnedRouter(kv_guard=True, kv_fill=1.5)
 
 
+def test_the_kv_guard_counts_what_was_sent_before_the_kv_was_known():
+    """A proxy may route its first requests before its first scrape: the guard still counts them, and
+    once each replica's KV is read, its LRU is cut to it."""
+    router = LearnedRouter(kv_guard=True)
+    hasher, rng = PrefixHasher(), np.random.default_rng(7)
+    for i in range(4):  # four 4,000-token documents to b, nothing known yet
+        hashes = hasher.hash(rng.integers(5, 30_000, 4000, dtype=np.int32))
+        router.routed(hashes, "b", tokens=4000, request_id=f"early{i}")
+    assert router.kv_room(["a", "b"], 4000) == {}  # silent until every KV is known
+    for name, tokens in {"a": 65_536, "b": 12_288}.items():
+        router.scraped(name, {"vllm:cache_config_info": {"num_gpu_blocks": tokens // 16, "block_size": 16}})
+    assert router.resident.size["b"] == 12_000  # the least recent document is out: three fit
+    assert router.kv_room(["a", "b"], 4000) == {"a": pytest.approx(4000 / 65_536)}
+
+
 def test_the_kv_guard_leaves_equal_replicas_to_ours():
     for tokens in (12_288, 65_536):  # full, and with room on both
         kv = dict.fromkeys(("a", "b"), tokens)
