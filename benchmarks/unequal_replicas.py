@@ -502,7 +502,7 @@ def run_cell(sim: ClusterSim, runs: Sequence[tuple[int, Workload]],
     for name, runs in per_seed.items():
         row: dict[str, Any] = {k: statistics.fmean(x[k] for x in runs) for k in runs[0]}
         for key in ("output_throughput", "attainment", *(("attainment_slo2",) if slo2 else ())):
-            ratios = [a[key] / b[key] if b[key] else math.inf for a, b in zip(ours, runs, strict=True)]
+            ratios = seed_ratios(ours, runs, key)
             row[f"learned_over_this_{key}"] = statistics.median(ratios)
             low, high, coverage = median_interval(ratios, INTERVAL)
             row[f"learned_over_this_{key}_interval"] = [low, high, coverage]
@@ -734,10 +734,15 @@ def headline(res: dict[str, Any]) -> list[list[Any]]:
     return rows
 
 
+def seed_ratios(a: Sequence[dict[str, float]], b: Sequence[dict[str, float]], key: str) -> list[float]:
+    """Per seed, ``a``'s ``key`` over ``b``'s (``inf`` where ``b``'s is 0): two routers' runs on the same
+    draws, in order."""
+    return [x[key] / y[key] if y[key] else math.inf for x, y in zip(a, b, strict=True)]
+
+
 def over_row(routers: dict[str, Any], name: str, other: str, key: str) -> float:
     """``name``'s ``key`` over ``other``'s: the median over seeds of the per-seed ratio."""
-    a, b = routers[name]["runs"], routers[other]["runs"]
-    return statistics.median(x[key] / y[key] if y[key] else math.inf for x, y in zip(a, b, strict=True))
+    return statistics.median(seed_ratios(routers[name]["runs"], routers[other]["runs"], key))
 
 
 def variant_rows(res: dict[str, Any]) -> list[list[Any]]:

@@ -27,7 +27,6 @@ and prefix hit rate; ``--json`` keeps every run. About 6 min on one core for the
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import time
@@ -39,10 +38,12 @@ import numpy as np
 from benchmarks.router_peers import mooncake_pool
 from benchmarks.unequal_replicas import (
     DEFAULT_SLO,
+    INTERVAL,
     FleetDraws,
     _attainment,
     fleets,
     router_factories,
+    seed_ratios,
     timed_runs,
 )
 from feather_env.cluster_sim import ClusterSim
@@ -142,8 +143,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     draws = FleetDraws(engine, pool, n, workload=args.workload, moon=moon)
     specs_by_fleet = fleets(n, 40.0, 100.0)
     cells = []
-    print("| fleet | load | router | attainment (mean) | / learned, cache off (median [90% interval]) | "
-          "tok/s | hit |")
+    print(f"| fleet | load | router | attainment (mean) | / {REFERENCE} (median "
+          f"[{100 * INTERVAL:g}% interval]) | tok/s | hit |")
     print("|---|---|---|---|---|---|---|")
     for fleet in args.fleets.split(","):
         specs = specs_by_fleet[fleet]
@@ -162,11 +163,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                                      "output_throughput": r.metrics["output_throughput"],
                                                      "prefix_hit_rate": r.metrics["prefix_hit_rate"]})
             for name in names:
-                ratios = [a["attainment"] / b["attainment"] if b["attainment"] else math.inf
-                          for a, b in zip(per[name], per[REFERENCE], strict=True)]
-                low, high, coverage = median_interval(ratios)
+                ratios = seed_ratios(per[name], per[REFERENCE], "attainment")
+                low, high, coverage = median_interval(ratios, INTERVAL)
                 row = {k: statistics.fmean(x[k] for x in per[name]) for k in per[name][0]}
-                shown = f" [{low:.3f}-{high:.3f}]" if coverage >= 0.9 else ""
+                shown = f" [{low:.3f}-{high:.3f}]" if coverage >= INTERVAL else ""
                 print(f"| {fleet} | {load:g} | {name} | {100 * row['attainment']:.1f}% | "
                       f"{statistics.median(ratios):.3f}x{shown} | "
                       f"{row['output_throughput']:.0f} | {100 * row['prefix_hit_rate']:.0f}% |", flush=True)
