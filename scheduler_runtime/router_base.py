@@ -86,13 +86,17 @@ class PrefixHistory:
     chunks. A replica's size (the tree's characters there) is the tokens its keys cover. At most
     ``max_tokens`` per replica: past that the least recently sent keys go first, deepest first (a
     prompt's keys are touched from its last chunk to its first), as the trees evict LRU leaves.
+    With ``holders=False`` it keeps no map from a key to its replicas: :meth:`match` is then refused,
+    and :meth:`depth` (one replica's match) and the sizes cost about half as much to keep.
     """
 
-    def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE, max_tokens: int = 1 << 26) -> None:
+    def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE, max_tokens: int = 1 << 26, *,
+                 holders: bool = True) -> None:
         if chunk_size < 1 or max_tokens < 1:
             raise ValueError("chunk_size and max_tokens must be >= 1")
         self.chunk_size = int(chunk_size)
         self.max_tokens = int(max_tokens)
+        self.tracks_holders = bool(holders)
         #: replica -> its own ``max_tokens`` where it differs (:meth:`set_limit`: replicas of unequal KV).
         self.limits: dict[str, int] = {}
         #: chunk key -> {replica: when it was last sent it (a counter)}
@@ -108,14 +112,17 @@ class PrefixHistory:
         keys = hashes.tolist()
         spans = chunk_spans(len(keys), tokens, self.chunk_size)
         mine = self._keys.setdefault(replica, OrderedDict())
-        holders = self.holders
+        added = 0
+        holders = self.holders if self.tracks_holders else None
         for key, span in zip(reversed(keys), reversed(spans), strict=True):
             if key in mine:
                 mine.move_to_end(key)
             else:
                 mine[key] = span
-                self.size[replica] += span
-            holders.setdefault(key, {})[replica] = stamp
+                added += span
+            if holders is not None:
+                holders.setdefault(key, {})[replica] = stamp
+        self.size[replica] += added
         self._evict(replica)
 
     def set_limit(self, replica: str, max_tokens: int) -> None:
@@ -140,6 +147,8 @@ class PrefixHistory:
 
     def match(self, hashes: np.ndarray) -> dict[str, int]:
         """Replica -> leading chunks of ``hashes`` it was sent (replicas with none left out)."""
+        if not self.tracks_holders:
+            raise RuntimeError("this PrefixHistory keeps no holders (holders=False): use depth()")
         keys = hashes.tolist()
         holders = self.holders
         first = holders.get(keys[0]) if keys else None
@@ -158,6 +167,18 @@ class PrefixHistory:
         for r in alive:
             depth[r] = len(keys)
         return depth
+
+    def depth(self, hashes: np.ndarray, replica: str) -> int:
+        """Leading chunks of ``hashes`` that ``replica`` was sent (``match(hashes).get(replica, 0)``)."""
+        mine = self._keys.get(replica)
+        if not mine:
+            return 0
+        n = 0
+        for key in hashes.tolist():
+            if key not in mine:
+                break
+            n += 1
+        return n
 
     def stamp(self, key: int, replica: str) -> int:
         """When ``replica`` was last sent ``key`` (0: never)."""

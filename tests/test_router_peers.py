@@ -68,6 +68,31 @@ def test_history_evicts_least_recent_deepest_first():
     assert hist.match(h(OTHER)) == {"a": 2}
 
 
+@SETTINGS
+@given(ops=st.lists(st.tuples(st.sampled_from("insert forget limit".split()), st.sampled_from("abc"),
+                              st.integers(0, 3), st.integers(1, 4), st.integers(1, 12)), max_size=40))
+def test_history_without_holders_keeps_the_same_sizes_and_depths(ops):
+    """``holders=False`` (the learned router's counting LRUs) evicts as the full history does, and one
+    replica's ``depth`` is its ``match``; ``match`` itself is refused there."""
+    docs = [RNG.integers(3, 500, 4 * CHUNK) for _ in range(2)] + [DOC, OTHER]
+    full, lean = PrefixHistory(CHUNK, max_tokens=9 * CHUNK), PrefixHistory(CHUNK, 9 * CHUNK, holders=False)
+    for op, replica, d, n_chunks, limit in ops:
+        for hist in (full, lean):
+            if op == "insert":
+                hist.insert(h(docs[d][: n_chunks * CHUNK]), replica)
+            elif op == "forget":
+                hist.forget(replica)
+            else:
+                hist.set_limit(replica, limit * CHUNK)
+        assert +full.size == +lean.size
+        for doc in docs:
+            held = full.match(h(doc))
+            assert {r: lean.depth(h(doc), r) for r in "abc"} == {r: held.get(r, 0) for r in "abc"}
+    assert not lean.holders
+    with pytest.raises(RuntimeError, match="holders"):
+        lean.match(h(DOC))
+
+
 def test_ledger_keeps_prefill_and_kv_tokens_until_the_request_is_done():
     ledger = RequestLedger()
     keys = h(DOC).tolist()
