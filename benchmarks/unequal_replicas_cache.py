@@ -10,18 +10,20 @@ replicas) and workloads (``--workload``: L-Eval, its Zipf variant or the Mooncak
 :class:`~benchmarks.unequal_replicas.FleetDraws` as that benchmark draws them), on ``--seeds`` (3)
 workloads of their own as that benchmark's tuning draws them (seeds from 10,000, documents drawn with
 ``seed + 100 x replicas``, each its own capacity), or with ``--held-out`` on its evaluation's seeds, at
-loads 0.8 and 1. Each variant's mean attainment, and its attainment over ``learned, cache off`` (today's
-default, always run): the median of the per-seed ratios with a distribution-free 90% interval
+loads 0.8 and 1. Each variant's mean attainment, and its attainment over ``learned, cache off`` (the
+cache model off and the work counted as whole prompts, the default until the note's seventh session;
+always run): the median of the per-seed ratios with a distribution-free 90% interval
 (:func:`~feather_env.reporting.median_interval`). The first study's variants (the default set): ours as today
 (``prefix``, no cache model), and :class:`~scheduler_runtime.learned_router.LearnedRouter` with ours'
-cache model at 1.25 x each replica's published KV (the first version's default), with it off (today's
+cache model at 1.25 x each replica's published KV (the first version's default), with it off (then the
 default), at 2, 3 and 5 x KV, at 1.25 x at least the fleet's median KV (``floor``: a small replica's
 model as large as a median one's) or half of it, and keeping a document whose owner's model evicted it on
 that owner while the owner is within 1 or 3 requests of the least loaded (``stay``). Further (the note's
 sixth session; ``--variant``, repeatable): counting a prefill's work as its tokens uncached by an LRU of 1
-or 2 x the replica's KV of what it was sent (``work_cache_factor``), the KV guard filling to 100% or 90%,
-and ours informed (``prefix-informed``). Prints per variant and cell the mean attainment, output tok/s
-and prefix hit rate; ``--json`` keeps every run. About 6 min on one core for the default set at 3 seeds.
+(today's default) or 2 x the replica's KV of what it was sent (``work_cache_factor``), the KV guard
+filling to 100% or 90% (on whole prompts, as that study ran), and ours informed (``prefix-informed``).
+Prints per variant and cell the mean attainment, output tok/s and prefix hit rate; ``--json`` keeps
+every run. About 6 min on one core for the default set at 3 seeds.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ class StayLearned(LearnedRouter):
 VARIANTS: dict[str, Callable[[], ReplicaRouter]] = {
     "prefix (ours as today)": PrefixAffinityRouter,
     "learned, cache 1.25 x KV": lambda: LearnedRouter(cache_factor=1.25),
-    "learned, cache off": lambda: LearnedRouter(cache_factor=0.0),
+    "learned, cache off": lambda: LearnedRouter(cache_factor=0.0, work_cache_factor=0.0),
     "learned, cache 2 x KV": lambda: LearnedRouter(cache_factor=2.0),
     "learned, cache 3 x KV": lambda: LearnedRouter(cache_factor=3.0),
     "learned, cache 5 x KV": lambda: LearnedRouter(cache_factor=5.0),
@@ -107,8 +109,9 @@ VARIANTS: dict[str, Callable[[], ReplicaRouter]] = {
     "learned, stay within 3": lambda: StayLearned(3, cache_factor=1.25),
     "learned, work LRU 1 x KV": lambda: LearnedRouter(work_cache_factor=1.0),
     "learned, work LRU 2 x KV": lambda: LearnedRouter(work_cache_factor=2.0),
-    "learned, KV guard, fill 1": lambda: LearnedRouter(kv_guard=True, kv_fill=1.0),
-    "learned, KV guard, fill 0.9": lambda: LearnedRouter(kv_guard=True, kv_fill=0.9),
+    # the guard's study counted whole prompts (then the default)
+    "learned, KV guard, fill 1": lambda: LearnedRouter(kv_guard=True, kv_fill=1.0, work_cache_factor=0.0),
+    "learned, KV guard, fill 0.9": lambda: LearnedRouter(kv_guard=True, kv_fill=0.9, work_cache_factor=0.0),
 }
 #: Rows of :mod:`benchmarks.unequal_replicas` itself (:func:`~benchmarks.unequal_replicas.router_factories`).
 ROWS = ("prefix-informed",)
