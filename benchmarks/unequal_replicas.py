@@ -55,7 +55,8 @@ P99 TTFT and E2E latency; and ours learned over each router, the median over the
 ratios, in output throughput and in attainment. For the drift fleet, how long after the slowdown and
 after the recovery the learned prefill speed of replica 0 (over the median of the others') first comes
 within 20% of the truth (1/3, then 1), and from when it stays there until the phase ends. Last, each
-of :data:`COST_ROUTERS`' CPU per request at ``--cost-replicas`` (64) replicas (:func:`cost`).
+of :data:`COST_ROUTERS`' CPU per request at ``--cost-replicas`` (64) replicas, and ours learned's counting
+whole prompts (:func:`cost`); ``--fleets ''`` measures only that.
 
 Further (the note's third session): ``--variants`` runs ours' variants
 (:data:`scheduler_runtime.learned_router.VARIANTS`) at their defaults and tuned on each unequal fleet
@@ -93,6 +94,7 @@ import dataclasses
 import inspect
 import json
 import math
+import shlex
 import statistics
 import sys
 import time
@@ -685,16 +687,31 @@ def render_drift_share(d: dict[str, Any]) -> str:
 
 #: The routers whose cost per request is measured (``--cost-replicas``).
 COST_ROUTERS = ("prefix", OURS_LEARNED, "sglang-cache-aware", "lmetric", LlmdPredictedLatencyRouter.name)
+#: Beside them, ours learned counting whole prompts (no LRU of what each replica was sent): what the
+#: default's work LRU costs.
+WHOLE_PROMPTS = f"{OURS_LEARNED} (whole prompts)"
 
 
 def cost(replicas: int, prefixes: int, repeats: int) -> dict[str, Any]:
     """Each of :data:`COST_ROUTERS`' CPU per request (``choose`` + ``routed``, and the first token and
-    finish for those that track requests) at ``replicas`` replicas
+    finish for those that track requests) at ``replicas`` replicas, and :data:`WHOLE_PROMPTS`'
     (:func:`benchmarks.routing.router_cost`)."""
     engine = load_scenario("leval-kv-pressure").engine_config()
     factories = router_factories([ReplicaSpec()] * replicas, engine, DEFAULT_SLO)
-    return router_cost(replicas, prefixes, repeats=repeats,
-                       routers={name: (lambda name=name: factories[name](0)) for name in COST_ROUTERS})
+    routers: dict[str, Callable[[], Any]] = {name: (lambda name=name: factories[name](0))
+                                             for name in COST_ROUTERS}
+    routers[WHOLE_PROMPTS] = lambda: LearnedRouter(work_cache_factor=0.0)
+    runs: dict[str, list[float]] = {name: [] for name in routers}
+    out: dict[str, Any] = {}
+    for r in range(repeats):  # alternating: one pass of each, in the reverse order every other round
+        for name in (list(routers) if r % 2 == 0 else list(reversed(routers))):
+            one = router_cost(replicas, prefixes, repeats=1, routers={name: routers[name]})
+            runs[name] += one["routers"][name]["runs_us"]
+            out = out or one
+    out["routers"] = {name: {"us_per_request": statistics.median(v), "runs_us": v}
+                      for name, v in runs.items()}
+    out["alternating"] = True
+    return out
 
 
 def _peer_rows(routers: dict[str, Any]) -> list[str]:
@@ -816,6 +833,9 @@ def render(res: dict[str, Any]) -> str:
     """The figures in markdown: the headline (ours learned over the best peer, each tuned peer, ours
     informed and the bound), one table per cell, ours learned over every router, the peers' tuned
     settings, the drift's convergence."""
+    if not res["cells"]:  # --fleets '': the costs alone
+        return "\n".join([f"{measured(res)}; `{res['command']}`: {res['wall_s'] / 60:.1f} min wall on one "
+                          "core.", *_cost_lines(res)])
     slo = res["slo"]
     out = [f"{res['replicas']} simulated `{res['scenario_engine']}` replicas per fleet, "
            f"{_workload_text(res)}; SLO TTFT <= {slo['ttft'] / 1000:g} s and TPOT <= {slo['tpot']:g} "
@@ -908,16 +928,23 @@ def render(res: dict[str, Any]) -> str:
                 "from when it stays within until the phase ends:", "",
                 format_table(["load", "seed", "phase", "first within", "stays within from", "ratio at end"],
                              drift_rows)]
+    return "\n".join(out + _cost_lines(res))
+
+
+def _cost_lines(res: dict[str, Any]) -> list[str]:
+    """The routers' cost table (``--cost-replicas``), with a blank line before it; none without it."""
+    out: list[str] = []
     c = res.get("router_cost")
     if c:
         passes = len(next(iter(c["routers"].values()))["runs_us"])
         out += ["", f"Router CPU per request at {c['replicas']} replicas, {c['prefixes']:,} distinct "
-                f"{c['prompt_tokens']}-token prompts, random loads (median of {passes} passes; "
+                f"{c['prompt_tokens']}-token prompts, random loads (median of {passes} "
+                f"{'alternating ' if c.get('alternating') else ''}passes; "
                 "`benchmarks.routing.router_cost`; a router that tracks requests is told each request's "
                 "first token and finish too):", "",
                 format_table(["router", "us per request"],
                              [[k, v["us_per_request"]] for k, v in c["routers"].items()])]
-    return "\n".join(out)
+    return out
 
 
 def _knobs_text(knobs: dict[str, Any]) -> str:
@@ -933,7 +960,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--drift-until", type=float, default=100.0, help="seconds: it recovers")
     p.add_argument("--loads", default="0.8,1.0")
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--fleets", default=",".join(FLEETS))
+    p.add_argument("--fleets", default=",".join(FLEETS),
+                   help="comma-separated; '' measures only the routers' cost (--cost-replicas)")
     p.add_argument("--slo", default="ttft:5000 tpot:50", help="SLOs in ms, vLLM's --goodput pairs")
     p.add_argument("--scenario", default="leval-kv-pressure")
     p.add_argument("--quick", action="store_true",
@@ -1000,7 +1028,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         args.share_window, args.share_step, log)
         res = {"benchmark": "unequal_replicas --drift-share", "machine": machine_info(), "replicas": n,
                "docs_per_replica": args.docs_per_replica, "seeds": seeds, "slo": slo,
-               "command": "python -m benchmarks.unequal_replicas " + " ".join(
+               "command": "python -m benchmarks.unequal_replicas " + shlex.join(
                    argv if argv is not None else sys.argv[1:]), **d,
                "wall_s": time.perf_counter() - start}
         print(render_drift_share(res))
@@ -1023,7 +1051,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     draws = FleetDraws(engine, pool, n, args.docs_per_replica, args.drift_blocks, args.workload, args.zipf_s,
                        moon, args.mooncake_window)
-    for fleet in args.fleets.split(","):
+    for fleet in [f for f in args.fleets.split(",") if f]:
         specs = specs_by_fleet[fleet]
         trace = draws.trace(fleet)
         evaluated = draws.held_out(fleet, specs, seeds)
@@ -1078,7 +1106,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
            "drift_blocks": args.drift_blocks, "drift_at_s": args.drift_at,
            "drift_until_s": args.drift_until, "seeds": seeds, "slo": slo, "quick": args.quick,
            "fleets": {f: [dataclasses.asdict(s) for s in specs_by_fleet[f]] for f in FLEETS},
-           "command": "python -m benchmarks.unequal_replicas " + " ".join(
+           "command": "python -m benchmarks.unequal_replicas " + shlex.join(
                argv if argv is not None else sys.argv[1:]),
            "tune_seeds": [TUNE_SEED_BASE + s for s in range(args.tune_seeds)], "tuning": tuning,
            "variants": variants, "variant_tuning": variant_tuning, "slo2": slo2,
@@ -1089,7 +1117,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
            "cells": cells}
     if args.cost_replicas:
         t0 = time.perf_counter()
-        out["router_cost"] = cost(args.cost_replicas, args.cost_prefixes, 1 if args.quick else 3)
+        out["router_cost"] = cost(args.cost_replicas, args.cost_prefixes, 1 if args.quick else 5)
         log(f"router cost at {args.cost_replicas} replicas: {time.perf_counter() - t0:.0f} s")
     out["wall_s"] = time.perf_counter() - start
     print(render(out))

@@ -256,11 +256,12 @@ BLOCKS: dict[str, Block] = {
     **{name: _result(name, "unequal_replicas") for name in (
         "unequal_router", "unequal_replicas_mooncake", "unequal_replicas_mooncake16",
         "unequal_replicas_seeds12", "unequal_replicas_zipf_seeds12", "unequal_replicas_mooncake_seeds12",
-        "unequal_replicas_mooncake16_seeds12")},
+        "unequal_replicas_mooncake16_seeds12", "unequal_router_cost")},
     **{name: _result(name) for name in ("routing_headroom", "routing_agents", "unequal_loopback")},
     **{name: _result(name, "routing_headroom") for name in ("routing_headroom_load1", "routing_headroom_kv")},
-    **{name: _result(name, "unequal_loopback") for name in ("unequal_loopback_seed1",
-                                                            "unequal_loopback_seed2")},
+    **{name: _result(name, "unequal_loopback") for name in (
+        "unequal_loopback_seed1", "unequal_loopback_seed2",
+        *(f"unequal_loopback_worklru_seed{s}" for s in range(4)))},
     "unequal_drift_share": Block("docs/results.md", from_json("unequal_drift_share.json",
                                                               "benchmarks.unequal_replicas",
                                                               "render_drift_share")),
