@@ -1,6 +1,8 @@
 """What a front end costs on its own: CPU seconds per request and requests/s over stand-in replicas.
 
     taskset -c 0 python -m benchmarks.frontend_overhead --json results/frontend_overhead.json
+    taskset -c 0 python -m benchmarks.frontend_overhead --front-ends proxy,proxy-learned --rounds 7 \
+        --requests 2000 --json results/frontend_overhead_learned.json
 
 Two stand-in replicas (:mod:`benchmarks.standin`: they answer at once, so the front end is all there
 is to measure) behind each front end in turn:
@@ -27,6 +29,9 @@ Ray: every process of the Ray instance but the two stand-in replicas'), from ``/
 is the clients' rate with everything on one core (run it under ``taskset -c 0``: the clients, the
 stand-ins and the front end share it, so the rate says how much of the core a front end leaves to
 the rest). Affinity is the share of requests that reached their document's most frequent replica.
+With ``--rounds N`` the front ends are measured N times, in the reverse order every other round, and
+each one's median CPU per request is given with its median paired ratio to the first front end's in
+the same round.
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -56,7 +63,6 @@ FRONT_ENDS = ("direct", "proxy", "proxy-learned", "sglang-router", "ray")
 #: The stand-ins behind the proxies publish vLLM's metrics with a KV size (what prefix-learned reads).
 PROXY_STANDIN_ARGS = ("--kv-blocks", "4095", "--block-size", "128")
 DOCUMENTS, DOC_WORDS, QUESTION_WORDS, OUTPUT_TOKENS, CLIENTS = 12, 3000, 30, 16, 8
-COMMAND = "taskset -c 0 python -m benchmarks.frontend_overhead --json results/frontend_overhead.json"
 MODEL = "unknown"  # sglang-router keys its trees by the model a worker reports: none here (router_fidelity)
 
 
@@ -287,16 +293,38 @@ def serve_ray(port: int) -> None:
 # ------------------------------------------------------------------------------------ report
 
 
+def summary(payload: dict[str, Any]) -> list[list[Any]]:
+    """Per front end over the rounds: its median CPU ms per request, and the median over the rounds of
+    its CPU per request over the first front end's in the same round (the paired ratio)."""
+    runs = payload["runs"]
+    first = runs[0]["front_end"] if runs else None
+    base = {r.get("round", 0): r["cpu_ms_per_request"] for r in runs if r["front_end"] == first}
+    rows = []
+    for name in dict.fromkeys(r["front_end"] for r in runs):
+        mine = [r for r in runs if r["front_end"] == name]
+        ratios = [r["cpu_ms_per_request"] / base[r.get("round", 0)] for r in mine
+                  if base.get(r.get("round", 0))]
+        paired = f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})" if ratios else "-"
+        rows.append([name, len(mine), statistics.median(r["cpu_ms_per_request"] for r in mine), paired])
+    return rows
+
+
 def render(payload: dict[str, Any]) -> str:
-    rows = [[r["front_end"], r["requests"], r["failures"], r["requests_per_s"], r["cpu_ms_per_request"],
-             f"{100 * r['affinity']:.1f}%", "/".join(map(str, r["per_replica"]))]
+    rows = [[r.get("round", 0) + 1, r["front_end"], r["requests"], r["failures"], r["requests_per_s"],
+             r["cpu_ms_per_request"], f"{100 * r['affinity']:.1f}%", "/".join(map(str, r["per_replica"]))]
             for r in payload["runs"]]
     skipped = "".join(f"\n\n{name}: not measured ({why})" for name, why in payload.get("skipped", {}).items())
-    return (f"Front ends over two stand-in replicas, {payload['clients']} clients, streamed completions of "
-            f"{OUTPUT_TOKENS} tokens on prompts of {DOC_WORDS + QUESTION_WORDS} words ({measured(payload)}; "
-            f"`{payload['command']}`):\n\n"
-            + format_table(["front end", "requests", "failed", "req/s", "CPU ms / request", "affinity",
-                            "per replica"], rows) + skipped)
+    out = (f"Front ends over two stand-in replicas, {payload['clients']} clients, streamed completions of "
+           f"{OUTPUT_TOKENS} tokens on prompts of {DOC_WORDS + QUESTION_WORDS} words ({measured(payload)}; "
+           f"`{payload['command']}`):\n\n"
+           + format_table(["round", "front end", "requests", "failed", "req/s", "CPU ms / request",
+                           "affinity", "per replica"], rows) + skipped)
+    if payload.get("rounds", 1) > 1 and payload["runs"]:
+        out += (f"\n\nOver {payload['rounds']} rounds, the order reversed every other round (medians; the "
+                f"paired ratio is to `{payload['runs'][0]['front_end']}` in the same round, with its "
+                "range):\n\n"
+                + format_table(["front end", "rounds", "CPU ms / request", "paired ratio"], summary(payload)))
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -306,6 +334,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure the front ends this many times, the order reversed every other round")
     parser.add_argument("--json", default=None)
     parser.add_argument("--serve-ray", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -316,21 +346,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     unknown = sorted(set(chosen) - set(FRONT_ENDS))
     if unknown:
         parser.error(f"--front-ends: unknown {unknown}; choose from {list(FRONT_ENDS)}")
-    if args.requests < 1 or args.warmup < 0:
-        parser.error("--requests must be >= 1 and --warmup >= 0")
-    payload: dict[str, Any] = {"benchmark": "frontend_overhead", "command": COMMAND,
-                               "machine": machine_info(),
-                               "clients": CLIENTS, "affinity_cpus": sorted(os.sched_getaffinity(0)),
-                               "runs": [], "skipped": {}}
-    for front_end in chosen:
-        if front_end == "sglang-router":
-            try:
-                import sglang_router  # noqa: F401
-            except ImportError as exc:
-                payload["skipped"][front_end] = f"sglang_router does not import: {exc}"
-                continue
-        print(f"{front_end} ...", flush=True)
-        payload["runs"].append(measure(front_end, args.requests, args.warmup, args.seed))
+    if args.requests < 1 or args.warmup < 0 or args.rounds < 1:
+        parser.error("--requests and --rounds must be >= 1 and --warmup >= 0")
+    cpus = sorted(os.sched_getaffinity(0))
+    pinned = f"taskset -c {','.join(map(str, cpus))} " if len(cpus) < (os.cpu_count() or len(cpus)) else ""
+    payload: dict[str, Any] = {"benchmark": "frontend_overhead",
+                               "command": f"{pinned}python -m benchmarks.frontend_overhead "
+                                          + shlex.join(argv if argv is not None else sys.argv[1:]),
+                               "machine": machine_info(), "clients": CLIENTS, "affinity_cpus": cpus,
+                               "rounds": args.rounds, "runs": [], "skipped": {}}
+    if "sglang-router" in chosen:
+        try:
+            import sglang_router  # noqa: F401
+        except ImportError as exc:
+            payload["skipped"]["sglang-router"] = f"sglang_router does not import: {exc}"
+            chosen.remove("sglang-router")
+    for r in range(args.rounds):
+        for front_end in (chosen if r % 2 == 0 else chosen[::-1]):
+            print(f"round {r + 1}: {front_end} ...", flush=True)
+            run = measure(front_end, args.requests, args.warmup, args.seed)
+            if run is not None:
+                payload["runs"].append({**run, "round": r})
     print(render(payload))
     write_json(args.json, payload)
 

@@ -258,6 +258,7 @@ BLOCKS: dict[str, Block] = {
         "unequal_replicas_seeds12", "unequal_replicas_zipf_seeds12", "unequal_replicas_mooncake_seeds12",
         "unequal_replicas_mooncake16_seeds12", "unequal_router_cost")},
     **{name: _result(name) for name in ("routing_headroom", "routing_agents", "unequal_loopback")},
+    "frontend_overhead_learned": _result("frontend_overhead_learned", "frontend_overhead"),
     **{name: _result(name, "routing_headroom") for name in ("routing_headroom_load1", "routing_headroom_kv")},
     **{name: _result(name, "unequal_loopback") for name in (
         "unequal_loopback_seed1", "unequal_loopback_seed2",
