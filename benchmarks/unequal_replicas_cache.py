@@ -29,6 +29,7 @@ every run. About 6 min on one core for the default set at 3 seeds.
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import sys
 import time
@@ -177,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                               "over_reference_attainment": statistics.median(ratios),
                               "over_reference_interval": [low, high, coverage], "runs": per[name]})
     out = {"benchmark": "unequal_replicas_cache", "machine": machine_info(),
-           "command": "python -m benchmarks.unequal_replicas_cache " + " ".join(
+           "command": "python -m benchmarks.unequal_replicas_cache " + shlex.join(
                argv if argv is not None else sys.argv[1:]),
            "workload": args.workload, "seeds": [seed for seed, _, _ in drawn], "held_out": args.held_out,
            "reference": REFERENCE, "cells": cells, "wall_s": time.perf_counter() - start}

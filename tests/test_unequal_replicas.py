@@ -406,3 +406,38 @@ def test_the_knob_study_runs_ours_variants_beside_today_s_default(tmp_path, data
         assert len(row["runs"]) == 2 and 0.0 <= row["attainment"] <= 1.0
     with pytest.raises(SystemExit):
         study.main(["--variant", "learned, no such knob"])
+
+
+def test_the_equal_replica_check_runs_both_routers_on_router_peers_runs(tmp_path, data_dir):
+    """``benchmarks.equal_learned --quick``: today's default and ours learned on the same run, the ratio of
+    ours learned over today's default taken from those runs, and the table says how many cells meet 0.98x."""
+    from benchmarks import equal_learned
+    from benchmarks.router_peers import OURS
+    from benchmarks.unequal_replicas import OURS_LEARNED
+
+    out = equal_learned.main(["--quick", "--json", str(tmp_path / "e.json")])
+    assert (tmp_path / "e.json").exists() and out["seeds"] == [0]
+    (cell,) = out["cells"]
+    today, ours = cell["routers"][OURS], cell["routers"][OURS_LEARNED]
+    assert cell["replicas"] == 4 and cell["load"] == 1.0
+    for row in (today, ours):
+        assert len(row["runs"]) == 1 and 0.0 < row["attainment"] <= 1.0
+        assert row["attainment_slo2"] <= row["attainment"]  # the tighter pair attains no more
+    assert today["learned_over_this_attainment"] == pytest.approx(ours["attainment"] / today["attainment"])
+    assert "of 1." in equal_learned.render(out)
+
+
+def test_with_the_cache_model_on_and_its_weights_pinned_ours_learned_routes_as_today_s_default(data_dir):
+    """What separates ours learned from today's default on equal replicas is its cache model (off) and its
+    learned weights: with the model at today's 1.25 x the KV it reads and a band no estimate leaves, told
+    nothing, it routes each request as today's default, told the KV, does."""
+    from benchmarks import equal_learned
+    from benchmarks.router_peers import OURS
+
+    out = equal_learned.main(["--quick", "--learned", "cache_factor=1.25", "--learned", "band=10"])
+    assert out["learned"] == {"cache_factor": 1.25, "band": 10.0}
+    today = out["cells"][0]["routers"][OURS]
+    assert today["learned_over_this_attainment"] == 1.0
+    assert today["learned_over_this_output_throughput"] == 1.0
+    with pytest.raises(SystemExit):
+        equal_learned.main(["--quick", "--learned", "no_such_knob=1"])
