@@ -110,6 +110,8 @@ VARIANTS: dict[str, Callable[[], ReplicaRouter]] = {
     "learned, stay within 3": lambda: StayLearned(3, cache_factor=1.25),
     "learned, work LRU 1 x KV": lambda: LearnedRouter(work_cache_factor=1.0),
     "learned, work LRU 2 x KV": lambda: LearnedRouter(work_cache_factor=2.0),
+    "learned, cache 1.25 x KV while homogeneous": lambda: LearnedRouter(cache_factor=1.25,
+                                                                        homogeneous_cache=True),
     # the guard's study counted whole prompts (then the default)
     "learned, KV guard, fill 1": lambda: LearnedRouter(kv_guard=True, kv_fill=1.0, work_cache_factor=0.0),
     "learned, KV guard, fill 0.9": lambda: LearnedRouter(kv_guard=True, kv_fill=0.9, work_cache_factor=0.0),

@@ -185,6 +185,9 @@ class LearnedRouter(PrefixAffinityRouter):
             the metrics).
         cache_factor: ours' cache model's size over each replica's KV (ours: 1.25); default 0, off (see
             the module docstring).
+        homogeneous_cache: with ``cache_factor > 0``, route by the cache model only while the fleet
+            looks homogeneous (every replica's KV published and equal, every weight 1); otherwise the
+            model only counts (default off: the model, when on, always routes).
         work_cache_factor: with the cache model off, the size over each replica's KV of the LRU that
             counts a prefill's uncached tokens for the learned speeds (it does not route); default 1;
             0: whole prompts.
@@ -199,12 +202,13 @@ class LearnedRouter(PrefixAffinityRouter):
                  place_new: bool = False, kv_guard: bool = False, kv_fill: float = 1.0,
                  overhead_tokens: int = 256, prior_output_tokens: float = 64.0, told: Told | None = None,
                  told_kv_tokens: Mapping[str, int] | None = None, cache_factor: float = 0.0,
-                 work_cache_factor: float = 1.0, **kwargs: Any) -> None:
+                 work_cache_factor: float = 1.0, homogeneous_cache: bool = False, **kwargs: Any) -> None:
         if kwargs.get("kv_tokens") is not None:
             raise ValueError("the learned router is told no KV size (it reads vllm:cache_config_info)")
         if band < 0 or overhead_tokens < 0 or not explore_s > 0 or not 0 < kv_fill <= 1:
             raise ValueError("band and overhead_tokens must be >= 0, explore_s > 0 and kv_fill in (0, 1]")
         super().__init__(cache_factor=cache_factor, **kwargs)
+        self.homogeneous_cache = bool(homogeneous_cache)
         self.tau_s, self.explore_s = float(tau_s), float(explore_s)
         self.place_new = bool(place_new)
         self.kv_fill = float(kv_fill)
@@ -413,7 +417,14 @@ class LearnedRouter(PrefixAffinityRouter):
             self.counts["weighted"] += 1
             loads = {r: (load + 1) * w[r] - 1 for r, load in loads.items()}
         new_before = self.counts["new"]
-        choice = super().choose(hashes, loads, avoid, tokens=tokens)
+        model = self.cached
+        if model is not None and self.homogeneous_cache and not (
+                all(x == 1.0 for x in w.values()) and self._equal_kv(loads.keys())):
+            self.cached = None  # a mixed fleet: the model counts, ours routes without it
+        try:
+            choice = super().choose(hashes, loads, avoid, tokens=tokens)
+        finally:
+            self.cached = model
         if self.counts["new"] == new_before or not (self.kv_guard or self.place_new):
             return choice  # a known prefix, or no option for a new one: ours
         ok = self._allowed(loads, avoid)
@@ -435,6 +446,11 @@ class LearnedRouter(PrefixAffinityRouter):
         if best != choice:
             self.counts["placed"] += 1
         return best
+
+    def _equal_kv(self, replicas: Collection[str]) -> bool:
+        """Whether every one of ``replicas`` has published its KV, and all the same."""
+        sizes = {self._replica(r).kv_tokens for r in replicas}
+        return len(sizes) == 1 and None not in sizes
 
     def _length(self, hashes: np.ndarray | None, tokens: int | None) -> int:
         if hashes is None or len(hashes) == 0:

@@ -252,6 +252,31 @@ def test_the_kv_guard_leaves_equal_replicas_to_ours():
         assert guarded.kv_room(["a", "b"], 100) == {} and guarded.state()["kv_guarded"] == 0
 
 
+def _evictions(router: LearnedRouter, kv: dict[str, int]) -> int:
+    """Five 2,048-token documents to ``a`` (its cache model, 1.25 x its KV, keeps the last ones), then the
+    first again: the evictions ours' cache model declared while routing."""
+    for name, tokens in kv.items():
+        router.scraped(name, {"vllm:cache_config_info": {"num_gpu_blocks": tokens // 16, "block_size": 16}})
+    hasher, rng = PrefixHasher(), np.random.default_rng(5)
+    docs = [hasher.hash(rng.integers(5, 30_000, 2048, dtype=np.int32)) for _ in range(5)]
+    for i, hashes in enumerate(docs):
+        router.routed(hashes, "a", tokens=2048, request_id=f"d{i}")
+    router.choose(docs[0], {"a": 0, "b": 0}, tokens=2048)
+    return router.counts["evicted"]
+
+
+def test_the_cache_model_routes_only_on_a_homogeneous_fleet_with_homogeneous_cache():
+    """With ``homogeneous_cache``, ours' cache model routes (declares the first document evicted from
+    ``a``) where both replicas publish 4,096 KV tokens, as it does without the flag, and does not where
+    their KV differs; off, it never does."""
+    equal, mixed = {"a": 4096, "b": 4096}, {"a": 4096, "b": 16_384}
+    assert _evictions(LearnedRouter(cache_factor=1.25), equal) == 1
+    assert _evictions(LearnedRouter(cache_factor=1.25), mixed) == 1
+    assert _evictions(LearnedRouter(cache_factor=1.25, homogeneous_cache=True), equal) == 1
+    assert _evictions(LearnedRouter(cache_factor=1.25, homogeneous_cache=True), mixed) == 0
+    assert _evictions(LearnedRouter(), equal) == 0
+
+
 def test_the_learned_router_is_told_no_kv():
     with pytest.raises(ValueError):
         LearnedRouter(kv_tokens=1000)
