@@ -417,14 +417,7 @@ class LearnedRouter(PrefixAffinityRouter):
             self.counts["weighted"] += 1
             loads = {r: (load + 1) * w[r] - 1 for r, load in loads.items()}
         new_before = self.counts["new"]
-        model = self.cached
-        if model is not None and self.homogeneous_cache and not (
-                all(x == 1.0 for x in w.values()) and self._equal_kv(loads.keys())):
-            self.cached = None  # a mixed fleet: the model counts, ours routes without it
-        try:
-            choice = super().choose(hashes, loads, avoid, tokens=tokens)
-        finally:
-            self.cached = model
+        choice = super().choose(hashes, loads, avoid, tokens=tokens)
         if self.counts["new"] == new_before or not (self.kv_guard or self.place_new):
             return choice  # a known prefix, or no option for a new one: ours
         ok = self._allowed(loads, avoid)
@@ -447,10 +440,15 @@ class LearnedRouter(PrefixAffinityRouter):
             self.counts["placed"] += 1
         return best
 
-    def _equal_kv(self, replicas: Collection[str]) -> bool:
-        """Whether every one of ``replicas`` has published its KV, and all the same."""
-        sizes = {self._replica(r).kv_tokens for r in replicas}
-        return len(sizes) == 1 and None not in sizes
+    def routing_cache(self, loads: Mapping[str, float]) -> PrefixHistory | None:
+        """Ours' cache model, or with ``homogeneous_cache`` none (it only counts) unless the fleet looks
+        homogeneous: every replica's KV published and the same, every weight 1."""
+        if self.cached is None or not self.homogeneous_cache:
+            return self.cached
+        sizes = {self._replica(r).kv_tokens for r in loads}
+        homogeneous = len(sizes) == 1 and None not in sizes and all(
+            x == 1.0 for x in self.weights(loads.keys(), self.clock()).values())
+        return self.cached if homogeneous else None
 
     def _length(self, hashes: np.ndarray | None, tokens: int | None) -> int:
         if hashes is None or len(hashes) == 0:

@@ -358,6 +358,11 @@ class PrefixAffinityRouter(ReplicaRouter):
         least = self.hot_min or max(1.0, self.hot_share * self.hot_window / replicas)
         return self._recent_count[key] >= least
 
+    def routing_cache(self, loads: Mapping[str, float]) -> PrefixHistory | None:
+        """The cache model :meth:`choose` routes by over ``loads``' replicas (``None``: none): ours', where
+        it keeps one; a subclass may route without it where it does not trust it."""
+        return self.cached
+
     def choose(self, hashes: np.ndarray | None, loads: Mapping[str, int],
                avoid: Collection[str] = (), *, tokens: int | None = None) -> str:
         ok = self._allowed(loads, avoid)
@@ -365,13 +370,14 @@ class PrefixAffinityRouter(ReplicaRouter):
             return min(ok, key=lambda r: (loads[r], r))
         cap = self.bound(sum(loads.values()), len(loads))
         level, owner = self.owner(hashes)
-        if owner is not None and (self.min_match > 0.0 or self.cached is not None):
+        cached = self.routing_cache(loads)
+        if owner is not None and (self.min_match > 0.0 or cached is not None):
             n = prompt_tokens(hashes, tokens, self.chunk_size)
             known = min((level + 1) * self.chunk_size, n)
             if known < self.min_match * n:
                 level, owner = -1, None  # too little of it known: a new prefix
-            elif self.cached is not None:
-                held = self.cached.match(hashes)
+            elif cached is not None:
+                held = cached.match(hashes)
                 kept = min(held.get(owner, 0) * self.chunk_size, n)
                 if kept < max(1.0, self.cache_keep * known):
                     self.counts["evicted"] += 1  # evicted there by now: prefilled again wherever it goes
