@@ -44,8 +44,9 @@ from benchmarks.router_peers import (
     kv_tokens,
     make,
 )
-from benchmarks.unequal_replicas import OURS_LEARNED, run_cell
+from benchmarks.unequal_replicas import OURS_LEARNED, run_cell, seed_ratios
 from feather_env.reporting import format_table, machine_info, write_json
+from feather_env.serving_metrics import parse_goodput
 from feather_env.workloads import WorkloadConfig, load_workload
 from scheduler_runtime.learned_router import LearnedRouter
 
@@ -54,10 +55,6 @@ TARGET = 0.98
 GRID = (("uniform", 4, (0.8, 1.0, 1.5)), ("uniform", 16, (0.8, 1.0, 1.5)), ("uniform", 64, (0.8, 1.0)),
         ("zipf", TARGET_REPLICAS, (0.8, 1.0, 1.5)), ("mooncake", 4, (0.8, 1.0, 1.5)),
         ("mooncake", 16, (0.8, 1.0, 1.5)))
-
-
-def _slo(text: str) -> dict[str, float]:
-    return {k: float(v) for k, v in (x.split(":") for x in text.split())}
 
 
 def evaluate(grid: Sequence[tuple[str, int, Sequence[float]]], seeds: Sequence[int], slo: dict[str, float],
@@ -89,8 +86,8 @@ def evaluate(grid: Sequence[tuple[str, int, Sequence[float]]], seeds: Sequence[i
 
 
 def _range(runs_a: Sequence[dict[str, float]], runs_b: Sequence[dict[str, float]], key: str) -> str:
-    ratios = [a[key] / b[key] for a, b in zip(runs_a, runs_b, strict=True) if b[key] > 0]
-    return f"{min(ratios):.3f}-{max(ratios):.3f}" if ratios else "-"
+    ratios = seed_ratios(runs_a, runs_b, key)
+    return f"{min(ratios):.3f}-{max(ratios):.3f}"
 
 
 def render(res: dict[str, Any]) -> str:
@@ -135,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     grid = (("uniform", 4, (1.0,)),) if args.quick else GRID
     seeds = list(range(1 if args.quick else args.seeds))
-    slo, slo2 = _slo(args.slo), _slo(args.slo2)
+    slo, slo2 = parse_goodput(args.slo), parse_goodput(args.slo2)
     learned = {}
     for item in args.learned:
         key, _, value = item.partition("=")
