@@ -45,7 +45,17 @@ under the load bounds, else the least loaded replica) on loads counted in a medi
 a replica's requests in flight ``l`` count ``(l + 1) x w - 1``, where ``w`` is its learned prefill time
 per token over the fleet's median (:meth:`LearnedRouter.weights`; 1 when within ``band``, 35%, of it, so
 that the estimates' noise leaves equal replicas equal, and ours routes exactly as it does). A slow
-replica is then sent fewer new documents, and its hot documents spill sooner. With ``place_new``, a
+replica is then sent fewer new documents, and its hot documents spill sooner. The band
+alone does not hold on short runs: on four equal replicas (L-Eval at load 0.8 in the simulator) a weight
+left 1 on 157 of 263 decisions, the first seconds' estimates being a few samples each. ``fleet_z`` (off
+by default) adds a test of the estimates against their own noise (:attr:`DecayedRate.relative_error`): the
+weights leave 1 only while the fleet's estimates differ from their median beyond chi-square's quantile
+(1.645: 5%). It closes the equal grid's Mooncake cells at 4 replicas (14 of 17 cells at >= 0.98x today's
+default, against 12) and ties or wins on the unequal fleets' tuning seeds (L-Eval, Zipf, Mooncake), but on
+24 held-out seeds of the speed fleet at load 1 it gave 0.954x today's default (90% interval
+0.932-1.003): a 3x slower replica's first samples are informative where an equal replica's are noise, and
+waiting for the test costs the saturated fleet its first seconds (the note of 2026-12-06, eighth
+session). With ``place_new``, a
 prefix that no replica holds (or holds no longer, by the cache model) goes instead to the replica
 predicted to finish it first (:meth:`LearnedRouter.predicted_completion`: its queue of uncached prefill
 tokens and the request's own uncached tokens at its prefill speed, the mean output at its decode
@@ -108,15 +118,25 @@ from scheduler_runtime.router import PrefixAffinityRouter
 from scheduler_runtime.router_base import PrefixHistory, prompt_tokens
 
 __all__ = ["VARIANTS", "CostRouter", "CostSloRouter", "DecayedRate", "LearnedRouter",
-           "ReplicaLearning", "SecondsAffinityRouter", "SloRouter", "Told"]
+           "ReplicaLearning", "SecondsAffinityRouter", "SloRouter", "Told", "chi2_quantile"]
 
 #: Told slowdowns for the informed reference: ``(replica, now) -> (prefill, decode)`` slowdown factors.
 Told = Callable[[str, float], tuple[float, float]]
 
 
+def chi2_quantile(k: int, z: float) -> float:
+    """Chi-square's quantile for ``k`` degrees of freedom at a normal deviate ``z`` (1.645: the 95th
+    percentile), by Wilson and Hilferty's cube-root approximation (within 3% from ``k = 1``)."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    c = 2.0 / (9.0 * k)
+    return k * max(0.0, 1.0 - c + z * math.sqrt(c)) ** 3
+
+
 class DecayedRate:
     """Seconds per unit of work, as the ratio of two sums decayed with time constant ``tau_s``: a sample
-    ``s`` seconds old weighs ``exp(-s / tau_s)``."""
+    ``s`` seconds old weighs ``exp(-s / tau_s)``. It keeps the sums of the weights' squares too, for the
+    ratio's standard error (:attr:`relative_error`)."""
 
     def __init__(self, tau_s: float) -> None:
         if not tau_s > 0:
@@ -124,6 +144,8 @@ class DecayedRate:
         self.tau_s = float(tau_s)
         self.seconds = 0.0
         self.work = 0.0
+        # the squared weights' sums of seconds^2, seconds x work and work^2 (the ratio's error)
+        self._ss = self._sw = self._ww = 0.0
         self.samples = 0
         self.last: float = -math.inf  # when the latest sample came
 
@@ -135,8 +157,15 @@ class DecayedRate:
             keep = math.exp(-max(0.0, now - self.last) / self.tau_s)
             self.seconds *= keep
             self.work *= keep
+            keep2 = keep * keep
+            self._ss *= keep2
+            self._sw *= keep2
+            self._ww *= keep2
         self.seconds += seconds
         self.work += work
+        self._ss += seconds * seconds
+        self._sw += seconds * work
+        self._ww += work * work
         self.samples += 1
         self.last = max(self.last, now)
 
@@ -144,6 +173,20 @@ class DecayedRate:
     def value(self) -> float | None:
         """Seconds per unit (``None`` before any sample)."""
         return self.seconds / self.work if self.work > 0 else None
+
+    @property
+    def relative_error(self) -> float:
+        """The standard error of :attr:`value` over the value: the weighted residuals of the samples
+        about the ratio (a ratio estimator's error), scaled by ``n / (n - 1)`` for ``n`` the samples'
+        effective number (Kish's, by their weights and work); ``inf`` below two effective samples."""
+        if self.work <= 0 or self.seconds <= 0:
+            return math.inf
+        n = self.work * self.work / self._ww if self._ww > 0 else 0.0
+        if n <= 1.0 + 1e-9:
+            return math.inf
+        r = self.seconds / self.work
+        residual = max(0.0, self._ss - 2.0 * r * self._sw + r * r * self._ww)
+        return math.sqrt(residual * n / (n - 1.0)) / self.seconds
 
 
 @dataclass
@@ -171,6 +214,8 @@ class LearnedRouter(PrefixAffinityRouter):
             time constant (seconds; ``inf``: never).
         band: a replica's load is weighted only where its prefill time per token is more than this
             fraction from the fleet's median.
+        fleet_z: and only while the fleet's estimates differ beyond their noise (:meth:`weights`): a
+            chi-square test of them about their median at this normal deviate (1.645: 5%); 0: off.
         place_new: a new prefix goes to the replica predicted to finish it first (default off: ours'
             least weighted load; see the module docstring).
         kv_guard: a new prefix that would overflow ours' choice's KV goes to a replica with room for
@@ -202,11 +247,13 @@ class LearnedRouter(PrefixAffinityRouter):
                  place_new: bool = False, kv_guard: bool = False, kv_fill: float = 1.0,
                  overhead_tokens: int = 256, prior_output_tokens: float = 64.0, told: Told | None = None,
                  told_kv_tokens: Mapping[str, int] | None = None, cache_factor: float = 0.0,
-                 work_cache_factor: float = 1.0, homogeneous_cache: bool = False, **kwargs: Any) -> None:
+                 work_cache_factor: float = 1.0, homogeneous_cache: bool = False, fleet_z: float = 0.0,
+                 **kwargs: Any) -> None:
         if kwargs.get("kv_tokens") is not None:
             raise ValueError("the learned router is told no KV size (it reads vllm:cache_config_info)")
-        if band < 0 or overhead_tokens < 0 or not explore_s > 0 or not 0 < kv_fill <= 1:
-            raise ValueError("band and overhead_tokens must be >= 0, explore_s > 0 and kv_fill in (0, 1]")
+        if band < 0 or fleet_z < 0 or overhead_tokens < 0 or not explore_s > 0 or not 0 < kv_fill <= 1:
+            raise ValueError("band, fleet_z and overhead_tokens must be >= 0, explore_s > 0 and kv_fill in "
+                             "(0, 1]")
         super().__init__(cache_factor=cache_factor, **kwargs)
         self.homogeneous_cache = bool(homogeneous_cache)
         self.tau_s, self.explore_s = float(tau_s), float(explore_s)
@@ -234,6 +281,7 @@ class LearnedRouter(PrefixAffinityRouter):
         self._requests: dict[str, tuple[str, float, float]] = {}
         self._first: dict[str, float] = {}  # request id -> its first token's time
         self.band = float(band)
+        self.fleet_z = float(fleet_z)
         self.counts.update({"placed": 0, "weighted": 0, "kv_guarded": 0})
 
     @property
@@ -380,8 +428,11 @@ class LearnedRouter(PrefixAffinityRouter):
         return {r: float(max(0, n - min(n, seen.depth(hashes, r) * chunk))) for r in ok}
 
     def weights(self, replicas: Collection[str], now: float) -> dict[str, float]:
-        """Each replica's prefill time per token over the fleet median's; 1 within ``band`` of it (equal
-        replicas look equal through the estimates' noise). Prefill alone: a request's TPOT here is
+        """Each replica's prefill time per token over the fleet median's; 1 within ``band`` of it, and all 1
+        with ``fleet_z`` unless
+        the estimates' squared distances from their median (in log) over their squared standard errors
+        sum past chi-square's quantile at ``fleet_z`` (:meth:`_separated`): equal replicas look equal
+        through the estimates' noise. Prefill alone: a request's TPOT here is
         mostly the prefill steps it waits behind (its replica's load, which the loads count already), so
         the decode estimates say more about load than about speed."""
         prefill = self._speeds(replicas, "prefill", now)
@@ -389,11 +440,25 @@ class LearnedRouter(PrefixAffinityRouter):
         if len(known) < len(prefill):
             return dict.fromkeys(replicas, 1.0)
         median = statistics.median(known)
+        if self.fleet_z > 0 and median > 0 and not self._separated(prefill, median):
+            return dict.fromkeys(replicas, 1.0)
         out = {}
         for r, p in prefill.items():
             w = p / median if median > 0 else 1.0
             out[r] = 1.0 if abs(w - 1.0) < self.band else w
         return out
+
+    def _separated(self, prefill: Mapping[str, float | None], median: float) -> bool:
+        """Whether the replicas' prefill estimates differ beyond their noise: the sum of each one's squared
+        distance from the median (in log) over its squared standard error exceeds chi-square's quantile at
+        ``fleet_z`` (a normal deviate, by Wilson and Hilferty) for as many replicas as have one, less one."""
+        total, k = 0.0, -1
+        for r, p in prefill.items():
+            err = self._replica(r).prefill.relative_error
+            if p and p > 0 and math.isfinite(err) and err > 0:
+                total += (math.log(p / median) / err) ** 2
+                k += 1
+        return k >= 1 and total > chi2_quantile(k, self.fleet_z)
 
     def kv_room(self, replicas: Collection[str], tokens: int) -> dict[str, float]:
         """The replicas of ``replicas`` with room for a new prompt of ``tokens`` tokens, each with the share

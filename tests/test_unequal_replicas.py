@@ -5,6 +5,7 @@ ours learning them (scheduler_runtime/learned_router.py), llm-d's predicted-late
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from feather_env.cluster_sim import ClusterSim, ReplicaSpec
 from feather_env.scenarios import load_scenario
 from feather_env.workloads import Request, Workload
-from scheduler_runtime.learned_router import DecayedRate, LearnedRouter
+from scheduler_runtime.learned_router import DecayedRate, LearnedRouter, chi2_quantile
 from scheduler_runtime.peer_routers import LlmdPredictedLatencyRouter
 from scheduler_runtime.router import PrefixAffinityRouter, PrefixHasher
 
@@ -102,6 +103,61 @@ def test_a_decayed_rate_tracks_a_changed_rate(rate, factor, tau, work, samples):
     assert r.samples == 2 * samples
 
 
+@settings(max_examples=60, deadline=None)
+@given(rate=st.floats(1e-5, 1e-2), noise=st.floats(0.05, 0.5), samples=st.integers(20, 400),
+       seed=st.integers(0, 2**16))
+def test_a_decayed_rate_s_relative_error_is_its_noise_over_root_n(rate, noise, samples, seed):
+    """Samples of one rate with multiplicative noise of ``noise`` (standard deviation), their weights all
+    1 (a time constant far longer than the run): the error is that of a mean of ``samples`` draws,
+    ``noise / sqrt(samples)`` within the sampling error of a standard deviation; none before two
+    samples, none for noiseless ones."""
+    rng = np.random.default_rng(seed)
+    r, exact = DecayedRate(1e9), DecayedRate(1e9)
+    assert math.isinf(r.relative_error)
+    r.add(0.0, rate * 100.0, 100.0)
+    assert math.isinf(r.relative_error)
+    for i in range(1, samples):
+        r.add(float(i), rate * 100.0 * (1.0 + noise * rng.standard_normal()), 100.0)
+    for i in range(samples):
+        exact.add(float(i), rate * 100.0, 100.0)
+    assert exact.relative_error == pytest.approx(0.0, abs=1e-6)
+    expected = noise / math.sqrt(samples)
+    # the sample standard deviation of n draws is within ~4 / sqrt(2n) of the true one (and the mean's
+    # own error moves the ratio's denominator by ~noise / sqrt(n))
+    assert abs(r.relative_error / expected - 1.0) <= 4.0 / math.sqrt(2 * samples) + 2.0 * expected
+
+
+@pytest.mark.parametrize("k, z, table", [(1, 1.645, 3.841), (3, 1.645, 7.815), (7, 1.645, 14.067),
+                                          (15, 1.645, 24.996), (63, 1.645, 82.529), (7, 2.326, 18.475)])
+def test_chi2_quantile_matches_the_table(k, z, table):
+    """Against chi-square's table (the 95th and 99th percentiles)."""
+    assert chi2_quantile(k, z) == pytest.approx(table, rel=0.03)
+
+
+def _rates(router: LearnedRouter, seconds_per_token: dict[str, float], noise: float, samples: int) -> None:
+    """``samples`` prefill samples per replica at its rate, each off by +-``noise`` in turn."""
+    for name, rate in seconds_per_token.items():
+        learned = router._replica(name)
+        for i in range(samples):
+            learned.prefill.add(float(i), 1000.0 * rate * (1.0 + noise * (-1) ** i), 1000.0)
+
+
+def test_the_fleet_noise_test_separates_replicas_only_beyond_their_noise():
+    """Two replicas 10% apart: equal by ``fleet_z`` with samples 30% off each way (their difference is
+    well within the noise of 10 samples each), unequal with 1% off. A 3x slower replica stands out of
+    noisy ones. The band alone weighs all three."""
+    close = {"a": 1e-4, "b": 1.1e-4}
+    for noise, separated in ((0.3, False), (0.01, True)):
+        router = LearnedRouter(band=0.0, fleet_z=1.645)
+        _rates(router, close, noise, 10)
+        assert (router.weights(close, 10.0)["b"] != 1.0) is separated
+    slow = {"a": 1e-4, "b": 1e-4, "c": 1e-4, "d": 3e-4}
+    gated, band = LearnedRouter(fleet_z=1.645), LearnedRouter()
+    for router in (gated, band):
+        _rates(router, slow, 0.3, 10)
+        assert router.weights(slow, 10.0)["d"] == pytest.approx(3.0, rel=0.05)
+
+
 class _FakeFleet:
     """Replicas served one request at a time, each prefilling at its own seconds per token: drives a
     router with a clock of its own (no simulator)."""
@@ -184,6 +240,44 @@ def test_the_learned_router_sends_fewer_new_prefixes_to_a_slow_replica():
     sent = fleet.serve(60.0, gap=0.15)
     assert sent["a"] < min(sent["b"], sent["c"])
     assert fleet.router.state()["weighted"] > 0
+
+
+class _Weighing(LearnedRouter):
+    """The learned router, counting the decisions on which some weight left 1."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.decisions = self.moved = 0
+
+    def choose(self, hashes: Any, loads: Any, avoid: Any = (), *, tokens: int | None = None) -> str:
+        self.decisions += 1
+        self.moved += any(w != 1.0 for w in self.weights(loads.keys(), self.clock()).values())
+        return super().choose(hashes, loads, avoid, tokens=tokens)
+
+
+def test_the_fleet_noise_test_keeps_equal_replicas_equal_and_still_weighs_slow_ones(data_dir):
+    """On router_peers' four equal replicas (L-Eval at load 0.8, seed 0, in the simulator), the band alone
+    lets a weight leave 1 on most decisions, the first seconds' estimates being noise; with the fleet's
+    noise test (``fleet_z=1.645``) on fewer. On the speed fleet (two of four replicas 3x slower in
+    prefill), the gate still weighs nearly every decision, and ends with the slow replicas weighted
+    above the fast ones."""
+    from benchmarks.router_peers import cell_runs
+    from benchmarks.unequal_replicas import DEFAULT_SLO, fleets
+
+    runs = cell_runs("uniform", 4, [0])
+    _, timed = runs.timed(0.8)[0]
+    gate = {"fleet_z": 1.645}
+    band, gated = _Weighing(), _Weighing(**gate)
+    for router in (band, gated):
+        runs.sim.run(timed, router, goodput=DEFAULT_SLO, scrape_s=0.0)
+    assert band.moved > 0.4 * band.decisions
+    assert gated.moved < 0.7 * band.moved
+    speed = ClusterSim(4, runs.sim.engine, profiles=fleets(4, 0.0, 0.0)["speed"])
+    slow = _Weighing(**gate)
+    speed.run(timed, slow, goodput=DEFAULT_SLO, scrape_s=0.0)
+    assert slow.moved > 0.8 * slow.decisions
+    w = slow.weights(["0", "1", "2", "3"], slow.clock())
+    assert min(w["1"], w["3"]) > max(w["0"], w["2"])
 
 
 def test_forget_drops_what_was_learned():
