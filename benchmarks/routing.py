@@ -88,10 +88,13 @@ def cluster_cell(sim: ClusterSim, workload: Any, load: float, seeds: Sequence[in
 
 def router_cost(replicas: int = 64, prefixes: int = 10_000, prompt_tokens: int = 8192, repeats: int = 5,
                 seed: int = 0,
-                routers: Mapping[str, Callable[[], ReplicaRouter]] | None = None) -> dict[str, Any]:
+                routers: Mapping[str, Callable[[], ReplicaRouter]] | None = None,
+                alternate: bool = False) -> dict[str, Any]:
     """Per-request cost of each router (µs), and of hashing one prompt (see the module docstring).
     ``routers``: name -> a new router, instead of :data:`ROUTERS` (each is passed the prompt's length,
-    and a request id where it tracks requests)."""
+    and a request id where it tracks requests). ``alternate``: every router is built and warmed first,
+    then timed one pass at a time in turn, in the reverse order every other round (side by side, so that
+    the machine's drift falls on all of them alike); else each router's passes one after another."""
     rng = np.random.default_rng(seed)
     hasher = PrefixHasher()
     docs = [rng.integers(3, 30_000, prompt_tokens - 32, dtype=np.int32) for _ in range(prefixes)]
@@ -106,7 +109,8 @@ def router_cost(replicas: int = 64, prefixes: int = 10_000, prompt_tokens: int =
     out: dict[str, Any] = {"replicas": replicas, "prefixes": prefixes, "prompt_tokens": prompt_tokens,
                            "chunk_size": hasher.chunk_size, "hash_us": hash_us, "routers": {}}
     factories = routers or {name: (lambda name=name: _router(name, seed)) for name in ROUTERS}
-    for name, factory in factories.items():
+
+    def warmed(factory: Callable[[], ReplicaRouter]) -> ReplicaRouter:
         router = factory()
         if router.observes_service:
             ticks = iter(range(1 << 62))
@@ -117,17 +121,31 @@ def router_cost(replicas: int = 64, prefixes: int = 10_000, prompt_tokens: int =
         else:
             for i, h in enumerate(hashes):
                 _route(router, h, loads_pool[i % 64], prompt_tokens, f"w{i}")
-        times = []
+        return router
+
+    def one_pass(router: ReplicaRouter, r: int) -> float:
+        t0 = time.perf_counter()
+        for j, i in enumerate(order):
+            h = hashes[i]
+            if routers is None:
+                router.routed(h, router.choose(h, loads_pool[j & 63]))
+            else:
+                _route(router, h, loads_pool[j & 63], prompt_tokens, f"{r}-{j}")
+        return (time.perf_counter() - t0) / prefixes * 1e6
+
+    times: dict[str, list[float]] = {name: [] for name in factories}
+    if alternate:
+        built = {name: warmed(factory) for name, factory in factories.items()}
         for r in range(repeats):
-            t0 = time.perf_counter()
-            for j, i in enumerate(order):
-                h = hashes[i]
-                if routers is None:
-                    router.routed(h, router.choose(h, loads_pool[j & 63]))
-                else:
-                    _route(router, h, loads_pool[j & 63], prompt_tokens, f"{r}-{j}")
-            times.append((time.perf_counter() - t0) / prefixes * 1e6)
-        out["routers"][name] = {"us_per_request": statistics.median(times), "runs_us": times}
+            for name in (list(built) if r % 2 == 0 else list(reversed(built))):
+                times[name].append(one_pass(built[name], r))
+    else:
+        for name, factory in factories.items():
+            router = warmed(factory)
+            times[name] = [one_pass(router, r) for r in range(repeats)]
+    for name, runs in times.items():
+        out["routers"][name] = {"us_per_request": statistics.median(runs), "runs_us": runs}
+    out["alternating"] = alternate
     return out
 
 

@@ -694,24 +694,14 @@ WHOLE_PROMPTS = f"{OURS_LEARNED} (whole prompts)"
 
 def cost(replicas: int, prefixes: int, repeats: int) -> dict[str, Any]:
     """Each of :data:`COST_ROUTERS`' CPU per request (``choose`` + ``routed``, and the first token and
-    finish for those that track requests) at ``replicas`` replicas, and :data:`WHOLE_PROMPTS`'
-    (:func:`benchmarks.routing.router_cost`)."""
+    finish for those that track requests) at ``replicas`` replicas, and :data:`WHOLE_PROMPTS`', in
+    alternating passes (:func:`benchmarks.routing.router_cost`)."""
     engine = load_scenario("leval-kv-pressure").engine_config()
     factories = router_factories([ReplicaSpec()] * replicas, engine, DEFAULT_SLO)
     routers: dict[str, Callable[[], Any]] = {name: (lambda name=name: factories[name](0))
                                              for name in COST_ROUTERS}
     routers[WHOLE_PROMPTS] = lambda: LearnedRouter(work_cache_factor=0.0)
-    runs: dict[str, list[float]] = {name: [] for name in routers}
-    out: dict[str, Any] = {}
-    for r in range(repeats):  # alternating: one pass of each, in the reverse order every other round
-        for name in (list(routers) if r % 2 == 0 else list(reversed(routers))):
-            one = router_cost(replicas, prefixes, repeats=1, routers={name: routers[name]})
-            runs[name] += one["routers"][name]["runs_us"]
-            out = out or one
-    out["routers"] = {name: {"us_per_request": statistics.median(v), "runs_us": v}
-                      for name, v in runs.items()}
-    out["alternating"] = True
-    return out
+    return router_cost(replicas, prefixes, repeats=repeats, routers=routers, alternate=True)
 
 
 def _peer_rows(routers: dict[str, Any]) -> list[str]:

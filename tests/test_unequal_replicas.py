@@ -560,3 +560,36 @@ def test_with_the_cache_model_on_and_its_weights_pinned_ours_learned_routes_as_t
     assert today["learned_over_this_output_throughput"] == 1.0
     with pytest.raises(SystemExit):
         equal_learned.main(["--quick", "--learned", "no_such_knob=1"])
+
+
+def test_router_cost_alternates_its_passes_side_by_side():
+    """``alternate``: both routers built and warmed, then one timed pass each in turn, the order reversed
+    every other round; otherwise each router's warm-up and passes one after another. The unequal
+    benchmark's cost measures every router it compares so, with as many runs each as repeats."""
+    from benchmarks import unequal_replicas
+    from benchmarks.routing import router_cost
+
+    log: list[str] = []
+
+    class Logged(PrefixAffinityRouter):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.label = name
+
+        def choose(self, hashes: Any, loads: Any, avoid: Any = (), *, tokens: int | None = None) -> str:
+            log.append(self.label)
+            return super().choose(hashes, loads, avoid, tokens=tokens)
+
+    def blocks(prefixes: int) -> list[str]:
+        return [log[i] for i in range(0, len(log), prefixes)]
+
+    factories = {name: (lambda name=name: Logged(name)) for name in ("a", "b")}
+    out = router_cost(4, 5, prompt_tokens=1024, repeats=3, routers=factories, alternate=True)
+    assert blocks(5) == ["a", "b", "a", "b", "b", "a", "a", "b"]  # warm-ups, then passes in turn
+    assert out["alternating"] and all(len(r["runs_us"]) == 3 for r in out["routers"].values())
+    log.clear()
+    router_cost(4, 5, prompt_tokens=1024, repeats=2, routers=factories)
+    assert blocks(5) == ["a", "a", "a", "b", "b", "b"]
+    cost = unequal_replicas.cost(replicas=4, prefixes=5, repeats=2)
+    assert set(cost["routers"]) == {*unequal_replicas.COST_ROUTERS, unequal_replicas.WHOLE_PROMPTS}
+    assert all(len(r["runs_us"]) == 2 for r in cost["routers"].values())
