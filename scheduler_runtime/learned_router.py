@@ -40,47 +40,45 @@ the requests finished between two scrapes, decayed as the others), but do not ro
 prefill time in vLLM counts every step it was in, so prefills that overlap are counted more than once,
 where the front end's service times are not.
 
-How it routes (:meth:`LearnedRouter.choose`): ours' rule (the owner of the longest known prefix while
-under the load bounds, else the least loaded replica) on loads counted in a median replica's requests:
-a replica's requests in flight ``l`` count ``(l + 1) x w - 1``, where ``w`` is its learned prefill time
-per token over the fleet's median (:meth:`LearnedRouter.weights`; 1 when within ``band``, 35%, of it, so
-that the estimates' noise leaves equal replicas equal, and ours routes exactly as it does). A slow
-replica is then sent fewer new documents, and its hot documents spill sooner. The band
-alone does not hold on short runs: on four equal replicas (L-Eval at load 0.8 in the simulator) a weight
-left 1 on 157 of 263 decisions, the first seconds' estimates being a few samples each. ``fleet_z`` (off
-by default) adds a test of the estimates against their own noise (:attr:`DecayedRate.relative_error`): the
-weights leave 1 only while the fleet's estimates differ from their median beyond chi-square's quantile
-(1.645: 5%). It closes the equal grid's Mooncake cells at 4 replicas (14 of 17 cells at >= 0.98x today's
-default, against 12) and ties or wins on the unequal fleets' tuning seeds (L-Eval, Zipf, Mooncake), but on
-24 held-out seeds of the speed fleet at load 1 it gave 0.954x today's default (90% interval
-0.932-1.003): a 3x slower replica's first samples are informative where an equal replica's are noise, and
-waiting for the test costs the saturated fleet its first seconds (the note of 2026-12-06, eighth
-session). With ``place_new``, a
-prefix that no replica holds (or holds no longer, by the cache model) goes instead to the replica
-predicted to finish it first (:meth:`LearnedRouter.predicted_completion`: its queue of uncached prefill
-tokens and the request's own uncached tokens at its prefill speed, the mean output at its decode
-speed); ``benchmarks.unequal_replicas`` measures it as ``prefix-learned-place``. With ``kv_guard`` (off by
-default), on a fleet whose published KV sizes differ, a new prefix is not placed where it would not fit:
-where ours' choice holds (by an LRU of what it was sent, its KV in size) so many distinct prompt tokens
-that this prompt's would fill more than ``kv_fill`` (all) of its KV, and another replica still has room
-for it, it goes to the replica with room that it fills least (its resident tokens with the prompt's over
-its KV; :meth:`LearnedRouter.kv_room`); once every replica is full it says nothing, and on equal-KV
-fleets, never. On ``benchmarks.unequal_loopback`` (real engines; the quarter-KV replica at half speed),
-where ours without it gave that replica five documents of twelve in 4 of 9 rounds (42/30 requests, 34-46
-tok/s), with it ours gave it four or three in all nine (48/24 or 54/18, 57-79 tok/s). A fill of 90%
-gave it three where the brim gave four (seeds 2 and 3) and lost there (seed 3: 1.11x the tuned
-``sglang-router``'s throughput and 0.89x its attainment, against 1.45x and 1.08x), so the guard fills to
-the brim (the note of 2026-12-06, sixth session). On ``benchmarks.unequal_replicas``' kv fleet with
-L-Eval (a quarter of the KV at equal speed; 128 documents, more than the fleet holds) the guard loses
-attainment, 68.6% (fill 100%) and 72.9% (90%) against 76.5% without it at load 0.8 over 12 held-out
-seeds, where with Zipf's popular documents it wins (91.8% and 90.2% against 89.4%): hence off (the notes
-of the fifth and sixth sessions). Tried on
-``benchmarks.unequal_replicas``' fleets and dropped, without a row of their own (the note of 2026-12-06
-says how they fared): the same prediction overriding ours on a known prefix whenever ours' choice is
-predicted to finish 25% later, or to start more than 3, 5 or 8 s later, than the best replica (spilling
-documents lost on every fleet, as the tighter load bounds of ``benchmarks.router_peers`` did); weights
-from the decode speed too (a request's TPOT here is mostly the prefill steps it waits behind: load, not
-speed); and a small-KV replica's load weighted up by its KV's shortfall from the median.
+How it routes (:meth:`LearnedRouter.choose`): ours' rule (the owner of the longest known prefix while under
+the load bounds, else the least loaded replica) on loads counted in a median replica's requests: a replica's
+requests in flight ``l`` count ``(l + 1) x w - 1``, where ``w`` is its learned prefill time per token over
+the fleet's median (:meth:`LearnedRouter.weights`; 1 when within ``band``, 35%, of it, so that the
+estimates' noise leaves equal replicas equal, and ours routes exactly as it does). A slow replica is then
+sent fewer new documents, and its hot documents spill sooner. The band alone does not hold on short runs: on
+four equal replicas (L-Eval at load 0.8 in the simulator) a weight left 1 on 157 of 263 decisions, the first
+seconds' estimates being a few samples each. ``fleet_z`` (off by default) adds a test of the estimates
+against their own noise (:attr:`DecayedRate.relative_error`): the weights leave 1 only while the fleet's
+estimates differ from their median beyond chi-square's quantile (1.645: 5%). It closes the equal grid's
+Mooncake cells at 4 replicas (14 of 17 cells at >= 0.98x today's default, against 12) and ties or wins on
+the unequal fleets' tuning seeds (L-Eval, Zipf, Mooncake), but on 24 held-out seeds of the speed fleet at
+load 1 it gave 0.954x today's default (90% interval 0.932-1.003): a 3x slower replica's first samples are
+informative where an equal replica's are noise, and waiting for the test costs the saturated fleet its first
+seconds (the note of 2026-12-06, eighth session). With ``place_new``, a prefix that no replica holds (or
+holds no longer, by the cache model) goes instead to the replica predicted to finish it first
+(:meth:`LearnedRouter.predicted_completion`: its queue of uncached prefill tokens and the request's own
+uncached tokens at its prefill speed, the mean output at its decode speed); ``benchmarks.unequal_replicas``
+measures it as ``prefix-learned-place``. With ``kv_guard`` (off by default), on a fleet whose published KV
+sizes differ, a new prefix is not placed where it would not fit: where ours' choice holds (by an LRU of what
+it was sent, its KV in size) so many distinct prompt tokens that this prompt's would fill more than
+``kv_fill`` (all) of its KV, and another replica still has room for it, it goes to the replica with room
+that it fills least (its resident tokens with the prompt's over its KV; :meth:`LearnedRouter.kv_room`); once
+every replica is full it says nothing, and on equal-KV fleets, never. On ``benchmarks.unequal_loopback``
+(real engines; the quarter-KV replica at half speed), where ours without it gave that replica five documents
+of twelve in 4 of 9 rounds (42/30 requests, 34-46 tok/s), with it ours gave it four or three in all nine
+(48/24 or 54/18, 57-79 tok/s). A fill of 90% gave it three where the brim gave four (seeds 2 and 3) and lost
+there (seed 3: 1.11x the tuned ``sglang-router``'s throughput and 0.89x its attainment, against 1.45x and
+1.08x), so the guard fills to the brim (the note of 2026-12-06, sixth session). On
+``benchmarks.unequal_replicas``' kv fleet with L-Eval (a quarter of the KV at equal speed; 128 documents,
+more than the fleet holds) the guard loses attainment, 68.6% (fill 100%) and 72.9% (90%) against 76.5%
+without it at load 0.8 over 12 held-out seeds, where with Zipf's popular documents it wins (91.8% and 90.2%
+against 89.4%): hence off (the notes of the fifth and sixth sessions). Tried on
+``benchmarks.unequal_replicas``' fleets and dropped, without a row of their own (the note of 2026-12-06 says
+how they fared): the same prediction overriding ours on a known prefix whenever ours' choice is predicted to
+finish 25% later, or to start more than 3, 5 or 8 s later, than the best replica (spilling documents lost on
+every fleet, as the tighter load bounds of ``benchmarks.router_peers`` did); weights from the decode speed
+too (a request's TPOT here is mostly the prefill steps it waits behind: load, not speed); and a small-KV
+replica's load weighted up by its KV's shortfall from the median.
 
 Adapting and exploring: with ``tau_s`` 20 s an estimate moves most of the way to a new speed within
 two time constants of samples. A replica believed slow still gets the requests its weighted load makes
@@ -429,12 +427,11 @@ class LearnedRouter(PrefixAffinityRouter):
 
     def weights(self, replicas: Collection[str], now: float) -> dict[str, float]:
         """Each replica's prefill time per token over the fleet median's; 1 within ``band`` of it, and all 1
-        with ``fleet_z`` unless
-        the estimates' squared distances from their median (in log) over their squared standard errors
-        sum past chi-square's quantile at ``fleet_z`` (:meth:`_separated`): equal replicas look equal
-        through the estimates' noise. Prefill alone: a request's TPOT here is
-        mostly the prefill steps it waits behind (its replica's load, which the loads count already), so
-        the decode estimates say more about load than about speed."""
+        with ``fleet_z`` unless the estimates' squared distances from their median (in log) over their
+        squared standard errors sum past chi-square's quantile at ``fleet_z`` (:meth:`_separated`): equal
+        replicas look equal through the estimates' noise. Prefill alone: a request's TPOT here is mostly
+        the prefill steps it waits behind (its replica's load, which the loads count already), so the
+        decode estimates say more about load than about speed."""
         prefill = self._speeds(replicas, "prefill", now)
         known = [p for p in prefill.values() if p is not None]
         if len(known) < len(prefill):
