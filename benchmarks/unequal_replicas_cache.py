@@ -114,6 +114,9 @@ VARIANTS: dict[str, Callable[[], ReplicaRouter]] = {
                                                                         homogeneous_cache=True),
     "learned, fleet noise z 1.645": lambda: LearnedRouter(fleet_z=1.645),
     "learned, fleet noise z 2.33": lambda: LearnedRouter(fleet_z=2.33),
+    "learned, queue time": lambda: LearnedRouter(queue_time=True),
+    "learned, queue time, cache 1.25 x KV while homogeneous": lambda: LearnedRouter(
+        queue_time=True, cache_factor=1.25, homogeneous_cache=True),
     "learned, cache 1.25 x KV while homogeneous, fleet noise z 1.645": lambda: LearnedRouter(
         cache_factor=1.25, homogeneous_cache=True, fleet_z=1.645),
     # the guard's study counted whole prompts (then the default)

@@ -431,6 +431,9 @@ class ClusterRun:
             if done:
                 router.finished(rid, output_tokens=replica._timelines[rid].tokens if observes else None)
             else:
+                if observes:
+                    t = replica._timelines[rid]
+                    router.scheduled(rid, t.first_scheduled - t.arrival)
                 router.prefilled(rid)
         if replica.events:
             replica.events.clear()

@@ -54,7 +54,14 @@ Mooncake cells at 4 replicas (14 of 17 cells at >= 0.98x today's default, agains
 the unequal fleets' tuning seeds (L-Eval, Zipf, Mooncake), but on 24 held-out seeds of the speed fleet at
 load 1 it gave 0.954x today's default (90% interval 0.932-1.003): a 3x slower replica's first samples are
 informative where an equal replica's are noise, and waiting for the test costs the saturated fleet its first
-seconds (the note of 2026-12-06, eighth session). With ``place_new``, a prefix that no replica holds (or
+seconds (the note of 2026-12-06, eighth session). What the first seconds' samples hold on equal replicas is
+the replica's own queue, not its speed: a request held while the replica's batch decodes (its scheduler's
+choice) waits before its first step, and the single-server service time counts that wait (on that cell, a
+second request of 7,887 tokens took 3.1 s to its first token where 8,192 tokens alone take 1.03 s, the KV 9%
+full). With ``queue_time`` (off by default) a prefill's service starts no earlier than its first scheduled
+step, where the server reports the wait (:meth:`scheduled`): the simulator does; vLLM keeps it per request
+and returns it with ``--enable-per-request-metrics`` (``metrics.queue_time_ms`` of a stream's final usage
+chunk), which the serving layer does not read yet. With ``place_new``, a prefix that no replica holds (or
 holds no longer, by the cache model) goes instead to the replica predicted to finish it first
 (:meth:`LearnedRouter.predicted_completion`: its queue of uncached prefill tokens and the request's own
 uncached tokens at its prefill speed, the mean output at its decode speed); ``benchmarks.unequal_replicas``
@@ -214,6 +221,8 @@ class LearnedRouter(PrefixAffinityRouter):
             fraction from the fleet's median.
         fleet_z: and only while the fleet's estimates differ beyond their noise (:meth:`weights`): a
             chi-square test of them about their median at this normal deviate (1.645: 5%); 0: off.
+        queue_time: a prefill's service starts no earlier than its first scheduled step, where the
+            server reports how long the request waited (:meth:`scheduled`; default off).
         place_new: a new prefix goes to the replica predicted to finish it first (default off: ours'
             least weighted load; see the module docstring).
         kv_guard: a new prefix that would overflow ours' choice's KV goes to a replica with room for
@@ -246,7 +255,7 @@ class LearnedRouter(PrefixAffinityRouter):
                  overhead_tokens: int = 256, prior_output_tokens: float = 64.0, told: Told | None = None,
                  told_kv_tokens: Mapping[str, int] | None = None, cache_factor: float = 0.0,
                  work_cache_factor: float = 1.0, homogeneous_cache: bool = False, fleet_z: float = 0.0,
-                 **kwargs: Any) -> None:
+                 queue_time: bool = False, **kwargs: Any) -> None:
         if kwargs.get("kv_tokens") is not None:
             raise ValueError("the learned router is told no KV size (it reads vllm:cache_config_info)")
         if band < 0 or fleet_z < 0 or overhead_tokens < 0 or not explore_s > 0 or not 0 < kv_fill <= 1:
@@ -280,6 +289,8 @@ class LearnedRouter(PrefixAffinityRouter):
         self._first: dict[str, float] = {}  # request id -> its first token's time
         self.band = float(band)
         self.fleet_z = float(fleet_z)
+        self.queue_time = bool(queue_time)
+        self._queued: dict[str, float] = {}  # request id -> seconds it waited at its replica (reported)
         self.counts.update({"placed": 0, "weighted": 0, "kv_guarded": 0})
 
     @property
@@ -330,6 +341,10 @@ class LearnedRouter(PrefixAffinityRouter):
         assert self.told is not None
         return self.told(replica, now)
 
+    def scheduled(self, request_id: str, queued_s: float) -> None:
+        if self.queue_time and request_id in self._requests and math.isfinite(queued_s) and queued_s > 0:
+            self._queued[request_id] = queued_s
+
     def prefilled(self, request_id: str) -> None:
         entry = self._requests.get(request_id)
         if entry is None:
@@ -338,7 +353,8 @@ class LearnedRouter(PrefixAffinityRouter):
         now = self.clock()
         r = self._replica(replica)
         r.queued_tokens = max(0.0, r.queued_tokens - uncached)
-        start = max(routed_at, r.last_first_token)
+        # from the later of its first step (where reported) and the replica's previous first token
+        start = max(routed_at + self._queued.pop(request_id, 0.0), r.last_first_token)
         r.last_first_token = max(r.last_first_token, now)
         self._first[request_id] = now
         seconds, work = now - start, uncached + self.overhead_tokens
@@ -349,6 +365,7 @@ class LearnedRouter(PrefixAffinityRouter):
     def finished(self, request_id: str, output_tokens: int | None = None) -> None:
         entry = self._requests.pop(request_id, None)
         first = self._first.pop(request_id, None)
+        self._queued.pop(request_id, None)
         if entry is None:
             return
         replica = entry[0]
@@ -376,6 +393,7 @@ class LearnedRouter(PrefixAffinityRouter):
         for rid in [rid for rid, e in self._requests.items() if e[0] == replica]:
             del self._requests[rid]
             self._first.pop(rid, None)
+            self._queued.pop(rid, None)
 
     # -- the speeds it predicts with ------------------------------------------------------------
     def _speeds(self, replicas: Collection[str], part: str, now: float,

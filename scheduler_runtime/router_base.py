@@ -310,6 +310,12 @@ class ReplicaRouter(ABC):
         """The request went to ``replica`` (whatever :meth:`choose` said); ``request_id`` names it in
         later :meth:`prefilled` / :meth:`finished` calls."""
 
+    def scheduled(self, request_id: str, queued_s: float) -> None:  # noqa: B027 - optional hook
+        """Before :meth:`prefilled`, where the server reports it: the request waited ``queued_s`` seconds
+        at its replica between its arrival there and its first scheduled step (the simulator reports
+        it; vLLM keeps it per request, ``RequestStateStats.scheduled_ts - queued_ts``, but its server
+        does not return it)."""
+
     def prefilled(self, request_id: str) -> None:  # noqa: B027 - optional hook
         """The request's prompt has been prefilled (its first token came back)."""
 
