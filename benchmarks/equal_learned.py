@@ -126,7 +126,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--slo2", default="ttft:2000 tpot:30", help="a tighter pair, counted on the same runs")
     p.add_argument("--quick", action="store_true", help="L-Eval at 4 replicas, load 1, one seed")
     p.add_argument("--learned", action="append", default=[], metavar="KNOB=VALUE",
-                   help="a knob of ours learned off its default (repeatable; a number or true/false)")
+                   help="a knob of ours learned off its default (repeatable; a number, true/false or a "
+                        "name)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     start = time.perf_counter()
@@ -138,11 +139,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         key, _, value = item.partition("=")
         if not value:
             p.error(f"--learned {item!r}: expected KNOB=VALUE")
-        learned[key] = {"true": True, "false": False}.get(value.lower()) if value.lower() in (
-            "true", "false") else float(value)
+        if value.lower() in ("true", "false"):
+            learned[key] = value.lower() == "true"
+        else:
+            try:
+                learned[key] = float(value)
+            except ValueError:
+                learned[key] = value  # a mode's name (queue_time=gate)
     try:
         LearnedRouter(**learned)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
         p.error(f"--learned: {exc}")
     cells = evaluate(grid, seeds, slo, slo2, learned, log=lambda m: print(m, file=sys.stderr, flush=True))
     res = {"benchmark": "equal_learned", "machine": machine_info(), "learned": learned,

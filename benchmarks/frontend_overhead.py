@@ -21,7 +21,9 @@ is to measure) behind each front end in turn:
 * ``direct``: no front end, each document's requests sent to one fixed stand-in (the floor).
 
 The load is shaped as ``benchmarks.cluster_loopback``'s: 12 documents x questions, streamed
-completions of 16 tokens (``stream_options.include_usage``), 8 clients in a closed loop, the
+completions of 16 tokens (``stream_options.include_usage``; without it, ``--no-usage``: then
+``prefix-learned``'s proxy asks each stream's usage chunk itself, for the wait the stand-in reports on
+it, and strips it), 8 clients in a closed loop, the
 documents' requests shuffled; the prompts are text (a document of 3,000 random words, ~17,000
 characters, then a question of 30), as sglang-router 0.3.2 refuses a prompt of token ids (HTTP 422).
 The front end's CPU seconds are its processes' user + system time over the measured requests (for
@@ -61,7 +63,8 @@ from scheduler_runtime.serving.replicas import free_port
 
 FRONT_ENDS = ("direct", "proxy", "proxy-learned", "sglang-router", "ray")
 #: The stand-ins behind the proxies publish vLLM's metrics with a KV size (what prefix-learned reads).
-PROXY_STANDIN_ARGS = ("--kv-blocks", "4095", "--block-size", "128")
+#: They report each request's wait on its usage chunk, as vLLM's ``--enable-per-request-metrics`` does.
+PROXY_STANDIN_ARGS = ("--kv-blocks", "4095", "--block-size", "128", "--enable-per-request-metrics")
 DOCUMENTS, DOC_WORDS, QUESTION_WORDS, OUTPUT_TOKENS, CLIENTS = 12, 3000, 30, 16, 8
 MODEL = "unknown"  # sglang-router keys its trees by the model a worker reports: none here (router_fidelity)
 
@@ -80,11 +83,11 @@ def workload(requests: int, seed: int = 0) -> list[tuple[int, str]]:
     return [(int(d), f"{docs[d]}\nQuestion: {words(QUESTION_WORDS)}?") for d in order]
 
 
-async def drive(urls: Sequence[str], requests: list[tuple[int, str]], tag: str
+async def drive(urls: Sequence[str], requests: list[tuple[int, str]], tag: str, usage: bool = True
                 ) -> tuple[float, int, list[tuple[int, str]]]:
     """Send ``requests`` with :data:`CLIENTS` clients; ``urls``: one front end, or one URL per document
-    slot (``direct``). Returns (seconds, failures, (document, x-feather-replica) of each answer that
-    names its replica)."""
+    slot (``direct``); ``usage``: the clients ask each stream's usage chunk. Returns (seconds, failures,
+    (document, x-feather-replica) of each answer that names its replica)."""
     import aiohttp
 
     queue = list(enumerate(requests))
@@ -95,8 +98,10 @@ async def drive(urls: Sequence[str], requests: list[tuple[int, str]], tag: str
         nonlocal failures
         while queue:
             i, (doc, prompt) = queue.pop()
-            body = {"model": MODEL, "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "stream": True,
-                    "stream_options": {"include_usage": True}, "standin": {"id": f"{tag}-{i}-d{doc}"}}
+            body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": OUTPUT_TOKENS,
+                                    "stream": True, "standin": {"id": f"{tag}-{i}-d{doc}"}}
+            if usage:
+                body["stream_options"] = {"include_usage": True}
             url = urls[doc % len(urls)]
             async with session.post(url + "/v1/completions", json=body) as resp:
                 text = await resp.text()
@@ -183,8 +188,9 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(timeout=30)
 
 
-def measure(front_end: str, requests: int, warmup: int, seed: int) -> dict[str, Any] | None:
-    """One front end over two fresh stand-ins."""
+def measure(front_end: str, requests: int, warmup: int, seed: int,
+            usage: bool = True) -> dict[str, Any] | None:
+    """One front end over two fresh stand-ins (``usage``: :func:`drive`'s)."""
     work = workload(requests + warmup, seed)
     with StandIns(2, PROXY_STANDIN_ARGS if front_end.startswith("proxy") else ()) as standins:
         proc: subprocess.Popen[bytes] | None = None
@@ -214,10 +220,10 @@ def measure(front_end: str, requests: int, warmup: int, seed: int) -> dict[str, 
                 if front_end == "ray":
                     with urllib.request.urlopen(urls[0] + "/replicas", timeout=30) as resp:
                         exclude = [r["pid"] for r in json.loads(resp.read())]
-            asyncio.run(drive(urls, work[:warmup], "warm"))
+            asyncio.run(drive(urls, work[:warmup], "warm", usage))
             pids = tree(proc.pid, exclude) if proc is not None else []
             cpu0 = cpu_seconds(pids)
-            seconds, failures, named = asyncio.run(drive(urls, work[warmup:], "run"))
+            seconds, failures, named = asyncio.run(drive(urls, work[warmup:], "run", usage))
             cpu = cpu_seconds(pids) - cpu0 if proc is not None else 0.0
             # Ray's stand-ins are its own deployment's: their placements come from the answers' headers
             share, counts = affinity([(str(d), r) for d, r in named] if front_end == "ray"
@@ -337,6 +343,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="measure the front ends this many times, the order reversed every other round")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--no-usage", action="store_true",
+                        help="the clients do not ask each stream's usage chunk (prefix-learned's proxy then "
+                             "asks it, to read the reported wait, and strips it)")
     parser.add_argument("--serve-ray", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_ray is not None:
@@ -364,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for r in range(args.rounds):
         for front_end in (chosen if r % 2 == 0 else chosen[::-1]):
             print(f"round {r + 1}: {front_end} ...", flush=True)
-            run = measure(front_end, args.requests, args.warmup, args.seed)
+            run = measure(front_end, args.requests, args.warmup, args.seed, not args.no_usage)
             if run is not None:
                 payload["runs"].append({**run, "round": r})
     print(render(payload))

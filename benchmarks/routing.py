@@ -153,7 +153,8 @@ def _route(router: ReplicaRouter, hashes: np.ndarray, loads: Mapping[str, int], 
            rid: str) -> None:
     """One request's routing with its length: ``choose`` + ``routed``; where the router tracks requests,
     with its id, and its first token and finish at once (a router that observes the service is told
-    two output tokens, its clock 10 ms later at each reading)."""
+    the request's reported wait before its finish and two output tokens, its clock 10 ms later at each
+    reading)."""
     replica = router.choose(hashes, loads, tokens=tokens)
     if not router.tracks_requests:
         router.routed(hashes, replica, tokens=tokens)
@@ -161,6 +162,7 @@ def _route(router: ReplicaRouter, hashes: np.ndarray, loads: Mapping[str, int], 
     router.routed(hashes, replica, tokens=tokens, request_id=rid)
     router.prefilled(rid)
     if router.observes_service:
+        router.scheduled(rid, 0.001)
         router.finished(rid, output_tokens=2)  # type: ignore[call-arg]
     else:
         router.finished(rid)

@@ -72,8 +72,12 @@ class StandIn:
     def __init__(self, name: str, before_answer: Callable[[dict[str, Any], dict[str, Any]],
                                                           Awaitable[None]] | None = None, *,
                  prefill_s_per_token: float = 0.0, decode_s_per_token: float = 0.0,
-                 kv_blocks: int | None = None, block_size: int = 16) -> None:
+                 kv_blocks: int | None = None, block_size: int = 16,
+                 per_request_metrics: bool = False) -> None:
         self.name = name
+        #: the usage chunk carries the request's wait before its prefill (vLLM's
+        #: ``--enable-per-request-metrics``: ``metrics.queue_time_ms``)
+        self.per_request_metrics = per_request_metrics
         self.served: list[Any] = []
         self.prompt_tokens = 0
         self._n = 0
@@ -134,16 +138,17 @@ class StandIn:
             await self._before_answer(body, whole)
         if not body.get("stream"):
             if self.paced:
-                first = await self._prefill(body)
+                first, _ = await self._prefill(body)
                 await self._decode(body, first)
             self._served(body)
             return web.json_response(whole)
         response = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await response.prepare(request)
-        first = await self._prefill(body) if self.paced else 0.0
+        first, queued = await self._prefill(body) if self.paced else (0.0, 0.0)
         die_after = (control.get("die_after") or {}).get(self.name)
         tokens = int(body.get("max_tokens") or 16)
-        for i, event in enumerate(stream_events(body, rid)):
+        metrics = {"queue_time_ms": 1000.0 * queued} if self.per_request_metrics else None
+        for i, event in enumerate(stream_events(body, rid, metrics)):
             if die_after is not None and i >= int(die_after):
                 os._exit(1)
             if self.decode_s_per_token and 0 < i < tokens:
@@ -155,8 +160,9 @@ class StandIn:
         self._served(body)
         return response
 
-    async def _prefill(self, body: dict[str, Any]) -> float:
-        """Queue for the prefill (one at a time), serve it; returns when its first token is out."""
+    async def _prefill(self, body: dict[str, Any]) -> tuple[float, float]:
+        """Queue for the prefill (one at a time), serve it; returns when its first token is out, and the
+        seconds it queued."""
         arrived = time.monotonic()
         async with self._prefill_lock:
             started = time.monotonic()
@@ -164,7 +170,7 @@ class StandIn:
         first = time.monotonic()
         self.sums["queue"] += started - arrived
         self.sums["prefill"] += first - started
-        return first
+        return first, started - arrived
 
     async def _decode(self, body: dict[str, Any], first: float) -> None:
         for _ in range(int(body.get("max_tokens") or 16) - 1):
@@ -235,8 +241,9 @@ def answer(body: dict[str, Any], rid: str) -> dict[str, Any]:
             "choices": [{"index": 0, **message, "finish_reason": "length"}], "usage": _usage(body)}
 
 
-def stream_events(body: dict[str, Any], rid: str) -> list[str]:
-    """The streamed answer to ``body``: one SSE event per token, the usage if asked, ``[DONE]``."""
+def stream_events(body: dict[str, Any], rid: str, metrics: dict[str, float] | None = None) -> list[str]:
+    """The streamed answer to ``body``: one SSE event per token, the usage if asked (with ``metrics``,
+    vLLM's per-request metrics, where given), ``[DONE]``."""
     n = int(body.get("max_tokens") or 16)
     chat = "messages" in body
     kind = "chat.completion.chunk" if chat else "text_completion"
@@ -245,7 +252,9 @@ def stream_events(body: dict[str, Any], rid: str) -> list[str]:
         {"index": 0, **delta, "finish_reason": "length" if i == n - 1 else None}]}) for i in range(n)]
     if (body.get("stream_options") or {}).get("include_usage"):
         usage = {"id": rid, "object": kind, "model": MODEL, "choices": [], "usage": _usage(body)}
-        events.append(json.dumps(usage))
+        if metrics is not None:
+            usage["metrics"] = metrics
+        events.append(json.dumps(usage, separators=(",", ":")))
     return [f"data: {e}\n\n" for e in [*events, "[DONE]"]]
 
 
@@ -411,13 +420,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--kv-blocks", type=int, default=None,
                         help="paced: the KV blocks its vLLM metrics publish (vllm:cache_config_info)")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--enable-per-request-metrics", action="store_true",
+                        help="a stream's usage chunk carries metrics.queue_time_ms, as vLLM's does")
     args = parser.parse_args(argv)
     time.sleep(args.start_delay)  # an engine loading
     # sglang-router opens a worker with an HTTP/2 preface first, which aiohttp logs as an error
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
     app = StandIn(args.name or str(args.port), prefill_s_per_token=args.prefill_ms_per_1k / 1e6,
                   decode_s_per_token=args.decode_ms / 1e3, kv_blocks=args.kv_blocks,
-                  block_size=args.block_size).app()
+                  block_size=args.block_size, per_request_metrics=args.enable_per_request_metrics).app()
     try:
         import uvloop
     except ImportError:

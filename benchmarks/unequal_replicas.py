@@ -431,21 +431,28 @@ class _Traced(LearnedRouter):
         return super().choose(hashes, loads, avoid, tokens=tokens)
 
 
+def speed_ratios(trace: Sequence[tuple[float, dict[str, float | None]]], replica: str
+                 ) -> list[tuple[float, float]]:
+    """``(time, replica's learned prefill speed over the median of the others')`` at each point of
+    :class:`_Traced`'s ``trace`` where both are known."""
+    out = []
+    for t, speeds in trace:
+        mine = speeds.get(replica)
+        others = [v for r, v in speeds.items() if r != replica and v]
+        if mine and others:
+            out.append((t, mine / statistics.median(others)))
+    return out
+
+
 def convergence(trace: Sequence[tuple[float, dict[str, float | None]]], replica: str,
                 phases: Sequence[tuple[float, float, float]]) -> list[dict[str, Any]]:
     """For each phase ``(start, end, slowdown)``: seconds from its start until ``replica``'s learned prefill
     speed over the median of the others' first comes within :data:`WITHIN` of ``1 / slowdown``
     (``first_s``), and from when it stays within until the phase ends (``settled_s``); ``None``: never."""
+    ratios = speed_ratios(trace, replica)
     out = []
     for start, end, slowdown in phases:
-        samples = []
-        for t, speeds in trace:
-            if not start <= t < end:
-                continue
-            mine = speeds.get(replica)
-            others = [v for r, v in speeds.items() if r != replica and v]
-            if mine and others:
-                samples.append((t, mine / statistics.median(others)))
+        samples = [(t, ratio) for t, ratio in ratios if start <= t < end]
         truth = 1.0 / slowdown
         ok = [abs(ratio / truth - 1.0) <= WITHIN for _, ratio in samples]
         first = next((t - start for (t, _), good in zip(samples, ok, strict=True) if good), None)

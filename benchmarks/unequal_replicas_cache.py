@@ -29,6 +29,7 @@ every run. About 6 min on one core for the default set at 3 seeds.
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 import statistics
 import sys
@@ -97,31 +98,35 @@ class StayLearned(LearnedRouter):
         return choice
 
 
+#: The learned router as the studies before 2026-12-07 ran it: without the reported wait (``queue_time``,
+#: off then by default), so that each variant stays what its figures measured.
+_off = functools.partial(LearnedRouter, queue_time="off")
+
 VARIANTS: dict[str, Callable[[], ReplicaRouter]] = {
     "prefix (ours as today)": PrefixAffinityRouter,
-    "learned, cache 1.25 x KV": lambda: LearnedRouter(cache_factor=1.25),
-    "learned, cache off": lambda: LearnedRouter(cache_factor=0.0, work_cache_factor=0.0),
-    "learned, cache 2 x KV": lambda: LearnedRouter(cache_factor=2.0),
-    "learned, cache 3 x KV": lambda: LearnedRouter(cache_factor=3.0),
-    "learned, cache 5 x KV": lambda: LearnedRouter(cache_factor=5.0),
-    "learned, floor median KV": lambda: FloorLearned(1.0, cache_factor=1.25),
-    "learned, floor half median": lambda: FloorLearned(0.5, cache_factor=1.25),
-    "learned, stay within 1": lambda: StayLearned(1, cache_factor=1.25),
-    "learned, stay within 3": lambda: StayLearned(3, cache_factor=1.25),
-    "learned, work LRU 1 x KV": lambda: LearnedRouter(work_cache_factor=1.0),
-    "learned, work LRU 2 x KV": lambda: LearnedRouter(work_cache_factor=2.0),
-    "learned, cache 1.25 x KV while homogeneous": lambda: LearnedRouter(cache_factor=1.25,
-                                                                        homogeneous_cache=True),
-    "learned, fleet noise z 1.645": lambda: LearnedRouter(fleet_z=1.645),
-    "learned, fleet noise z 2.33": lambda: LearnedRouter(fleet_z=2.33),
-    "learned, queue time": lambda: LearnedRouter(queue_time=True),
+    "learned, cache 1.25 x KV": lambda: _off(cache_factor=1.25),
+    "learned, cache off": lambda: _off(cache_factor=0.0, work_cache_factor=0.0),
+    "learned, cache 2 x KV": lambda: _off(cache_factor=2.0),
+    "learned, cache 3 x KV": lambda: _off(cache_factor=3.0),
+    "learned, cache 5 x KV": lambda: _off(cache_factor=5.0),
+    "learned, floor median KV": lambda: FloorLearned(1.0, cache_factor=1.25, queue_time="off"),
+    "learned, floor half median": lambda: FloorLearned(0.5, cache_factor=1.25, queue_time="off"),
+    "learned, stay within 1": lambda: StayLearned(1, cache_factor=1.25, queue_time="off"),
+    "learned, stay within 3": lambda: StayLearned(3, cache_factor=1.25, queue_time="off"),
+    "learned, work LRU 1 x KV": lambda: _off(work_cache_factor=1.0),
+    "learned, work LRU 2 x KV": lambda: _off(work_cache_factor=2.0),
+    "learned, cache 1.25 x KV while homogeneous": lambda: _off(cache_factor=1.25, homogeneous_cache=True),
+    "learned, fleet noise z 1.645": lambda: _off(fleet_z=1.645),
+    "learned, fleet noise z 2.33": lambda: _off(fleet_z=2.33),
+    "learned, queue time": lambda: LearnedRouter(queue_time="service"),
+    "learned, queue time gate": lambda: LearnedRouter(queue_time="gate"),
     "learned, queue time, cache 1.25 x KV while homogeneous": lambda: LearnedRouter(
-        queue_time=True, cache_factor=1.25, homogeneous_cache=True),
-    "learned, cache 1.25 x KV while homogeneous, fleet noise z 1.645": lambda: LearnedRouter(
+        queue_time="service", cache_factor=1.25, homogeneous_cache=True),
+    "learned, cache 1.25 x KV while homogeneous, fleet noise z 1.645": lambda: _off(
         cache_factor=1.25, homogeneous_cache=True, fleet_z=1.645),
     # the guard's study counted whole prompts (then the default)
-    "learned, KV guard, fill 1": lambda: LearnedRouter(kv_guard=True, kv_fill=1.0, work_cache_factor=0.0),
-    "learned, KV guard, fill 0.9": lambda: LearnedRouter(kv_guard=True, kv_fill=0.9, work_cache_factor=0.0),
+    "learned, KV guard, fill 1": lambda: _off(kv_guard=True, kv_fill=1.0, work_cache_factor=0.0),
+    "learned, KV guard, fill 0.9": lambda: _off(kv_guard=True, kv_fill=0.9, work_cache_factor=0.0),
 }
 #: Rows of :mod:`benchmarks.unequal_replicas` itself (:func:`~benchmarks.unequal_replicas.router_factories`).
 ROWS = ("prefix-informed",)

@@ -20,7 +20,10 @@ heuristic by default), as it does inside vLLM. Every router is given the prompt'
 request's id with each routing, and hears of
 every first token (:meth:`~scheduler_runtime.router.ReplicaRouter.prefilled`) and finish
 (:meth:`~scheduler_runtime.router.ReplicaRouter.finished`) that happened before the next arrival,
-as a router watching the responses stream would.
+as a router watching the responses stream would; one that observes the service also hears, just before
+the finish, how long the request waited at its replica before its first step
+(:meth:`~scheduler_runtime.router.ReplicaRouter.scheduled`), where vLLM reports it: on a stream's final
+chunk.
 
 Every request is checked to be served exactly once with its tokens
 (:meth:`~feather_env.serving.ServingBackend.check_complete`, per replica).
@@ -429,11 +432,11 @@ class ClusterRun:
             if not self.tracks:
                 continue
             if done:
-                router.finished(rid, output_tokens=replica._timelines[rid].tokens if observes else None)
-            else:
-                if observes:
+                if observes:  # its wait before its first step, reported at its end as vLLM's does
                     t = replica._timelines[rid]
                     router.scheduled(rid, t.first_scheduled - t.arrival)
+                router.finished(rid, output_tokens=replica._timelines[rid].tokens if observes else None)
+            else:
                 router.prefilled(rid)
         if replica.events:
             replica.events.clear()

@@ -59,10 +59,16 @@ the replica's own queue, not its speed: a request held while the replica's batch
 choice) waits before its first step, and the single-server service time counts that wait (on that cell, a
 second request of 7,887 tokens took 3.1 s to its first token where 8,192 tokens alone take 1.03 s, the KV 9%
 full). With ``queue_time`` (off by default) a prefill's service starts no earlier than its first scheduled
-step, where the server reports the wait (:meth:`scheduled`): the simulator does; vLLM keeps it per request
-and returns it with ``--enable-per-request-metrics`` (``metrics.queue_time_ms`` of a stream's final usage
-chunk), which the serving layer does not read yet. With ``place_new``, a prefix that no replica holds (or
-holds no longer, by the cache model) goes instead to the replica predicted to finish it first
+step, where the server reports the wait (:meth:`scheduled`). vLLM keeps it per request and returns it with
+``--enable-per-request-metrics`` (``metrics.queue_time_ms`` of a stream's final usage chunk), so it comes at
+the request's end: the prefill sample is taken at the first token from the routing, as without
+``queue_time``, and amended when the report comes (:meth:`DecayedRate.amend`); the simulator reports at the
+end too. (Holding the sample until the report instead lets an overloaded replica keep a stale fast estimate:
+its corrections wait for finishes that its own backlog delays; one replica then drew 630-723 of 2,499-2,580
+requests on router_peers' Mooncake cell of 16 at load 1.) The
+proxy and the Ray ingress read it (they ask a stream's usage chunk where its client did not, and strip it).
+With ``place_new``, a prefix that no replica holds (or holds no longer, by the cache model) goes instead to
+the replica predicted to finish it first
 (:meth:`LearnedRouter.predicted_completion`: its queue of uncached prefill tokens and the request's own
 uncached tokens at its prefill speed, the mean output at its decode speed); ``benchmarks.unequal_replicas``
 measures it as ``prefix-learned-place``. With ``kv_guard`` (off by default), on a fleet whose published KV
@@ -138,6 +144,15 @@ def chi2_quantile(k: int, z: float) -> float:
     return k * max(0.0, 1.0 - c + z * math.sqrt(c)) ** 3
 
 
+#: What :class:`LearnedRouter` makes of each request's reported wait before its first step
+#: (``queue_time``): ``"off"``, nothing; ``"gate"``, its weights leave 1 only while the prefill speeds
+#: measured from each request's first step differ beyond ``band`` (the weights themselves from the
+#: routing, as with ``"off"``); ``"service"``, its prefill speeds are measured from the first step.
+QUEUE_TIME_MODES = ("off", "gate", "service")
+#: The default mode.
+QUEUE_TIME = "service"
+
+
 class DecayedRate:
     """Seconds per unit of work, as the ratio of two sums decayed with time constant ``tau_s``: a sample
     ``s`` seconds old weighs ``exp(-s / tau_s)``. It keeps the sums of the weights' squares too, for the
@@ -155,17 +170,21 @@ class DecayedRate:
         self.last: float = -math.inf  # when the latest sample came
 
     def add(self, now: float, seconds: float, work: float) -> None:
-        """``work`` units took ``seconds``, observed at ``now``."""
+        """``work`` units took ``seconds``, observed at ``now`` (a sample observed before the latest one,
+        reported late, comes in at its own age)."""
         if work <= 0 or not math.isfinite(seconds) or seconds < 0:
             return
-        if self.samples:
-            keep = math.exp(-max(0.0, now - self.last) / self.tau_s)
+        if self.samples and now > self.last:
+            keep = math.exp(-(now - self.last) / self.tau_s)
             self.seconds *= keep
             self.work *= keep
             keep2 = keep * keep
             self._ss *= keep2
             self._sw *= keep2
             self._ww *= keep2
+        elif self.samples and now < self.last:  # older than the sums: weighed at its age
+            age = math.exp(-(self.last - now) / self.tau_s)
+            seconds, work = seconds * age, work * age
         self.seconds += seconds
         self.work += work
         self._ss += seconds * seconds
@@ -173,6 +192,18 @@ class DecayedRate:
         self._ww += work * work
         self.samples += 1
         self.last = max(self.last, now)
+
+    def amend(self, at: float, old_seconds: float, new_seconds: float, work: float) -> None:
+        """The sample of ``work`` units observed at ``at`` and added as ``old_seconds`` took ``new_seconds``
+        (a provisional figure corrected once the server reports it): the sums are those of the corrected
+        sample added in the first place."""
+        if work <= 0 or not self.samples or not math.isfinite(new_seconds) or new_seconds < 0:
+            return
+        w = math.exp(-max(0.0, self.last - at) / self.tau_s)
+        d = new_seconds - old_seconds
+        self.seconds = max(0.0, self.seconds + w * d)
+        self._ss = max(0.0, self._ss + w * w * (new_seconds * new_seconds - old_seconds * old_seconds))
+        self._sw += w * w * d * work
 
     @property
     def value(self) -> float | None:
@@ -208,6 +239,9 @@ class ReplicaLearning:
     scraped: dict[str, float] = field(default_factory=dict)
     #: prefill seconds per uncached token by vLLM's histograms (the deltas between scrapes, decayed)
     metrics_prefill: DecayedRate | None = None
+    #: ``queue_time="gate"``: prefill seconds per token from each request's first step (its reported
+    #: wait taken out)
+    served: DecayedRate | None = None
 
 
 class LearnedRouter(PrefixAffinityRouter):
@@ -221,8 +255,8 @@ class LearnedRouter(PrefixAffinityRouter):
             fraction from the fleet's median.
         fleet_z: and only while the fleet's estimates differ beyond their noise (:meth:`weights`): a
             chi-square test of them about their median at this normal deviate (1.645: 5%); 0: off.
-        queue_time: a prefill's service starts no earlier than its first scheduled step, where the
-            server reports how long the request waited (:meth:`scheduled`; default off).
+        queue_time: what the server's report of each request's wait before its first step
+            (:meth:`scheduled`) does: one of :data:`QUEUE_TIME_MODES` (default :data:`QUEUE_TIME`).
         place_new: a new prefix goes to the replica predicted to finish it first (default off: ours'
             least weighted load; see the module docstring).
         kv_guard: a new prefix that would overflow ours' choice's KV goes to a replica with room for
@@ -255,9 +289,11 @@ class LearnedRouter(PrefixAffinityRouter):
                  overhead_tokens: int = 256, prior_output_tokens: float = 64.0, told: Told | None = None,
                  told_kv_tokens: Mapping[str, int] | None = None, cache_factor: float = 0.0,
                  work_cache_factor: float = 1.0, homogeneous_cache: bool = False, fleet_z: float = 0.0,
-                 queue_time: bool = False, **kwargs: Any) -> None:
+                 queue_time: str = QUEUE_TIME, **kwargs: Any) -> None:
         if kwargs.get("kv_tokens") is not None:
             raise ValueError("the learned router is told no KV size (it reads vllm:cache_config_info)")
+        if queue_time not in QUEUE_TIME_MODES:
+            raise ValueError(f"queue_time must be one of {list(QUEUE_TIME_MODES)}, got {queue_time!r}")
         if band < 0 or fleet_z < 0 or overhead_tokens < 0 or not explore_s > 0 or not 0 < kv_fill <= 1:
             raise ValueError("band, fleet_z and overhead_tokens must be >= 0, explore_s > 0 and kv_fill in "
                              "(0, 1]")
@@ -289,9 +325,12 @@ class LearnedRouter(PrefixAffinityRouter):
         self._first: dict[str, float] = {}  # request id -> its first token's time
         self.band = float(band)
         self.fleet_z = float(fleet_z)
-        self.queue_time = bool(queue_time)
+        self.queue_time = queue_time
         self._queued: dict[str, float] = {}  # request id -> seconds it waited at its replica (reported)
-        self.counts.update({"placed": 0, "weighted": 0, "kv_guarded": 0})
+        #: request id -> its provisional prefill sample (replica, routed, the previous first token, its
+        #: first token, work, seconds), amended when its wait is reported
+        self._held: dict[str, tuple[str, float, float, float, float, float]] = {}
+        self.counts.update({"placed": 0, "weighted": 0, "kv_guarded": 0, "queue_reports": 0})
 
     @property
     def kv_guard(self) -> bool:
@@ -303,6 +342,8 @@ class LearnedRouter(PrefixAffinityRouter):
         r = self.replicas.get(name)
         if r is None:
             r = self.replicas[name] = ReplicaLearning(DecayedRate(self.tau_s), DecayedRate(self.tau_s))
+            if self.queue_time == "gate":
+                r.served = DecayedRate(self.tau_s)
             kv = (self.told_kv_tokens or {}).get(name)
             if kv is not None:
                 self._set_kv(name, r, kv)
@@ -341,28 +382,64 @@ class LearnedRouter(PrefixAffinityRouter):
         assert self.told is not None
         return self.told(replica, now)
 
+    @property
+    def reads_queue_time(self) -> bool:
+        """Whether it uses the reported waits (:meth:`scheduled`): the front end then asks for them."""
+        return self.queue_time != "off"
+
     def scheduled(self, request_id: str, queued_s: float) -> None:
-        if self.queue_time and request_id in self._requests and math.isfinite(queued_s) and queued_s > 0:
+        if not (self.reads_queue_time and math.isfinite(queued_s) and queued_s >= 0):
+            return
+        held = self._held.pop(request_id, None)
+        if held is not None:  # its first token came first (vLLM reports the wait at the end)
+            self.counts["queue_reports"] += 1
+            replica, routed_at, floor, at, work, provisional = held
+            seconds = self._service_s(routed_at + queued_s, floor, at)
+            r = self._replica(replica)
+            if self.queue_time == "gate":
+                if r.served is not None:
+                    r.served.amend(at, provisional, seconds, work)
+                return
+            if self.told is not None:
+                slowdown = self._slowdowns(replica, at)[0]
+                self._fleet.prefill.amend(at, provisional / slowdown, seconds / slowdown, work)
+            r.prefill.amend(at, provisional, seconds, work)
+        elif request_id in self._requests and request_id not in self._first:
+            self.counts["queue_reports"] += 1
             self._queued[request_id] = queued_s
+
+    @staticmethod
+    def _service_s(start: float, floor: float, at: float) -> float:
+        """A prefill's service time: to its first token at ``at`` from the later of its ``start`` (its
+        routing, or its first step where the wait is reported) and the replica's previous first token."""
+        return at - max(start, floor)
 
     def prefilled(self, request_id: str) -> None:
         entry = self._requests.get(request_id)
-        if entry is None:
+        if entry is None or request_id in self._first:
             return
         replica, uncached, routed_at = entry
         now = self.clock()
         r = self._replica(replica)
         r.queued_tokens = max(0.0, r.queued_tokens - uncached)
-        # from the later of its first step (where reported) and the replica's previous first token
-        start = max(routed_at + self._queued.pop(request_id, 0.0), r.last_first_token)
+        floor = r.last_first_token
         r.last_first_token = max(r.last_first_token, now)
         self._first[request_id] = now
-        seconds, work = now - start, uncached + self.overhead_tokens
+        work = uncached + self.overhead_tokens
+        reported = self._queued.pop(request_id, None)
+        # from its first step where the wait is reported; provisionally from its routing until it is
+        from_step = self._service_s(routed_at + (reported or 0.0), floor, now)
+        seconds = from_step if self.queue_time == "service" else self._service_s(routed_at, floor, now)
         if self.told is not None:
             self._fleet.prefill.add(now, seconds / self._slowdowns(replica, now)[0], work)
         r.prefill.add(now, seconds, work)
+        if r.served is not None:
+            r.served.add(now, from_step, work)
+        if self.reads_queue_time and reported is None:
+            self._held[request_id] = (replica, routed_at, floor, now, work, from_step)
 
     def finished(self, request_id: str, output_tokens: int | None = None) -> None:
+        self._held.pop(request_id, None)  # no wait reported: its sample stays as it was taken
         entry = self._requests.pop(request_id, None)
         first = self._first.pop(request_id, None)
         self._queued.pop(request_id, None)
@@ -394,6 +471,7 @@ class LearnedRouter(PrefixAffinityRouter):
             del self._requests[rid]
             self._first.pop(rid, None)
             self._queued.pop(rid, None)
+            self._held.pop(rid, None)
 
     # -- the speeds it predicts with ------------------------------------------------------------
     def _speeds(self, replicas: Collection[str], part: str, now: float,
@@ -450,6 +528,8 @@ class LearnedRouter(PrefixAffinityRouter):
         replicas look equal through the estimates' noise. Prefill alone: a request's TPOT here is mostly
         the prefill steps it waits behind (its replica's load, which the loads count already), so the
         decode estimates say more about load than about speed."""
+        if self.queue_time == "gate" and self.told is None and self._alike(replicas, now):
+            return dict.fromkeys(replicas, 1.0)
         prefill = self._speeds(replicas, "prefill", now)
         known = [p for p in prefill.values() if p is not None]
         if len(known) < len(prefill):
@@ -462,6 +542,16 @@ class LearnedRouter(PrefixAffinityRouter):
             w = p / median if median > 0 else 1.0
             out[r] = 1.0 if abs(w - 1.0) < self.band else w
         return out
+
+    def _alike(self, replicas: Collection[str], now: float) -> bool:
+        """``queue_time="gate"``: whether every replica's prefill speed from each request's first step
+        (:attr:`ReplicaLearning.served`) is within ``band`` of their median (or some is not known yet)."""
+        served = self._speeds(replicas, "served", now)
+        known = [p for p in served.values() if p is not None]
+        if len(known) < len(served) or not known:
+            return True
+        median = statistics.median(known)
+        return median <= 0 or all(abs(p / median - 1.0) < self.band for p in known)
 
     def _separated(self, prefill: Mapping[str, float | None], median: float) -> bool:
         """Whether the replicas' prefill estimates differ beyond their noise: the sum of each one's squared
@@ -567,7 +657,9 @@ class LearnedRouter(PrefixAffinityRouter):
             r = self.replicas[name]
             prefill, decode, routed = prefills[name], decodes[name], routeds[name]
             mp = r.metrics_prefill.value if r.metrics_prefill is not None else None
+            served = r.served.value if r.served is not None else None
             out[name] = {"prefill_tok_s": 1.0 / prefill if prefill else None,
+                         "served_prefill_tok_s": 1.0 / served if served else None,
                          "decode_tok_s": 1.0 / decode if decode else None,
                          "routing_prefill_tok_s": 1.0 / routed if routed else None,
                          "kv_tokens": r.kv_tokens, "prefill_samples": r.prefill.samples,

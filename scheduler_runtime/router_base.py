@@ -311,11 +311,12 @@ class ReplicaRouter(ABC):
         later :meth:`prefilled` / :meth:`finished` calls."""
 
     def scheduled(self, request_id: str, queued_s: float) -> None:  # noqa: B027 - optional hook
-        """Before :meth:`prefilled`, where the server reports it: the request waited ``queued_s`` seconds
-        at its replica between its arrival there and its first scheduled step (the simulator reports
-        it; vLLM keeps it per request, ``RequestStateStats.scheduled_ts - queued_ts``, and returns it with
-        ``--enable-per-request-metrics`` as ``metrics.queue_time_ms`` of a stream's final usage chunk,
-        which the serving layer does not read yet)."""
+        """The request waited ``queued_s`` seconds at its replica between its arrival there and its
+        first scheduled step: told before :meth:`finished`, after :meth:`prefilled` (where the server
+        reports it). vLLM keeps it per request (``RequestStateStats.scheduled_ts - queued_ts``) and returns
+        it with ``--enable-per-request-metrics`` as ``metrics.queue_time_ms`` of a stream's final usage
+        chunk, which the proxy and the Ray ingress read (:func:`scheduler_runtime.sse.stream_queue_seconds`);
+        the simulator reports it at the same point."""
 
     def prefilled(self, request_id: str) -> None:  # noqa: B027 - optional hook
         """The request's prompt has been prefilled (its first token came back)."""

@@ -5,7 +5,11 @@ relayed stream carries.
   ``response.content``), as every client of this project reads them (``evaluate.py --endpoint``, the
   serving benchmarks);
 * :func:`stream_output_tokens`: the output tokens of a stream a front end relays without parsing it
-  (the proxy, the Ray Serve ingress), from its event count and its last bytes.
+  (the proxy, the Ray Serve ingress), from its event count and its last bytes;
+* :func:`stream_queue_seconds`: the wait before its first step that the server reported on the same
+  last bytes (vLLM's per-request metrics, ``metrics.queue_time_ms`` of the final usage chunk);
+* :func:`ask_usage` and :class:`UsageStrip`: a front end that needs that chunk asks for it in a stream
+  whose client did not (``stream_options.include_usage``), and takes it out of what the client gets.
 
 No HTTP client or server is imported here.
 """
@@ -13,10 +17,13 @@ No HTTP client or server is imported here.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterable, AsyncIterator
+import math
+import re
+from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from typing import Any
 
-__all__ = ["SSE_DONE", "sse_events", "stream_output_tokens"]
+__all__ = ["SSE_DONE", "UsageStrip", "ask_usage", "sse_events", "stream_output_tokens",
+           "stream_queue_seconds"]
 
 
 class _Done:
@@ -69,3 +76,84 @@ def stream_output_tokens(events: int, tail: bytes, chat: bool, choices: int = 1)
         events -= choices
     tokens = events // max(1, choices)
     return tokens if tokens > 0 else None
+
+
+_NUMBER = re.compile(rb"\s*(-?[0-9][0-9.eE+-]*)")
+
+
+def stream_queue_seconds(tail: bytes) -> float | None:
+    """The seconds a streamed request waited at its server before its first scheduled step, as the
+    server reported it in ``tail`` (the stream's last bytes): the last ``"queue_time_ms":`` there, vLLM's
+    per-request metrics on the final usage chunk (``--enable-per-request-metrics``, with
+    ``stream_options.include_usage``). ``None`` where there is none, or it is not a number >= 0."""
+    at = tail.rfind(b'"queue_time_ms":')
+    if at < 0:
+        return None
+    match = _NUMBER.match(tail, at + 16)
+    if match is None:
+        return None
+    try:
+        seconds = float(match.group(1)) / 1000.0
+    except ValueError:
+        return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
+
+
+#: What :func:`ask_usage` adds to a request's body.
+INCLUDE_USAGE = b'"stream_options":{"include_usage":true}'
+
+
+def ask_usage(raw: bytes, body: Mapping[str, Any]) -> bytes | None:
+    """``raw``, the JSON object ``body`` of a streamed request whose client set no ``stream_options``,
+    asking for the stream's final usage chunk (:data:`INCLUDE_USAGE` added as its last member), for a front
+    end that reads it and strips it again (:class:`UsageStrip`); ``None`` where the body is left as it is
+    (not a stream, or its client chose its own stream options)."""
+    if body.get("stream") is not True or "stream_options" in body:
+        return None
+    end = raw.rstrip().rfind(b"}")
+    if end < 0 or not raw[:end].strip(b" \t\r\n{"):
+        return None
+    return raw[:end] + b"," + INCLUDE_USAGE + raw[end:]
+
+
+def _is_usage(event: bytes) -> bool:
+    """Whether an SSE event is a stream's usage chunk: its JSON has a ``usage`` and no choices."""
+    data = event.strip()
+    if not data.startswith(b"data:") or b'"usage"' not in data:
+        return False
+    try:
+        payload = json.loads(data[5:])
+    except ValueError:
+        return False
+    return isinstance(payload, dict) and "usage" in payload and payload.get("choices") == []
+
+
+class UsageStrip:
+    """What the client of a relayed stream gets where the front end asked for the usage chunk itself
+    (:func:`ask_usage`): the stream's events as they come, whole (a partial event waits for the rest), less
+    the usage chunk. :meth:`flush` at the end gives back what is left of a cut-off event."""
+
+    def __init__(self) -> None:
+        self._rest = b""
+        #: usage chunks taken out
+        self.dropped = 0
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The complete events of what came so far and ``chunk``, the usage chunk left out."""
+        data = self._rest + chunk if self._rest else chunk
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            self._rest = data
+            return b""
+        whole, self._rest = data[:cut + 2], data[cut + 2:]
+        if b'"usage"' not in whole:
+            return whole
+        events = whole[:-2].split(b"\n\n")
+        kept = [e for e in events if not _is_usage(e)]
+        self.dropped += len(events) - len(kept)
+        return b"".join(e + b"\n\n" for e in kept)
+
+    def flush(self) -> bytes:
+        """What came after the last complete event."""
+        rest, self._rest = self._rest, b""
+        return rest

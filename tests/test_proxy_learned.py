@@ -182,6 +182,35 @@ def test_the_kv_guard_reaches_the_learned_router_on_every_path(capsys):
     assert "--kv-guard" in capsys.readouterr().err
 
 
+def test_the_queue_time_switch_reaches_the_router_and_the_replicas_engine_flag_on_every_path():
+    """``--queue-time service|gate`` (the learned router reads each stream's reported wait; ``service`` by
+    default): its replicas, the proxy's and Ray Serve's, start with vLLM's ``--enable-per-request-metrics``
+    (once, even where given); with ``--queue-time off``, or another router, their arguments are left as
+    they are."""
+    urls = [Replica(0, "http://127.0.0.1:1"), Replica(1, "http://127.0.0.1:2")]
+    base = ["--replicas", "2", "--replica-cores", "0;0"]
+    modes = (([], "service"), (["--queue-time", "gate"], "gate"), (["--queue-time", "off"], "off"))
+    for switch, mode in modes:
+        _, _, cluster, _ = _parse([*base, "--router", "prefix-learned", *switch])
+        on = mode != "off"
+        assert cluster.reads_queue_time is on and cluster.learned_router_kwargs()["queue_time"] == mode
+        proxy = proxy_for(cluster, urls)
+        assert proxy.router.queue_time == mode and proxy.reads_wait is on
+        assert LearnedRouter(**cluster.learned_router_kwargs()).queue_time == mode  # Ray Serve's router
+        for rank in (0, 1):
+            assert cluster.replica_vllm_args(rank).count("--enable-per-request-metrics") == int(on)
+    _, _, given, _ = _parse([*base, "--router", "prefix-learned", "--enable-per-request-metrics"])
+    assert given.replica_vllm_args(1).count("--enable-per-request-metrics") == 1
+    _, _, prefix, _ = _parse([*base, "--router", "prefix"])
+    assert not prefix.reads_queue_time and "--enable-per-request-metrics" not in prefix.replica_vllm_args(0)
+    assert not proxy_for(prefix, urls).reads_wait
+    assert not ReplicaProxy(urls, "pow2").reads_wait
+    with pytest.raises(SystemExit):
+        _parse([*base, "--router", "prefix-learned", "--queue-time", "yes"])
+    with pytest.raises(ValueError, match="--queue-time must be one of"):
+        ClusterConfig(replicas=2, router="prefix-learned", queue_time="on")
+
+
 def test_the_estimates_exposition():
     text = estimates_exposition({"0": {"prefill_tok_s": 5000.0, "decode_tok_s": None, "kv_tokens": 4096,
                                        "prefill_samples": 3, "decode_samples": 0}}, {"ok": 2}, 1)
@@ -297,3 +326,47 @@ def test_a_replica_process_that_dies_is_forgotten_and_relearned():
         assert est["1"]["prefill_samples"] == 0 and est["0"]["prefill_samples"] > 0, est
     finally:
         running.stop()
+
+
+def test_the_proxy_reads_each_streams_reported_wait_and_strips_the_usage_it_asked_for():
+    """``queue_time`` (``service``, the default): a stream whose client set no stream options is asked for its
+    usage chunk, whose ``metrics.queue_time_ms`` (the stand-in's wait before its prefill, as vLLM's
+    ``--enable-per-request-metrics`` reports it) reaches the router before the finish, and the client
+    gets the stream without it; a client that asked for usage gets it, metrics and all. With
+    ``queue_time="off"`` the body goes as it came."""
+    paced = {**SLOW, "prefill_s_per_token": 3e-4, "per_request_metrics": True}
+    with StandInWorkers(1, paces=[paced]) as workers:
+        replicas = [Replica(0, workers.urls[0])]
+        for queue_time in ("service", "off"):
+            running = Running(ReplicaProxy(replicas, "prefix-learned", scrape_period_s=0.1,
+                                           queue_time=queue_time))
+            try:
+                running.wait_healthy(1)
+
+                def one(i: int, url: str = running.url) -> tuple[int, dict[str, str], str]:
+                    body: dict[str, Any] = {"prompt": [i + 3] * 600, "max_tokens": 4, "stream": True}
+                    if i % 2:
+                        body["stream_options"] = {"include_usage": True}
+                    return post(url, body)
+
+                with ThreadPoolExecutor(6) as pool:  # one prefill at a time: most of them wait
+                    results = list(pool.map(one, range(12)))
+                for i, (status, _, text) in enumerate(results):
+                    events = [e for e in text.split("\n\n") if e.strip()]
+                    assert status == 200 and events[-1] == "data: [DONE]"
+                    usage = [json.loads(e[5:]) for e in events[:-1] if '"usage"' in e]
+                    assert len(events) == 4 + 1 + len(usage)  # four tokens, [DONE], the usage if asked
+                    assert len(usage) == i % 2
+                    if usage:
+                        assert usage[0]["metrics"]["queue_time_ms"] >= 0
+                router = running.proxy.router
+                reports = 12 if queue_time == "service" else 0
+                assert router.counts["queue_reports"] == reports, [t[-200:] for _, _, t in results]
+                exposed = parse_prometheus(get(running.url + "/metrics")[1])
+                assert ("feather_router_queue_reports_total", {}, float(reports)) in exposed
+                assert not router._held and not router._requests
+                waits = [json.loads(e[5:])["metrics"]["queue_time_ms"] for _, _, text in results
+                         for e in text.split("\n\n") if '"usage"' in e]
+                assert max(waits) > 100.0, waits  # 600 tokens at 0.3 ms each, served one at a time
+            finally:
+                running.stop()

@@ -113,7 +113,7 @@ def test_the_ingress_counts_a_relayed_streams_output_tokens(router):
     else the events), and nothing of a stream that failed."""
     told: list[tuple[str, dict[str, Any]]] = []
     router.relayed = lambda rid, **what: told.append((rid, what))  # type: ignore[method-assign]
-    ingress = SimpleNamespace(stats=cluster_base.FrontEndStats())  # its relay alone
+    ingress = SimpleNamespace(stats=cluster_base.FrontEndStats(), reads_wait=False)  # its relay alone
 
     async def stream(chunks: list[Any]) -> Any:
         for chunk in chunks:
@@ -132,6 +132,46 @@ def test_the_ingress_counts_a_relayed_streams_output_tokens(router):
     asyncio.run(relay([*tokens[1:], "data: [DONE]\n\n"], tokens[0], "by-events"))
     failed = asyncio.run(relay([tokens[1], RuntimeError("broken")], tokens[0], "failed"))
     assert "failed mid-stream" in failed[-2] and failed[-1] == "data: [DONE]\n\n"  # told the client
-    assert told[0] == ("with-usage", {"finished": True, "output_tokens": 5})
-    assert told[1] == ("by-events", {"finished": True, "output_tokens": 5})
-    assert told[2] == ("failed", {"finished": True, "output_tokens": None})
+    assert told[0] == ("with-usage", {"finished": True, "output_tokens": 5, "queued_s": None})
+    assert told[1] == ("by-events", {"finished": True, "output_tokens": 5, "queued_s": None})
+    assert told[2] == ("failed", {"finished": True, "output_tokens": None, "queued_s": None})
+
+
+def test_the_ingress_reads_a_streams_reported_wait_and_strips_the_usage_it_asked_for(router):
+    """``queue_time`` on Ray Serve: the engine replicas start with ``--enable-per-request-metrics``; the
+    relay reads ``metrics.queue_time_ms`` from the usage chunk, tells the router the wait before the finish
+    (which amends the request's provisional prefill sample), and leaves that chunk out where the ingress
+    asked for it; a stream whose client asked keeps it."""
+    args, _ = vllm_arguments([])
+    for mode, on in (("gate", True), ("off", False)):
+        config = cluster.ClusterConfig(replicas=2, router="prefix-learned", data_plane="ray",
+                                       vllm_args=tuple(args), queue_time=mode)
+        app = cluster.build_app(config)  # nothing started
+        engine_args = app._bound_deployment.init_args[0]._bound_deployment.init_args[0]
+        assert ("--enable-per-request-metrics" in engine_args) is on
+        assert app._bound_deployment.init_args[-1] is on  # the ingress reads the waits
+    told: list[tuple[str, dict[str, Any]]] = []
+    relayed = router.relayed
+    router.relayed = lambda rid, **what: (told.append((rid, what)), relayed(rid, **what))  # type: ignore
+    ingress = SimpleNamespace(stats=cluster_base.FrontEndStats(), reads_wait=True)
+
+    async def stream(chunks: list[str]) -> Any:
+        for chunk in chunks:
+            yield chunk
+
+    async def relay(chunks: list[str], first: str, rid: str, strip: bool) -> list[str]:
+        relayed = cluster.FeatherIngress._relay(ingress, stream(chunks), first, "0", rid, False, 1, strip)
+        return [c async for c in relayed]
+
+    tokens = [f'data: {{"choices":[{{"text":"x{i}"}}]}}\n\n' for i in range(4)]
+    usage = ('data: {"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":4,"total_tokens":13},'
+             '"metrics":{"queue_time_ms":1500.0}}\n\n')
+    replicas = [_replica("a", 64), _replica("b", 64)]
+    for rid, strip in (("asked-by-us", True), ("asked-by-the-client", False)):
+        ranks = asyncio.run(router.choose_replicas(replicas, _request(rid)))
+        router.on_request_routed(_request(rid), ranks[0][0].replica_id, None)
+        router.relayed(rid, first_token=True)
+        out = asyncio.run(relay([*tokens[1:], usage, "data: [DONE]\n\n"], tokens[0], rid, strip))
+        assert "".join(out) == "".join(tokens) + ("" if strip else usage) + "data: [DONE]\n\n"
+    assert [what.get("queued_s") for _, what in told if what.get("finished")] == [1.5, 1.5]
+    assert router.affinity.counts["queue_reports"] == 2 and not router.affinity._held

@@ -119,7 +119,7 @@ from scheduler_runtime.serving.cluster_base import (
 )
 from scheduler_runtime.serving.ray_router import LearnedRequestRouter, PrefixRequestRouter
 from scheduler_runtime.serving.vllm_metrics import parse_vllm_metrics
-from scheduler_runtime.sse import stream_output_tokens
+from scheduler_runtime.sse import UsageStrip, stream_output_tokens, stream_queue_seconds
 
 __all__ = ["APP_NAME", "ROUTER_CHOICES", "ClusterConfig", "EngineReplica", "FeatherIngress", "TextBody",
            "LearnedRequestRouter", "PrefixRequestRouter",
@@ -424,7 +424,7 @@ class FeatherIngress:
     """The HTTP API (the ``FeatherIngress`` deployment's class; see the module docstring)."""
 
     async def __init__(self, engine: Any, vllm_args: Sequence[str], chunk_size: int, router: str,
-                       replicas: int = 1) -> None:
+                       replicas: int = 1, queue_time: bool = False) -> None:
         from starlette.datastructures import State
         from vllm import AsyncEngineArgs, envs
         from vllm.config import VllmConfig
@@ -433,6 +433,8 @@ class FeatherIngress:
         self.engine = engine
         self.router_name = router
         self.learns = router == "prefix-learned"  # tell the router what the responses show
+        #: ... and each stream's reported wait before its first step (its usage chunk, asked for)
+        self.reads_wait = self.learns and queue_time
         self.hasher = PrefixHasher(chunk_size)
         args = _vllm_namespace(vllm_args)
         engine_args = AsyncEngineArgs.from_cli_args(args)
@@ -542,6 +544,9 @@ class FeatherIngress:
                 learning["tokens"] = len(first_input["prompt_token_ids"])
         if self.router_name == "ray-prefix-affinity":
             body = TextBody(body)
+        strip_usage = self.reads_wait and body.get("stream") is True and "stream_options" not in body
+        if strip_usage:  # its usage chunk carries its wait; the client gets it only if it asked
+            body = {**body, "stream_options": {"include_usage": True}}
         avoid: list[str] = []
         slos = dict(slos or {})
         ttft_ms = min([v for v in (self.ttft_slo_ms, slos.get("ttft")) if v is not None], default=None)
@@ -604,7 +609,7 @@ class FeatherIngress:
         if first_chunk is not None:
             _relayed(rid, first_token=True)  # vLLM streams its first chunk with the first token
         return StreamingResponse(self._relay(gen, first_chunk, rank, rid, kind == "chat",
-                                             int(body.get("n") or 1)),
+                                             int(body.get("n") or 1), strip_usage),
                                  media_type="text/event-stream", headers=headers)
 
     def _shed_answer(self, shed: Sequence[tuple[int, dict[str, str], Any]], attempts: int) -> JSONResponse:
@@ -615,22 +620,31 @@ class FeatherIngress:
                             headers={**headers, "x-feather-attempts": str(attempts)})
 
     async def _relay(self, gen: Any, first_chunk: str | None, rank: str, rid: str | None = None,
-                     chat: bool = False, choices: int = 1) -> AsyncIterator[str]:
+                     chat: bool = False, choices: int = 1, strip_usage: bool = False) -> AsyncIterator[str]:
         """The replica's SSE stream; a replica lost mid-stream ends it with an error event. With
         ``rid`` (``prefix-learned``), the router is told its end and output tokens (counted as the
-        proxy counts them, :func:`stream_output_tokens`)."""
+        proxy counts them, :func:`stream_output_tokens`), and where it reads it, the wait the replica
+        reported (:func:`stream_queue_seconds`); with ``strip_usage`` the usage chunk the ingress asked
+        for is taken out (:class:`UsageStrip`)."""
         outcome = "ok"
         events, tail = 0, ["", ""]
+        strip = UsageStrip() if strip_usage else None
         try:
             if first_chunk is not None:
                 events += first_chunk.count("\n\n")
                 tail = [tail[1], first_chunk]
-                yield first_chunk
+                yield first_chunk if strip is None else strip.feed(first_chunk.encode()).decode()
             async for chunk in gen:
                 if rid is not None and isinstance(chunk, str):
                     events += chunk.count("\n\n")
                     tail = [tail[1], chunk]
+                if strip is not None and isinstance(chunk, str):
+                    chunk = strip.feed(chunk.encode()).decode()
+                    if not chunk:
+                        continue
                 yield chunk
+            if strip is not None and (rest := strip.flush()):
+                yield rest.decode(errors="replace")
         except asyncio.CancelledError:  # the client went away: so does the request
             outcome = "client_gone"
             gen.cancel()
@@ -646,8 +660,11 @@ class FeatherIngress:
         finally:
             self.stats.counts[(rank, outcome)] += 1
             if rid is not None:
-                tokens = stream_output_tokens(events, "".join(tail).encode(), chat, choices)
-                _relayed(rid, finished=True, output_tokens=tokens if outcome == "ok" else None)
+                last = "".join(tail).encode()
+                tokens = stream_output_tokens(events, last, chat, choices)
+                waited = stream_queue_seconds(last) if self.reads_wait and outcome == "ok" else None
+                _relayed(rid, finished=True, output_tokens=tokens if outcome == "ok" else None,
+                         queued_s=waited)
 
     async def replica_results(self, method: str) -> list[Any]:
         """``method`` on every engine replica (exceptions in place of the failed ones)."""
@@ -710,8 +727,10 @@ def build_app(config: ClusterConfig, engine_cls: type = EngineReplica) -> Any:
                                max_ongoing_requests=max(4096, config.max_ongoing_requests * config.replicas),
                                ray_actor_options={"num_cpus": 0, **runtime_env})
     cores = list(config.replica_cores) if config.replica_cores else None
-    return ingress.bind(engine.bind(list(config.vllm_args), cores), list(config.vllm_args), config.chunk_size,
-                        config.router, config.replicas)
+    # the engine replicas' arguments: the common ones, with --enable-per-request-metrics where the
+    # learned router reads each stream's wait (ClusterConfig.replica_vllm_args)
+    return ingress.bind(engine.bind(list(config.replica_vllm_args(0)), cores), list(config.vllm_args),
+                        config.chunk_size, config.router, config.replicas, config.reads_queue_time)
 
 
 def _start_ray(config: ClusterConfig) -> None:

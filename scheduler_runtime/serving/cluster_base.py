@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from scheduler_runtime.hardware import kv_bytes_per_token, online_cores, parse_cores
+from scheduler_runtime.learned_router import QUEUE_TIME as LEARNED_QUEUE_TIME
+from scheduler_runtime.learned_router import QUEUE_TIME_MODES
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 from scheduler_runtime.serving.replica_args import check_replica_args, without_flags
 
@@ -39,6 +41,8 @@ PROXY_ONLY_ROUTERS: tuple[str, ...] = ()
 #: Routers that only the Ray data plane has: Ray Serve LLM's ``PrefixCacheAffinityRouter`` (ray 2.60,
 #: its defaults; importing it needs ``pyarrow``, the ``peers`` extra), to measure ours against.
 RAY_ONLY_ROUTERS = ("ray-prefix-affinity",)
+#: The vLLM flag that makes a replica report each request's wait before its first step (``queue_time``).
+PER_REQUEST_METRICS = "--enable-per-request-metrics"
 #: ``proxy``: :mod:`scheduler_runtime.serving.proxy` (one machine);
 #: ``ray``: :mod:`scheduler_runtime.serving.cluster`.
 DATA_PLANES = ("proxy", "ray")
@@ -76,6 +80,10 @@ class ClusterConfig:
             Serve the period of each replica's routing stats (``prefix-learned``).
         kv_guard: ``prefix-learned`` places a new document where it fits the replica's published KV
             (``--kv-guard``; :class:`~scheduler_runtime.learned_router.LearnedRouter`'s ``kv_guard``).
+        queue_time: what ``prefix-learned`` makes of each stream's wait at its replica before its first
+            step (``--queue-time``, :class:`~scheduler_runtime.learned_router.LearnedRouter`'s
+            ``queue_time``); unless ``"off"`` it is read from vLLM's per-request metrics: every replica is
+            started with ``--enable-per-request-metrics``, and the front end asks a stream's usage chunk.
         replica_args: each replica's own engine arguments, over ``vllm_args`` (``--replica-args 'K:
             ARGS'``, :mod:`scheduler_runtime.serving.replica_args`; ``proxy`` only), one tuple per
             replica (``()``: the common ones alone); ``None``: every replica alike.
@@ -103,6 +111,7 @@ class ClusterConfig:
     replica_weights: tuple[float, ...] | None = None
     scrape_period_s: float = 1.0
     kv_guard: bool = False
+    queue_time: str = LEARNED_QUEUE_TIME
     replica_args: tuple[tuple[str, ...], ...] | None = None
     admission: AdmissionSettings | None = None
 
@@ -131,6 +140,8 @@ class ClusterConfig:
                                  f"{self.replicas} replicas (one per replica)")
             if not all(math.isfinite(w) and w > 0 for w in self.replica_weights):
                 raise ValueError(f"--replica-weights must be > 0, got {list(self.replica_weights)}")
+        if self.queue_time not in QUEUE_TIME_MODES:
+            raise ValueError(f"--queue-time must be one of {list(QUEUE_TIME_MODES)}, got {self.queue_time!r}")
         if self.kv_guard and self.router != "prefix-learned":
             raise ValueError("--kv-guard is a knob of --router prefix-learned only")
         if self.replica_args is not None:
@@ -170,9 +181,16 @@ class ClusterConfig:
         """The engine arguments replica ``rank`` starts with: :attr:`vllm_args`, its own
         (:attr:`replica_args`) in place of the common ones they name."""
         own = self.replica_args[rank] if self.replica_args is not None else ()
-        if not own:
-            return self.vllm_args
-        return (*without_flags(self.vllm_args, own[::2]), *own)
+        args = (*without_flags(self.vllm_args, own[::2]), *own) if own else self.vllm_args
+        if self.reads_queue_time and PER_REQUEST_METRICS not in args:
+            args = (*args, PER_REQUEST_METRICS)
+        return args
+
+    @property
+    def reads_queue_time(self) -> bool:
+        """Whether the router reads each stream's reported wait (``prefix-learned`` with
+        :attr:`queue_time`): the replicas are started with ``--enable-per-request-metrics``."""
+        return self.router == "prefix-learned" and self.queue_time != "off"
 
     def replica_admission(self, rank: int) -> AdmissionSettings | None:
         """The admission middleware's settings of replica ``rank`` (``None``: no middleware): those of
@@ -218,6 +236,7 @@ class ClusterConfig:
         knobs = self.router_kwargs()
         del knobs["kv_tokens"]
         knobs["kv_guard"] = self.kv_guard
+        knobs["queue_time"] = self.queue_time
         return knobs
 
 
@@ -427,6 +446,10 @@ class FrontEndStats:
                 lines += _family("feather_router_table_keys", "gauge",
                                  "Chunk keys in the prefix router's table",
                                  [({}, stats["table_keys"])])
+            if "queue_reports" in stats:
+                lines += _family("feather_router_queue_reports_total", "counter",
+                                 "Waits before the first step the replicas reported and the router read",
+                                 [({}, stats["queue_reports"])])
         return "\n".join(lines)
 
 

@@ -89,7 +89,8 @@ import numpy as np
 import xxhash
 from aiohttp import web
 
-from scheduler_runtime.learned_router import LearnedRouter
+from scheduler_runtime.learned_router import QUEUE_TIME as LEARNED_QUEUE_TIME
+from scheduler_runtime.learned_router import QUEUE_TIME_MODES, LearnedRouter
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 from scheduler_runtime.router import PowerOfTwoRouter, PrefixAffinityRouter, PrefixHasher, ReplicaRouter
 from scheduler_runtime.serving.admission_http import (
@@ -115,7 +116,7 @@ from scheduler_runtime.serving.replicas import (
     replicas_for,
 )
 from scheduler_runtime.serving.vllm_metrics import parse_vllm_metrics, restarted
-from scheduler_runtime.sse import stream_output_tokens
+from scheduler_runtime.sse import UsageStrip, ask_usage, stream_output_tokens, stream_queue_seconds
 
 __all__ = ["CHARS_PER_TOKEN", "SCRAPE_PERIOD_S", "SCRAPE_TIMEOUT_S", "ReplicaProxy", "main",
            "parse_per_worker", "proxy_for", "request_keys", "run_proxy"]
@@ -227,6 +228,9 @@ class ReplicaProxy:
             that observes the service (``router.scraped``), and a scrape's time limit.
         kv_guard: the learned router places a new document where it fits the replica's published KV
             (``--kv-guard``; :class:`LearnedRouter`'s ``kv_guard``).
+        queue_time: what the learned router makes of each stream's reported wait before its first step
+            (:class:`LearnedRouter`'s ``queue_time``, ``--queue-time``; unless ``"off"`` the proxy reads it,
+            and the replicas need ``--enable-per-request-metrics``).
     """
 
     def __init__(self, replicas: Sequence[Replica], router: str | ReplicaRouter = "prefix", *,
@@ -234,7 +238,8 @@ class ReplicaProxy:
                  load_factor: float = 20.0, slack: int = 2, kv_tokens: int | Sequence[int] | None = None,
                  ttft_slo_ms: float | None = None, replica_weights: Sequence[float] | None = None,
                  scrape_period_s: float = SCRAPE_PERIOD_S,
-                 scrape_timeout_s: float = SCRAPE_TIMEOUT_S, kv_guard: bool = False) -> None:
+                 scrape_timeout_s: float = SCRAPE_TIMEOUT_S, kv_guard: bool = False,
+                 queue_time: str = LEARNED_QUEUE_TIME) -> None:
         if not replicas:
             raise ValueError("the proxy needs at least one replica")
         if max_ongoing_requests < 1:
@@ -259,7 +264,8 @@ class ReplicaProxy:
                 slowdowns = {name: 1.0 / w for name, w in weights.items()}
                 told = lambda replica, now: (slowdowns.get(replica, 1.0),) * 2  # noqa: E731
             self.router = LearnedRouter(load_factor=load_factor, slack=slack, chunk_size=chunk_size,
-                                        told_kv_tokens=per_kv, told=told, kv_guard=kv_guard)
+                                        told_kv_tokens=per_kv, told=told, kv_guard=kv_guard,
+                                        queue_time=queue_time)
         elif router == "pow2":
             self.router = PowerOfTwoRouter()
         else:
@@ -273,6 +279,8 @@ class ReplicaProxy:
         self.tracks = bool(self.router.tracks_requests)
         #: ... and learns from the service: output tokens at each finish, each replica's /metrics
         self.observes = bool(self.router.observes_service)
+        #: ... and each stream's reported wait before its first step (its usage chunk, asked for)
+        self.reads_wait = self.observes and bool(getattr(self.router, "reads_queue_time", False))
         self._ids = itertools.count(1)
         self.scrape_period_s, self.scrape_timeout_s = float(scrape_period_s), float(scrape_timeout_s)
         #: scrapes by outcome (ok, error, restarted: a new server behind the same URL), lines skipped
@@ -555,18 +563,22 @@ class ReplicaProxy:
         hashes, tokens = request_keys(body, chat, self.hasher)
         n = body.get("n")
         choices = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
-        return await self.forward(request, raw, hashes, tokens, stream=bool(body.get("stream")), chat=chat,
-                                  choices=choices)
+        asked = ask_usage(raw, body) if self.reads_wait else None  # its usage chunk carries its wait
+        return await self.forward(request, raw if asked is None else asked, hashes, tokens,
+                                  stream=bool(body.get("stream")), chat=chat, choices=choices,
+                                  strip_usage=asked is not None)
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         """Any other path: to the least loaded healthy replica, as it is."""
         return await self.forward(request, await request.read(), None, None, stream=False)
 
     async def forward(self, request: web.Request, raw: bytes, hashes: np.ndarray | None, tokens: int | None,
-                      stream: bool, chat: bool = False, choices: int = 1) -> web.StreamResponse:
+                      stream: bool, chat: bool = False, choices: int = 1,
+                      strip_usage: bool = False) -> web.StreamResponse:
         """Send ``raw`` to a replica (one retry if it is lost before answering; another replica after one
         that sheds it, with what is left of its TTFT SLO) and relay its answer (module docstring).
-        ``chat`` and ``choices`` (the body's ``n``) say how a stream's events count its output tokens."""
+        ``chat`` and ``choices`` (the body's ``n``) say how a stream's events count its output tokens;
+        ``strip_usage``: the proxy asked for the stream's usage chunk, which the client does not get."""
         assert self.session is not None
         arrived = time.monotonic()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
@@ -630,7 +642,8 @@ class ReplicaProxy:
                 continue
             if shed:
                 self.stats.shed["rerouted"] += 1
-            return await self._relay(request, replica, upstream, first, attempt, stream, rid, chat, choices)
+            return await self._relay(request, replica, upstream, first, attempt, stream, rid, chat, choices,
+                                     strip_usage)
         raise AssertionError("unreachable")
 
     def _ttft_slo_ms(self, headers: Mapping[str, str]) -> float | None:
@@ -651,11 +664,13 @@ class ReplicaProxy:
 
     async def _relay(self, request: web.Request, replica: Replica, upstream: aiohttp.ClientResponse,
                      first: bytes, attempt: int, stream: bool, rid: str | None = None, chat: bool = False,
-                     choices: int = 1) -> web.StreamResponse:
+                     choices: int = 1, strip_usage: bool = False) -> web.StreamResponse:
         """The replica's answer to the client: whole, or streamed on from its first chunk. A router that
         tracks requests is told ``rid``'s first token at a stream's first chunk (vLLM sends its first
         bytes with the first token) and its finish at the end, with its output tokens
-        (:func:`stream_output_tokens`) where it observes the service."""
+        (:func:`stream_output_tokens`) where it observes the service, and just before, the wait the
+        replica reported (:func:`stream_queue_seconds`) where it reads that. With ``strip_usage`` the
+        usage chunk the proxy asked for is taken out of the stream (:class:`UsageStrip`)."""
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP}
         headers["x-feather-replica"] = f"{replica.rank}/{replica.replica_id}"
         headers["x-feather-attempts"] = str(attempt)
@@ -671,11 +686,14 @@ class ReplicaProxy:
         events, newline, tail = first.count(b"\n\n"), first.endswith(b"\n"), [first]
         response = web.StreamResponse(status=upstream.status, headers=headers)
         clean = False
+        strip = UsageStrip() if strip_usage else None
         try:
             await response.prepare(request)
             chunk = first
             while chunk:
-                await response.write(chunk)
+                out = chunk if strip is None else strip.feed(chunk)
+                if out:
+                    await response.write(out)
                 try:
                     chunk = await upstream.content.readany()
                     if tally and chunk:  # SSE events end with a blank line (JSON holds no raw newline)
@@ -691,8 +709,11 @@ class ReplicaProxy:
                     message = (f"the engine replica {rank} serving this request failed mid-stream "
                                f"({type(exc).__name__}); not retried, as it had started answering")
                     event = json.dumps(error_body(message, 503, "ServiceUnavailableError"))
-                    await response.write(f"data: {event}\n\ndata: [DONE]\n\n".encode())
+                    rest = strip.flush() if strip is not None else b""
+                    await response.write(rest + f"data: {event}\n\ndata: [DONE]\n\n".encode())
                     break
+            if strip is not None and (rest := strip.flush()):
+                await response.write(rest)
             await response.write_eof()
             clean = outcome == "ok"
         except asyncio.CancelledError:  # the client went away: so does the request
@@ -705,7 +726,12 @@ class ReplicaProxy:
                 upstream.release()
             else:
                 upstream.close()  # the replica sees its client gone and aborts the request
-            output = stream_output_tokens(events, b"".join(tail), chat, choices) if tally and clean else None
+            output = None
+            if tally and clean:
+                last = b"".join(tail)
+                output = stream_output_tokens(events, last, chat, choices)
+                if self.reads_wait and (waited := stream_queue_seconds(last)) is not None:
+                    self.router.scheduled(rid, waited)  # type: ignore[arg-type]
             self._done(replica, rid, output)
             self.stats.counts[(rank, outcome)] += 1
         return response
@@ -880,6 +906,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m scheduler_run
     parser.add_argument("--kv-guard", action="store_true",
                         help="prefix-learned: a new document goes where it fits the worker's published KV "
                              "(workers of unequal KV)")
+    parser.add_argument("--queue-time", choices=QUEUE_TIME_MODES, default=LEARNED_QUEUE_TIME,
+                        help="prefix-learned: what each stream's reported wait at its worker before its "
+                             "first step does (gate: weights only while the speeds from the first step "
+                             "differ; service: the speeds from the first step; off: not read). Unless off "
+                             "the workers need --enable-per-request-metrics, and a stream is asked for its "
+                             "usage chunk, which its client gets only if it asked (default: %(default)s)")
     args = parser.parse_args(argv)
     for url in args.worker_urls:
         if not url.startswith(("http://", "https://")):
@@ -892,7 +924,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m scheduler_run
                              max_ongoing_requests=args.max_ongoing_requests,
                              kv_tokens=kv[0] if kv is not None and len(kv) == 1 else kv,
                              replica_weights=weights[0] if weights and len(weights) == 1 else weights,
-                             scrape_period_s=args.scrape_period, kv_guard=args.kv_guard)
+                             scrape_period_s=args.scrape_period, kv_guard=args.kv_guard,
+                             queue_time=args.queue_time)
     except ValueError as exc:
         message = str(exc)
         for name in ("kv_tokens", "replica_weights", "kv_guard"):

@@ -152,12 +152,15 @@ class LearnedRequestRouter(PrefixRequestRouter):
         self._seen_stats.pop(replica_id.unique_id, None)
 
     def relayed(self, request_id: str, *, first_token: bool = False, finished: bool = False,
-                output_tokens: int | None = None) -> None:
-        """The ingress saw request ``request_id``'s first token, or its end (with its output tokens,
-        where known): told to the router in the router's own loop (unknown ids are ignored)."""
+                output_tokens: int | None = None, queued_s: float | None = None) -> None:
+        """The ingress saw request ``request_id``'s first token, or its end (with its output tokens, where
+        known, and the wait before its first step that its replica reported, ``queued_s``): told to the
+        router in the router's own loop (unknown ids are ignored)."""
         def tell() -> None:
             if first_token:
                 self.affinity.prefilled(request_id)
+            if queued_s is not None:
+                self.affinity.scheduled(request_id, queued_s)
             if finished:
                 self.affinity.finished(request_id, output_tokens=output_tokens)
 

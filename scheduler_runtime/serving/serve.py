@@ -88,7 +88,14 @@ from scheduler_runtime.hardware import compute_dtype, kv_bytes_factor
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 from scheduler_runtime.serving.admission_http import ENV_VAR as ADMISSION_ENV
 from scheduler_runtime.serving.admission_http import AdmissionMiddleware, AdmissionSettings
-from scheduler_runtime.serving.cluster_base import DATA_PLANES, ROUTER_CHOICES, ClusterConfig, flag_value
+from scheduler_runtime.serving.cluster_base import (
+    DATA_PLANES,
+    LEARNED_QUEUE_TIME,
+    QUEUE_TIME_MODES,
+    ROUTER_CHOICES,
+    ClusterConfig,
+    flag_value,
+)
 from scheduler_runtime.serving.replica_args import PER_REPLICA_ARGS, parse_replica_args
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -188,7 +195,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], Clust
                          help="front servers that already run (plain feather-serve or vllm serve; no "
                               "engine starts here): the proxy over them, with its own options only "
                               "(--router, --host, --port, --kv-tokens, --replica-weights, --scrape-period, "
-                              "--kv-guard, --chunk-size, --max-ongoing-requests)")
+                              "--kv-guard, --queue-time, --chunk-size, --max-ongoing-requests)")
     cluster.add_argument("--replica-args", action="append", default=None, metavar="'K: ARGS'",
                          help="engine arguments of replica K (0-based) alone, over the common ones; repeat "
                               "for each replica that differs (--data-plane proxy). One of "
@@ -197,6 +204,13 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], Clust
     cluster.add_argument("--kv-guard", action="store_true",
                          help="--router prefix-learned: a new document goes where it fits the replica's "
                               "published KV (replicas of unequal KV)")
+    cluster.add_argument("--queue-time", choices=QUEUE_TIME_MODES, default=LEARNED_QUEUE_TIME,
+                         help="--router prefix-learned: what each stream's reported wait at its replica "
+                              "before its first step does (gate: weights only while the speeds from the "
+                              "first step differ; service: the speeds from the first step; off: not read). "
+                              "Unless off the replicas start with --enable-per-request-metrics, and a stream "
+                              "is asked for its usage chunk, which its client gets only if it asked "
+                              "(default: %(default)s)")
     cluster.add_argument("--scrape-period", type=float, default=1.0,
                          help="--router prefix-learned: seconds between the proxy's reads of each replica's "
                               "/metrics, or on Ray Serve between each replica's routing stats (default 1)")
@@ -384,7 +398,7 @@ def _cluster_config(parser: argparse.ArgumentParser, ours: argparse.Namespace, a
             replica_gpus=ours.replica_gpus if ours.replica_gpus is not None else (1.0 if cuda else 0.0),
             ray_address=ours.ray_address, max_ongoing_requests=ours.max_ongoing_requests,
             replica_weights=weights, scrape_period_s=ours.scrape_period, kv_guard=ours.kv_guard,
-            replica_args=own,
+            queue_time=ours.queue_time, replica_args=own,
             admission=admission)
     except ValueError as exc:
         parser.error(str(exc))
