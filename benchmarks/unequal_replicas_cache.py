@@ -119,7 +119,6 @@ VARIANTS: dict[str, Callable[[], ReplicaRouter]] = {
     "learned, fleet noise z 1.645": lambda: _off(fleet_z=1.645),
     "learned, fleet noise z 2.33": lambda: _off(fleet_z=2.33),
     "learned, queue time": lambda: LearnedRouter(queue_time="service"),
-    "learned, queue time gate": lambda: LearnedRouter(queue_time="gate"),
     "learned, queue time, cache 1.25 x KV while homogeneous": lambda: LearnedRouter(
         queue_time="service", cache_factor=1.25, homogeneous_cache=True),
     "learned, cache 1.25 x KV while homogeneous, fleet noise z 1.645": lambda: _off(

@@ -145,10 +145,11 @@ def chi2_quantile(k: int, z: float) -> float:
 
 
 #: What :class:`LearnedRouter` makes of each request's reported wait before its first step
-#: (``queue_time``): ``"off"``, nothing; ``"gate"``, its weights leave 1 only while the prefill speeds
-#: measured from each request's first step differ beyond ``band`` (the weights themselves from the
-#: routing, as with ``"off"``); ``"service"``, its prefill speeds are measured from the first step.
-QUEUE_TIME_MODES = ("off", "gate", "service")
+#: (``queue_time``): ``"off"``, nothing (a prefill's service starts at its routing); ``"service"``, its
+#: prefill speeds are measured from the first step. (A third mode, ``"gate"``, measured in commit d3d9057,
+#: let the weights leave 1 only while the speeds from the first step differed beyond ``band``: 12 of 17
+#: on the equal grid, as ``"off"``; removed.)
+QUEUE_TIME_MODES = ("off", "service")
 #: The default mode.
 QUEUE_TIME = "service"
 
@@ -239,9 +240,6 @@ class ReplicaLearning:
     scraped: dict[str, float] = field(default_factory=dict)
     #: prefill seconds per uncached token by vLLM's histograms (the deltas between scrapes, decayed)
     metrics_prefill: DecayedRate | None = None
-    #: ``queue_time="gate"``: prefill seconds per token from each request's first step (its reported
-    #: wait taken out)
-    served: DecayedRate | None = None
 
 
 class LearnedRouter(PrefixAffinityRouter):
@@ -342,8 +340,6 @@ class LearnedRouter(PrefixAffinityRouter):
         r = self.replicas.get(name)
         if r is None:
             r = self.replicas[name] = ReplicaLearning(DecayedRate(self.tau_s), DecayedRate(self.tau_s))
-            if self.queue_time == "gate":
-                r.served = DecayedRate(self.tau_s)
             kv = (self.told_kv_tokens or {}).get(name)
             if kv is not None:
                 self._set_kv(name, r, kv)
@@ -396,10 +392,6 @@ class LearnedRouter(PrefixAffinityRouter):
             replica, routed_at, floor, at, work, provisional = held
             seconds = self._service_s(routed_at + queued_s, floor, at)
             r = self._replica(replica)
-            if self.queue_time == "gate":
-                if r.served is not None:
-                    r.served.amend(at, provisional, seconds, work)
-                return
             if self.told is not None:
                 slowdown = self._slowdowns(replica, at)[0]
                 self._fleet.prefill.amend(at, provisional / slowdown, seconds / slowdown, work)
@@ -428,15 +420,12 @@ class LearnedRouter(PrefixAffinityRouter):
         work = uncached + self.overhead_tokens
         reported = self._queued.pop(request_id, None)
         # from its first step where the wait is reported; provisionally from its routing until it is
-        from_step = self._service_s(routed_at + (reported or 0.0), floor, now)
-        seconds = from_step if self.queue_time == "service" else self._service_s(routed_at, floor, now)
+        seconds = self._service_s(routed_at + (reported or 0.0), floor, now)
         if self.told is not None:
             self._fleet.prefill.add(now, seconds / self._slowdowns(replica, now)[0], work)
         r.prefill.add(now, seconds, work)
-        if r.served is not None:
-            r.served.add(now, from_step, work)
         if self.reads_queue_time and reported is None:
-            self._held[request_id] = (replica, routed_at, floor, now, work, from_step)
+            self._held[request_id] = (replica, routed_at, floor, now, work, seconds)
 
     def finished(self, request_id: str, output_tokens: int | None = None) -> None:
         self._held.pop(request_id, None)  # no wait reported: its sample stays as it was taken
@@ -528,8 +517,6 @@ class LearnedRouter(PrefixAffinityRouter):
         replicas look equal through the estimates' noise. Prefill alone: a request's TPOT here is mostly
         the prefill steps it waits behind (its replica's load, which the loads count already), so the
         decode estimates say more about load than about speed."""
-        if self.queue_time == "gate" and self.told is None and self._alike(replicas, now):
-            return dict.fromkeys(replicas, 1.0)
         prefill = self._speeds(replicas, "prefill", now)
         known = [p for p in prefill.values() if p is not None]
         if len(known) < len(prefill):
@@ -542,16 +529,6 @@ class LearnedRouter(PrefixAffinityRouter):
             w = p / median if median > 0 else 1.0
             out[r] = 1.0 if abs(w - 1.0) < self.band else w
         return out
-
-    def _alike(self, replicas: Collection[str], now: float) -> bool:
-        """``queue_time="gate"``: whether every replica's prefill speed from each request's first step
-        (:attr:`ReplicaLearning.served`) is within ``band`` of their median (or some is not known yet)."""
-        served = self._speeds(replicas, "served", now)
-        known = [p for p in served.values() if p is not None]
-        if len(known) < len(served) or not known:
-            return True
-        median = statistics.median(known)
-        return median <= 0 or all(abs(p / median - 1.0) < self.band for p in known)
 
     def _separated(self, prefill: Mapping[str, float | None], median: float) -> bool:
         """Whether the replicas' prefill estimates differ beyond their noise: the sum of each one's squared
@@ -657,9 +634,7 @@ class LearnedRouter(PrefixAffinityRouter):
             r = self.replicas[name]
             prefill, decode, routed = prefills[name], decodes[name], routeds[name]
             mp = r.metrics_prefill.value if r.metrics_prefill is not None else None
-            served = r.served.value if r.served is not None else None
             out[name] = {"prefill_tok_s": 1.0 / prefill if prefill else None,
-                         "served_prefill_tok_s": 1.0 / served if served else None,
                          "decode_tok_s": 1.0 / decode if decode else None,
                          "routing_prefill_tok_s": 1.0 / routed if routed else None,
                          "kv_tokens": r.kv_tokens, "prefill_samples": r.prefill.samples,

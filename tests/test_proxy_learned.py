@@ -183,13 +183,13 @@ def test_the_kv_guard_reaches_the_learned_router_on_every_path(capsys):
 
 
 def test_the_queue_time_switch_reaches_the_router_and_the_replicas_engine_flag_on_every_path():
-    """``--queue-time service|gate`` (the learned router reads each stream's reported wait; ``service`` by
+    """``--queue-time service`` (the learned router reads each stream's reported wait; the
     default): its replicas, the proxy's and Ray Serve's, start with vLLM's ``--enable-per-request-metrics``
     (once, even where given); with ``--queue-time off``, or another router, their arguments are left as
     they are."""
     urls = [Replica(0, "http://127.0.0.1:1"), Replica(1, "http://127.0.0.1:2")]
     base = ["--replicas", "2", "--replica-cores", "0;0"]
-    modes = (([], "service"), (["--queue-time", "gate"], "gate"), (["--queue-time", "off"], "off"))
+    modes = (([], "service"), (["--queue-time", "service"], "service"), (["--queue-time", "off"], "off"))
     for switch, mode in modes:
         _, _, cluster, _ = _parse([*base, "--router", "prefix-learned", *switch])
         on = mode != "off"

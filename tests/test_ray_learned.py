@@ -143,7 +143,7 @@ def test_the_ingress_reads_a_streams_reported_wait_and_strips_the_usage_it_asked
     (which amends the request's provisional prefill sample), and leaves that chunk out where the ingress
     asked for it; a stream whose client asked keeps it."""
     args, _ = vllm_arguments([])
-    for mode, on in (("gate", True), ("off", False)):
+    for mode, on in (("service", True), ("off", False)):
         config = cluster.ClusterConfig(replicas=2, router="prefix-learned", data_plane="ray",
                                        vllm_args=tuple(args), queue_time=mode)
         app = cluster.build_app(config)  # nothing started

@@ -646,10 +646,8 @@ def test_a_reported_queue_time_starts_the_prefill_at_its_first_step(report):
     """Routed at 0 s, first token at 3 s, having waited 2 s at the replica, finished at 5 s. With
     ``queue_time="service"`` the prefill sample is 1 s, whether the wait is reported before the first token
     (as a server could) or after it (vLLM reports it on the stream's last chunk: the sample is 3 s, from
-    the routing, until then); with no report it stays 3 s. With ``"gate"`` the routing's 3 s is the
-    speed, and the 1 s goes to the speed from the first step that gates the weights; with ``"off"``, 3 s
-    and the report ignored."""
-    for mode in ("service", "gate", "off"):
+    the routing, until then); with no report it stays 3 s. With ``"off"``, 3 s and the report ignored."""
+    for mode in ("service", "off"):
         router = LearnedRouter(queue_time=mode, overhead_tokens=0)
         now = [0.0]
         router.clock = lambda now=now: now[0]
@@ -661,18 +659,14 @@ def test_a_reported_queue_time_starts_the_prefill_at_its_first_step(report):
         reads = mode != "off"
         from_step_now = 1.0 if reads and report == "before" else 3.0
         est = router.estimates()["a"]
-        assert est["prefill_tok_s"] == pytest.approx(1000 / (from_step_now if mode == "service" else 3.0))
+        assert est["prefill_tok_s"] == pytest.approx(1000 / from_step_now)
         now[0] = 5.0
         if report == "after":
             router.scheduled("r", 2.0)
         from_step = 1.0 if reads and report != "none" else 3.0
         router.finished("r", output_tokens=4)
         est = router.estimates()["a"]
-        assert est["prefill_tok_s"] == pytest.approx(1000 / (from_step if mode == "service" else 3.0))
-        if mode == "gate":
-            assert est["served_prefill_tok_s"] == pytest.approx(1000 / from_step)
-        else:
-            assert est["served_prefill_tok_s"] is None
+        assert est["prefill_tok_s"] == pytest.approx(1000 / from_step)
         assert router.replicas["a"].prefill.samples == 1
         assert router.counts["queue_reports"] == (reads and report != "none")
         router.scheduled("r", 2.0)  # a report after the finish, or twice: nothing more
@@ -680,32 +674,6 @@ def test_a_reported_queue_time_starts_the_prefill_at_its_first_step(report):
         assert not router._queued and not router._held and not router._requests
     with pytest.raises(ValueError, match="queue_time must be one of"):
         LearnedRouter(queue_time=True)  # type: ignore[arg-type]
-
-
-def test_the_gate_weighs_only_where_the_speeds_from_the_first_step_differ():
-    """``queue_time="gate"``: three replicas, one's routing-based speed 2x slower (its requests waited at
-    it), their speeds from the first step alike, keep weights 1; once that one's own service is 2x
-    slower, the weights are the routing-based ones, as with ``"off"``."""
-    for served_b, expect_weighted in ((1.0, False), (2.0, True)):
-        router = LearnedRouter(queue_time="gate", overhead_tokens=0, band=0.35)
-        off = LearnedRouter(queue_time="off", overhead_tokens=0, band=0.35)
-        now = [0.0]
-        for r in (router, off):
-            r.clock = lambda now=now: now[0]
-        for i in range(6):
-            for replica, seconds, served in (("a", 1.0, 1.0), ("c", 1.0, 1.0), ("b", 2.0, served_b)):
-                rid = f"{replica}{i}"
-                now[0] = 10.0 * i
-                for r in (router, off):
-                    r.routed(None, replica, tokens=1000, request_id=rid)
-                now[0] += seconds
-                for r in (router, off):
-                    r.prefilled(rid)
-                    r.scheduled(rid, seconds - served)
-                    r.finished(rid, output_tokens=1)
-        w, w_off = router.weights(["a", "b", "c"], now[0]), off.weights(["a", "b", "c"], now[0])
-        assert w_off["b"] > 1.5 * w_off["a"]
-        assert (w == w_off) if expect_weighted else (w == dict.fromkeys("abc", 1.0))
 
 
 def test_told_each_request_s_queue_time_equal_replicas_stay_equal_and_slow_ones_stand_out(data_dir):

@@ -908,8 +908,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m scheduler_run
                              "(workers of unequal KV)")
     parser.add_argument("--queue-time", choices=QUEUE_TIME_MODES, default=LEARNED_QUEUE_TIME,
                         help="prefix-learned: what each stream's reported wait at its worker before its "
-                             "first step does (gate: weights only while the speeds from the first step "
-                             "differ; service: the speeds from the first step; off: not read). Unless off "
+                             "first step does (service: the prefill speeds are measured from the "
+                             "first step; off: not read). Unless off "
                              "the workers need --enable-per-request-metrics, and a stream is asked for its "
                              "usage chunk, which its client gets only if it asked (default: %(default)s)")
     args = parser.parse_args(argv)

@@ -206,8 +206,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], Clust
                               "published KV (replicas of unequal KV)")
     cluster.add_argument("--queue-time", choices=QUEUE_TIME_MODES, default=LEARNED_QUEUE_TIME,
                          help="--router prefix-learned: what each stream's reported wait at its replica "
-                              "before its first step does (gate: weights only while the speeds from the "
-                              "first step differ; service: the speeds from the first step; off: not read). "
+                              "before its first step does (service: the prefill speeds are measured from "
+                              "the first step; off: not read). "
                               "Unless off the replicas start with --enable-per-request-metrics, and a stream "
                               "is asked for its usage chunk, which its client gets only if it asked "
                               "(default: %(default)s)")
