@@ -32,7 +32,9 @@ Front ends, alternated, fresh replicas and front end per run (``--repeats``, def
 Per run: requests completed with all their tokens, output tokens/s (all the answers' tokens over the
 wall time), attainment (requests that completed within an SLO over those submitted) for each ``--slo``
 pair, TTFT and TPOT percentiles (p50, p90, p99), the prefix-cache hit rate, the replicas' shares and, for
-ours, what it learned of each replica by the end (``/replicas``' estimates: KV tokens, speeds). The
+ours, what it learned of each replica by the end (``/replicas``' estimates: KV tokens, speeds) and the
+waits it read (``feather_router_queue_reports_total``: every replica runs with vLLM's
+``--enable-per-request-metrics``, for every front end alike). The
 SLOs: the issue's ``ttft:5000 tpot:50`` and ``auto``, a pair set at the median TTFT and median TPOT of
 every request of every run: on this tiny model on one CPU core a request takes about a second or two, so
 the issue's pair is met by nearly every request that completes (it flags failures, not speed); the
@@ -77,9 +79,11 @@ from benchmarks.frontend_loopback import (
 from benchmarks.frontend_overhead import stop
 from benchmarks.standin import MODEL as STANDIN_MODEL
 from benchmarks.standin import standin_command
+from feather_env.evaluation.endpoint import parse_prometheus
 from feather_env.reporting import format_table, machine_info, write_json
 from scheduler_runtime.admission import parse_slos
 from scheduler_runtime.hardware import compute_dtype, kv_bytes_per_token
+from scheduler_runtime.serving.cluster_base import PER_REQUEST_METRICS
 from scheduler_runtime.serving.replicas import die_with_parent
 from scheduler_runtime.serving.serve import DEFAULT_MODEL
 
@@ -152,16 +156,18 @@ def standin_requests(seed: int) -> list[tuple[str, int]]:
 
 
 def replica_setup(small_kv_tokens: int, kv_ratio: float, standin: bool) -> list[list[str]]:
-    """Each replica's own arguments: ``feather-serve``'s KV size, or a stand-in's pace and KV blocks."""
+    """Each replica's own arguments: ``feather-serve``'s KV size, or a stand-in's pace and KV blocks; and
+    vLLM's per-request metrics (each stream's wait before its first step, which ours reads: the flag a
+    user gives the servers behind ``--worker-urls``), the same for every front end."""
     sizes = [round(small_kv_tokens * kv_ratio), small_kv_tokens]
     if not standin:
-        return [["--kv-cache-memory-bytes", str(kv_bytes(tokens))] for tokens in sizes]
+        return [["--kv-cache-memory-bytes", str(kv_bytes(tokens)), PER_REQUEST_METRICS] for tokens in sizes]
     out = []
     for k, tokens in enumerate(sizes):
         slow = 2.0 if k == 1 else 1.0  # its neighbour's half of the core
         out.append(["--kv-blocks", str(-(-tokens // BLOCK)), "--block-size", str(BLOCK),
                     "--prefill-ms-per-1k", str(STANDIN_PACE["prefill_ms_per_1k"] * slow),
-                    "--decode-ms", str(STANDIN_PACE["decode_ms"] * slow)])
+                    "--decode-ms", str(STANDIN_PACE["decode_ms"] * slow), PER_REQUEST_METRICS])
     return out
 
 
@@ -183,19 +189,19 @@ def run_once(front_end: str, requests: Sequence[tuple[str, int]], log_dir: Path,
             result = asyncio.run(drive(url, requests, model=model))
             after = hit_counts([http_get(u + "/metrics") for u in urls])
             shares = _shares(urls)
-            # what ours learned of each replica by the end (its KV sizes and speeds)
+            # what ours learned of each replica by the end (its KV sizes and speeds), and the waits it read
             learned = ({str(r["rank"]): r["estimates"] for r in json.loads(http_get(url + "/replicas"))}
                        if front_end == OURS else None)
+            reports = (sum(v for n, _, v in parse_prometheus(http_get(url + "/metrics"))
+                           if n == "feather_router_queue_reports_total") if front_end == OURS else None)
     queries = after[1] - before[1]
     hit_rate = (after[0] - before[0]) / queries if queries else None
     return {"front_end": front_end, **result, "prefix_hit_rate": hit_rate, "replica_requests": shares,
-            "learned": learned}
+            "learned": learned, "queue_reports": reports}
 
 
 def _shares(urls: Sequence[str]) -> list[float]:
     """Requests each replica finished, from its ``vllm:request_success_total``."""
-    from feather_env.evaluation.endpoint import parse_prometheus
-
     return [sum(v for n, _, v in parse_prometheus(http_get(u + "/metrics"))
                 if n == "vllm:request_success_total") for u in urls]
 

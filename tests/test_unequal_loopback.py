@@ -41,7 +41,9 @@ def test_the_whole_benchmark_runs_on_stand_ins(tmp_path, capsys):
         assert 0 < run["p50_ttft_ms"] <= run["p99_ttft_ms"] and run["p50_tpot_ms"] > 0
     ours = out["runs"][0]["learned"]  # the stand-ins' KV, read from their metrics: 4 to 1
     assert ours["0"]["kv_tokens"] == 4 * ours["1"]["kv_tokens"] and ours["0"]["prefill_samples"] > 0
-    assert all(run["learned"] is None for run in out["runs"][1:])
+    assert all(run["learned"] is None and run["queue_reports"] is None for run in out["runs"][1:])
+    # ours read every stream's wait: the stand-ins report it, and the proxy asked their usage chunks
+    assert out["runs"][0]["queue_reports"] == n
     auto = next(s for s in out["slos"] if s.startswith("auto"))
     assert 0 < out["slos"][auto]["ttft"] < 5000
     assert out["versus"]["best_sglang"] in ul.SGLANG and out["versus"]["output_throughput"] > 0
