@@ -256,7 +256,8 @@ BLOCKS: dict[str, Block] = {
     **{name: _result(name, "unequal_replicas") for name in (
         "unequal_router", "unequal_replicas_mooncake", "unequal_replicas_mooncake16",
         "unequal_replicas_seeds12", "unequal_replicas_zipf_seeds12", "unequal_replicas_mooncake_seeds12",
-        "unequal_replicas_mooncake16_seeds12", "unequal_router_cost")},
+        "unequal_replicas_mooncake16_seeds12", "unequal_router_cost",
+        *(f"unequal_replicas_{w}seeds12_service" for w in ("", "zipf_", "mooncake_", "mooncake16_")))},
     **{name: _result(name) for name in ("routing_headroom", "routing_agents", "unequal_loopback")},
     "frontend_overhead_learned": _result("frontend_overhead_learned", "frontend_overhead"),
     "equal_learned": _result("equal_learned"),
