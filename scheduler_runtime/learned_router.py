@@ -58,18 +58,19 @@ seconds (the note of 2026-12-06, eighth session). What the first seconds' sample
 the replica's own queue, not its speed: a request held while the replica's batch decodes (its scheduler's
 choice) waits before its first step, and the single-server service time counts that wait (on that cell, a
 second request of 7,887 tokens took 3.1 s to its first token where 8,192 tokens alone take 1.03 s, the KV 9%
-full). With ``queue_time`` (off by default) a prefill's service starts no earlier than its first scheduled
-step, where the server reports the wait (:meth:`scheduled`). vLLM keeps it per request and returns it with
-``--enable-per-request-metrics`` (``metrics.queue_time_ms`` of a stream's final usage chunk), so it comes at
-the request's end: the prefill sample is taken at the first token from the routing, as without
-``queue_time``, and amended when the report comes (:meth:`DecayedRate.amend`); the simulator reports at the
-end too. (Holding the sample until the report instead lets an overloaded replica keep a stale fast estimate:
-its corrections wait for finishes that its own backlog delays; one replica then drew 630-723 of 2,499-2,580
-requests on router_peers' Mooncake cell of 16 at load 1.) The
-proxy and the Ray ingress read it (they ask a stream's usage chunk where its client did not, and strip it).
-With ``place_new``, a prefix that no replica holds (or holds no longer, by the cache model) goes instead to
-the replica predicted to finish it first
-(:meth:`LearnedRouter.predicted_completion`: its queue of uncached prefill tokens and the request's own
+full). With ``queue_time="service"`` (the default since 2026-12-07; ``"off"``: from the routing, as before)
+a prefill's service starts no earlier than its first scheduled step, where the server reports the wait
+(:meth:`scheduled`): on router_peers' equal grid 14 of 17 cells within 2% of ours, against 12 without.
+vLLM keeps the wait per request and returns it with ``--enable-per-request-metrics``
+(``metrics.queue_time_ms`` of a stream's final usage chunk), so it comes at the request's end: the prefill
+sample is taken at the first token from the routing, as with ``"off"``, and amended when the report comes
+(:meth:`DecayedRate.amend`); the simulator reports at the end too. (Holding the sample until the report
+instead lets an overloaded replica keep a stale fast estimate: its corrections wait for finishes that its
+own backlog delays; one replica then drew 630-723 of 2,499-2,580 requests on router_peers' Mooncake cell of
+16 at load 1.) The proxy and the Ray ingress read it (they ask a stream's usage chunk where its client did
+not, and strip it). With ``place_new``, a prefix that no replica holds (or holds no longer, by the cache
+model) goes instead to the replica predicted to finish it first (:meth:`LearnedRouter.predicted_completion`:
+its queue of uncached prefill tokens and the request's own
 uncached tokens at its prefill speed, the mean output at its decode speed); ``benchmarks.unequal_replicas``
 measures it as ``prefix-learned-place``. With ``kv_guard`` (off by default), on a fleet whose published KV
 sizes differ, a new prefix is not placed where it would not fit: where ours' choice holds (by an LRU of what
