@@ -12,8 +12,9 @@ measure (``benchmarks.frontend_overhead``), and the proxy's tests drive faults t
 Faults, asked by the request body's ``"standin"`` object (a front end forwards bodies unchanged), each
 naming stand-ins by their ``--name`` (default: the port): ``die_on`` (a list: exit at once, before
 answering), ``hang_on`` (never answer), ``die_after`` (``{name: k}``: exit after ``k`` streamed chunks),
-``delay_s`` (wait before answering). ``GET /standin/served`` lists the ``user`` field of every request
-it answered in full, so a test can check that nothing is served twice.
+``delay_s`` (wait before answering), ``linger_s`` (hold a stream's end back after its ``[DONE]``).
+``GET /standin/served`` lists the ``user`` field of every request it answered in full, so a test can check
+that nothing is served twice.
 
 Paced (``--prefill-ms-per-1k``, ``--decode-ms``, ``--kv-blocks``; :class:`StandIn`'s arguments), a
 stand-in is an engine of a given speed and KV size, to feed a router that learns them: prefills are
@@ -156,6 +157,8 @@ class StandIn:
             await response.write(event.encode())
         if self.paced:
             self._decoded(body, first)
+        if control.get("linger_s"):  # the stream's end held back after its [DONE]
+            await asyncio.sleep(float(control["linger_s"]))
         await response.write_eof()
         self._served(body)
         return response

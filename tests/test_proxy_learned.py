@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -370,3 +371,34 @@ def test_the_proxy_reads_each_streams_reported_wait_and_strips_the_usage_it_aske
                 assert max(waits) > 100.0, waits  # 600 tokens at 0.3 ms each, served one at a time
             finally:
                 running.stop()
+
+
+def test_a_client_that_stops_reading_at_done_was_served_and_its_stream_still_teaches():
+    """An SSE client stops at ``data: [DONE]`` and closes the connection, as SSE clients do, before the
+    proxy ends the chunked stream (the stand-in holds its end back). The whole answer was relayed: the
+    outcome is ``ok`` and the router still hears the stream's output tokens and reported wait (before,
+    such a stream counted as ``client_gone`` and taught nothing: a quarter of the loopback's streams)."""
+    paced = {**SLOW, "per_request_metrics": True}
+    with StandInWorkers(1, paces=[paced]) as workers:
+        running = Running(ReplicaProxy([Replica(0, workers.urls[0])], "prefix-learned", scrape_period_s=0.1))
+        try:
+            running.wait_healthy(1)
+            body = {"prompt": [7] * 300, "max_tokens": 4, "stream": True, "standin": {"linger_s": 0.5}}
+            raw = json.dumps(body).encode()
+            with socket.create_connection(("127.0.0.1", running.port), timeout=10) as sock:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+                got = b""
+                while b"data: [DONE]" not in got:
+                    data = sock.recv(65536)
+                    assert data, got
+                    got += data
+            assert b'"usage"' not in got  # the chunk the proxy asked for stays with the proxy
+            router = running.proxy.router
+            _wait(lambda: not router._requests)
+            assert router.counts["queue_reports"] == 1
+            assert router._output.value == pytest.approx(4.0)
+            assert running.proxy.stats.counts[("0", "ok")] == 1
+            assert running.proxy.stats.counts[("0", "client_gone")] == 0
+        finally:
+            running.stop()

@@ -175,3 +175,58 @@ def test_the_ingress_reads_a_streams_reported_wait_and_strips_the_usage_it_asked
         assert "".join(out) == "".join(tokens) + ("" if strip else usage) + "data: [DONE]\n\n"
     assert [what.get("queued_s") for _, what in told if what.get("finished")] == [1.5, 1.5]
     assert router.affinity.counts["queue_reports"] == 2 and not router.affinity._held
+
+
+def test_a_client_that_leaves_after_done_was_served_and_its_stream_still_teaches(router):
+    """The client has the whole answer, its ``[DONE]`` included, and leaves while the relay waits for the
+    replica's stream to end: the outcome is ``ok`` and the router hears the output tokens and the wait.
+    A client that leaves before ``[DONE]`` is ``client_gone`` and teaches nothing."""
+    told: list[tuple[str, dict[str, Any]]] = []
+    router.relayed = lambda rid, **what: told.append((rid, what))  # type: ignore[method-assign]
+    ingress = SimpleNamespace(stats=cluster_base.FrontEndStats(), reads_wait=True)
+    usage = ('data: {"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":2,"total_tokens":11},'
+             '"metrics":{"queue_time_ms":250.0}}\n\n')
+    chunks = ['data: {"choices":[{"text":"x"}]}\n\n', usage, "data: [DONE]\n\n"]
+
+    class Stream:
+        """Ray's response generator, stood in for: the replica's chunks, then no end yet; ``cancel``."""
+
+        def __init__(self) -> None:
+            self.rest, self.cancelled = list(chunks[1:]), False
+
+        def __aiter__(self) -> Any:
+            return self
+
+        async def __anext__(self) -> str:
+            if self.rest:
+                return self.rest.pop(0)
+            await asyncio.sleep(3600)  # the replica's stream has not ended yet
+            raise StopAsyncIteration
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    streams: list[Stream] = []
+
+    async def leave_after(marker: str, rid: str) -> None:
+        streams.append(Stream())
+        relayed = cluster.FeatherIngress._relay(ingress, streams[-1], chunks[0], "0", rid, False, 1, True)
+
+        async def consume() -> None:
+            async for chunk in relayed:
+                if chunk.endswith(marker):
+                    await asyncio.sleep(3600)  # the client stops reading here and goes away
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.05)
+        task.cancel()  # as Starlette cancels a response whose client disconnected
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await relayed.aclose()
+
+    asyncio.run(leave_after("data: [DONE]\n\n", "served"))
+    asyncio.run(leave_after('"x"}]}\n\n', "gone"))
+    assert told[0] == ("served", {"finished": True, "output_tokens": 2, "queued_s": 0.25})
+    assert told[1] == ("gone", {"finished": True, "output_tokens": None, "queued_s": None})
+    assert ingress.stats.counts[("0", "ok")] == 1 and ingress.stats.counts[("0", "client_gone")] == 1
+    assert [s.cancelled for s in streams] == [False, True]  # only an unserved request is aborted

@@ -629,6 +629,7 @@ class FeatherIngress:
         outcome = "ok"
         events, tail = 0, ["", ""]
         strip = UsageStrip() if strip_usage else None
+        ended = False  # the client has the whole answer, its [DONE] included (as the proxy counts it)
         try:
             if first_chunk is not None:
                 events += first_chunk.count("\n\n")
@@ -642,12 +643,15 @@ class FeatherIngress:
                     chunk = strip.feed(chunk.encode()).decode()
                     if not chunk:
                         continue
+                ended = isinstance(chunk, str) and chunk.endswith("data: [DONE]\n\n")
                 yield chunk
             if strip is not None and (rest := strip.flush()):
                 yield rest.decode(errors="replace")
-        except asyncio.CancelledError:  # the client went away: so does the request
-            outcome = "client_gone"
-            gen.cancel()
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away (its response cancelled, or
+            # this generator closed): so does the request, unless it was served
+            if not ended:
+                outcome = "client_gone"
+                gen.cancel()
             raise
         except Exception as exc:  # noqa: BLE001 - reported in the stream: tokens were sent already
             outcome = "failed_mid_stream"

@@ -685,7 +685,9 @@ class ReplicaProxy:
         tally = rid is not None and self.observes
         events, newline, tail = first.count(b"\n\n"), first.endswith(b"\n"), [first]
         response = web.StreamResponse(status=upstream.status, headers=headers)
-        clean = False
+        # clean: relayed to the end; served: the client got the whole answer (its [DONE] included), even if
+        # it then left before the chunked stream's end, as SSE clients do (a stream that taught nothing else)
+        clean = served = ended = False
         strip = UsageStrip() if strip_usage else None
         try:
             await response.prepare(request)
@@ -694,6 +696,7 @@ class ReplicaProxy:
                 out = chunk if strip is None else strip.feed(chunk)
                 if out:
                     await response.write(out)
+                    ended = out.endswith(b"data: [DONE]\n\n")
                 try:
                     chunk = await upstream.content.readany()
                     if tally and chunk:  # SSE events end with a blank line (JSON holds no raw newline)
@@ -714,20 +717,23 @@ class ReplicaProxy:
                     break
             if strip is not None and (rest := strip.flush()):
                 await response.write(rest)
+            ended = ended or outcome == "ok"
             await response.write_eof()
-            clean = outcome == "ok"
+            clean = served = outcome == "ok"
         except asyncio.CancelledError:  # the client went away: so does the request
-            outcome = "client_gone"
+            served = ended and outcome == "ok"
+            outcome = outcome if served else "client_gone"
             raise
         except ConnectionError:  # the same, seen while writing to it
-            outcome = "client_gone"
+            served = ended and outcome == "ok"
+            outcome = outcome if served else "client_gone"
         finally:
             if clean:
                 upstream.release()
             else:
                 upstream.close()  # the replica sees its client gone and aborts the request
             output = None
-            if tally and clean:
+            if tally and served:
                 last = b"".join(tail)
                 output = stream_output_tokens(events, last, chat, choices)
                 if self.reads_wait and (waited := stream_queue_seconds(last)) is not None:
