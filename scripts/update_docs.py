@@ -267,7 +267,8 @@ BLOCKS: dict[str, Block] = {
     **{name: _result(name, "routing_headroom") for name in ("routing_headroom_load1", "routing_headroom_kv")},
     **{name: _result(name, "unequal_loopback") for name in (
         "unequal_loopback_seed1", "unequal_loopback_seed2",
-        *(f"unequal_loopback_worklru_seed{s}" for s in range(4)))},
+        *(f"unequal_loopback_worklru_seed{s}" for s in range(4)),
+        *(f"unequal_loopback_service_seed{s}" for s in range(4)))},
     "unequal_drift_share": Block("docs/results.md", from_json("unequal_drift_share.json",
                                                               "benchmarks.unequal_replicas",
                                                               "render_drift_share")),
