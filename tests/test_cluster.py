@@ -236,7 +236,9 @@ def test_completions_and_chat_streamed_or_not(server):
     events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
     assert status == 200 and events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    assert sum(1 for c in chunks if c["choices"]) == 5 and chunks[-1]["usage"]["completion_tokens"] == 5
+    # one chunk per token, unless the engine made two before the stream took one: vLLM then sends them as
+    # one chunk (its output collector merges the deltas a slow consumer has not taken)
+    assert 1 <= sum(1 for c in chunks if c["choices"]) <= 5 and chunks[-1]["usage"]["completion_tokens"] == 5
 
     chat = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Say something."}],
             "max_tokens": 3, "min_tokens": 3, "ignore_eos": True, "temperature": 0.0}

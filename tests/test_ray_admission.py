@@ -151,8 +151,8 @@ def _ingress(answers: list[dict[str, Any]], replicas: int) -> Any:
 
     ingress = SimpleNamespace(state=SimpleNamespace(online_renderer=SimpleNamespace(
         render_completion=render_completion)), hasher=cluster.PrefixHasher(16), learns=False,
-        router_name="prefix", engine=_Handle(answers), stats=cluster_base.FrontEndStats(), replicas=replicas,
-        ttft_slo_ms=2000.0)
+        reads_wait=False, router_name="prefix", engine=_Handle(answers), stats=cluster_base.FrontEndStats(),
+        replicas=replicas, ttft_slo_ms=2000.0)
     ingress._shed_answer = lambda shed, attempts: cluster.FeatherIngress._shed_answer(ingress, shed, attempts)
     return ingress
 
