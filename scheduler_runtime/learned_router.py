@@ -381,7 +381,6 @@ class LearnedRouter(PrefixAffinityRouter):
 
     @property
     def reads_queue_time(self) -> bool:
-        """Whether it uses the reported waits (:meth:`scheduled`): the front end then asks for them."""
         return self.queue_time != "off"
 
     def scheduled(self, request_id: str, queued_s: float) -> None:

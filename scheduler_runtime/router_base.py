@@ -289,6 +289,12 @@ class ReplicaRouter(ABC):
     #: The clock such a router reads (seconds; the simulator sets its own).
     clock: Callable[[], float] = staticmethod(time.monotonic)
 
+    @property
+    def reads_queue_time(self) -> bool:
+        """Whether it uses the waits the servers report (:meth:`scheduled`): a front end then asks each
+        stream for them."""
+        return False
+
     def __init__(self) -> None:
         self._ring: _Ring | None = None
         self._ring_members: frozenset[str] = frozenset()

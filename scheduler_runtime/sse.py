@@ -22,7 +22,7 @@ import re
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from typing import Any
 
-__all__ = ["SSE_DONE", "UsageStrip", "ask_usage", "sse_events", "stream_output_tokens",
+__all__ = ["SSE_DONE", "UsageStrip", "ask_usage", "needs_usage", "sse_events", "stream_output_tokens",
            "stream_queue_seconds"]
 
 
@@ -103,12 +103,18 @@ def stream_queue_seconds(tail: bytes) -> float | None:
 INCLUDE_USAGE = b'"stream_options":{"include_usage":true}'
 
 
+def needs_usage(body: Mapping[str, Any]) -> bool:
+    """Whether a front end that reads a stream's usage chunk must ask for it in ``body``: a streamed
+    request whose client set no ``stream_options`` (one that chose its own is left as it is)."""
+    return body.get("stream") is True and "stream_options" not in body
+
+
 def ask_usage(raw: bytes, body: Mapping[str, Any]) -> bytes | None:
     """``raw``, the JSON object ``body`` of a streamed request whose client set no ``stream_options``,
     asking for the stream's final usage chunk (:data:`INCLUDE_USAGE` added as its last member), for a front
     end that reads it and strips it again (:class:`UsageStrip`); ``None`` where the body is left as it is
     (not a stream, or its client chose its own stream options)."""
-    if body.get("stream") is not True or "stream_options" in body:
+    if not needs_usage(body):
         return None
     end = raw.rstrip().rfind(b"}")
     if end < 0 or not raw[:end].strip(b" \t\r\n{"):

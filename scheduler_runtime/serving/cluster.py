@@ -119,7 +119,7 @@ from scheduler_runtime.serving.cluster_base import (
 )
 from scheduler_runtime.serving.ray_router import LearnedRequestRouter, PrefixRequestRouter
 from scheduler_runtime.serving.vllm_metrics import parse_vllm_metrics
-from scheduler_runtime.sse import UsageStrip, stream_output_tokens, stream_queue_seconds
+from scheduler_runtime.sse import UsageStrip, needs_usage, stream_output_tokens, stream_queue_seconds
 
 __all__ = ["APP_NAME", "ROUTER_CHOICES", "ClusterConfig", "EngineReplica", "FeatherIngress", "TextBody",
            "LearnedRequestRouter", "PrefixRequestRouter",
@@ -424,7 +424,7 @@ class FeatherIngress:
     """The HTTP API (the ``FeatherIngress`` deployment's class; see the module docstring)."""
 
     async def __init__(self, engine: Any, vllm_args: Sequence[str], chunk_size: int, router: str,
-                       replicas: int = 1, queue_time: bool = False) -> None:
+                       replicas: int = 1, reads_wait: bool = False) -> None:
         from starlette.datastructures import State
         from vllm import AsyncEngineArgs, envs
         from vllm.config import VllmConfig
@@ -434,7 +434,7 @@ class FeatherIngress:
         self.router_name = router
         self.learns = router == "prefix-learned"  # tell the router what the responses show
         #: ... and each stream's reported wait before its first step (its usage chunk, asked for)
-        self.reads_wait = self.learns and queue_time
+        self.reads_wait = self.learns and reads_wait
         self.hasher = PrefixHasher(chunk_size)
         args = _vllm_namespace(vllm_args)
         engine_args = AsyncEngineArgs.from_cli_args(args)
@@ -544,7 +544,7 @@ class FeatherIngress:
                 learning["tokens"] = len(first_input["prompt_token_ids"])
         if self.router_name == "ray-prefix-affinity":
             body = TextBody(body)
-        strip_usage = self.reads_wait and body.get("stream") is True and "stream_options" not in body
+        strip_usage = self.reads_wait and needs_usage(body)
         if strip_usage:  # its usage chunk carries its wait; the client gets it only if it asked
             body = {**body, "stream_options": {"include_usage": True}}
         avoid: list[str] = []

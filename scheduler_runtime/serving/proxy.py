@@ -280,7 +280,7 @@ class ReplicaProxy:
         #: ... and learns from the service: output tokens at each finish, each replica's /metrics
         self.observes = bool(self.router.observes_service)
         #: ... and each stream's reported wait before its first step (its usage chunk, asked for)
-        self.reads_wait = self.observes and bool(getattr(self.router, "reads_queue_time", False))
+        self.reads_wait = self.observes and self.router.reads_queue_time
         self._ids = itertools.count(1)
         self.scrape_period_s, self.scrape_timeout_s = float(scrape_period_s), float(scrape_timeout_s)
         #: scrapes by outcome (ok, error, restarted: a new server behind the same URL), lines skipped
