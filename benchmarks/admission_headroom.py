@@ -70,13 +70,14 @@ import numpy as np
 
 from benchmarks import measured
 from feather_env.env import FeatherEnv, play_episode
+from feather_env.evaluation.bound import prefill_attainment_bound
 from feather_env.records import RequestTimeline
 from feather_env.reporting import format_table, machine_info, write_json
 from feather_env.scenarios import Scenario, load_scenario
 from feather_env.serving_metrics import meets_slos
 from feather_env.step_model import load_profile
 from feather_env.workloads import Workload
-from scheduler_runtime.admission import AdmissionController, AdmissionRule, prompt_block_hashes
+from scheduler_runtime.admission import AdmissionController, AdmissionRule
 
 __all__ = ["BUDGETS", "CAPS", "FACTORS", "REQ_CAPS", "TOKEN_CAPS", "IntervalUCB", "Server",
            "attainment_bound", "bandit_episode", "base_settings", "budget_of", "hindsight_oracle",
@@ -303,89 +304,30 @@ def hindsight_oracle(server: Server, setting: str, seed: int, *, start: Iterable
 def attainment_bound(scenario: Scenario, episode: Workload, budget: int, profile: str | None = PROFILE,
                      slos: Mapping[str, float] = SLOS, intervals: Sequence[float] = BOUND_INTERVALS
                      ) -> dict[str, Any]:
-    """An upper bound on the good requests of any admission decision on ``episode`` (loose).
+    """An upper bound on the good requests of any admission decision on ``episode`` (loose):
+    :func:`~feather_env.evaluation.bound.prefill_attainment_bound` at the engine's peak prefill rate.
 
-    Facts used (all from the simulator's model; each bound only drops constraints):
-
-    1. A step of ``N <= budget`` tokens takes at least ``c0 + c1 + c2 N`` seconds (the profile's
-       ``const``, ``requests``, ``tokens`` coefficients; the others are >= 0, and a step has at
-       least one request), so in any stretch of ``D`` seconds the steps that lie inside it compute
-       at most ``D x budget / (c0 + c1 + c2 budget)`` tokens (``N / t`` grows with ``N``).
-    2. The engine starts empty and caches whole blocks (the engine's block size) keyed by their
-       whole prefix; a request's tokens are computed in steps that start after it arrives. A good
-       request's first token comes within the TTFT SLO of its arrival, after every prompt block
-       of it was computed (by itself, or by a request that cached it) and its partial last block
-       by itself.
-    3. Global form: every block of a good request is computed in ``[0, T]``, ``T = last arrival +
-       TTFT SLO``; charging each block ``block / count(b)`` to each of the ``count(b)`` requests of
-       the episode holding it, the good set's charges never exceed the tokens computed in
-       ``[0, T]``. Interval form (each ``L`` of ``intervals``): cut the episode into ``[s, s + L)``;
-       the good requests arriving in one need, inside ``[s, s + L + TTFT]``, every block of theirs
-       that no request arriving before ``s`` holds (only those can have computed it earlier),
-       charged ``block / count(b)`` over the requests arriving in ``[s, s + L + TTFT)`` (only they
-       can compute it in time). The count of each interval is bounded separately and summed.
-    4. ``never_fits``: a request's tokens from its first block that no other request holds (only
-       it can compute them), in steps of at most ``budget`` tokens, take at least
-       ``ceil(own / budget) (c0 + c1) + c2 own`` seconds; longer than the TTFT SLO: never good.
-
-    In each form the count is the largest number of the cheapest eligible requests whose charges
-    fit the capacity; the bound is the smallest over the forms. It ignores decode work (TPOT: a
-    decode step costs >= ``c0 + c1 + c2``, far below 50 ms), the per-request step cost of running
-    decodes, the KV cache's size (evictions recompute blocks), preemptions and the order of
-    deadlines inside an interval, and prefix sharing is charged fractionally - so it is loose.
+    From the simulator's model: a step of ``N <= budget`` tokens takes at least ``c0 + c1 + c2 N``
+    seconds (the profile's ``const``, ``requests``, ``tokens`` coefficients; the others are >= 0, and
+    a step has at least one request), so in any stretch of ``D`` seconds the steps that lie inside it
+    compute at most ``D x budget / (c0 + c1 + c2 budget)`` tokens (``N / t`` grows with ``N``); a
+    request's own tokens, in steps of at most ``budget``, take at least ``ceil(own / budget) (c0 +
+    c1) + c2 own`` seconds. The bound also ignores the per-request step cost of running decodes (a
+    decode step costs >= ``c0 + c1 + c2``, far below the TPOT SLO).
     """
     prof = load_profile(profile)["step_model"]
     coef = dict(zip(prof["features"], prof["coef"], strict=True))
     c0, c1, c2 = float(coef["const"]), float(coef["requests"]), float(coef["tokens"])
     engine = scenario.engine_config()
     budget = min(int(budget), engine.max_num_batched_tokens)
-    block = engine.block_size
+
+    def own_seconds(start: int, own: int) -> float:
+        return math.ceil(own / budget) * (c0 + c1) + c2 * own
+
     rate = budget / (c0 + c1 + c2 * budget)
-    ttft = slos["ttft"] / 1000.0
-    requests = sorted(episode, key=lambda r: r.arrival_time)
-    arrival = np.array([float(r.arrival_time) for r in requests])
-    hashes = [prompt_block_hashes(r.prompt_token_ids, block) for r in requests]
-    tails = [r.prompt_len - len(hs) * block for r, hs in zip(requests, hashes, strict=True)]
-    count: dict[int, int] = {}
-    for hs in hashes:
-        for h in hs:
-            count[h] = count.get(h, 0) + 1
-    never = set()
-    for r, hs, tail in zip(requests, hashes, tails, strict=True):
-        first_own = next((i for i, h in enumerate(hs) if count[h] == 1), len(hs))
-        own = (len(hs) - first_own) * block + tail
-        if math.ceil(own / budget) * (c0 + c1) + c2 * own > ttft:
-            never.add(r.request_id)
-
-    def fit(members: Sequence[int], holders: Sequence[int], seen: set[int], capacity: float) -> int:
-        cnt: dict[int, int] = {}
-        for j in holders:
-            for h in hashes[j]:
-                if h not in seen:
-                    cnt[h] = cnt.get(h, 0) + 1
-        costs = sorted(sum(block / cnt[h] for h in hashes[i] if h not in seen) + tails[i]
-                       for i in members if requests[i].request_id not in never)
-        return int(np.searchsorted(np.cumsum(costs), capacity, side="right")) if costs else 0
-
-    n = len(requests)
-    horizon = float(arrival.max()) + ttft
-    forms = {"global": fit(range(n), range(n), set(), horizon * rate)}
-    for length in intervals:
-        total, seen = 0, set()
-        s = 0.0
-        while s <= arrival.max():
-            lo, hi = np.searchsorted(arrival, [s, s + length])
-            end = np.searchsorted(arrival, s + length + ttft)
-            total += fit(range(lo, hi), range(lo, end), seen, (length + ttft) * rate)
-            for i in range(lo, hi):
-                seen.update(hashes[i])
-            s += length
-        forms[f"interval {length:g} s"] = total
-    best = min(forms.values())
-    return {"good_max": best, "submitted": n, "attainment": best / n, "forms": forms,
-            "never_fits": sorted(never), "never_fits_count": len(never), "horizon_s": horizon,
-            "prefill_tok_s": rate, "budget": budget, "block": block,
-            "prompt_tokens": int(sum(r.prompt_len for r in requests))}
+    out = prefill_attainment_bound(list(episode), engine.block_size, rate, own_seconds, slos["ttft"] / 1000.0,
+                                   intervals)
+    return {**out, "prefill_tok_s": rate, "budget": budget}
 
 
 # ---------------------------------------------------------------------------------------- placebo

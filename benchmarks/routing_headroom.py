@@ -67,11 +67,15 @@ from benchmarks.unequal_replicas import (
     router_factories,
     tune_peers,
 )
+from feather_env.cluster_sim import ClusterSim, ReplicaSim
+from feather_env.evaluation.bound import prefill_attainment_bound
 from feather_env.reporting import format_table, machine_info, write_json
 from feather_env.routing_env import TUNE_SEED_BASE, RoutingEnv
 from feather_env.serving_metrics import meets_slos
+from feather_env.workloads import Workload
 
-__all__ = ["add_matched_placebo", "candidates", "lookahead_oracle", "main", "matched_placebo", "placebo",
+__all__ = ["BOUND_INTERVALS", "add_bound", "add_matched_placebo", "candidates", "fleet_attainment_bound",
+           "lookahead_oracle", "main", "matched_placebo", "placebo",
            "render", "run", "serve_router"]
 
 DEFAULT_SLO = {"ttft": 5000.0, "tpot": 50.0}
@@ -205,6 +209,74 @@ def add_matched_placebo(path: str, draws: int = 3, log: Callable[[str], None] = 
     return payload
 
 
+#: The interval lengths (seconds of arrivals) of the attainment bound's interval form.
+BOUND_INTERVALS = (2.5, 5.0, 10.0, 20.0, 40.0)
+
+
+def fleet_attainment_bound(sim: ClusterSim, timed: Workload, ttft_s: float,
+                           intervals: Sequence[float] = BOUND_INTERVALS) -> dict[str, Any]:
+    """An upper bound on the requests of ``timed`` any router can serve within the TTFT SLO on ``sim``'s
+    fleet: :func:`~feather_env.evaluation.bound.prefill_attainment_bound` with the fleet pooled.
+
+    From the calibrated step model: a step's prefill part is ``c2 N + c5 A`` (its prompt tokens and
+    their attention, ``A`` the sum of each computed token's position in its prompt, however the prompt
+    is chunked) times the replica's prefill slowdown ``p_i`` (the least over the run, drift included;
+    x its time scale), and the rest of the step is >= 0, so replica ``i`` does at most ``1 / p_i`` units
+    of that work a second, and the fleet at most their sum. A request's own tokens (``n`` after its
+    first ``start``) take at least the least over the replicas of ``ceil(n / B_i) d_i (c0 + c1) + p_i
+    work`` (``B_i`` its token budget, ``d_i`` its least decode slowdown). The pooled server ignores which
+    replica holds which prefix (one cache for all), so the bound holds for every router, told the
+    future or not. It says nothing of the TPOT SLO.
+    """
+    peaks = []
+    c2 = c5 = 0.0
+    for name, spec in zip(sim.names, sim.specs, strict=True):
+        replica = ReplicaSim(name, sim.engine, sim.config, sim.profile, spec)
+        coef = [float(c) for c in replica.model.coef]
+        c2, c5 = coef[2], coef[5]  # one calibrated model for the fleet; the specs scale it
+        times = [0.0, *(t for t, _ in spec.drift)]
+        pre = min(spec.slowdowns_at(t)[0] for t in times) * replica.time_scale
+        dec = min(spec.slowdowns_at(t)[1] for t in times) * replica.time_scale
+        peaks.append((replica.sim_config.max_num_batched_tokens, dec * (coef[0] + coef[1]), pre))
+
+    def work(start: int, n: int) -> float:
+        return c2 * n + c5 * (n * start + n * (n + 1) / 2.0)
+
+    def own_seconds(start: int, n: int) -> float:
+        w = work(start, n)
+        return min(-(-n // budget) * per_step + pre * w for budget, per_step, pre in peaks)
+
+    rate = sum(1.0 / pre for _, _, pre in peaks)
+    return prefill_attainment_bound(list(timed), sim.engine.block_size, rate, own_seconds, ttft_s, intervals,
+                                    work)
+
+
+def add_bound(path: str, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Add the ``bound`` row (:func:`fleet_attainment_bound` per seed: no router's attainment is above it)
+    to each cell of a finished run's JSON, with the ratios ``bound / best rule`` (the most the routing
+    decision can win over it) and ``oracle / bound``, and this command; the payload."""
+    with open(path) as f:
+        payload = json.load(f)
+    for c in payload["cells"]:
+        env = RoutingEnv(c["fleet"], c["load"], episode_seeds=c["seeds"])
+        rows = []
+        for seed in c["seeds"]:
+            b = fleet_attainment_bound(env.sim, env.episode(seed), env.slos["ttft"] / 1000.0)
+            rows.append({k: v for k, v in b.items() if k != "never_fits"})
+            log(f"  {c['fleet']} {c['load']:g} seed {seed}: bound {b['attainment']:.3f} ({b['forms']})")
+        c["rows"]["bound"] = rows
+        c["mean_attainment"]["bound"] = statistics.fmean(r["attainment"] for r in rows)
+        pairs = [("bound", c["best_rule"]), ("bound", OURS_LEARNED)]
+        if "oracle" in c["rows"]:
+            pairs.append(("oracle", "bound"))
+        for a, b in pairs:
+            c["ratios"][f"{a} / {b}"] = _spread([x["attainment"] / y["attainment"]
+                                                 for x, y in zip(c["rows"][a], c["rows"][b], strict=True)])
+        c["bound_command"] = f"python -m benchmarks.routing_headroom --bound {path}"
+    write_json(path, payload)
+    return payload
+
+
 def load_tuning(path: str | None, fleet: str) -> dict[str, Any] | None:
     """``fleet``'s peers' tuning from a ``benchmarks.unequal_replicas`` JSON (``None``: none there)."""
     if not path:
@@ -293,12 +365,17 @@ def render(payload: dict[str, Any]) -> str:
                 f"ours' choice + {c['others']} + the prefix owner; peers' tuning: {c['tuning_source']}):", ""]
         rows = [[name, f"{100 * c['mean_attainment'][name]:.1f}%"]
                 + [f"{100 * r['attainment']:.1f}%" for r in rs]
-                + [f"{statistics.fmean(r['output_throughput'] for r in rs):.0f}"]
+                + [f"{statistics.fmean(r['output_throughput'] for r in rs):.0f}"
+                   if all("output_throughput" in r for r in rs) else "-"]
                 for name, rs in c["rows"].items()]
         headers = ["router", "mean attainment", *[f"seed {s}" for s in seeds], "mean tok/s"]
         out += [format_table(headers, rows),
                 "", format_table(["ratio (attainment, per seed)", "median (min-max)"],
                                  [[k, _r(v)] for k, v in c["ratios"].items()]), ""]
+        later = (("placebo (oracle's rate)", "matched_placebo_command"), ("bound", "bound_command"))
+        added = [f"{what}: `{c[key]}`" for what, key in later if key in c]
+        if added:
+            out += ["Rows added to the run afterwards: " + "; ".join(added) + ".", ""]
     out.append(f"{measured(payload)}; `{payload['command']}`: {payload['wall_s'] / 60:.1f} min wall on one "
                "core.")
     return "\n".join(out)
@@ -318,11 +395,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-oracle", action="store_true")
     p.add_argument("--matched-placebo", default=None, metavar="JSON",
                    help="add the placebo at the oracle's rate to a finished run's JSON, and nothing else")
+    p.add_argument("--bound", default=None, metavar="JSON",
+                   help="add the attainment bound (no router above it) to a finished run's JSON, and nothing "
+                        "else")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     start = time.perf_counter()
     if args.matched_placebo:
         print(render(add_matched_placebo(args.matched_placebo)))
+        return 0
+    if args.bound:
+        print(render(add_bound(args.bound)))
         return 0
 
     def log(msg: str) -> None:

@@ -15,7 +15,8 @@ from gymnasium.utils.env_checker import check_env
 import feather_env  # noqa: F401 - registers the environments
 from benchmarks import routing_headroom as headroom
 from benchmarks.router_peers import uniform_workload
-from benchmarks.unequal_replicas import capacity, fleets
+from benchmarks.unequal_replicas import capacity, fleets, router_factories
+from feather_env.cluster_sim import ClusterSim, ReplicaSpec
 from feather_env.routing_env import FEATURES, FLEETS, RoutingEnv, fleet_specs, rule_action
 from feather_env.workloads import WorkloadConfig, load_workload
 from scheduler_runtime.learned_router import LearnedRouter
@@ -135,3 +136,22 @@ def test_oracle_at_least_the_rule_it_searches_around() -> None:
     oracle = headroom.lookahead_oracle(env, 0, horizon=10, others=1)
     # a pinned case, not a theorem (a greedy look ahead can lose to its rule): 42 of 42 against 40
     assert oracle["attainment"] * len(env.episode(0)) >= ours
+
+
+def test_the_fleet_attainment_bound_is_above_every_router_and_binds_where_prefill_does() -> None:
+    # a TTFT SLO of 0.5 s past capacity: the pooled prefill work binds, and no router is above it
+    ttft = 0.5
+    env = small("speed", 4.0, slos={"ttft": ttft * 1000, "tpot": 10**6})
+    timed = env.episode(0)
+    bound = headroom.fleet_attainment_bound(env.sim, timed, ttft)
+    assert bound["good_max"] == min(bound["forms"].values()) and bound["submitted"] == len(timed)
+    assert bound["good_max"] + bound["never_fits_count"] <= len(timed)
+    assert bound["attainment"] < 1.0
+    routers = router_factories(env.specs, env.engine, env.slos)
+    served = {name: headroom.serve_router(env, routers[name], 0)["attainment"]
+              for name in ("prefix-learned", "prefix-informed", "lmetric", "sglang-cache-aware")}
+    assert max(served.values()) <= bound["attainment"], served
+    # every replica 3x slower in prefill: the bound can only fall; at a far looser SLO it is 1
+    slow = ClusterSim(env.n, env.engine, profiles=[ReplicaSpec(prefill_slowdown=3.0)] * env.n)
+    assert headroom.fleet_attainment_bound(slow, timed, ttft)["good_max"] < bound["good_max"]
+    assert headroom.fleet_attainment_bound(env.sim, timed, 600.0)["attainment"] == 1.0

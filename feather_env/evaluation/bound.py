@@ -18,6 +18,11 @@ Three bounds, each reported as the bound over a run's makespan (1.0 is the limit
   largest ``a_k`` plus either. Under arrivals spread over time this is the bound that counts: the
   others charge the whole episode's work from t = 0.
 
+And an upper bound on SLO attainment (:func:`prefill_attainment_bound`): how many requests can get
+their first token within the TTFT SLO when the engine (or a fleet of them, pooled) computes prompt
+tokens no faster than its peak rate. The admission and the routing headroom studies bound their
+oracles with it.
+
 A chunked-prefill step also decodes the running requests, so a schedule that overlaps the two can
 pass a serial sum; a value above 1.0 says so.
 """
@@ -25,12 +30,13 @@ pass a serial sum; a value above 1.0 says so.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["add_arrival_bound", "add_episode_bound", "arrival_order", "makespan_bound", "prefix_work"]
+__all__ = ["add_arrival_bound", "add_episode_bound", "arrival_order", "makespan_bound",
+           "prefill_attainment_bound", "prefix_work"]
 
 
 def prefix_work(workload: Any, block_size: int) -> list[tuple[int, int]]:
@@ -165,3 +171,89 @@ def add_arrival_bound(payload: dict[str, Any]) -> None:
     makespan = bound["arrival"]["makespan_s"]
     for m in payload["runs"].values():
         m["vs_bound_arrival"] = (makespan / m["duration"]) if m.get("duration") else None
+
+
+def prefill_attainment_bound(requests: Sequence[Any], block_size: int, rate: float,
+                             own_seconds: Callable[[int, int], float], ttft_s: float,
+                             intervals: Sequence[float],
+                             work: Callable[[int, int], float] | None = None) -> dict[str, Any]:
+    """An upper bound on the requests of ``requests`` (arrival times as given) whose first token can
+    come within ``ttft_s`` of their arrival, whatever is admitted, scheduled or routed (loose).
+
+    Facts used (each bound only drops constraints):
+
+    1. Prompt work is done no faster than ``rate`` units a second, in any stretch of time: computing
+       the ``n`` prompt tokens that follow the first ``start`` of a prompt is ``work(start, n)`` units
+       (default ``n``: tokens, and ``rate`` the engine's peak prefill tokens/s). A fleet's rate is the
+       sum of its replicas' (a pooled server of that rate can do whatever the fleet does, so routing
+       is relaxed away with the replicas' boundaries).
+    2. The cache starts empty and holds whole blocks (``block_size`` tokens) keyed by their whole
+       prefix; a request's tokens are computed in steps that start after it arrives. A good request's
+       first token comes within ``ttft_s`` of its arrival, after every prompt block of it was computed
+       (by itself, or by a request that cached it: one cache for all, of unbounded size) and its
+       partial last block by itself.
+    3. Global form: every block of a good request is computed in ``[0, T]``, ``T = last arrival +
+       ttft_s``; charging each block ``block / count(b)`` to each of the ``count(b)`` requests holding
+       it, the good set's charges never exceed the tokens computed in ``[0, T]``. Interval form (each
+       ``L`` of ``intervals``): cut the arrivals into ``[s, s + L)``; the good requests arriving in one
+       need, inside ``[s, s + L + ttft_s]``, every block of theirs that no request arriving before
+       ``s`` holds (only those can have computed it earlier), charged ``work / count(b)`` over the
+       requests arriving in ``[s, s + L + ttft_s)`` (only they can compute it in time). The count of
+       each interval is bounded separately and summed.
+    4. ``never_fits``: a request's tokens from its first block that no other request holds (only it
+       can compute them), the ``n`` after its first ``start``, take at least ``own_seconds(start, n)``;
+       longer than ``ttft_s``: never good.
+
+    In each form the count is the largest number of the cheapest eligible requests whose charges fit
+    the capacity; the bound is the smallest over the forms. It ignores decode work and the TPOT SLO,
+    the KV cache's size (evictions recompute blocks), preemptions, the order of deadlines inside an
+    interval, and charges prefix sharing fractionally: so it is loose.
+    """
+    from scheduler_runtime.admission import prompt_block_hashes
+
+    cost = work or (lambda start, n: float(n))
+    ordered = sorted(requests, key=lambda r: r.arrival_time)
+    arrival = np.array([float(r.arrival_time) for r in ordered])
+    hashes = [prompt_block_hashes(r.prompt_token_ids, block_size) for r in ordered]
+    tails = [r.prompt_len - len(hs) * block_size for r, hs in zip(ordered, hashes, strict=True)]
+    tail_work = [cost(len(hs) * block_size, tail) for hs, tail in zip(hashes, tails, strict=True)]
+    block_work = [cost(k * block_size, block_size) for k in range(max(map(len, hashes), default=0))]
+    count: dict[int, int] = {}
+    for hs in hashes:
+        for h in hs:
+            count[h] = count.get(h, 0) + 1
+    never = set()
+    for r, hs, tail in zip(ordered, hashes, tails, strict=True):
+        first_own = next((i for i, h in enumerate(hs) if count[h] == 1), len(hs))
+        if own_seconds(first_own * block_size, (len(hs) - first_own) * block_size + tail) > ttft_s:
+            never.add(r.request_id)
+
+    def fit(members: Sequence[int], holders: Sequence[int], seen: set[int], capacity: float) -> int:
+        cnt: dict[int, int] = {}
+        for j in holders:
+            for h in hashes[j]:
+                if h not in seen:
+                    cnt[h] = cnt.get(h, 0) + 1
+        costs = sorted(sum(block_work[k] / cnt[h] for k, h in enumerate(hashes[i]) if h not in seen)
+                       + tail_work[i] for i in members if ordered[i].request_id not in never)
+        return int(np.searchsorted(np.cumsum(costs), capacity, side="right")) if costs else 0
+
+    n = len(ordered)
+    horizon = float(arrival.max()) + ttft_s
+    forms = {"global": fit(range(n), range(n), set(), horizon * rate)}
+    for length in intervals:
+        total, seen = 0, set()
+        s = 0.0
+        while s <= arrival.max():
+            lo, hi = np.searchsorted(arrival, [s, s + length])
+            end = np.searchsorted(arrival, s + length + ttft_s)
+            total += fit(range(lo, hi), range(lo, end), seen, (length + ttft_s) * rate)
+            for i in range(lo, hi):
+                seen.update(hashes[i])
+            s += length
+        forms[f"interval {length:g} s"] = total
+    best = min(forms.values())
+    return {"good_max": best, "submitted": n, "attainment": best / n, "forms": forms,
+            "never_fits": sorted(never), "never_fits_count": len(never), "horizon_s": horizon,
+            "rate": rate, "block": block_size,
+            "prompt_tokens": int(sum(r.prompt_len for r in ordered))}
