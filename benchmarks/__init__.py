@@ -4,10 +4,10 @@ it prints, and the one ``scripts/update_docs.py`` puts in ``docs/results.md`` an
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["measured", "num"]
+__all__ = ["knob_values", "measured", "num"]
 
 
 def measured(payload: Mapping[str, Any]) -> str:
@@ -35,3 +35,22 @@ def measured(payload: Mapping[str, Any]) -> str:
 def num(value: float | None, fmt: str = "{:.2f}") -> str:
     """``value`` formatted, or ``n/a`` when it was not measured."""
     return "n/a" if value is None else fmt.format(value)
+
+
+def knob_values(items: Sequence[str]) -> dict[str, Any]:
+    """``KNOB=VALUE`` strings (a command line's repeated ``--learned``) as keyword arguments: a number, a
+    boolean (``true``/``false``), else the name as given (``queue_time=off``). Raises ``ValueError`` on an
+    item without ``=VALUE``."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        if not key or not value:
+            raise ValueError(f"{item!r}: expected KNOB=VALUE")
+        if value.lower() in ("true", "false"):
+            out[key] = value.lower() == "true"
+        else:
+            try:
+                out[key] = float(value)
+            except ValueError:
+                out[key] = value
+    return out

@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks import measured
+from benchmarks import knob_values, measured
 from benchmarks.router_peers import (
     DOCS_PER_REPLICA,
     DOCS_PER_REPLICA_LARGE,
@@ -134,19 +134,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     grid = (("uniform", 4, (1.0,)),) if args.quick else GRID
     seeds = list(range(1 if args.quick else args.seeds))
     slo, slo2 = parse_goodput(args.slo), parse_goodput(args.slo2)
-    learned = {}
-    for item in args.learned:
-        key, _, value = item.partition("=")
-        if not value:
-            p.error(f"--learned {item!r}: expected KNOB=VALUE")
-        if value.lower() in ("true", "false"):
-            learned[key] = value.lower() == "true"
-        else:
-            try:
-                learned[key] = float(value)
-            except ValueError:
-                learned[key] = value  # a mode's name (queue_time=gate)
     try:
+        learned = knob_values(args.learned)
         LearnedRouter(**learned)
     except (TypeError, ValueError) as exc:
         p.error(f"--learned: {exc}")

@@ -98,10 +98,10 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from benchmarks import measured
+from benchmarks import knob_values, measured
 from benchmarks.router_peers import (
     REFERENCE,
     TUNE_SEED_BASE,
@@ -584,7 +584,7 @@ def settle_time(series: Sequence[dict[str, float]], key: str, reference: Sequenc
 def drift_share(engine: EngineConfig, pool: Workload, n: int, docs_per_replica: int, blocks: int,
                 slow_at: float, recover_at: float, factor: float, load: float, seeds: Sequence[int],
                 slo: dict[str, float], window_s: float, step_s: float,
-                log: Callable[[str], None]) -> dict[str, Any]:
+                log: Callable[[str], None], learned: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The issue's drift must-show: replica 0 of an equal fleet runs ``factor`` x slower (prefill and
     decode) from ``slow_at`` to ``recover_at`` seconds; ``blocks`` of :func:`drift_workload` at ``load`` x
     the equal fleet's capacity. Per seed, three runs: ours learned with the drift; ours informed with
@@ -592,7 +592,10 @@ def drift_share(engine: EngineConfig, pool: Workload, n: int, docs_per_replica: 
     ours informed on the equal fleet (the steady state after the recovery). Each run's replica-0 share
     and attainment per window (:func:`windowed`), the mean over seeds, and the seconds after the
     slowdown and after the recovery from which ours learned's windows stay within 5% (share: of the
-    reference's share; attainment: of the reference's attainment, relative)."""
+    reference's share; attainment: of the reference's attainment, relative). A fifth run, ours informed
+    told the drift as it happens (no learning lag), says what the event itself costs a router that
+    knows the speeds at every moment: its windows against the same references, and ours' against it.
+    ``learned``: knobs of ours learned off its defaults (both of its runs)."""
     equal = [ReplicaSpec()] * n
     drifted = [ReplicaSpec(drift=((slow_at, factor), (recover_at, 1.0)))] + [ReplicaSpec()] * (n - 1)
     slow = [ReplicaSpec(prefill_slowdown=factor, decode_slowdown=factor)] + [ReplicaSpec()] * (n - 1)
@@ -600,18 +603,20 @@ def drift_share(engine: EngineConfig, pool: Workload, n: int, docs_per_replica: 
     cap = capacity(engine, equal, Workload("first block", workload.requests[:len(workload) // blocks]))
     rate = load * cap["req_s"]
     runs: dict[str, list[list[dict[str, float]]]] = {"learned-drift": [], "informed-slow": [],
-                                                     "informed-equal": [], "learned-slow": []}
+                                                     "informed-equal": [], "learned-slow": [],
+                                                     "informed-drift": []}
     attain: dict[str, list[float]] = {k: [] for k in runs}
     end = math.inf
     for seed in seeds:
         timed = workload.with_arrivals(f"poisson:{rate}", seed)
         end = min(end, max(r.arrival_time for r in timed))
         for name, specs, informed in (("learned-drift", drifted, False), ("informed-slow", slow, True),
-                                      ("informed-equal", equal, True), ("learned-slow", slow, False)):
+                                      ("informed-equal", equal, True), ("learned-slow", slow, False),
+                                      ("informed-drift", drifted, True)):
             if informed:
                 router: ReplicaRouter = router_factories(specs, engine, slo)["prefix-informed"](seed)
             else:
-                router = LearnedRouter()
+                router = LearnedRouter(**(learned or {}))
             r = ClusterSim(n, engine, profiles=specs).run(timed, router, goodput=slo, scrape_s=0.0)
             runs[name].append(windowed(r, "0", window_s, step_s, max(x.arrival_time for x in timed)))
             attain[name].append(_attainment(r, len(timed)))
@@ -640,6 +645,15 @@ def drift_share(engine: EngineConfig, pool: Workload, n: int, docs_per_replica: 
     out["attainment_at_least_95pct_after_s"] = [
         settle_time(ours, "attainment", slow_ref, slow_at, recover_at, window_s, 0.05, "at-least"),
         settle_time(ours, "attainment", equal_ref, recover_at, end, window_s, 0.05, "at-least")]
+    # the cost of the event itself: ours informed, told the drift as it happens (no learning lag), against
+    # the same references; and ours against it
+    drift_ref = mean["informed-drift"]
+    out["informed_drift_at_least_95pct_after_s"] = [
+        settle_time(drift_ref, "attainment", slow_ref, slow_at, recover_at, window_s, 0.05, "at-least"),
+        settle_time(drift_ref, "attainment", equal_ref, recover_at, end, window_s, 0.05, "at-least")]
+    out["attainment_at_least_95pct_of_informed_drift_after_s"] = [
+        settle_time(ours, "attainment", drift_ref, slow_at, recover_at, window_s, 0.05, "at-least"),
+        settle_time(ours, "attainment", drift_ref, recover_at, end, window_s, 0.05, "at-least")]
     out["share_within_2pp_after_s"] = [
         settle_time(ours, "share", mean["informed-slow"], slow_at, recover_at, window_s, 0.02, "absolute"),
         settle_time(ours, "share", mean["informed-equal"], recover_at, end, window_s, 0.02, "absolute")]
@@ -658,10 +672,11 @@ SETTLE_TOLERANCES = (0.1, 0.2, 0.3)
 def render_drift_share(d: dict[str, Any]) -> str:
     """The drift must-show's figures in markdown."""
     rows = []
+    columns = [k for k in COLUMN_NAMES if k in d["mean"]]
     for i, w in enumerate(d["mean"]["learned-drift"]):
         rows.append([f"{w['t']:g}-{w['t'] + d['window_s']:g}"]
                     + [f"{100 * d['mean'][k][i]['share']:.1f}% / {100 * d['mean'][k][i]['attainment']:.1f}%"
-                       for k in ("learned-drift", "learned-slow", "informed-slow", "informed-equal")])
+                       for k in columns])
     def fmt(x: float | None) -> str:
         return "never" if x is None else f"{x:g} s"
 
@@ -684,12 +699,23 @@ def render_drift_share(d: dict[str, Any]) -> str:
                         f"{fmt(d[f'attainment_settles_within_{tol:g}'][0])} / "
                         f"{fmt(d[f'attainment_settles_within_{tol:g}'][1])}"
                         for tol in SETTLE_TOLERANCES if f"share_settles_within_{tol:g}" in d) + ". "
-            "Whole-run attainment (mean over seeds): "
+            + (f"Ours informed, told the drift as it happens, is at least 95% of the same references from "
+               f"{fmt(d['informed_drift_at_least_95pct_after_s'][0])} / "
+               f"{fmt(d['informed_drift_at_least_95pct_after_s'][1])}, and ours learned at least 95% of it "
+               f"from {fmt(d['attainment_at_least_95pct_of_informed_drift_after_s'][0])} / "
+               f"{fmt(d['attainment_at_least_95pct_of_informed_drift_after_s'][1])}. "
+               if "informed_drift_at_least_95pct_after_s" in d else "")
+            + "Whole-run attainment (mean over seeds): "
             + ", ".join(f"{k} {100 * statistics.fmean(v):.1f}%" for k, v in d["attainment"].items()) + ".")
     return "\n".join([head, "", "Replica 0's routed share / the fleet's attainment of the window's arrivals "
                        "(mean over seeds):", "",
-                       format_table(["window s", "learned, drift", "learned, slow throughout",
-                                     "informed, slow throughout", "informed, equal"], rows)])
+                       format_table(["window s", *(COLUMN_NAMES[k] for k in columns)], rows)])
+
+
+#: :func:`render_drift_share`'s column of each run.
+COLUMN_NAMES = {"learned-drift": "learned, drift", "learned-slow": "learned, slow throughout",
+                "informed-slow": "informed, slow throughout", "informed-equal": "informed, equal",
+                "informed-drift": "informed, told the drift"}
 
 
 #: The routers whose cost per request is measured (``--cost-replicas``).
@@ -998,6 +1024,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--share-load", type=float, default=0.8)
     p.add_argument("--share-window", type=float, default=20.0)
     p.add_argument("--share-step", type=float, default=10.0)
+    p.add_argument("--share-learned", action="append", default=[], metavar="KNOB=VALUE",
+                   help="--drift-share: a knob of ours learned off its default (repeatable)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
@@ -1020,10 +1048,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     pool = load_workload(WorkloadConfig(kind="leval", max_prompt_tokens=8192))
     n, seeds = args.replicas, list(range(args.seeds))
     if args.drift_share:
+        try:
+            learned = knob_values(args.share_learned)
+            LearnedRouter(**learned)
+        except (TypeError, ValueError) as exc:
+            p.error(f"--share-learned: {exc}")
         d = drift_share(engine, pool, n, args.docs_per_replica, args.share_blocks, args.share_slow_at,
                         args.share_recover_at, args.share_factor, args.share_load, seeds, slo,
-                        args.share_window, args.share_step, log)
+                        args.share_window, args.share_step, log, learned)
         res = {"benchmark": "unequal_replicas --drift-share", "machine": machine_info(), "replicas": n,
+               "learned": learned,
                "docs_per_replica": args.docs_per_replica, "seeds": seeds, "slo": slo,
                "command": "python -m benchmarks.unequal_replicas " + shlex.join(
                    argv if argv is not None else sys.argv[1:]), **d,

@@ -269,9 +269,9 @@ BLOCKS: dict[str, Block] = {
         "unequal_loopback_seed1", "unequal_loopback_seed2",
         *(f"unequal_loopback_worklru_seed{s}" for s in range(4)),
         *(f"unequal_loopback_service_seed{s}" for s in range(4)))},
-    "unequal_drift_share": Block("docs/results.md", from_json("unequal_drift_share.json",
-                                                              "benchmarks.unequal_replicas",
-                                                              "render_drift_share")),
+    **{name: Block("docs/results.md", from_json(f"{name}.json", "benchmarks.unequal_replicas",
+                                                "render_drift_share"))
+       for name in ("unequal_drift_share", "unequal_drift_share_seeds24")},
     "load_matched_headline": Block("README.md", from_json("load_matched.json", "benchmarks.load_matched",
                                                           "render_headline")),
     "env_manual": Block("docs/env.md", render_env_manual),

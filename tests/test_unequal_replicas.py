@@ -698,3 +698,23 @@ def test_told_each_request_s_queue_time_equal_replicas_stay_equal_and_slow_ones_
     assert slow.moved > 0.8 * slow.decisions
     est = {r: e["prefill_tok_s"] for r, e in slow.estimates().items()}
     assert 2.0 * max(est["1"], est["3"]) < min(est["0"], est["2"])
+
+
+def test_the_drift_share_takes_ours_learned_knobs_and_refuses_unknown_ones(data_dir):
+    """``--drift-share --share-learned KNOB=VALUE``: ours learned's two runs use the knob (the JSON says
+    which), a different knob changes what ours learned does, and a knob it lacks is a usage error."""
+    from benchmarks import unequal_replicas
+
+    args = ["--drift-share", "--replicas", "4", "--docs-per-replica", "2", "--share-blocks", "2",
+            "--seeds", "1", "--share-slow-at", "4", "--share-recover-at", "8", "--share-load", "0.9",
+            "--share-window", "2", "--share-step", "1"]
+    base = unequal_replicas.main(args)
+    fast = unequal_replicas.main([*args, "--share-learned", "tau_s=1", "--share-learned", "band=0"])
+    assert base["learned"] == {} and fast["learned"] == {"tau_s": 1.0, "band": 0.0}
+    for ref in ("informed-slow", "informed-equal"):  # the references do not move
+        assert fast["runs"][ref] == base["runs"][ref]
+    assert base["runs"]["learned-drift"][0] and fast["runs"]["learned-drift"] != base["runs"]["learned-drift"]
+    with pytest.raises(SystemExit):
+        unequal_replicas.main([*args, "--share-learned", "no_such_knob=1"])
+    with pytest.raises(SystemExit):
+        unequal_replicas.main([*args, "--share-learned", "tau_s"])
