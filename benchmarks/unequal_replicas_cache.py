@@ -123,6 +123,8 @@ VARIANTS: dict[str, Callable[[], ReplicaRouter]] = {
         queue_time="service", cache_factor=1.25, homogeneous_cache=True),
     "learned, cache 1.25 x KV while homogeneous, fleet noise z 1.645": lambda: _off(
         cache_factor=1.25, homogeneous_cache=True, fleet_z=1.645),
+    "learned, queue time, cache 1.25 x KV while homogeneous, fleet noise z 1.645": lambda: LearnedRouter(
+        queue_time="service", cache_factor=1.25, homogeneous_cache=True, fleet_z=1.645),
     # the guard's study counted whole prompts (then the default)
     "learned, KV guard, fill 1": lambda: _off(kv_guard=True, kv_fill=1.0, work_cache_factor=0.0),
     "learned, KV guard, fill 0.9": lambda: _off(kv_guard=True, kv_fill=0.9, work_cache_factor=0.0),

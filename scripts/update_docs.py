@@ -263,7 +263,8 @@ BLOCKS: dict[str, Block] = {
     "equal_learned": _result("equal_learned"),
     **{name: _result(name, "equal_learned") for name in (
         "equal_learned_cache125", "equal_learned_band10", "equal_learned_fleet_z",
-        "equal_learned_queue_time", "equal_learned_queue_service")},
+        "equal_learned_queue_time", "equal_learned_queue_service",
+        "equal_learned_queue_fleet_z_homogeneous")},
     **{name: _result(name, "routing_headroom") for name in ("routing_headroom_load1", "routing_headroom_kv")},
     **{name: _result(name, "unequal_loopback") for name in (
         "unequal_loopback_seed1", "unequal_loopback_seed2",
