@@ -92,42 +92,51 @@ def hit_counts(texts: Sequence[str]) -> tuple[float, float]:
     return hits, queries
 
 
-async def drive(url: str, requests: Sequence[tuple[str, int]], model: str = MODEL) -> dict[str, Any]:
+async def drive(url: str, requests: Sequence[tuple[str, int]], model: str = MODEL,
+                until_s: float | None = None) -> dict[str, Any]:
     """Every request, at most :data:`CONCURRENCY` in flight; completions and output tokens/s, and each
-    request's ``ttft_s`` (send to first token; ``None``: none came), ``e2e_s``, ``tokens`` and
-    ``completed`` (every token it asked for), under ``requests``, in order."""
+    request's ``sent_s`` (from the start), ``ttft_s`` (send to first token; ``None``: none came),
+    ``e2e_s``, ``tokens`` and ``completed`` (every token it asked for), under ``requests``, in order.
+    ``until_s``: instead, the requests again and again in their order, each of the :data:`CONCURRENCY`
+    clients sending its next one until ``until_s`` seconds have passed (a closed loop of fixed length)."""
     import aiohttp
 
-    semaphore = asyncio.Semaphore(CONCURRENCY)
     done = tokens = 0
-    each: list[dict[str, Any]] = [{} for _ in requests]
+    each: dict[int, dict[str, Any]] = {}
+    issued = 0
+    t0 = time.monotonic()
 
     async def one(session: aiohttp.ClientSession, i: int, prompt: str, n: int) -> None:
         nonlocal done, tokens
         body = {"model": model, "prompt": prompt, "max_tokens": n, "min_tokens": n, "ignore_eos": True,
                 "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
-        async with semaphore:
-            sent, first, got = time.monotonic(), None, 0
-            async with session.post(url + "/v1/completions", json=body) as resp:
-                async for event in sse_events(resp.content):
-                    if event is SSE_DONE:
-                        continue
-                    if first is None and event.get("choices"):
-                        first = time.monotonic()
-                    usage = event.get("usage")
-                    got = usage["completion_tokens"] if usage else got
-                ok = resp.status == 200 and got == n
-            done += ok
-            tokens += got
-            each[i] = {"ttft_s": None if first is None else first - sent, "e2e_s": time.monotonic() - sent,
-                       "tokens": got, "completed": ok}
+        sent, first, got = time.monotonic(), None, 0
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            async for event in sse_events(resp.content):
+                if event is SSE_DONE:
+                    continue
+                if first is None and event.get("choices"):
+                    first = time.monotonic()
+                usage = event.get("usage")
+                got = usage["completion_tokens"] if usage else got
+            ok = resp.status == 200 and got == n
+        done += ok
+        tokens += got
+        each[i] = {"sent_s": sent - t0, "ttft_s": None if first is None else first - sent,
+                   "e2e_s": time.monotonic() - sent, "tokens": got, "completed": ok}
 
-    t0 = time.monotonic()
+    async def client(session: aiohttp.ClientSession) -> None:
+        nonlocal issued
+        while (issued < len(requests)) if until_s is None else (time.monotonic() - t0 < until_s):
+            i = issued
+            issued += 1
+            await one(session, i, *requests[i % len(requests)])
+
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
-        await asyncio.gather(*(one(session, i, p, n) for i, (p, n) in enumerate(requests)))
+        await asyncio.gather(*(client(session) for _ in range(min(CONCURRENCY, max(1, len(requests))))))
     wall = time.monotonic() - t0
-    return {"completed": done, "submitted": len(requests), "output_tokens": tokens, "wall_s": wall,
-            "output_throughput": tokens / wall, "requests": each}
+    return {"completed": done, "submitted": len(each), "output_tokens": tokens, "wall_s": wall,
+            "output_throughput": tokens / wall, "requests": [each[i] for i in sorted(each)]}
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[bytes], deadline: float, failure: str,

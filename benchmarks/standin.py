@@ -14,7 +14,8 @@ naming stand-ins by their ``--name`` (default: the port): ``die_on`` (a list: ex
 answering), ``hang_on`` (never answer), ``die_after`` (``{name: k}``: exit after ``k`` streamed chunks),
 ``delay_s`` (wait before answering), ``linger_s`` (hold a stream's end back after its ``[DONE]``).
 ``GET /standin/served`` lists the ``user`` field of every request it answered in full, so a test can check
-that nothing is served twice.
+that nothing is served twice. ``POST /standin/pace`` with ``{"factor": f}`` makes a paced stand-in ``f`` x
+slower from then on (1: its own pace again), as a busy neighbour slows an engine.
 
 Paced (``--prefill-ms-per-1k``, ``--decode-ms``, ``--kv-blocks``; :class:`StandIn`'s arguments), a
 stand-in is an engine of a given speed and KV size, to feed a router that learns them: prefills are
@@ -86,6 +87,8 @@ class StandIn:
         self.prefill_s_per_token, self.decode_s_per_token = prefill_s_per_token, decode_s_per_token
         self.kv_blocks, self.block_size = kv_blocks, block_size
         self.paced = bool(prefill_s_per_token or decode_s_per_token or kv_blocks is not None)
+        #: every paced sleep is multiplied by this (``POST /standin/pace {"factor": f}``: a slowdown)
+        self.pace = 1.0
         #: vLLM's request-level sums of what it served (:func:`vllm_metrics_text`)
         self.sums: dict[str, float] = dict.fromkeys(("queue", "prefill", "decode", "generation"), 0.0)
         self._prefill_lock = asyncio.Lock()
@@ -99,6 +102,7 @@ class StandIn:
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/reset_prefix_cache", self.health)
         app.router.add_get("/standin/served", self.served_list)
+        app.router.add_post("/standin/pace", self.set_pace)
         return app
 
     async def health(self, request: web.Request) -> web.Response:
@@ -110,6 +114,13 @@ class StandIn:
 
     async def served_list(self, request: web.Request) -> web.Response:
         return web.json_response(self.served)
+
+    async def set_pace(self, request: web.Request) -> web.Response:
+        factor = float((await request.json()).get("factor", 1.0))
+        if not factor > 0:
+            return web.json_response({"error": "factor must be > 0"}, status=400)
+        self.pace = factor
+        return web.json_response({"pace": factor})
 
     async def metrics(self, request: web.Request) -> web.Response:
         if self.paced:
@@ -153,7 +164,7 @@ class StandIn:
             if die_after is not None and i >= int(die_after):
                 os._exit(1)
             if self.decode_s_per_token and 0 < i < tokens:
-                await asyncio.sleep(self.decode_s_per_token)
+                await asyncio.sleep(self.decode_s_per_token * self.pace)
             await response.write(event.encode())
         if self.paced:
             self._decoded(body, first)
@@ -169,7 +180,7 @@ class StandIn:
         arrived = time.monotonic()
         async with self._prefill_lock:
             started = time.monotonic()
-            await asyncio.sleep(self.prefill_s_per_token * _usage(body)["prompt_tokens"])
+            await asyncio.sleep(self.prefill_s_per_token * _usage(body)["prompt_tokens"] * self.pace)
         first = time.monotonic()
         self.sums["queue"] += started - arrived
         self.sums["prefill"] += first - started
@@ -177,7 +188,7 @@ class StandIn:
 
     async def _decode(self, body: dict[str, Any], first: float) -> None:
         for _ in range(int(body.get("max_tokens") or 16) - 1):
-            await asyncio.sleep(self.decode_s_per_token)
+            await asyncio.sleep(self.decode_s_per_token * self.pace)
         self._decoded(body, first)
 
     def _decoded(self, body: dict[str, Any], first: float) -> None:

@@ -120,23 +120,25 @@ def noisy_neighbour(core: str) -> Iterator[subprocess.Popen[bytes]]:
 
 
 @contextlib.contextmanager
-def ours_over(urls: Sequence[str], log_path: Path, kv_guard: bool = False) -> Iterator[str]:
-    """``feather-serve --worker-urls`` in front of ``urls`` (``--router prefix-learned``, told nothing;
-    ``--kv-guard`` with ``kv_guard``);
-    its URL once it reports a healthy replica and has read each replica's ``/metrics`` once (its first
-    scrape, 1 s; at most 30 s), as a front end that has started."""
+def ours_over(urls: Sequence[str], log_path: Path, kv_guard: bool = False,
+              router: str = "prefix-learned") -> Iterator[str]:
+    """``feather-serve --worker-urls`` in front of ``urls`` (``--router prefix-learned``, told nothing, or
+    ``router``; ``--kv-guard`` with ``kv_guard``);
+    its URL once it reports a healthy replica and, learning, has read each replica's ``/metrics`` once
+    (its first scrape, 1 s; at most 30 s), as a front end that has started."""
     port = free_port()
     with log_path.open("wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "scheduler_runtime.serving.serve", "--port", str(port),
-                                 "--router", "prefix-learned", *(["--kv-guard"] if kv_guard else []),
+                                 "--router", router, *(["--kv-guard"] if kv_guard else []),
                                  "--worker-urls", *urls], cwd=REPO, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
         try:
             url = f"http://127.0.0.1:{port}"
             wait_healthy(url, proc, time.monotonic() + 120, f"the proxy did not start (see {log_path})", 0.2)
             deadline = time.monotonic() + 30  # ready once it has read every replica's /metrics once
-            while time.monotonic() < deadline and not all((r.get("estimates") or {}).get("kv_tokens")
-                                                          for r in json.loads(http_get(url + "/replicas"))):
+            while (router == "prefix-learned" and time.monotonic() < deadline
+                   and not all((r.get("estimates") or {}).get("kv_tokens")
+                               for r in json.loads(http_get(url + "/replicas")))):
                 time.sleep(0.2)
             yield url
         finally:

@@ -258,7 +258,8 @@ BLOCKS: dict[str, Block] = {
         "unequal_replicas_seeds12", "unequal_replicas_zipf_seeds12", "unequal_replicas_mooncake_seeds12",
         "unequal_replicas_mooncake16_seeds12", "unequal_router_cost",
         *(f"unequal_replicas_{w}seeds12_service" for w in ("", "zipf_", "mooncake_", "mooncake16_")))},
-    **{name: _result(name) for name in ("routing_headroom", "routing_agents", "unequal_loopback")},
+    **{name: _result(name) for name in ("routing_headroom", "routing_agents", "unequal_loopback",
+                                        "drift_loopback")},
     "frontend_overhead_learned": _result("frontend_overhead_learned", "frontend_overhead"),
     "equal_learned": _result("equal_learned"),
     **{name: _result(name, "equal_learned") for name in (
@@ -266,6 +267,7 @@ BLOCKS: dict[str, Block] = {
         "equal_learned_queue_time", "equal_learned_queue_service",
         "equal_learned_queue_fleet_z_homogeneous")},
     **{name: _result(name, "routing_headroom") for name in ("routing_headroom_load1", "routing_headroom_kv")},
+    "drift_loopback_fresh": _result("drift_loopback_fresh", "drift_loopback"),
     **{name: _result(name, "unequal_loopback") for name in (
         "unequal_loopback_seed1", "unequal_loopback_seed2",
         *(f"unequal_loopback_worklru_seed{s}" for s in range(4)),
