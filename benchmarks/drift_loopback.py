@@ -55,7 +55,14 @@ from typing import Any
 from benchmarks import measured
 from benchmarks.admission_burst import tpot_s
 from benchmarks.cluster_server import http_get
-from benchmarks.frontend_loopback import CONCURRENCY, drive, plain_replicas, replica_cores, requests_for
+from benchmarks.frontend_loopback import (
+    CONCURRENCY,
+    chosen_front_ends,
+    drive,
+    plain_replicas,
+    replica_cores,
+    requests_for,
+)
 from benchmarks.standin import MODEL as STANDIN_MODEL
 from benchmarks.standin import standin_command
 from benchmarks.unequal_loopback import noisy_neighbour, ours_over, standin_requests
@@ -346,9 +353,7 @@ def main(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = 
     p.add_argument("--out", default="runs/drift-loopback")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    chosen = [f.strip() for f in args.front_ends.split(",") if f.strip()]
-    if not chosen or set(chosen) - set(ROUTERS) or args.repeats < 1:
-        p.error(f"--front-ends: some of {list(ROUTERS)}; --repeats >= 1")
+    chosen = chosen_front_ends(p, args.front_ends, list(ROUTERS), args.repeats)
     if not 0 < args.slow_at < args.recover_at < args.end or not 1 <= args.documents <= 30:
         p.error("0 < --slow-at < --recover-at < --end, --documents from 1 to 30")
     if not (args.window > 0 and args.poll > 0 and args.standin_factor > 0):

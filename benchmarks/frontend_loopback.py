@@ -139,6 +139,16 @@ async def drive(url: str, requests: Sequence[tuple[str, int]], model: str = MODE
             "output_throughput": tokens / wall, "requests": [each[i] for i in sorted(each)]}
 
 
+def chosen_front_ends(p: argparse.ArgumentParser, value: str, allowed: Sequence[str],
+                      repeats: int) -> list[str]:
+    """A loopback benchmark's comma-separated ``--front-ends``, some of ``allowed``; a usage error through
+    ``p`` for none, an unknown one, or ``--repeats`` under 1."""
+    chosen = [f.strip() for f in value.split(",") if f.strip()]
+    if not chosen or set(chosen) - set(allowed) or repeats < 1:
+        p.error(f"--front-ends: some of {list(allowed)}; --repeats >= 1")
+    return chosen
+
+
 def wait_healthy(url: str, proc: subprocess.Popen[bytes], deadline: float, failure: str,
                  period_s: float = 1.0) -> None:
     """Until ``url``'s ``/health`` answers 200; ``RuntimeError(failure)`` if ``proc`` exits first or the
@@ -245,9 +255,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", default="runs/frontend-loopback")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    chosen = [f.strip() for f in args.front_ends.split(",") if f.strip()]
-    if not chosen or set(chosen) - set(FRONT_ENDS) or args.repeats < 1:
-        p.error(f"--front-ends: some of {list(FRONT_ENDS)}; --repeats >= 1")
+    chosen = chosen_front_ends(p, args.front_ends, FRONT_ENDS, args.repeats)
     requests = requests_for(args.seed)
     runs = [run_once(f, requests, Path(args.out) / f"{f}-{i}") for i in range(args.repeats) for f in chosen]
     median = {}

@@ -69,6 +69,7 @@ from benchmarks.admission_burst import percentile, tpot_s
 from benchmarks.cluster_server import REPO, free_port, http_get
 from benchmarks.frontend_loopback import (
     CONCURRENCY,
+    chosen_front_ends,
     drive,
     hit_counts,
     plain_replicas,
@@ -313,9 +314,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", default="runs/unequal-loopback")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    chosen = [f.strip() for f in args.front_ends.split(",") if f.strip()]
-    if not chosen or set(chosen) - set(FRONT_ENDS) or args.repeats < 1:
-        p.error(f"--front-ends: some of {list(FRONT_ENDS)}; --repeats >= 1")
+    chosen = chosen_front_ends(p, args.front_ends, list(FRONT_ENDS), args.repeats)
     if args.small_kv_tokens < 1 or not args.kv_ratio >= 1 or not 1 <= args.documents <= 30:
         p.error("--small-kv-tokens >= 1, --kv-ratio >= 1, --documents from 1 to 30")
     specs = args.slo or [ISSUE_SLO, AUTO]
