@@ -318,7 +318,11 @@ def test_the_drift_must_show_measures_the_slow_replicas_share(tmp_path, data_dir
     out = unequal_replicas.main(["--drift-share", "--quick", "--share-blocks", "3", "--share-slow-at", "6",
                                  "--share-recover-at", "12", "--share-window", "3", "--share-step", "3",
                                  "--json", str(tmp_path / "d.json")])
-    assert set(out["mean"]) == {"learned-drift", "learned-slow", "informed-slow", "informed-equal"}
+    assert set(out["mean"]) == {"learned-drift", "learned-slow", "informed-slow", "informed-equal",
+                                "informed-drift"}
+    # the router told the drift as it happens, against the same references, and ours against it
+    assert len(out["informed_drift_at_least_95pct_after_s"]) == 2
+    assert len(out["attainment_at_least_95pct_of_informed_drift_after_s"]) == 2
     for series in out["mean"].values():
         assert [w["t"] for w in series] == [3.0 * i for i in range(len(series))]
         assert all(0.0 <= w["share"] <= 1.0 for w in series if math.isfinite(w["share"]))
@@ -326,6 +330,9 @@ def test_the_drift_must_show_measures_the_slow_replicas_share(tmp_path, data_dir
     slow = [w["share"] for w in out["mean"]["informed-slow"]]
     equal = [w["share"] for w in out["mean"]["informed-equal"]]
     assert np.nanmean(slow) < np.nanmean(equal)
+    # told the drift as it happens, ours routes as on the equal fleet until the drift begins (6 s)
+    drift, same = out["mean"]["informed-drift"], out["mean"]["informed-equal"]
+    assert [w["share"] for w in drift[:2]] == [w["share"] for w in same[:2]]
     assert (tmp_path / "d.json").exists()
 
 
