@@ -587,9 +587,10 @@ def drift_share(engine: EngineConfig, pool: Workload, n: int, docs_per_replica: 
                 log: Callable[[str], None], learned: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The issue's drift must-show: replica 0 of an equal fleet runs ``factor`` x slower (prefill and
     decode) from ``slow_at`` to ``recover_at`` seconds; ``blocks`` of :func:`drift_workload` at ``load`` x
-    the equal fleet's capacity. Per seed, three runs: ours learned with the drift; ours informed with
+    the equal fleet's capacity. Per seed, these runs: ours learned with the drift; ours informed with
     replica 0 slow from the start to the end (the steady state of the slow phase, ours told its speed);
-    ours informed on the equal fleet (the steady state after the recovery). Each run's replica-0 share
+    ours informed on the equal fleet (the steady state after the recovery); ours learned with replica 0
+    slow throughout. Each run's replica-0 share
     and attainment per window (:func:`windowed`), the mean over seeds, and the seconds after the
     slowdown and after the recovery from which ours learned's windows stay within 5% (share: of the
     reference's share; attainment: of the reference's attainment, relative). A fifth run, ours informed
@@ -634,34 +635,31 @@ def drift_share(engine: EngineConfig, pool: Workload, n: int, docs_per_replica: 
                            "slow_at_s": slow_at, "recover_at_s": recover_at, "factor": factor, "load": load,
                            "window_s": window_s, "step_s": step_s, "attainment": attain, "mean": mean,
                            "runs": runs}
+    slow_ref, equal_ref = mean["informed-slow"], mean["informed-equal"]
+
+    def both(series: Sequence[dict[str, float]], key: str, tol: float, mode: str = "relative",
+             refs: tuple[Sequence[dict[str, float]], Sequence[dict[str, float]]] = (slow_ref, equal_ref)
+             ) -> list[float | None]:
+        """:func:`settle_time` of ``series`` after the slowdown (against ``refs[0]``, until the recovery)
+        and after the recovery (against ``refs[1]``, until the last arrival)."""
+        return [settle_time(series, key, refs[0], slow_at, recover_at, window_s, tol, mode),
+                settle_time(series, key, refs[1], recover_at, end, window_s, tol, mode)]
+
     for key in ("share", "attainment"):
-        out[f"{key}_settles_after_slowdown_s"] = settle_time(ours, key, mean["informed-slow"], slow_at,
-                                                            recover_at, window_s, 0.05)
-        out[f"{key}_settles_after_recovery_s"] = settle_time(ours, key, mean["informed-equal"], recover_at,
-                                                            end, window_s, 0.05)
+        out[f"{key}_settles_after_slowdown_s"], out[f"{key}_settles_after_recovery_s"] = both(ours, key, 0.05)
     # the issue's reading: ours' attainment no more than 5% below the reference's; the share within 2
     # points (a window's share is a few dozen requests)
-    slow_ref, equal_ref = mean["informed-slow"], mean["informed-equal"]
-    out["attainment_at_least_95pct_after_s"] = [
-        settle_time(ours, "attainment", slow_ref, slow_at, recover_at, window_s, 0.05, "at-least"),
-        settle_time(ours, "attainment", equal_ref, recover_at, end, window_s, 0.05, "at-least")]
+    out["attainment_at_least_95pct_after_s"] = both(ours, "attainment", 0.05, "at-least")
     # the cost of the event itself: ours informed, told the drift as it happens (no learning lag), against
     # the same references; and ours against it
     drift_ref = mean["informed-drift"]
-    out["informed_drift_at_least_95pct_after_s"] = [
-        settle_time(drift_ref, "attainment", slow_ref, slow_at, recover_at, window_s, 0.05, "at-least"),
-        settle_time(drift_ref, "attainment", equal_ref, recover_at, end, window_s, 0.05, "at-least")]
-    out["attainment_at_least_95pct_of_informed_drift_after_s"] = [
-        settle_time(ours, "attainment", drift_ref, slow_at, recover_at, window_s, 0.05, "at-least"),
-        settle_time(ours, "attainment", drift_ref, recover_at, end, window_s, 0.05, "at-least")]
-    out["share_within_2pp_after_s"] = [
-        settle_time(ours, "share", mean["informed-slow"], slow_at, recover_at, window_s, 0.02, "absolute"),
-        settle_time(ours, "share", mean["informed-equal"], recover_at, end, window_s, 0.02, "absolute")]
+    out["informed_drift_at_least_95pct_after_s"] = both(drift_ref, "attainment", 0.05, "at-least")
+    out["attainment_at_least_95pct_of_informed_drift_after_s"] = both(ours, "attainment", 0.05, "at-least",
+                                                                      (drift_ref, drift_ref))
+    out["share_within_2pp_after_s"] = both(ours, "share", 0.02, "absolute")
     for key in ("share", "attainment"):
         for tol in SETTLE_TOLERANCES:  # looser bands: a window's share is a few dozen requests
-            out[f"{key}_settles_within_{tol:g}"] = [
-                settle_time(ours, key, mean["informed-slow"], slow_at, recover_at, window_s, tol),
-                settle_time(ours, key, mean["informed-equal"], recover_at, end, window_s, tol)]
+            out[f"{key}_settles_within_{tol:g}"] = both(ours, key, tol)
     return out
 
 
