@@ -228,16 +228,15 @@ def fleet_attainment_bound(sim: ClusterSim, timed: Workload, ttft_s: float,
     replica holds which prefix (one cache for all), so the bound holds for every router, told the
     future or not. It says nothing of the TPOT SLO.
     """
+    replicas = [ReplicaSim(name, sim.engine, sim.config, sim.profile, spec)
+                for name, spec in zip(sim.names, sim.specs, strict=True)]
+    c0, c1, c2, _, _, c5 = (float(c) for c in replicas[0].model.coef)  # one profile; the specs scale it
     peaks = []
-    c2 = c5 = 0.0
-    for name, spec in zip(sim.names, sim.specs, strict=True):
-        replica = ReplicaSim(name, sim.engine, sim.config, sim.profile, spec)
-        coef = [float(c) for c in replica.model.coef]
-        c2, c5 = coef[2], coef[5]  # one calibrated model for the fleet; the specs scale it
-        times = [0.0, *(t for t, _ in spec.drift)]
-        pre = min(spec.slowdowns_at(t)[0] for t in times) * replica.time_scale
-        dec = min(spec.slowdowns_at(t)[1] for t in times) * replica.time_scale
-        peaks.append((replica.sim_config.max_num_batched_tokens, dec * (coef[0] + coef[1]), pre))
+    for replica in replicas:
+        times = [0.0, *(t for t, _ in replica.spec.drift)]
+        pre = min(replica.spec.slowdowns_at(t)[0] for t in times) * replica.time_scale
+        dec = min(replica.spec.slowdowns_at(t)[1] for t in times) * replica.time_scale
+        peaks.append((replica.sim_config.max_num_batched_tokens, dec * (c0 + c1), pre))
 
     def work(start: int, n: int) -> float:
         return c2 * n + c5 * (n * start + n * (n + 1) / 2.0)
