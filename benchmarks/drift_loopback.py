@@ -236,39 +236,37 @@ def windows(run: Mapping[str, Any], window_s: float, slo: Mapping[str, float]) -
     return out
 
 
-def phase_figures(run: Mapping[str, Any], slo: Mapping[str, float]) -> dict[str, dict[str, Any]]:
-    """Per phase (before the slowdown, slowed, after the recovery, at the times it really changed):
-    replica 1's share of the requests answered, attainment and median TTFT of the requests sent."""
+def phase_bounds(run: Mapping[str, Any]) -> dict[str, tuple[float, float]]:
+    """Each phase's ``[start, end)`` in seconds of the run, at the times it really changed (a change that
+    did not happen: ``inf``)."""
     marks = dict(run["changes"])
-    bounds = {"before": (0.0, marks.get("slowed", math.inf)),
-              "slowed": (marks.get("slowed", math.inf), marks.get("after", math.inf)),
-              "after": (marks.get("after", math.inf), math.inf)}
+    slowed, after = marks.get("slowed", math.inf), marks.get("after", math.inf)
+    return {"before": (0.0, slowed), "slowed": (slowed, after), "after": (after, math.inf)}
+
+
+def phase_figures(run: Mapping[str, Any], slo: Mapping[str, float]) -> dict[str, dict[str, Any]]:
+    """Per phase (:func:`phase_bounds`): replica 1's share of the requests answered, attainment and median
+    TTFT of the requests sent."""
     return {phase: {"share_1": _share(run["readings"], lo, hi), **_sent(run, lo, hi, slo)}
-            for phase, (lo, hi) in bounds.items()}
+            for phase, (lo, hi) in phase_bounds(run).items()}
 
 
 def settle_after(run: Mapping[str, Any], tol: float = 0.25) -> dict[str, float | None]:
     """Seconds after the slowdown and after the recovery until replica 1's learned speed ratio is within
     ``tol`` (relative) of where that phase ends up (the mean of its last two readings) and stays so to the
     phase's end; ``None``: never, or nothing learned."""
-    marks = dict(run["changes"])
-    ends = {"slowed": ("after", marks.get("after")), "after": (None, math.inf)}
+    bounds = phase_bounds(run)
     out: dict[str, float | None] = {}
     for phase in ("slowed", "after"):
-        lo, hi = marks.get(phase), ends[phase][1]
-        if lo is None or hi is None:
-            out[phase] = None
-            continue
+        lo, hi = bounds[phase]
         series = [(r["t"], x) for r in run["readings"] if lo <= r["t"] < hi and (x := _ratio(r)) is not None]
-        if len(series) < 3:
-            out[phase] = None
-            continue
-        target = statistics.fmean(x for _, x in series[-2:])
         settled = None
-        for t, x in reversed(series):
-            if abs(x - target) > tol * target:
-                break
-            settled = t - lo
+        if len(series) >= 3:
+            target = statistics.fmean(x for _, x in series[-2:])
+            for t, x in reversed(series):
+                if abs(x - target) > tol * target:
+                    break
+                settled = t - lo
         out[phase] = settled
     return out
 
