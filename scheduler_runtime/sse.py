@@ -22,8 +22,8 @@ import re
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from typing import Any
 
-__all__ = ["SSE_DONE", "UsageStrip", "ask_usage", "needs_usage", "sse_events", "stream_output_tokens",
-           "stream_queue_seconds"]
+__all__ = ["DONE_EVENT", "SSE_DONE", "UsageStrip", "ask_usage", "ends_stream", "needs_usage", "sse_events",
+           "stream_output_tokens", "stream_queue_seconds"]
 
 
 class _Done:
@@ -35,6 +35,17 @@ class _Done:
 
 #: What :func:`sse_events` yields last for a stream that ended with ``data: [DONE]``.
 SSE_DONE: Any = _Done()
+
+#: The event that ends an OpenAI-style stream, as a server writes it.
+DONE_EVENT = "data: [DONE]\n\n"
+_DONE_BYTES = DONE_EVENT.encode()
+
+
+def ends_stream(chunk: str | bytes) -> bool:
+    """Whether ``chunk``, the last one written to a client, ends with :data:`DONE_EVENT`: the client then
+    has the whole answer (a front end counts it served, even if the client leaves before the end of the
+    chunked body, as SSE clients do)."""
+    return chunk.endswith(_DONE_BYTES if isinstance(chunk, bytes) else DONE_EVENT)
 
 
 async def sse_events(lines: AsyncIterable[bytes]) -> AsyncIterator[Any]:

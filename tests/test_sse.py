@@ -114,3 +114,14 @@ def test_usage_is_asked_only_of_a_stream_whose_client_chose_no_stream_options():
                  {"prompt": "hi", "stream": True, "stream_options": {"include_usage": False}},
                  {"prompt": "hi", "stream": True, "stream_options": None}):
         assert ask_usage(json.dumps(body).encode(), body) is None
+
+
+def test_a_stream_ends_with_its_done_event_whether_bytes_or_text():
+    from scheduler_runtime.serving.admission_http import sse_error
+    from scheduler_runtime.sse import DONE_EVENT, ends_stream
+
+    assert DONE_EVENT == "data: [DONE]\n\n"
+    for last in ('data: {"choices":[]}\n\n' + DONE_EVENT, sse_error({"error": {"message": "x"}})):
+        assert ends_stream(last) and ends_stream(last.encode())
+    for cut in ("data: [DONE]\n", 'data: {"choices":[]}\n\n', ""):
+        assert not ends_stream(cut) and not ends_stream(cut.encode())

@@ -57,6 +57,7 @@ from scheduler_runtime.admission import (
 )
 from scheduler_runtime.config import ConfigError
 from scheduler_runtime.serving.cluster_base import error_body, flag_value, replica_kv_tokens
+from scheduler_runtime.sse import DONE_EVENT
 
 __all__ = ["ADMISSION_HEADER", "ADMISSION_PATHS", "DEFAULT_PROFILE", "ENV_VAR", "SLO_HEADERS", "TPOT_HEADER",
            "TTFT_HEADER", "WATCH_PERIOD_S", "AdmissionGate", "AdmissionMiddleware", "AdmissionSettings",
@@ -328,7 +329,7 @@ def deadline_error() -> dict[str, Any]:
 
 def sse_error(error: Mapping[str, Any]) -> str:
     """A stream's end on an error: the SSE event ``data: {"error": ...}`` then ``data: [DONE]``."""
-    return f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n"
+    return f"data: {json.dumps(error)}\n\n{DONE_EVENT}"
 
 
 class DeadlineAborted(Exception):

@@ -119,7 +119,14 @@ from scheduler_runtime.serving.cluster_base import (
 )
 from scheduler_runtime.serving.ray_router import LearnedRequestRouter, PrefixRequestRouter
 from scheduler_runtime.serving.vllm_metrics import parse_vllm_metrics
-from scheduler_runtime.sse import UsageStrip, needs_usage, stream_output_tokens, stream_queue_seconds
+from scheduler_runtime.sse import (
+    DONE_EVENT,
+    UsageStrip,
+    ends_stream,
+    needs_usage,
+    stream_output_tokens,
+    stream_queue_seconds,
+)
 
 __all__ = ["APP_NAME", "ROUTER_CHOICES", "ClusterConfig", "EngineReplica", "FeatherIngress", "TextBody",
            "LearnedRequestRouter", "PrefixRequestRouter",
@@ -643,7 +650,7 @@ class FeatherIngress:
                     chunk = strip.feed(chunk.encode()).decode()
                     if not chunk:
                         continue
-                ended = isinstance(chunk, str) and chunk.endswith("data: [DONE]\n\n")
+                ended = isinstance(chunk, str) and ends_stream(chunk)
                 yield chunk
             if strip is not None and (rest := strip.flush()):
                 yield rest.decode(errors="replace")
@@ -660,7 +667,7 @@ class FeatherIngress:
             message = (f"the engine replica {rank} serving this request failed mid-stream "
                        f"({type(exc).__name__}); not retried, as it had started answering")
             yield f"data: {json.dumps(error_body(message, 503, 'ServiceUnavailableError'))}\n\n"
-            yield "data: [DONE]\n\n"
+            yield DONE_EVENT
         finally:
             self.stats.counts[(rank, outcome)] += 1
             if rid is not None:

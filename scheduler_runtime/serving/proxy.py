@@ -98,6 +98,7 @@ from scheduler_runtime.serving.admission_http import (
     TTFT_HEADER,
     AdmissionSettings,
     request_slos,
+    sse_error,
 )
 from scheduler_runtime.serving.cluster_base import (
     ROUTER_CHOICES,
@@ -116,7 +117,13 @@ from scheduler_runtime.serving.replicas import (
     replicas_for,
 )
 from scheduler_runtime.serving.vllm_metrics import parse_vllm_metrics, restarted
-from scheduler_runtime.sse import UsageStrip, ask_usage, stream_output_tokens, stream_queue_seconds
+from scheduler_runtime.sse import (
+    UsageStrip,
+    ask_usage,
+    ends_stream,
+    stream_output_tokens,
+    stream_queue_seconds,
+)
 
 __all__ = ["CHARS_PER_TOKEN", "SCRAPE_PERIOD_S", "SCRAPE_TIMEOUT_S", "ReplicaProxy", "main",
            "parse_per_worker", "proxy_for", "request_keys", "run_proxy"]
@@ -696,7 +703,7 @@ class ReplicaProxy:
                 out = chunk if strip is None else strip.feed(chunk)
                 if out:
                     await response.write(out)
-                    ended = out.endswith(b"data: [DONE]\n\n")
+                    ended = ends_stream(out)
                 try:
                     chunk = await upstream.content.readany()
                     if tally and chunk:  # SSE events end with a blank line (JSON holds no raw newline)
@@ -711,9 +718,9 @@ class ReplicaProxy:
                     self._lost(replica)
                     message = (f"the engine replica {rank} serving this request failed mid-stream "
                                f"({type(exc).__name__}); not retried, as it had started answering")
-                    event = json.dumps(error_body(message, 503, "ServiceUnavailableError"))
                     rest = strip.flush() if strip is not None else b""
-                    await response.write(rest + f"data: {event}\n\ndata: [DONE]\n\n".encode())
+                    await response.write(rest + sse_error(error_body(message, 503, "ServiceUnavailableError"))
+                                         .encode())
                     break
             if strip is not None and (rest := strip.flush()):
                 await response.write(rest)
