@@ -731,7 +731,7 @@ def cost(replicas: int, prefixes: int, repeats: int) -> dict[str, Any]:
     factories = router_factories([ReplicaSpec()] * replicas, engine, DEFAULT_SLO)
     routers: dict[str, Callable[[], Any]] = {name: (lambda name=name: factories[name](0))
                                              for name in COST_ROUTERS}
-    routers[WHOLE_PROMPTS] = lambda: LearnedRouter(work_cache_factor=0.0)
+    routers[WHOLE_PROMPTS] = lambda: LearnedRouter(cache_factor=0.0, work_cache_factor=0.0)
     return router_cost(replicas, prefixes, repeats=repeats, routers=routers, alternate=True)
 
 

@@ -22,6 +22,10 @@ that owner while the owner is within 1 or 3 requests of the least loaded (``stay
 sixth session; ``--variant``, repeatable): counting a prefill's work as its tokens uncached by an LRU of 1
 (today's default) or 2 x the replica's KV of what it was sent (``work_cache_factor``), the KV guard
 filling to 100% or 90% (on whole prompts, as that study ran), and ours informed (``prefix-informed``).
+The eleventh session's: the cache model kept by the engine's clock (``cache_clock="prefilled"``: a prompt
+enters its replica's LRU at its first token, and what the replica's requests in flight hold counts as
+held) at 0.5, 0.75, 1 (today's default) and 1.25 x KV, beside ``learned, queue time`` (the model off, the
+default before it) and the model at 1.25 x KV entered at routing.
 Prints per variant and cell the mean attainment, output tok/s and prefix hit rate; ``--json`` keeps
 every run. About 6 min on one core for the default set at 3 seeds.
 """
@@ -100,7 +104,11 @@ class StayLearned(LearnedRouter):
 
 #: The learned router as the studies before 2026-12-07 ran it: without the reported wait (``queue_time``,
 #: off then by default), so that each variant stays what its figures measured.
-_off = functools.partial(LearnedRouter, queue_time="off")
+_off = functools.partial(LearnedRouter, queue_time="off", cache_factor=0.0, cache_clock="routed")
+#: The first study's cache model (1.25 x KV, entered at routing), as its variants ran it.
+_ROUTED: dict[str, Any] = {"cache_factor": 1.25, "queue_time": "off", "cache_clock": "routed"}
+#: Today's default before the cache model by the engine's clock (2026-12-07): the model off.
+_service = functools.partial(LearnedRouter, queue_time="service", cache_factor=0.0, cache_clock="routed")
 
 VARIANTS: dict[str, Callable[[], ReplicaRouter]] = {
     "prefix (ours as today)": PrefixAffinityRouter,
@@ -109,22 +117,29 @@ VARIANTS: dict[str, Callable[[], ReplicaRouter]] = {
     "learned, cache 2 x KV": lambda: _off(cache_factor=2.0),
     "learned, cache 3 x KV": lambda: _off(cache_factor=3.0),
     "learned, cache 5 x KV": lambda: _off(cache_factor=5.0),
-    "learned, floor median KV": lambda: FloorLearned(1.0, cache_factor=1.25, queue_time="off"),
-    "learned, floor half median": lambda: FloorLearned(0.5, cache_factor=1.25, queue_time="off"),
-    "learned, stay within 1": lambda: StayLearned(1, cache_factor=1.25, queue_time="off"),
-    "learned, stay within 3": lambda: StayLearned(3, cache_factor=1.25, queue_time="off"),
+    "learned, floor median KV": lambda: FloorLearned(1.0, **_ROUTED),
+    "learned, floor half median": lambda: FloorLearned(0.5, **_ROUTED),
+    "learned, stay within 1": lambda: StayLearned(1, **_ROUTED),
+    "learned, stay within 3": lambda: StayLearned(3, **_ROUTED),
     "learned, work LRU 1 x KV": lambda: _off(work_cache_factor=1.0),
     "learned, work LRU 2 x KV": lambda: _off(work_cache_factor=2.0),
     "learned, cache 1.25 x KV while homogeneous": lambda: _off(cache_factor=1.25, homogeneous_cache=True),
     "learned, fleet noise z 1.645": lambda: _off(fleet_z=1.645),
     "learned, fleet noise z 2.33": lambda: _off(fleet_z=2.33),
-    "learned, queue time": lambda: LearnedRouter(queue_time="service"),
-    "learned, queue time, cache 1.25 x KV while homogeneous": lambda: LearnedRouter(
-        queue_time="service", cache_factor=1.25, homogeneous_cache=True),
+    "learned, queue time": _service,
+    "learned, queue time, cache 1.25 x KV while homogeneous": lambda: _service(
+        cache_factor=1.25, homogeneous_cache=True),
     "learned, cache 1.25 x KV while homogeneous, fleet noise z 1.645": lambda: _off(
         cache_factor=1.25, homogeneous_cache=True, fleet_z=1.645),
-    "learned, queue time, cache 1.25 x KV while homogeneous, fleet noise z 1.645": lambda: LearnedRouter(
-        queue_time="service", cache_factor=1.25, homogeneous_cache=True, fleet_z=1.645),
+    "learned, queue time, cache 1.25 x KV while homogeneous, fleet noise z 1.645": lambda: _service(
+        cache_factor=1.25, homogeneous_cache=True, fleet_z=1.645),
+    "learned, queue time, cache 1.25 x KV": lambda: _service(cache_factor=1.25),
+    "learned, queue time, cache 1.25 x KV by the engine's clock": lambda: LearnedRouter(cache_factor=1.25),
+    "learned, queue time, cache 1 x KV by the engine's clock": LearnedRouter,  # today's default
+    "learned, queue time, cache 0.75 x KV by the engine's clock": lambda: LearnedRouter(cache_factor=0.75),
+    "learned, queue time, cache 0.5 x KV by the engine's clock": lambda: LearnedRouter(cache_factor=0.5),
+    "learned, queue time, cache 1 x KV by the engine's clock, stay within 1": lambda: StayLearned(1),
+    "learned, queue time, cache 1 x KV by the engine's clock, stay within 3": lambda: StayLearned(3),
     # the guard's study counted whole prompts (then the default)
     "learned, KV guard, fill 1": lambda: _off(kv_guard=True, kv_fill=1.0, work_cache_factor=0.0),
     "learned, KV guard, fill 0.9": lambda: _off(kv_guard=True, kv_fill=0.9, work_cache_factor=0.0),

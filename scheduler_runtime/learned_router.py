@@ -8,20 +8,32 @@ replica. It learns, per replica:
   block_size`` (:meth:`LearnedRouter.scraped`), shown in :meth:`LearnedRouter.estimates`. With
   ``cache_factor > 0`` it sizes that replica's part of ours' cache model (``cache_factor x`` its KV
   tokens, :meth:`PrefixHistory.set_limit <scheduler_runtime.router_base.PrefixHistory.set_limit>`;
-  before it is known, the replica's cache model keeps everything). The default is 0, the cache model
-  off: on ``benchmarks.unequal_replicas``' tuning seeds (10,000-10,002, disjoint from its evaluation's)
-  the model at ours' 1.25 x KV lost attainment on every fleet at loads 0.8 and 1 (the mixed-KV fleet
-  most: 40.7% against 53.7% at 0.8, 32.8% against 44.4% at 1; the prefix hit rate 38% against 48%), and
-  so did 2, 3 and 5 x KV, a size of at least the fleet's median KV, and keeping a document its owner's
-  model had evicted on the owner while it was within 1 or 3 requests of the least loaded (each nearer
-  to the model off as it kept more; none above it). The model is an LRU of what was *sent*, and a
-  small replica's queue of a document's questions is sent long before the engine evicts it; a
-  document it declares evicted goes to the least loaded replica and is prefilled there in full.
+  before it is known, the replica's cache model keeps everything). The default is 1 x, kept by the
+  engine's clock (``cache_clock="prefilled"``, :data:`CACHE_CLOCKS`): a prompt enters its replica's LRU
+  when its first token comes (when the engine computed it), not when it is routed, and a prefix that the
+  replica's requests in flight hold counts as held meanwhile (:meth:`LearnedRouter.cache_holds`: the
+  engine keeps the blocks its running requests use, and a queued request brings its prefix back when it
+  runs). Entered at routing (``"routed"``, as ``prefix`` keeps it told the KV), the model lost attainment
+  on ``benchmarks.unequal_replicas``' tuning seeds (10,000-10,002, disjoint from its evaluation's) on every
+  fleet at loads 0.8 and 1 (the mixed-KV fleet most: 40.7% against 53.7% at 0.8, 32.8% against 44.4% at 1;
+  the prefix hit rate 38% against 48%), and so did 2, 3 and 5 x KV, a size of at least the fleet's median
+  KV, and keeping a document its owner's model had evicted on the owner while it was within 1 or 3
+  requests of the least loaded: an LRU of what was *sent* runs ahead of the engine by the replica's
+  queue (a small replica's queue of other documents is sent long before the engine runs it), so it
+  declares documents evicted that the engine still holds, and a document it declares evicted goes to the
+  least loaded replica and is prefilled there in full. Until 2026-12-07 the model was off by default. On
+  the engine's clock at 1 x KV, on the evaluation's twelve held-out seeds, over the model off (median
+  per-seed attainment ratio [90% interval]; ``benchmarks.unequal_replicas_cache --held-out --seeds 12``):
+  L-Eval 1.056 [1.031-1.089] / 0.959 [0.925-0.986] on the KV fleet at loads 0.8 / 1, 1.070 / 1.020 on the
+  equal fleet, 1.131 [1.093-1.151] / 0.921 [0.855-0.990] on the speed fleet; Zipf 1.004-1.092, every
+  interval above 1; Mooncake 1.002-1.015. On ``benchmarks.router_peers``' equal grid it is within 2% of
+  ``prefix`` told the KV in 17 of 17 cells (14 with the model off). It loses where L-Eval saturates an
+  unequal fleet (load 1), the cost stated in the note of 2026-12-06 (eleventh session).
 * **the prefill speed**, seconds per uncached prompt token, from the first tokens the front end sees:
   a request's prefill is served from the later of its routing and the replica's previous first
   token, to its own first token (a single server's service time: the time the replica spent on the
   prefills in front of it is not counted again, so the replica's queue is not taken for slowness);
-  its work is its uncached tokens by ours' cache model, or with the model off (the default) by an LRU
+  its work is its uncached tokens by ours' cache model, or with the model off (``cache_factor=0``) by an LRU
   of ``work_cache_factor`` (1) times the replica's KV of what it was sent, which counts and never
   routes (0: its whole prompt; then a replica that hits its cache more looks faster, and on the Zipf
   workload, whose popular documents make the hits uneven, ours fell to 0.93-0.97x ours informed; with
@@ -127,7 +139,7 @@ from typing import Any
 import numpy as np
 
 from scheduler_runtime.router import PrefixAffinityRouter
-from scheduler_runtime.router_base import PrefixHistory, prompt_tokens
+from scheduler_runtime.router_base import PrefixHistory, RequestLedger, chunk_spans, prompt_tokens
 
 __all__ = ["VARIANTS", "CostRouter", "CostSloRouter", "DecayedRate", "LearnedRouter",
            "ReplicaLearning", "SecondsAffinityRouter", "SloRouter", "Told", "chi2_quantile"]
@@ -153,6 +165,13 @@ def chi2_quantile(k: int, z: float) -> float:
 QUEUE_TIME_MODES = ("off", "service")
 #: The default mode.
 QUEUE_TIME = "service"
+
+#: When a routed prompt enters ours' cache model (``cache_clock``): ``"routed"``, at its routing (as
+#: :class:`~scheduler_runtime.router.PrefixAffinityRouter` keeps it); ``"prefilled"``, at its first token
+#: (the engine's clock), a prefix that the replica's requests in flight hold counting as held meanwhile.
+CACHE_CLOCKS = ("routed", "prefilled")
+#: The default clock (since 2026-12-07, with the cache model on at 1 x each replica's KV).
+CACHE_CLOCK = "prefilled"
 
 
 class DecayedRate:
@@ -268,8 +287,11 @@ class LearnedRouter(PrefixAffinityRouter):
         told: the informed reference's true slowdowns (``None``: learn them).
         told_kv_tokens: the informed reference's true KV tokens per replica (``None``: read them from
             the metrics).
-        cache_factor: ours' cache model's size over each replica's KV (ours: 1.25); default 0, off (see
-            the module docstring).
+        cache_factor: ours' cache model's size over each replica's KV (``prefix``, told the KV: 1.25);
+            default 1; 0: off (see the module docstring).
+        cache_clock: when a routed prompt enters the cache model (:data:`CACHE_CLOCKS`): ``"prefilled"``
+            (default), at its first token, a prefix its replica's requests in flight hold counting as
+            held meanwhile; ``"routed"``, at its routing.
         homogeneous_cache: with ``cache_factor > 0``, route by the cache model only while the fleet
             looks homogeneous (every replica's KV published and equal, every weight 1); otherwise the
             model only counts (default off: the model, when on, always routes).
@@ -286,13 +308,15 @@ class LearnedRouter(PrefixAffinityRouter):
     def __init__(self, tau_s: float = 20.0, explore_s: float = 20.0, band: float = 0.35,
                  place_new: bool = False, kv_guard: bool = False, kv_fill: float = 1.0,
                  overhead_tokens: int = 256, prior_output_tokens: float = 64.0, told: Told | None = None,
-                 told_kv_tokens: Mapping[str, int] | None = None, cache_factor: float = 0.0,
+                 told_kv_tokens: Mapping[str, int] | None = None, cache_factor: float = 1.0,
                  work_cache_factor: float = 1.0, homogeneous_cache: bool = False, fleet_z: float = 0.0,
-                 queue_time: str = QUEUE_TIME, **kwargs: Any) -> None:
+                 queue_time: str = QUEUE_TIME, cache_clock: str = CACHE_CLOCK, **kwargs: Any) -> None:
         if kwargs.get("kv_tokens") is not None:
             raise ValueError("the learned router is told no KV size (it reads vllm:cache_config_info)")
         if queue_time not in QUEUE_TIME_MODES:
             raise ValueError(f"queue_time must be one of {list(QUEUE_TIME_MODES)}, got {queue_time!r}")
+        if cache_clock not in CACHE_CLOCKS:
+            raise ValueError(f"cache_clock must be one of {list(CACHE_CLOCKS)}, got {cache_clock!r}")
         if band < 0 or fleet_z < 0 or overhead_tokens < 0 or not explore_s > 0 or not 0 < kv_fill <= 1:
             raise ValueError("band, fleet_z and overhead_tokens must be >= 0, explore_s > 0 and kv_fill in "
                              "(0, 1]")
@@ -310,6 +334,11 @@ class LearnedRouter(PrefixAffinityRouter):
         self.told_kv_tokens = dict(told_kv_tokens) if told_kv_tokens is not None else None
         # ours' cache model, one LRU per replica sized when its KV is known (unbounded until then)
         self.cached = PrefixHistory(self.chunk_size, 1 << 40) if cache_factor > 0 else None
+        self.cache_clock = cache_clock
+        #: with the cache model on the engine's clock: the prefixes of the requests in flight, and the
+        #: prompts routed and not yet entered in the model (request id -> hashes, replica, tokens)
+        self.in_flight = RequestLedger() if self.cached is not None and cache_clock == "prefilled" else None
+        self._to_cache: dict[str, tuple[np.ndarray, str, int | None]] = {}
         #: what each replica holds for the learning's uncached tokens: the cache model where it routes by
         #: one, else one of ``work_cache_factor x`` its KV that only counts (it never routes)
         self.work_cache_factor = float(work_cache_factor)
@@ -406,7 +435,26 @@ class LearnedRouter(PrefixAffinityRouter):
         routing, or its first step where the wait is reported) and the replica's previous first token."""
         return at - max(start, floor)
 
+    def caches_later(self, request_id: str | None) -> bool:
+        return self.in_flight is not None and request_id is not None
+
+    def cache_holds(self, cached: PrefixHistory, hashes: np.ndarray) -> dict[str, int]:
+        """The cache model's holders, and on the engine's clock (``cache_clock="prefilled"``) each
+        replica's requests in flight too: the engine keeps what they use, and a queued one brings its
+        prefix back when it runs."""
+        held = cached.match(hashes)
+        if self.in_flight is not None:
+            for r, depth in self.in_flight.match(hashes).items():
+                held[r] = max(held.get(r, 0), depth)
+        return held
+
+    def _enter_cache(self, request_id: str) -> None:
+        entry = self._to_cache.pop(request_id, None)
+        if entry is not None and self.cached is not None:
+            self.cached.insert(*entry)
+
     def prefilled(self, request_id: str) -> None:
+        self._enter_cache(request_id)
         entry = self._requests.get(request_id)
         if entry is None or request_id in self._first:
             return
@@ -428,6 +476,9 @@ class LearnedRouter(PrefixAffinityRouter):
             self._held[request_id] = (replica, routed_at, floor, now, work, seconds)
 
     def finished(self, request_id: str, output_tokens: int | None = None) -> None:
+        if self.in_flight is not None:
+            self._enter_cache(request_id)  # never heard of its first token: it enters at its end
+            self.in_flight.finished(request_id)
         self._held.pop(request_id, None)  # no wait reported: its sample stays as it was taken
         entry = self._requests.pop(request_id, None)
         first = self._first.pop(request_id, None)
@@ -455,6 +506,10 @@ class LearnedRouter(PrefixAffinityRouter):
             self.seen.forget(replica)
         if self.resident is not None:
             self.resident.forget(replica)
+        if self.in_flight is not None:
+            self.in_flight.forget(replica)
+            for rid in [rid for rid, e in self._to_cache.items() if e[1] == replica]:
+                del self._to_cache[rid]
         self.replicas.pop(replica, None)
         for rid in [rid for rid, e in self._requests.items() if e[0] == replica]:
             del self._requests[rid]
@@ -508,7 +563,9 @@ class LearnedRouter(PrefixAffinityRouter):
         if hashes is None or len(hashes) == 0 or self.seen is None:
             return dict.fromkeys(ok, float(n))
         seen, chunk = self.seen, self.chunk_size
-        return {r: float(max(0, n - min(n, seen.depth(hashes, r) * chunk))) for r in ok}
+        flying = self.in_flight.match(hashes) if self.in_flight is not None and seen is self.cached else {}
+        return {r: float(max(0, n - min(n, max(seen.depth(hashes, r), flying.get(r, 0)) * chunk)))
+                for r in ok}
 
     def weights(self, replicas: Collection[str], now: float) -> dict[str, float]:
         """Each replica's prefill time per token over the fleet median's; 1 within ``band`` of it, and all 1
@@ -614,6 +671,10 @@ class LearnedRouter(PrefixAffinityRouter):
             self.resident.insert(hashes, replica, tokens)
         if request_id is None:
             return
+        if self.in_flight is not None and hashes is not None:
+            keys = hashes.tolist()
+            self.in_flight.add(request_id, replica, 0, keys, chunk_spans(len(keys), tokens, self.chunk_size))
+            self._to_cache[request_id] = (hashes, replica, tokens)
         r = self._replica(replica)
         r.queued_tokens += uncached
         self._requests[request_id] = (replica, uncached, self.clock())

@@ -363,6 +363,15 @@ class PrefixAffinityRouter(ReplicaRouter):
         it keeps one; a subclass may route without it where it does not trust it."""
         return self.cached
 
+    def cache_holds(self, cached: PrefixHistory, hashes: np.ndarray) -> dict[str, int]:
+        """Replica -> leading chunks of ``hashes`` that the cache model ``cached`` says it holds."""
+        return cached.match(hashes)
+
+    def caches_later(self, request_id: str | None) -> bool:
+        """Whether the routed request ``request_id`` enters the cache model later than its routing (a
+        subclass that hears the request's life may enter it when it is prefilled)."""
+        return False
+
     def choose(self, hashes: np.ndarray | None, loads: Mapping[str, int],
                avoid: Collection[str] = (), *, tokens: int | None = None) -> str:
         ok = self._allowed(loads, avoid)
@@ -377,7 +386,7 @@ class PrefixAffinityRouter(ReplicaRouter):
             if known < self.min_match * n:
                 level, owner = -1, None  # too little of it known: a new prefix
             elif cached is not None:
-                held = cached.match(hashes)
+                held = self.cache_holds(cached, hashes)
                 kept = min(held.get(owner, 0) * self.chunk_size, n)
                 if kept < max(1.0, self.cache_keep * known):
                     self.counts["evicted"] += 1  # evicted there by now: prefilled again wherever it goes
@@ -425,7 +434,7 @@ class PrefixAffinityRouter(ReplicaRouter):
         if hashes is None:
             return
         keys = hashes.tolist()
-        if self.cached is not None:
+        if self.cached is not None and not self.caches_later(request_id):
             self.cached.insert(hashes, replica, tokens)
         if self.new_prefix in ("smallest", "least-smallest"):  # the keys past the deepest one it owns
             get, chunk = self._get, self.chunk_size

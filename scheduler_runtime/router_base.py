@@ -260,6 +260,23 @@ class RequestLedger:
                     out[r] += span
         return out
 
+    def match(self, hashes: np.ndarray) -> dict[str, int]:
+        """Replica -> leading chunks of ``hashes`` that its requests in flight hold (replicas with none
+        left out): :meth:`PrefixHistory.match` for what is in flight now."""
+        out: dict[str, int] = {}
+        alive: set[str] | None = None
+        active = self._active
+        for level, key in enumerate(hashes.tolist()):
+            who = active.get(key)
+            if not who:
+                break
+            alive = set(who) if alive is None else alive.intersection(who)
+            if not alive:
+                break
+            for r in alive:
+                out[r] = level + 1
+        return out
+
     def load(self, replica: str) -> int:
         """Pending prefill tokens + distinct KV tokens in flight."""
         return self.pending[replica] + self.kv[replica]

@@ -115,6 +115,40 @@ def test_ledger_keeps_prefill_and_kv_tokens_until_the_request_is_done():
     assert ledger.load("b") == 0 and not ledger._requests
 
 
+@SETTINGS
+@given(ops=st.lists(st.tuples(st.sampled_from("add prefilled finished forget".split()), st.integers(0, 5),
+                              st.sampled_from("abc"), st.integers(0, 3), st.integers(1, 4)), max_size=40))
+def test_ledger_match_is_the_prefix_its_requests_in_flight_hold(ops):
+    """``match``: per replica, the leading chunks of a prompt whose keys some request in flight there
+    holds, whatever the order of routings, retries, prefills, finishes and restarts."""
+    docs = [RNG.integers(3, 500, 4 * CHUNK) for _ in range(2)] + [DOC, OTHER]
+    ledger = RequestLedger()
+    live: dict[str, tuple[str, list[int]]] = {}
+    for op, rid, replica, d, n_chunks in ops:
+        name = f"q{rid}"
+        if op == "add":
+            keys = h(docs[d][: n_chunks * CHUNK]).tolist()
+            ledger.add(name, replica, 0, keys, [CHUNK] * len(keys))
+            live[name] = (replica, keys)
+        elif op == "prefilled":
+            ledger.prefilled(name)
+        elif op == "finished":
+            ledger.finished(name)
+            live.pop(name, None)
+        else:
+            ledger.forget(replica)
+            live = {q: e for q, e in live.items() if e[0] != replica}
+        for doc in docs:
+            keys = h(doc).tolist()
+            expected = {}
+            for r in "abc":
+                held = {k for who, ks in live.values() if who == r for k in ks}
+                depth = next((i for i, k in enumerate(keys) if k not in held), len(keys))
+                if depth:
+                    expected[r] = depth
+            assert ledger.match(h(doc)) == expected
+
+
 # ------------------------------------------------------------------------------ SGLang cache_aware
 
 

@@ -280,9 +280,11 @@ def test_the_learned_router_sends_fewer_new_prefixes_to_a_slow_replica():
 
 
 class _Weighing(LearnedRouter):
-    """The learned router, counting the decisions on which some weight left 1."""
+    """The learned router, counting the decisions on which some weight left 1; its cache model off unless
+    asked (as the weights' studies ran it)."""
 
     def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("cache_factor", 0.0)
         super().__init__(**kwargs)
         self.decisions = self.moved = 0
 
@@ -401,11 +403,64 @@ def test_the_cache_model_routes_only_on_a_homogeneous_fleet_with_homogeneous_cac
     ``a``) where both replicas publish 4,096 KV tokens, as it does without the flag, and does not where
     their KV differs; off, it never does."""
     equal, mixed = {"a": 4096, "b": 4096}, {"a": 4096, "b": 16_384}
-    assert _evictions(LearnedRouter(cache_factor=1.25), equal) == 1
-    assert _evictions(LearnedRouter(cache_factor=1.25), mixed) == 1
-    assert _evictions(LearnedRouter(cache_factor=1.25, homogeneous_cache=True), equal) == 1
-    assert _evictions(LearnedRouter(cache_factor=1.25, homogeneous_cache=True), mixed) == 0
-    assert _evictions(LearnedRouter(), equal) == 0
+    at_routing = {"cache_factor": 1.25, "cache_clock": "routed"}
+    assert _evictions(LearnedRouter(**at_routing), equal) == 1
+    assert _evictions(LearnedRouter(**at_routing), mixed) == 1
+    assert _evictions(LearnedRouter(**at_routing, homogeneous_cache=True), equal) == 1
+    assert _evictions(LearnedRouter(**at_routing, homogeneous_cache=True), mixed) == 0
+    assert _evictions(LearnedRouter(cache_factor=0.0), equal) == 0
+
+
+def _docs_to_a(router: LearnedRouter, order: list[int], finish: bool = True) -> list[np.ndarray]:
+    """Five 2,048-token documents routed to ``a`` in turn (both replicas publish 4,096 KV tokens: the
+    cache model, 1.25 x, keeps two), prefilled (and finished) in ``order``."""
+    for name in "ab":
+        router.scraped(name, {"vllm:cache_config_info": {"num_gpu_blocks": 256, "block_size": 16}})
+    hasher, rng = PrefixHasher(), np.random.default_rng(5)
+    docs = [hasher.hash(rng.integers(5, 30_000, 2048, dtype=np.int32)) for _ in range(5)]
+    for i, hashes in enumerate(docs):
+        router.routed(hashes, "a", tokens=2048, request_id=f"d{i}")
+    for i in order:
+        router.prefilled(f"d{i}")
+        if finish:
+            router.finished(f"d{i}", output_tokens=8)
+    return docs
+
+
+def test_on_the_engines_clock_a_prompt_enters_the_cache_model_when_it_is_prefilled():
+    """``cache_clock="prefilled"``: the first document, routed first but prefilled last, is the most
+    recent in the model (kept), where the routing's clock declared it evicted; the one prefilled first is
+    evicted instead."""
+    for clock, evicted in (("routed", 1), ("prefilled", 0)):
+        router = LearnedRouter(cache_factor=1.25, cache_clock=clock)
+        docs = _docs_to_a(router, [4, 3, 2, 1, 0])
+        router.choose(docs[0], {"a": 0, "b": 0}, tokens=2048)
+        assert router.counts["evicted"] == evicted
+    assert router.cache_holds(router.cached, docs[4]) == {}
+    router.choose(docs[4], {"a": 0, "b": 0}, tokens=2048)
+    assert router.counts["evicted"] == 1
+
+
+def test_on_the_engines_clock_a_prefix_in_flight_counts_as_held():
+    """A document whose request is still in flight on ``a`` (not prefilled, or prefilled and not finished)
+    stays there, though four others entered the model since; once it finishes it is held only as the LRU
+    holds it. The work counted for the learned speed is its uncached part by the same reading."""
+    router = LearnedRouter(cache_factor=1.25, cache_clock="prefilled")
+    docs = _docs_to_a(router, [1, 2, 3, 4])  # d0 routed, not prefilled
+    assert router.cache_holds(router.cached, docs[0]) == {"a": 4}
+    assert router.choose(docs[0], {"a": 0, "b": 5}, tokens=2048) == "a"  # not the least loaded
+    assert router._uncached(docs[0], 2048, ("a", "b")) == {"a": 0.0, "b": 2048.0}
+    router.prefilled("d0")  # enters the model now: the most recent
+    router.finished("d0", output_tokens=8)
+    assert router.cache_holds(router.cached, docs[0]) == {"a": 4}
+    assert router.counts["evicted"] == 0
+    router.forget("a")
+    assert router.cache_holds(router.cached, docs[0]) == {} and not router._to_cache
+
+
+def test_the_cache_clock_is_checked():
+    with pytest.raises(ValueError, match="cache_clock"):
+        LearnedRouter(cache_clock="sent")
 
 
 def test_the_learned_router_is_told_no_kv():
@@ -513,7 +568,8 @@ def test_the_learned_router_adapts_at_rays_routing_stats_period(data_dir):
     (its weight leaves 1), and within 60 s of the recovery it is back within 20% of the others'. Measured
     from each request's first step (``queue_time="service"``, the default), the slow phase's speed is
     0.5-0.7 of the others', not the hardware's 1/3: the slowed replica is sent less, so its own requests
-    wait behind fewer; from the routing (``"off"``) it comes within 20% of 1/3."""
+    wait behind fewer; from the routing (``"off"``, with the cache model off as its study ran) it comes
+    within 20% of 1/3."""
     from benchmarks.unequal_replicas import (
         DEFAULT_SLO,
         _attainment,
@@ -537,7 +593,7 @@ def test_the_learned_router_adapts_at_rays_routing_stats_period(data_dir):
     sim = ClusterSim(n, engine, profiles=specs)
     out = {}
     for scrape_s, mode in ((0.0, "service"), (10.0, "service"), (10.0, "off")):
-        router = _Traced(queue_time=mode)
+        router = _Traced(queue_time=mode, **({} if mode == "service" else {"cache_factor": 0.0}))
         result = sim.run(timed, router, goodput=DEFAULT_SLO, scrape_s=scrape_s)
         phases = convergence(router.trace, "0", [(0.0, at, 1.0), (at, until, 3.0), (until, math.inf, 1.0)])
         out[scrape_s, mode] = (_attainment(result, len(timed)), result.metrics["output_throughput"], phases,
@@ -593,14 +649,16 @@ def test_the_equal_replica_check_runs_both_routers_on_router_peers_runs(tmp_path
 
 
 def test_with_the_cache_model_on_and_its_weights_pinned_ours_learned_routes_as_today_s_default(data_dir):
-    """What separates ours learned from today's default on equal replicas is its cache model (off) and its
-    learned weights: with the model at today's 1.25 x the KV it reads and a band no estimate leaves, told
-    nothing, it routes each request as today's default, told the KV, does."""
+    """What separates ours learned from today's default on equal replicas is its cache model (1 x the KV it
+    reads, entered when prefilled) and its learned weights: with the model at today's 1.25 x the KV,
+    entered at routing, and a band no estimate leaves, told nothing, it routes each request as today's
+    default, told the KV, does."""
     from benchmarks import equal_learned
     from benchmarks.router_peers import OURS
 
-    out = equal_learned.main(["--quick", "--learned", "cache_factor=1.25", "--learned", "band=10"])
-    assert out["learned"] == {"cache_factor": 1.25, "band": 10.0}
+    out = equal_learned.main(["--quick", "--learned", "cache_factor=1.25", "--learned", "cache_clock=routed",
+                              "--learned", "band=10"])
+    assert out["learned"] == {"cache_factor": 1.25, "cache_clock": "routed", "band": 10.0}
     today = out["cells"][0]["routers"][OURS]
     assert today["learned_over_this_attainment"] == 1.0
     assert today["learned_over_this_output_throughput"] == 1.0
