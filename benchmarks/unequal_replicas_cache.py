@@ -60,6 +60,7 @@ from feather_env.scenarios import load_scenario
 from feather_env.workloads import WorkloadConfig, load_workload
 from scheduler_runtime.learned_router import LearnedRouter, ReplicaLearning
 from scheduler_runtime.router import PrefixAffinityRouter, ReplicaRouter
+from scheduler_runtime.router_base import PrefixHistory
 
 
 class FloorLearned(LearnedRouter):
@@ -102,6 +103,20 @@ class StayLearned(LearnedRouter):
         return choice
 
 
+class SentWorkLearned(LearnedRouter):
+    """Today's default routing (the cache model by the engine's clock), its speeds' work counted as before
+    it: by an LRU of 1 x each replica's KV of what it was *sent*, not by the routing model."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.seen = PrefixHistory(self.chunk_size, 1 << 40, holders=False)
+
+    def _set_kv(self, name: str, r: ReplicaLearning, kv_tokens: int) -> None:
+        super()._set_kv(name, r, kv_tokens)
+        if self.seen is not None and self.seen is not self.cached:
+            self.seen.set_limit(name, max(1, round(self.work_cache_factor * kv_tokens)))
+
+
 #: The learned router as the studies before 2026-12-07 ran it: without the reported wait (``queue_time``,
 #: off then by default), so that each variant stays what its figures measured.
 _off = functools.partial(LearnedRouter, queue_time="off", cache_factor=0.0, cache_clock="routed")
@@ -136,6 +151,7 @@ VARIANTS: dict[str, Callable[[], ReplicaRouter]] = {
     "learned, queue time, cache 1.25 x KV": lambda: _service(cache_factor=1.25),
     "learned, queue time, cache 1.25 x KV by the engine's clock": lambda: LearnedRouter(cache_factor=1.25),
     "learned, queue time, cache 1 x KV by the engine's clock": LearnedRouter,  # today's default
+    "learned, queue time, cache 1 x KV by the engine's clock, work by what was sent": SentWorkLearned,
     "learned, queue time, cache 0.75 x KV by the engine's clock": lambda: LearnedRouter(cache_factor=0.75),
     "learned, queue time, cache 0.5 x KV by the engine's clock": lambda: LearnedRouter(cache_factor=0.5),
     "learned, queue time, cache 1 x KV by the engine's clock, stay within 1": lambda: StayLearned(1),

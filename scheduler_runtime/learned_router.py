@@ -72,7 +72,8 @@ choice) waits before its first step, and the single-server service time counts t
 second request of 7,887 tokens took 3.1 s to its first token where 8,192 tokens alone take 1.03 s, the KV 9%
 full). With ``queue_time="service"`` (the default since 2026-12-07; ``"off"``: from the routing, as before)
 a prefill's service starts no earlier than its first scheduled step, where the server reports the wait
-(:meth:`scheduled`): on router_peers' equal grid 14 of 17 cells within 2% of ours, against 12 without.
+(:meth:`scheduled`): on router_peers' equal grid 14 of 17 cells within 2% of ours, against 12 without (both
+with the cache model off, as it was then; 17 of 17 with it on, by the engine's clock).
 vLLM keeps the wait per request and returns it with ``--enable-per-request-metrics``
 (``metrics.queue_time_ms`` of a stream's final usage chunk), so it comes at the request's end: the prefill
 sample is taken at the first token from the routing, as with ``"off"``, and amended when the report comes
