@@ -152,6 +152,10 @@ VARIANTS: dict[str, Callable[[], ReplicaRouter]] = {
     "learned, queue time, cache 1.25 x KV by the engine's clock": lambda: LearnedRouter(cache_factor=1.25),
     "learned, queue time, cache 1 x KV by the engine's clock": LearnedRouter,  # today's default
     "learned, queue time, cache 1 x KV by the engine's clock, work by what was sent": SentWorkLearned,
+    "learned, queue time, cache 1 x KV by the engine's clock, keep 0.25": lambda: LearnedRouter(
+        cache_keep=0.25),
+    "learned, queue time, cache 1 x KV by the engine's clock, keep 0.75": lambda: LearnedRouter(
+        cache_keep=0.75),
     "learned, queue time, cache 0.75 x KV by the engine's clock": lambda: LearnedRouter(cache_factor=0.75),
     "learned, queue time, cache 0.5 x KV by the engine's clock": lambda: LearnedRouter(cache_factor=0.5),
     "learned, queue time, cache 1 x KV by the engine's clock, stay within 1": lambda: StayLearned(1),

@@ -270,7 +270,10 @@ BLOCKS: dict[str, Block] = {
         "equal_learned_cache125", "equal_learned_band10", "equal_learned_fleet_z",
         "equal_learned_queue_time", "equal_learned_queue_service",
         "equal_learned_queue_fleet_z_homogeneous", "equal_learned_cache_clock")},
-    **{name: _result(name, "routing_headroom") for name in ("routing_headroom_load1", "routing_headroom_kv")},
+    **{name: _result(name, "routing_headroom") for name in (
+        "routing_headroom_load1", "routing_headroom_kv",
+        *(f"routing_headroom{c}_clock" for c in ("", "_load1", "_kv")))},
+    "routing_agents_clock": _result("routing_agents_clock", "routing_agents"),
     "drift_loopback_fresh": _result("drift_loopback_fresh", "drift_loopback"),
     **{name: _result(name, "unequal_loopback") for name in (
         "unequal_loopback_seed1", "unequal_loopback_seed2",
