@@ -14,21 +14,27 @@ measured with router_peers' fixed reference router. Two routers on each run:
   runs it;
 * ``prefix-learned``: :class:`~scheduler_runtime.learned_router.LearnedRouter` at its defaults, told
   nothing (it reads each replica's ``vllm:cache_config_info`` and learns the speeds from what it serves;
-  its cache model is off).
+  its cache model on, by the engine's clock, since 2026-12-07);
+* with ``--peers-from JSON`` (a run of :mod:`benchmarks.router_peers`), the field's routers at the knobs
+  that run tuned (``tuned``), on the same runs: the issue's "no cell where a tuned peer beats ours by
+  more than 2%", read side by side.
 
 Per cell: each router's mean attainment (requests that met the SLO over those submitted; the issue's
 TTFT <= 5 s and TPOT <= 50 ms, ``--slo``, and a tighter pair, ``--slo2``) and output tok/s, and ours
 learned over today's default: the median of the per-seed ratios with their range
-(:func:`benchmarks.unequal_replicas.run_cell`). The target: >= 0.98x in attainment in every cell.
+(:func:`benchmarks.unequal_replicas.run_cell`). The target: >= 0.98x in attainment in every cell. With the
+peers, per cell the best of them and ours learned over it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from benchmarks import knob_values, measured
@@ -38,6 +44,7 @@ from benchmarks.router_peers import (
     LARGE_REPLICAS,
     MOONCAKE_WINDOW_S,
     OURS,
+    PEERS,
     TARGET_REPLICAS,
     ZIPF_S,
     cell_runs,
@@ -59,9 +66,10 @@ GRID = (("uniform", 4, (0.8, 1.0, 1.5)), ("uniform", 16, (0.8, 1.0, 1.5)), ("uni
 
 def evaluate(grid: Sequence[tuple[str, int, Sequence[float]]], seeds: Sequence[int], slo: dict[str, float],
              slo2: dict[str, float], learned: dict[str, Any] | None = None,
-             log: Any = print) -> list[dict[str, Any]]:
+             log: Any = print, peers: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Each cell of ``grid`` with both routers: its rows of :func:`benchmarks.unequal_replicas.run_cell`.
-    ``learned``: knobs of ours learned other than its defaults."""
+    ``learned``: knobs of ours learned other than its defaults; ``peers``: peer -> its knobs, each run too
+    (labelled ``peer (tuned)``)."""
     knobs = dict(learned or {})
     pool = load_workload(WorkloadConfig(kind="leval", max_prompt_tokens=8192))
     cells = []
@@ -72,6 +80,8 @@ def evaluate(grid: Sequence[tuple[str, int, Sequence[float]]], seeds: Sequence[i
         kv = kv_tokens(runs.sim)
         factories = {OURS: lambda seed, kv=kv: make(OURS, {}, seed, kv),
                      OURS_LEARNED: lambda seed: LearnedRouter(**knobs)}
+        for name, k in (peers or {}).items():
+            factories[peer_label(name)] = lambda seed, name=name, k=k: make(name, k, seed)
         for load in loads:
             t0 = time.perf_counter()
             timed = runs.timed(load)
@@ -83,6 +93,31 @@ def evaluate(grid: Sequence[tuple[str, int, Sequence[float]]], seeds: Sequence[i
             log(f"{kind} x {n} at {load:g}: learned / today {r['learned_over_this_attainment']:.3f} "
                 f"attainment ({time.perf_counter() - t0:.0f} s)")
     return cells
+
+
+def peer_label(name: str) -> str:
+    """A peer's row: at the knobs a router_peers run tuned."""
+    return f"{name} (tuned)"
+
+
+def peer_rows(res: dict[str, Any]) -> tuple[list[list[Any]], int]:
+    """Per cell, the peer of the highest mean attainment and ours learned over it (median per-seed ratio,
+    range); and the cells where it beats ours learned by more than 2% (that ratio under 1 / 1.02)."""
+    rows, behind = [], 0
+    for c in res["cells"]:
+        routers = c["routers"]
+        names = [peer_label(p) for p in res.get("peers", {}) if peer_label(p) in routers]
+        if not names:
+            continue
+        best = max(names, key=lambda r: routers[r]["attainment"])
+        ratio = routers[best]["learned_over_this_attainment"]
+        spread = _range(routers[OURS_LEARNED]["runs"], routers[best]["runs"], "attainment")
+        behind += ratio < 1 / 1.02
+        rows.append([c["kind"], c["replicas"], f"{c['load']:g}", best,
+                     f"{100 * routers[best]['attainment']:.1f}%",
+                     f"{100 * routers[OURS_LEARNED]['attainment']:.1f}%",
+                     f"{ratio:.3f}x ({spread})"])
+    return rows, behind
 
 
 def _range(runs_a: Sequence[dict[str, float]], runs_b: Sequence[dict[str, float]], key: str) -> str:
@@ -116,7 +151,17 @@ def render(res: dict[str, Any]) -> str:
                             "learned / today", f"learned / today ({pair})", "today tok/s", "learned tok/s",
                             "learned / today tok/s"], rows)
             + f"\n\nCells where ours learned is >= {TARGET}x today's default in attainment: {met} of "
-            f"{len(res['cells'])}.")
+            f"{len(res['cells'])}." + _peers_text(res))
+
+
+def _peers_text(res: dict[str, Any]) -> str:
+    rows, behind = peer_rows(res)
+    if not rows:
+        return ""
+    return ("\n\nThe peers at the knobs " + f"`{res['peers_from']}` tuned, on the same runs:\n\n"
+            + format_table(["workload", "replicas", "load", "best peer", "its attainment",
+                            "learned: attained", "learned / best peer"], rows)
+            + f"\n\nCells where a peer beats ours learned by more than 2%: {behind} of {len(rows)}.")
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -128,6 +173,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--learned", action="append", default=[], metavar="KNOB=VALUE",
                    help="a knob of ours learned off its default (repeatable; a number, true/false or a "
                         "name)")
+    p.add_argument("--peers-from", default=None, metavar="JSON",
+                   help="a benchmarks.router_peers run: its tuned peers are run beside ours learned")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     start = time.perf_counter()
@@ -139,11 +186,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         LearnedRouter(**learned)
     except (TypeError, ValueError) as exc:
         p.error(f"--learned: {exc}")
-    cells = evaluate(grid, seeds, slo, slo2, learned, log=lambda m: print(m, file=sys.stderr, flush=True))
+    peers: dict[str, dict[str, Any]] = {}
+    if args.peers_from:
+        try:
+            tuned = json.loads(Path(args.peers_from).read_text())["tuned"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            p.error(f"--peers-from {args.peers_from}: not a router_peers run ({exc})")
+        peers = {name: dict(tuned.get(name, {})) for name in PEERS}
+    cells = evaluate(grid, seeds, slo, slo2, learned, log=lambda m: print(m, file=sys.stderr, flush=True),
+                     peers=peers)
     res = {"benchmark": "equal_learned", "machine": machine_info(), "learned": learned,
            "command": "python -m benchmarks.equal_learned " + shlex.join(argv if argv is not None
                                                                          else sys.argv[1:]),
            "seeds": seeds, "slo": slo, "slo2": slo2, "target": TARGET, "cells": cells,
+           **({"peers_from": args.peers_from, "peers": peers} if peers else {}),
            "wall_s": time.perf_counter() - start}
     print(render(res))
     write_json(args.json, res)

@@ -269,7 +269,7 @@ BLOCKS: dict[str, Block] = {
     **{name: _result(name, "equal_learned") for name in (
         "equal_learned_cache125", "equal_learned_band10", "equal_learned_fleet_z",
         "equal_learned_queue_time", "equal_learned_queue_service",
-        "equal_learned_queue_fleet_z_homogeneous", "equal_learned_cache_clock")},
+        "equal_learned_queue_fleet_z_homogeneous", "equal_learned_cache_clock", "equal_learned_peers")},
     **{name: _result(name, "routing_headroom") for name in (
         "routing_headroom_load1", "routing_headroom_kv",
         *(f"routing_headroom{c}_clock" for c in ("", "_load1", "_kv")))},

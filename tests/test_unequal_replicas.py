@@ -648,6 +648,33 @@ def test_the_equal_replica_check_runs_both_routers_on_router_peers_runs(tmp_path
     assert "of 1." in equal_learned.render(out)
 
 
+def test_the_equal_replica_check_runs_the_tuned_peers_beside_ours_learned(tmp_path, data_dir):
+    """``--peers-from``: each of router_peers' peers at the knobs that run tuned (at its defaults where it
+    tuned none), on the same runs; the best one named per cell with ours learned over it, and the cells
+    where a peer leads by more than 2% counted. A file that is not a router_peers run is a usage error."""
+    import json
+
+    from benchmarks import equal_learned
+    from benchmarks.router_peers import PEERS
+    from benchmarks.unequal_replicas import OURS_LEARNED
+
+    tuned = tmp_path / "peers.json"
+    tuned.write_text(json.dumps({"tuned": {"dynamo-kv": {"overlap_score_weight": 8.0}}}))
+    out = equal_learned.main(["--quick", "--peers-from", str(tuned)])
+    assert out["peers"] == {p: ({"overlap_score_weight": 8.0} if p == "dynamo-kv" else {}) for p in PEERS}
+    routers = out["cells"][0]["routers"]
+    labels = [equal_learned.peer_label(p) for p in PEERS]
+    assert set(labels) <= set(routers)
+    (row,), behind = equal_learned.peer_rows(out)
+    best = max(labels, key=lambda r: routers[r]["attainment"])
+    ratio = routers[OURS_LEARNED]["attainment"] / routers[best]["attainment"]
+    assert row[3] == best and behind == (ratio < 1 / 1.02)
+    assert "beats ours learned by more than 2%" in equal_learned.render(out)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        equal_learned.main(["--quick", "--peers-from", str(tmp_path / "bad.json")])
+
+
 def test_with_the_cache_model_on_and_its_weights_pinned_ours_learned_routes_as_today_s_default(data_dir):
     """What separates ours learned from today's default on equal replicas is its cache model (1 x the KV it
     reads, entered when prefilled) and its learned weights: with the model at today's 1.25 x the KV,
