@@ -77,6 +77,27 @@ def prompt_tokens(hashes: np.ndarray, tokens: int | None, chunk_size: int) -> in
     return int(tokens) if tokens is not None else len(hashes) * chunk_size
 
 
+def leading_depths(holders: Mapping[int, Collection[str]], keys: Sequence[int]) -> dict[str, int]:
+    """Replica -> how many leading ``keys`` it holds, by ``holders`` (a chunk key -> the replicas holding
+    it); replicas holding none left out."""
+    first = holders.get(keys[0]) if keys else None
+    if not first:
+        return {}
+    alive = set(first)
+    depth: dict[str, int] = {}
+    for level in range(1, len(keys)):
+        here = holders.get(keys[level])
+        still = alive.intersection(here) if here else set()
+        for r in alive - still:
+            depth[r] = level
+        alive = still
+        if not alive:
+            break
+    for r in alive:
+        depth[r] = len(keys)
+    return depth
+
+
 class PrefixHistory:
     """Which prompt prefixes each replica was sent: the peers' approximate per-replica radix trees.
 
@@ -149,24 +170,7 @@ class PrefixHistory:
         """Replica -> leading chunks of ``hashes`` it was sent (replicas with none left out)."""
         if not self.tracks_holders:
             raise RuntimeError("this PrefixHistory keeps no holders (holders=False): use depth()")
-        keys = hashes.tolist()
-        holders = self.holders
-        first = holders.get(keys[0]) if keys else None
-        if not first:
-            return {}
-        alive = set(first)
-        depth: dict[str, int] = {}
-        for level in range(1, len(keys)):
-            here = holders.get(keys[level])
-            still = alive.intersection(here) if here else set()
-            for r in alive - still:
-                depth[r] = level
-            alive = still
-            if not alive:
-                break
-        for r in alive:
-            depth[r] = len(keys)
-        return depth
+        return leading_depths(self.holders, hashes.tolist())
 
     def depth(self, hashes: np.ndarray, replica: str) -> int:
         """Leading chunks of ``hashes`` that ``replica`` was sent (``match(hashes).get(replica, 0)``)."""
@@ -263,19 +267,7 @@ class RequestLedger:
     def match(self, hashes: np.ndarray) -> dict[str, int]:
         """Replica -> leading chunks of ``hashes`` that its requests in flight hold (replicas with none
         left out): :meth:`PrefixHistory.match` for what is in flight now."""
-        out: dict[str, int] = {}
-        alive: set[str] | None = None
-        active = self._active
-        for level, key in enumerate(hashes.tolist()):
-            who = active.get(key)
-            if not who:
-                break
-            alive = set(who) if alive is None else alive.intersection(who)
-            if not alive:
-                break
-            for r in alive:
-                out[r] = level + 1
-        return out
+        return leading_depths(self._active, hashes.tolist())
 
     def load(self, replica: str) -> int:
         """Pending prefill tokens + distinct KV tokens in flight."""
