@@ -109,12 +109,7 @@ class SentWorkLearned(LearnedRouter):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.seen = PrefixHistory(self.chunk_size, 1 << 40, holders=False)
-
-    def _set_kv(self, name: str, r: ReplicaLearning, kv_tokens: int) -> None:
-        super()._set_kv(name, r, kv_tokens)
-        if self.seen is not None and self.seen is not self.cached:
-            self.seen.set_limit(name, max(1, round(self.work_cache_factor * kv_tokens)))
+        self.seen = PrefixHistory(self.chunk_size, 1 << 40, holders=False)  # sized as the KV is read
 
 
 #: The learned router as the studies before 2026-12-07 ran it: without the reported wait (``queue_time``,

@@ -384,7 +384,7 @@ class LearnedRouter(PrefixAffinityRouter):
             self.resident.set_limit(name, max(1, kv_tokens))
         if self.cached is not None:
             self.cached.set_limit(name, max(1, round(self.cache_factor * kv_tokens)))
-        elif self.seen is not None:
+        if self.seen is not None and self.seen is not self.cached:  # the LRU that only counts
             self.seen.set_limit(name, max(1, round(self.work_cache_factor * kv_tokens)))
 
     def scraped(self, replica: str, metrics: Mapping[str, Any]) -> None:
@@ -564,9 +564,10 @@ class LearnedRouter(PrefixAffinityRouter):
         if hashes is None or len(hashes) == 0 or self.seen is None:
             return dict.fromkeys(ok, float(n))
         seen, chunk = self.seen, self.chunk_size
-        flying = self.in_flight.match(hashes) if self.in_flight is not None and seen is self.cached else {}
-        return {r: float(max(0, n - min(n, max(seen.depth(hashes, r), flying.get(r, 0)) * chunk)))
-                for r in ok}
+        if seen is self.cached:  # what the model (and, on the engine's clock, the requests in flight) hold
+            held = self.cache_holds(seen, hashes)
+            return {r: float(max(0, n - min(n, held.get(r, 0) * chunk))) for r in ok}
+        return {r: float(max(0, n - min(n, seen.depth(hashes, r) * chunk))) for r in ok}
 
     def weights(self, replicas: Collection[str], now: float) -> dict[str, float]:
         """Each replica's prefill time per token over the fleet median's; 1 within ``band`` of it, and all 1
