@@ -158,7 +158,7 @@ def _peers_text(res: dict[str, Any]) -> str:
     rows, behind = peer_rows(res)
     if not rows:
         return ""
-    return ("\n\nThe peers at the knobs " + f"`{res['peers_from']}` tuned, on the same runs:\n\n"
+    return (f"\n\nThe peers at the knobs `{res['peers_from']}` tuned, on the same runs:\n\n"
             + format_table(["workload", "replicas", "load", "best peer", "its attainment",
                             "learned: attained", "learned / best peer"], rows)
             + f"\n\nCells where a peer beats ours learned by more than 2%: {behind} of {len(rows)}.")
