@@ -39,8 +39,8 @@ def num(value: float | None, fmt: str = "{:.2f}") -> str:
 
 def knob_values(items: Sequence[str]) -> dict[str, Any]:
     """``KNOB=VALUE`` strings (a command line's repeated ``--learned``) as keyword arguments: a number, a
-    boolean (``true``/``false``), else the name as given (``queue_time=off``). Raises ``ValueError`` on an
-    item without ``=VALUE``."""
+    boolean (``true``/``false``), ``None`` (``none``), else the name as given (``queue_time=off``). Raises
+    ``ValueError`` on an item without ``=VALUE``."""
     out: dict[str, Any] = {}
     for item in items:
         key, _, value = item.partition("=")
@@ -48,6 +48,8 @@ def knob_values(items: Sequence[str]) -> dict[str, Any]:
             raise ValueError(f"{item!r}: expected KNOB=VALUE")
         if value.lower() in ("true", "false"):
             out[key] = value.lower() == "true"
+        elif value.lower() == "none":
+            out[key] = None
         else:
             try:
                 out[key] = float(value)

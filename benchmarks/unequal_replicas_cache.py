@@ -24,8 +24,11 @@ sixth session; ``--variant``, repeatable): counting a prefill's work as its toke
 filling to 100% or 90% (on whole prompts, as that study ran), and ours informed (``prefix-informed``).
 The eleventh session's: the cache model kept by the engine's clock (``cache_clock="prefilled"``: a prompt
 enters its replica's LRU at its first token, and what the replica's requests in flight hold counts as
-held) at 0.5, 0.75, 1 (today's default) and 1.25 x KV, beside ``learned, queue time`` (the model off, the
-default before it) and the model at 1.25 x KV entered at routing.
+held) at 0.5, 0.75, 1 and 1.25 x KV, beside ``learned, queue time`` (the model off, the default before it)
+and the model at 1.25 x KV entered at routing. The twelfth session's: the speeds' work counted by an LRU of
+what was sent (``work_by="sent"``), and a document the model evicted moved only to a replica with at most
+0-4 requests in flight (``move_room``; 2 with the work by what was sent is today's default), or always
+(the eleventh session's rule); the variants before it pin ``work_by="model"`` and ``move_room=None``.
 Prints per variant and cell the mean attainment, output tok/s and prefix hit rate; ``--json`` keeps
 every run. About 6 min on one core for the default set at 3 seeds.
 """
@@ -60,7 +63,6 @@ from feather_env.scenarios import load_scenario
 from feather_env.workloads import WorkloadConfig, load_workload
 from scheduler_runtime.learned_router import LearnedRouter, ReplicaLearning
 from scheduler_runtime.router import PrefixAffinityRouter, ReplicaRouter
-from scheduler_runtime.router_base import PrefixHistory
 
 
 class FloorLearned(LearnedRouter):
@@ -103,22 +105,19 @@ class StayLearned(LearnedRouter):
         return choice
 
 
-class SentWorkLearned(LearnedRouter):
-    """Today's default routing (the cache model by the engine's clock), its speeds' work counted as before
-    it: by an LRU of 1 x each replica's KV of what it was *sent*, not by the routing model."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.seen = PrefixHistory(self.chunk_size, 1 << 40, holders=False)  # sized as the KV is read
-
-
+#: How the cache model counted the speeds' work and moved documents before the twelfth session (2026-12-07):
+#: by the model, a document it evicted always moved (every variant below that predates it pins this).
+_ELEVENTH: dict[str, Any] = {"work_by": "model", "move_room": None}
 #: The learned router as the studies before 2026-12-07 ran it: without the reported wait (``queue_time``,
 #: off then by default), so that each variant stays what its figures measured.
-_off = functools.partial(LearnedRouter, queue_time="off", cache_factor=0.0, cache_clock="routed")
+_off = functools.partial(LearnedRouter, queue_time="off", cache_factor=0.0, cache_clock="routed", **_ELEVENTH)
 #: The first study's cache model (1.25 x KV, entered at routing), as its variants ran it.
-_ROUTED: dict[str, Any] = {"cache_factor": 1.25, "queue_time": "off", "cache_clock": "routed"}
+_ROUTED: dict[str, Any] = {"cache_factor": 1.25, "queue_time": "off", "cache_clock": "routed", **_ELEVENTH}
+#: The eleventh session's default: the cache model by the engine's clock at 1 x KV.
+_eleventh = functools.partial(LearnedRouter, **_ELEVENTH)
 #: Today's default before the cache model by the engine's clock (2026-12-07): the model off.
-_service = functools.partial(LearnedRouter, queue_time="service", cache_factor=0.0, cache_clock="routed")
+_service = functools.partial(LearnedRouter, queue_time="service", cache_factor=0.0, cache_clock="routed",
+                             **_ELEVENTH)
 
 VARIANTS: dict[str, Callable[[], ReplicaRouter]] = {
     "prefix (ours as today)": PrefixAffinityRouter,
@@ -144,17 +143,24 @@ VARIANTS: dict[str, Callable[[], ReplicaRouter]] = {
     "learned, queue time, cache 1.25 x KV while homogeneous, fleet noise z 1.645": lambda: _service(
         cache_factor=1.25, homogeneous_cache=True, fleet_z=1.645),
     "learned, queue time, cache 1.25 x KV": lambda: _service(cache_factor=1.25),
-    "learned, queue time, cache 1.25 x KV by the engine's clock": lambda: LearnedRouter(cache_factor=1.25),
-    "learned, queue time, cache 1 x KV by the engine's clock": LearnedRouter,  # today's default
-    "learned, queue time, cache 1 x KV by the engine's clock, work by what was sent": SentWorkLearned,
-    "learned, queue time, cache 1 x KV by the engine's clock, keep 0.25": lambda: LearnedRouter(
-        cache_keep=0.25),
-    "learned, queue time, cache 1 x KV by the engine's clock, keep 0.75": lambda: LearnedRouter(
-        cache_keep=0.75),
-    "learned, queue time, cache 0.75 x KV by the engine's clock": lambda: LearnedRouter(cache_factor=0.75),
-    "learned, queue time, cache 0.5 x KV by the engine's clock": lambda: LearnedRouter(cache_factor=0.5),
-    "learned, queue time, cache 1 x KV by the engine's clock, stay within 1": lambda: StayLearned(1),
-    "learned, queue time, cache 1 x KV by the engine's clock, stay within 3": lambda: StayLearned(3),
+    "learned, queue time, cache 1.25 x KV by the engine's clock": lambda: _eleventh(cache_factor=1.25),
+    "learned, queue time, cache 1 x KV by the engine's clock": _eleventh,  # the eleventh session's default
+    "learned, queue time, cache 1 x KV by the engine's clock, work by what was sent": lambda: LearnedRouter(
+        move_room=None),
+    "learned, queue time, cache 1 x KV by the engine's clock, keep 0.25": lambda: _eleventh(cache_keep=0.25),
+    "learned, queue time, cache 1 x KV by the engine's clock, keep 0.75": lambda: _eleventh(cache_keep=0.75),
+    "learned, queue time, cache 0.75 x KV by the engine's clock": lambda: _eleventh(cache_factor=0.75),
+    "learned, queue time, cache 0.5 x KV by the engine's clock": lambda: _eleventh(cache_factor=0.5),
+    "learned, queue time, cache 1 x KV by the engine's clock, stay within 1": lambda: StayLearned(
+        1, **_ELEVENTH),
+    "learned, queue time, cache 1 x KV by the engine's clock, stay within 3": lambda: StayLearned(
+        3, **_ELEVENTH),
+    # the twelfth session's: the work by what was sent, and an evicted document moved only to a replica with
+    # at most ``move_room`` requests in flight (2: today's default)
+    **{f"learned, queue time, cache 1 x KV by the engine's clock, work by what was sent, move room {k}": (
+        functools.partial(LearnedRouter, move_room=k)) for k in (0, 1, 2, 3, 4)},
+    "learned, queue time, cache 1 x KV by the engine's clock, work by the model, move room 2": lambda: (
+        LearnedRouter(work_by="model")),
     # the guard's study counted whole prompts (then the default)
     "learned, KV guard, fill 1": lambda: _off(kv_guard=True, kv_fill=1.0, work_cache_factor=0.0),
     "learned, KV guard, fill 0.9": lambda: _off(kv_guard=True, kv_fill=0.9, work_cache_factor=0.0),

@@ -27,20 +27,32 @@ replica. It learns, per replica:
   L-Eval 1.056 [1.031-1.089] / 0.959 [0.925-0.986] on the KV fleet at loads 0.8 / 1, 1.070 / 1.020 on the
   equal fleet, 1.131 [1.093-1.151] / 0.921 [0.855-0.990] on the speed fleet; Zipf 1.004-1.092, every
   interval above 1; Mooncake 1.002-1.015. On ``benchmarks.router_peers``' equal grid it is within 2% of
-  ``prefix`` told the KV in 17 of 17 cells (14 with the model off). It loses where L-Eval saturates an
-  unequal fleet (load 1), the cost stated in the note of 2026-12-06 (eleventh session).
+  ``prefix`` told the KV in 17 of 17 cells (14 with the model off). It lost where L-Eval saturates an
+  unequal fleet (load 1): two causes, found by taking its parts apart on 30 tuning seeds (the note of
+  2026-12-06, twelfth session). (1) Its speeds' work, counted by the model, undercounts a prefill's
+  uncached tokens where the fleet is saturated (2,543 predicted against 2,979 uncached per request on the
+  speed fleet at load 1, twelve held-out seeds; on the requests whose prefix the LRU held, 451 against
+  1,332: the engine had evicted more than an LRU of prompts sized to its KV says), so a busy replica's
+  prefill looks slow: the work is now counted by an LRU of what each replica was sent (``work_by="sent"``,
+  :data:`WORK_BY`). (2) Moving a document the model declares evicted
+  (correctly: the owner's engine held 4-7 of 64-78 per seed) to the least loaded replica pays at load 0.8
+  and costs at 1, where that replica is barely less loaded and the document displaces its own: a
+  document now moves only to a replica with at most ``move_room`` (2) requests in flight, and otherwise is
+  prefilled again on its owner (:meth:`LearnedRouter._keep`). Relative rules lost there (moving only to a
+  replica predicted to finish sooner, or at least as large and fast as the owner; a room in predicted
+  seconds of queue or in vLLM's waiting requests).
 * **the prefill speed**, seconds per uncached prompt token, from the first tokens the front end sees:
   a request's prefill is served from the later of its routing and the replica's previous first
   token, to its own first token (a single server's service time: the time the replica spent on the
   prefills in front of it is not counted again, so the replica's queue is not taken for slowness);
-  its work is its uncached tokens by ours' cache model, or with the model off (``cache_factor=0``) by an LRU
-  of ``work_cache_factor`` (1) times the replica's KV of what it was sent, which counts and never
-  routes (0: its whole prompt; then a replica that hits its cache more looks faster, and on the Zipf
-  workload, whose popular documents make the hits uneven, ours fell to 0.93-0.97x ours informed; with
-  the LRU of 1 x KV the median attainment over whole prompts was 0.973-1.066x on twelve held-out seeds
-  of L-Eval and Zipf, the one under 1 within its interval, and 1.000-1.003x on Mooncake,
-  ``benchmarks.unequal_replicas_cache``), plus ``overhead_tokens`` for the
-  step it costs anyway. The ratio of the two, each a sum decayed with time constant ``tau_s``
+  its work is its uncached tokens by an LRU of ``work_cache_factor`` (1) times the replica's KV of what it
+  was sent, which counts and never routes (``work_by="sent"``; ``"model"``: by ours' cache model, the
+  default of the eleventh session; ``work_cache_factor`` 0: its whole prompt; then a replica that hits
+  its cache more looks faster, and on the Zipf workload, whose popular documents make the hits uneven,
+  ours fell to 0.93-0.97x ours informed; with the LRU of 1 x KV the median attainment over whole prompts
+  was 0.973-1.066x on twelve held-out seeds of L-Eval and Zipf, the one under 1 within its interval, and
+  1.000-1.003x on Mooncake, ``benchmarks.unequal_replicas_cache``), plus ``overhead_tokens`` for the step
+  it costs anyway. The ratio of the two, each a sum decayed with time constant ``tau_s``
   (:class:`DecayedRate`).
 * **the decode speed**, seconds per output token of one request (its TPOT), from each finish: the time
   from its first token to its finish over its further tokens, decayed alike.
@@ -142,8 +154,9 @@ import numpy as np
 from scheduler_runtime.router import PrefixAffinityRouter
 from scheduler_runtime.router_base import PrefixHistory, RequestLedger, chunk_spans, prompt_tokens
 
-__all__ = ["VARIANTS", "CostRouter", "CostSloRouter", "DecayedRate", "LearnedRouter",
-           "ReplicaLearning", "SecondsAffinityRouter", "SloRouter", "Told", "chi2_quantile"]
+__all__ = ["CACHE_CLOCK", "CACHE_CLOCKS", "MOVE_ROOM", "VARIANTS", "WORK", "WORK_BY", "CostRouter",
+           "CostSloRouter", "DecayedRate", "LearnedRouter", "ReplicaLearning", "SecondsAffinityRouter",
+           "SloRouter", "Told", "chi2_quantile"]
 
 #: Told slowdowns for the informed reference: ``(replica, now) -> (prefill, decode)`` slowdown factors.
 Told = Callable[[str, float], tuple[float, float]]
@@ -173,6 +186,17 @@ QUEUE_TIME = "service"
 CACHE_CLOCKS = ("routed", "prefilled")
 #: The default clock (since 2026-12-07, with the cache model on at 1 x each replica's KV).
 CACHE_CLOCK = "prefilled"
+
+#: What a prefill's uncached tokens are counted by for the learned speeds (``work_by``): ``"sent"``, an LRU
+#: of ``work_cache_factor x`` the replica's KV of the prompts it was sent, which counts and never routes;
+#: ``"model"``, ours' cache model (what the model and the replica's requests in flight hold), where the
+#: model is on.
+WORK_BY = ("sent", "model")
+#: The default (since 2026-12-07, twelfth session; ``"model"`` from the eleventh).
+WORK = "sent"
+#: The default ``move_room``: a document the cache model declares evicted moves only to a replica with at
+#: most this many requests in flight (2026-12-07, twelfth session).
+MOVE_ROOM = 2
 
 
 class DecayedRate:
@@ -293,12 +317,19 @@ class LearnedRouter(PrefixAffinityRouter):
         cache_clock: when a routed prompt enters the cache model (:data:`CACHE_CLOCKS`): ``"prefilled"``
             (default), at its first token, a prefix its replica's requests in flight hold counting as
             held meanwhile; ``"routed"``, at its routing.
+        work_by: what counts a prefill's uncached tokens for the learned speeds (:data:`WORK_BY`):
+            ``"sent"`` (default), an LRU of ``work_cache_factor x`` the KV of what each replica was sent;
+            ``"model"``, the cache model (with ``cache_factor > 0``).
+        move_room: a known document that the cache model declares evicted from its owner goes where a new
+            prefix goes only if that replica has at most this many requests in flight; otherwise it stays
+            on its owner (prefilled again there) while the owner is under the load bound (default 2;
+            ``None``: it always goes).
         homogeneous_cache: with ``cache_factor > 0``, route by the cache model only while the fleet
             looks homogeneous (every replica's KV published and equal, every weight 1); otherwise the
             model only counts (default off: the model, when on, always routes).
-        work_cache_factor: with the cache model off, the size over each replica's KV of the LRU that
-            counts a prefill's uncached tokens for the learned speeds (it does not route); default 1;
-            0: whole prompts.
+        work_cache_factor: with ``work_by="sent"`` or the cache model off, the size over each replica's KV
+            of the LRU that counts a prefill's uncached tokens for the learned speeds (it does not route);
+            default 1; 0: whole prompts.
         **kwargs: ours' other knobs (:class:`~scheduler_runtime.router.PrefixAffinityRouter`).
     """
 
@@ -311,13 +342,18 @@ class LearnedRouter(PrefixAffinityRouter):
                  overhead_tokens: int = 256, prior_output_tokens: float = 64.0, told: Told | None = None,
                  told_kv_tokens: Mapping[str, int] | None = None, cache_factor: float = 1.0,
                  work_cache_factor: float = 1.0, homogeneous_cache: bool = False, fleet_z: float = 0.0,
-                 queue_time: str = QUEUE_TIME, cache_clock: str = CACHE_CLOCK, **kwargs: Any) -> None:
+                 queue_time: str = QUEUE_TIME, cache_clock: str = CACHE_CLOCK, work_by: str = WORK,
+                 move_room: int | None = MOVE_ROOM, **kwargs: Any) -> None:
         if kwargs.get("kv_tokens") is not None:
             raise ValueError("the learned router is told no KV size (it reads vllm:cache_config_info)")
         if queue_time not in QUEUE_TIME_MODES:
             raise ValueError(f"queue_time must be one of {list(QUEUE_TIME_MODES)}, got {queue_time!r}")
         if cache_clock not in CACHE_CLOCKS:
             raise ValueError(f"cache_clock must be one of {list(CACHE_CLOCKS)}, got {cache_clock!r}")
+        if work_by not in WORK_BY:
+            raise ValueError(f"work_by must be one of {list(WORK_BY)}, got {work_by!r}")
+        if move_room is not None and move_room < 0:
+            raise ValueError(f"move_room must be >= 0 or None, got {move_room}")
         if band < 0 or fleet_z < 0 or overhead_tokens < 0 or not explore_s > 0 or not 0 < kv_fill <= 1:
             raise ValueError("band, fleet_z and overhead_tokens must be >= 0, explore_s > 0 and kv_fill in "
                              "(0, 1]")
@@ -340,10 +376,13 @@ class LearnedRouter(PrefixAffinityRouter):
         #: prompts routed and not yet entered in the model (request id -> hashes, replica, tokens)
         self.in_flight = RequestLedger() if self.cached is not None and cache_clock == "prefilled" else None
         self._to_cache: dict[str, tuple[np.ndarray, str, int | None]] = {}
-        #: what each replica holds for the learning's uncached tokens: the cache model where it routes by
-        #: one, else one of ``work_cache_factor x`` its KV that only counts (it never routes)
+        #: what each replica holds for the learning's uncached tokens: the cache model with
+        #: ``work_by="model"``, else an LRU of ``work_cache_factor x`` its KV that only counts (it never
+        #: routes)
         self.work_cache_factor = float(work_cache_factor)
-        self.seen = self.cached
+        self.work_by = work_by
+        self.move_room = None if move_room is None else int(move_room)
+        self.seen = self.cached if work_by == "model" else None
         if self.seen is None and work_cache_factor > 0:
             self.seen = PrefixHistory(self.chunk_size, 1 << 40, holders=False)
         self.replicas: dict[str, ReplicaLearning] = {}
@@ -359,7 +398,7 @@ class LearnedRouter(PrefixAffinityRouter):
         #: request id -> its provisional prefill sample (replica, routed, the previous first token, its
         #: first token, work, seconds), amended when its wait is reported
         self._held: dict[str, tuple[str, float, float, float, float, float]] = {}
-        self.counts.update({"placed": 0, "weighted": 0, "kv_guarded": 0, "queue_reports": 0})
+        self.counts.update({"placed": 0, "weighted": 0, "kv_guarded": 0, "queue_reports": 0, "kept": 0})
 
     @property
     def kv_guard(self) -> bool:
@@ -618,12 +657,17 @@ class LearnedRouter(PrefixAffinityRouter):
     def choose(self, hashes: np.ndarray | None, loads: Mapping[str, int],
                avoid: Collection[str] = (), *, tokens: int | None = None) -> str:
         now = self.clock()
+        requests = loads  # in flight, before the weights
         w = self.weights(loads.keys(), now)
         if any(x != 1.0 for x in w.values()):  # ours on loads in units of a median replica's requests
             self.counts["weighted"] += 1
             loads = {r: (load + 1) * w[r] - 1 for r, load in loads.items()}
-        new_before = self.counts["new"]
+        new_before, evicted_before = self.counts["new"], self.counts["evicted"]
         choice = super().choose(hashes, loads, avoid, tokens=tokens)
+        if self.counts["evicted"] != evicted_before and self.move_room is not None and hashes is not None:
+            kept = self._keep(hashes, requests, avoid, choice)
+            if kept is not None:
+                return kept
         if self.counts["new"] == new_before or not (self.kv_guard or self.place_new):
             return choice  # a known prefix, or no option for a new one: ours
         ok = self._allowed(loads, avoid)
@@ -645,6 +689,21 @@ class LearnedRouter(PrefixAffinityRouter):
         if best != choice:
             self.counts["placed"] += 1
         return best
+
+    def _keep(self, hashes: np.ndarray, requests: Mapping[str, int], avoid: Collection[str],
+              choice: str) -> str | None:
+        """The owner of a document the cache model declared evicted, where it stays (``move_room``): when
+        ``choice``, where it would go, has more than ``move_room`` requests in flight and the owner is under
+        the load bound (``requests``: each replica's requests in flight). ``None``: it goes to ``choice``."""
+        if self.move_room is None or requests[choice] <= self.move_room:
+            return None
+        _, owner = self.owner(hashes)
+        if owner is None or owner not in requests or owner in avoid:
+            return None
+        if requests[owner] >= self.bound(sum(requests.values()), len(requests)):
+            return None
+        self.counts["kept"] += 1
+        return owner
 
     def routing_cache(self, loads: Mapping[str, float]) -> PrefixHistory | None:
         """Ours' cache model, or with ``homogeneous_cache`` none (it only counts) unless the fleet looks

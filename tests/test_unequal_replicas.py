@@ -444,8 +444,9 @@ def test_on_the_engines_clock_a_prompt_enters_the_cache_model_when_it_is_prefill
 def test_on_the_engines_clock_a_prefix_in_flight_counts_as_held():
     """A document whose request is still in flight on ``a`` (not prefilled, or prefilled and not finished)
     stays there, though four others entered the model since; once it finishes it is held only as the LRU
-    holds it. The work counted for the learned speed is its uncached part by the same reading."""
-    router = LearnedRouter(cache_factor=1.25, cache_clock="prefilled")
+    holds it. The work counted for the learned speed is its uncached part by the same reading, with
+    ``work_by="model"``."""
+    router = LearnedRouter(cache_factor=1.25, cache_clock="prefilled", work_by="model")
     docs = _docs_to_a(router, [1, 2, 3, 4])  # d0 routed, not prefilled
     assert router.cache_holds(router.cached, docs[0]) == {"a": 4}
     assert router.choose(docs[0], {"a": 0, "b": 5}, tokens=2048) == "a"  # not the least loaded
@@ -458,9 +459,41 @@ def test_on_the_engines_clock_a_prefix_in_flight_counts_as_held():
     assert router.cache_holds(router.cached, docs[0]) == {} and not router._to_cache
 
 
-def test_the_cache_clock_is_checked():
+def test_by_default_the_work_is_counted_by_what_was_sent():
+    """``work_by="sent"`` (the default): the speeds' work reads an LRU of 1 x KV of the prompts each replica
+    was sent, not the routing's model: the document in flight on ``a``, which the model holds, was sent
+    four documents ago, and that LRU (two documents) counts it uncached."""
+    router = LearnedRouter(cache_factor=1.25)
+    docs = _docs_to_a(router, [1, 2, 3, 4])
+    assert router.seen is not router.cached
+    assert router.cache_holds(router.cached, docs[0]) == {"a": 4}
+    assert router._uncached(docs[0], 2048, ("a", "b")) == {"a": 2048.0, "b": 2048.0}
+    assert router._uncached(docs[4], 2048, ("a", "b")) == {"a": 0.0, "b": 2048.0}
+
+
+@pytest.mark.parametrize(("move_room", "loads", "to"), [
+    (2, {"a": 4, "b": 3}, "a"),  # the least loaded has no room: the document stays and is prefilled again
+    (2, {"a": 4, "b": 2}, "b"),  # room there: it moves
+    (None, {"a": 4, "b": 3}, "b"),  # always moves (the eleventh session's rule)
+    (2, {"a": 12, "b": 3}, "b"),  # the owner at the load bound (1.5 x 16 / 2 = 12): it moves
+])
+def test_an_evicted_document_moves_only_to_a_replica_with_room(move_room, loads, to):
+    """The first of five documents prefilled on ``a`` is evicted there by the cache model (it holds two);
+    where it goes with ``move_room`` (a load bound of 1.5 x the mean)."""
+    router = LearnedRouter(cache_factor=1.25, move_room=move_room, load_factor=1.5)
+    docs = _docs_to_a(router, [0, 1, 2, 3, 4])
+    assert router.choose(docs[0], loads, tokens=2048) == to
+    assert router.counts["evicted"] == 1
+    assert router.counts["kept"] == (to == "a")
+
+
+def test_the_cache_clock_and_the_work_and_the_room_are_checked():
     with pytest.raises(ValueError, match="cache_clock"):
         LearnedRouter(cache_clock="sent")
+    with pytest.raises(ValueError, match="work_by"):
+        LearnedRouter(work_by="prompt")
+    with pytest.raises(ValueError, match="move_room"):
+        LearnedRouter(move_room=-1)
 
 
 def test_the_learned_router_is_told_no_kv():
@@ -677,15 +710,15 @@ def test_the_equal_replica_check_runs_the_tuned_peers_beside_ours_learned(tmp_pa
 
 def test_with_the_cache_model_on_and_its_weights_pinned_ours_learned_routes_as_today_s_default(data_dir):
     """What separates ours learned from today's default on equal replicas is its cache model (1 x the KV it
-    reads, entered when prefilled) and its learned weights: with the model at today's 1.25 x the KV,
-    entered at routing, and a band no estimate leaves, told nothing, it routes each request as today's
-    default, told the KV, does."""
+    reads, entered when prefilled, an evicted document moved only to a replica with room) and its learned
+    weights: with the model at today's 1.25 x the KV, entered at routing, every evicted document moved, and a
+    band no estimate leaves, told nothing, it routes each request as today's default, told the KV, does."""
     from benchmarks import equal_learned
     from benchmarks.router_peers import OURS
 
     out = equal_learned.main(["--quick", "--learned", "cache_factor=1.25", "--learned", "cache_clock=routed",
-                              "--learned", "band=10"])
-    assert out["learned"] == {"cache_factor": 1.25, "cache_clock": "routed", "band": 10.0}
+                              "--learned", "move_room=none", "--learned", "band=10"])
+    assert out["learned"] == {"cache_factor": 1.25, "cache_clock": "routed", "move_room": None, "band": 10.0}
     today = out["cells"][0]["routers"][OURS]
     assert today["learned_over_this_attainment"] == 1.0
     assert today["learned_over_this_output_throughput"] == 1.0
