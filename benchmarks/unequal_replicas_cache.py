@@ -6,8 +6,8 @@ on the tuning seeds or the held-out ones.
         --variant 'learned, work LRU 1 x KV' --variant prefix-informed --json results/work_lru_zipf.json
 
 :mod:`benchmarks.unequal_replicas`' fleets (``--fleets``; default ``kv``, ``equal`` and ``speed``; 8
-replicas) and workloads (``--workload``: L-Eval, its Zipf variant or the Mooncake trace, drawn by
-:class:`~benchmarks.unequal_replicas.FleetDraws` as that benchmark draws them), on ``--seeds`` (3)
+replicas, ``--replicas``) and workloads (``--workload``: L-Eval, its Zipf variant or the Mooncake trace,
+drawn by :class:`~benchmarks.unequal_replicas.FleetDraws` as that benchmark draws them), on ``--seeds`` (3)
 workloads of their own as that benchmark's tuning draws them (seeds from 10,000, documents drawn with
 ``seed + 100 x replicas``, each its own capacity), or with ``--held-out`` on its evaluation's seeds, at
 loads 0.8 and 1. Each variant's mean attainment, and its attainment over ``learned, cache off`` (the
@@ -105,6 +105,58 @@ class StayLearned(LearnedRouter):
         return choice
 
 
+class RoomRule(LearnedRouter):
+    """Today's default with another rule for whether a document the cache model evicted moves (to where a new
+    prefix goes) or stays on its owner (the twelfth session's alternatives to ``move_room``). It moves when:
+    ``"seconds"``, that replica's queue of uncached prefill tokens at its learned prefill speed is at most
+    ``value`` seconds; ``"waiting"``, that replica published at most ``value`` requests waiting; ``"share"``,
+    it has at most ``value`` x the fleet's mean requests in flight; ``"up"``, its KV is at least the owner's
+    and its weight at most the owner's; ``"sooner"``, its predicted completion of the whole prompt is earlier
+    than the owner's; ``"floor"``, as ``move_room`` but it also moves where the owner is past the imbalance
+    bound of a hot prefix. Otherwise it stays while the owner is under the load bound."""
+
+    def __init__(self, rule: str, value: float = 0.0, **kwargs: Any) -> None:
+        self.rule, self.value = rule, float(value)
+        self.waiting: dict[str, float] = {}
+        super().__init__(**kwargs)
+
+    def scraped(self, replica: str, metrics: Mapping[str, Any]) -> None:
+        super().scraped(replica, metrics)
+        self.waiting[replica] = float(metrics.get("vllm:num_requests_waiting", 0))
+
+    def _moves(self, hashes: np.ndarray, requests: Mapping[str, int], choice: str, owner: str) -> bool:
+        now, v = self.clock(), self.value
+        if self.rule == "seconds":
+            speed = self._speed(choice, "prefill", now)
+            return speed is None or self._replica(choice).queued_tokens * speed <= v
+        if self.rule == "waiting":
+            return self.waiting.get(choice, 0.0) <= v
+        if self.rule == "share":
+            return requests[choice] <= v * sum(requests.values()) / len(requests)
+        if self.rule == "up":
+            kv_c, kv_o = self._replica(choice).kv_tokens, self._replica(owner).kv_tokens
+            w = self.weights(requests.keys(), now)
+            return (kv_c is None or kv_o is None or kv_c >= kv_o) and w[choice] <= w[owner]
+        if self.rule == "sooner":
+            n = self._length(hashes, None)
+            c, o = self.predicted_completion(choice, n, now), self.predicted_completion(owner, n, now)
+            return c is None or o is None or c <= o
+        least = min(requests.values())  # "floor"
+        return (requests[choice] <= (self.move_room or 0)
+                or requests[owner] > max(least + self.balance_abs, self.balance_rel * least))
+
+    def _keep(self, hashes: np.ndarray, requests: Mapping[str, int], avoid: Collection[str],
+              choice: str) -> str | None:
+        _, owner = self.owner(hashes)
+        if owner is None or owner not in requests or owner in avoid or self._moves(hashes, requests, choice,
+                                                                                   owner):
+            return None
+        if requests[owner] >= self.bound(sum(requests.values()), len(requests)):
+            return None
+        self.counts["kept"] += 1
+        return owner
+
+
 #: How the cache model counted the speeds' work and moved documents before the twelfth session (2026-12-07):
 #: by the model, a document it evicted always moved (every variant below that predates it pins this).
 _ELEVENTH: dict[str, Any] = {"work_by": "model", "move_room": None}
@@ -118,6 +170,8 @@ _eleventh = functools.partial(LearnedRouter, **_ELEVENTH)
 #: Today's default before the cache model by the engine's clock (2026-12-07): the model off.
 _service = functools.partial(LearnedRouter, queue_time="service", cache_factor=0.0, cache_clock="routed",
                              **_ELEVENTH)
+#: The twelfth session's variants' stem: today's cache model, its speeds' work by what was sent.
+_SENT = "learned, queue time, cache 1 x KV by the engine's clock, work by what was sent"
 
 VARIANTS: dict[str, Callable[[], ReplicaRouter]] = {
     "prefix (ours as today)": PrefixAffinityRouter,
@@ -161,6 +215,9 @@ VARIANTS: dict[str, Callable[[], ReplicaRouter]] = {
         functools.partial(LearnedRouter, move_room=k)) for k in (0, 1, 2, 3, 4)},
     "learned, queue time, cache 1 x KV by the engine's clock, work by the model, move room 2": lambda: (
         LearnedRouter(work_by="model")),
+    **{f"{_SENT}, move if {rule} {v:g}": functools.partial(RoomRule, rule, v) for rule, values in (
+        ("seconds", (0.5, 1, 2, 4)), ("waiting", (0, 1, 2, 4)), ("share", (0.25, 0.5, 0.75)), ("up", (0,)),
+        ("sooner", (0,)), ("floor", (0,))) for v in values},
     # the guard's study counted whole prompts (then the default)
     "learned, KV guard, fill 1": lambda: _off(kv_guard=True, kv_fill=1.0, work_cache_factor=0.0),
     "learned, KV guard, fill 0.9": lambda: _off(kv_guard=True, kv_fill=0.9, work_cache_factor=0.0),
@@ -177,6 +234,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--workload", choices=("leval", "zipf", "mooncake"), default="leval")
     p.add_argument("--fleets", default="kv,equal,speed")
     p.add_argument("--loads", default="0.8,1.0")
+    p.add_argument("--replicas", type=int, default=8, help="replicas per fleet (half of them the odd kind)")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--held-out", action="store_true",
                    help="the benchmark's evaluation seeds (0, 1, ...), not its tuning seeds")
@@ -190,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if REFERENCE not in names:
         names.insert(0, REFERENCE)
     start = time.perf_counter()
-    n = 8
+    n = args.replicas
     engine = load_scenario("leval-kv-pressure").engine_config()
     pool = load_workload(WorkloadConfig(kind="leval", max_prompt_tokens=8192))
     moon = (mooncake_pool(load_scenario("leval-kv-pressure").workload.max_prompt_tokens)
@@ -231,7 +289,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     out = {"benchmark": "unequal_replicas_cache", "machine": machine_info(),
            "command": "python -m benchmarks.unequal_replicas_cache " + shlex.join(
                argv if argv is not None else sys.argv[1:]),
-           "workload": args.workload, "seeds": [seed for seed, _, _ in drawn], "held_out": args.held_out,
+           "workload": args.workload, "replicas": n, "seeds": [seed for seed, _, _ in drawn],
+           "held_out": args.held_out,
            "reference": REFERENCE, "cells": cells, "wall_s": time.perf_counter() - start}
     write_json(args.json, out)
     return out

@@ -259,7 +259,9 @@ BLOCKS: dict[str, Block] = {
         "unequal_replicas_mooncake16_seeds12", "unequal_router_cost",
         *(f"unequal_replicas_{w}seeds12_service" for w in ("", "zipf_", "mooncake_", "mooncake16_")),
         *(f"unequal_replicas_{w}seeds12_clock" for w in ("", "zipf_", "mooncake_", "mooncake16_")),
-        "unequal_router_cost_clock")},
+        "unequal_router_cost_clock",
+        *(f"unequal_replicas_{w}seeds12_room" for w in ("", "zipf_", "mooncake_", "mooncake16_")),
+        "unequal_router_cost_room")},
     **{name: _result(name) for name in ("routing_headroom", "routing_agents", "unequal_loopback",
                                         "drift_loopback")},
     **{name: _result(name, "frontend_overhead") for name in (
@@ -269,10 +271,11 @@ BLOCKS: dict[str, Block] = {
     **{name: _result(name, "equal_learned") for name in (
         "equal_learned_cache125", "equal_learned_band10", "equal_learned_fleet_z",
         "equal_learned_queue_time", "equal_learned_queue_service",
-        "equal_learned_queue_fleet_z_homogeneous", "equal_learned_cache_clock", "equal_learned_peers")},
+        "equal_learned_queue_fleet_z_homogeneous", "equal_learned_cache_clock", "equal_learned_peers",
+        "equal_learned_room")},
     **{name: _result(name, "routing_headroom") for name in (
         "routing_headroom_load1", "routing_headroom_kv",
-        *(f"routing_headroom{c}_clock" for c in ("", "_load1", "_kv")))},
+        *(f"routing_headroom{c}_{v}" for c in ("", "_load1", "_kv") for v in ("clock", "room")))},
     "routing_agents_clock": _result("routing_agents_clock", "routing_agents"),
     "drift_loopback_fresh": _result("drift_loopback_fresh", "drift_loopback"),
     **{name: _result(name, "unequal_loopback") for name in (
@@ -283,7 +286,7 @@ BLOCKS: dict[str, Block] = {
     **{name: Block("docs/results.md", from_json(f"{name}.json", "benchmarks.unequal_replicas",
                                                 "render_drift_share"))
        for name in ("unequal_drift_share", "unequal_drift_share_seeds24",
-                    "unequal_drift_share_seeds24_clock")},
+                    "unequal_drift_share_seeds24_clock", "unequal_drift_share_seeds24_room")},
     "load_matched_headline": Block("README.md", from_json("load_matched.json", "benchmarks.load_matched",
                                                           "render_headline")),
     "env_manual": Block("docs/env.md", render_env_manual),
