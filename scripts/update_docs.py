@@ -266,7 +266,8 @@ BLOCKS: dict[str, Block] = {
                                         "drift_loopback")},
     **{name: _result(name, "frontend_overhead") for name in (
         "frontend_overhead_learned", "frontend_overhead_learned_clock",
-        "frontend_overhead_learned_clock_no_usage")},
+        "frontend_overhead_learned_clock_no_usage", "frontend_overhead_learned_room",
+        "frontend_overhead_learned_room_no_usage")},
     "equal_learned": _result("equal_learned"),
     **{name: _result(name, "equal_learned") for name in (
         "equal_learned_cache125", "equal_learned_band10", "equal_learned_fleet_z",
@@ -282,7 +283,8 @@ BLOCKS: dict[str, Block] = {
         "unequal_loopback_seed1", "unequal_loopback_seed2",
         *(f"unequal_loopback_worklru_seed{s}" for s in range(4)),
         *(f"unequal_loopback_service_seed{s}" for s in range(4)),
-        *(f"unequal_loopback_clock_seed{s}" for s in range(4)))},
+        *(f"unequal_loopback_clock_seed{s}" for s in range(4)),
+        *(f"unequal_loopback_room_seed{s}" for s in range(4)))},
     **{name: Block("docs/results.md", from_json(f"{name}.json", "benchmarks.unequal_replicas",
                                                 "render_drift_share"))
        for name in ("unequal_drift_share", "unequal_drift_share_seeds24",
