@@ -31,12 +31,14 @@ replica. It learns, per replica:
   unequal fleet (load 1): two causes, found by taking its parts apart on 30 tuning seeds (the note of
   2026-12-06, twelfth session). (1) Its speeds' work, counted by the model, undercounts a prefill's
   uncached tokens where the fleet is saturated (2,543 predicted against 2,979 uncached per request on the
-  speed fleet at load 1, twelve held-out seeds; on the requests whose prefix the LRU held, 451 against
+  speed fleet at load 1, twelve held-out seeds, ``benchmarks.cache_model_reading``; on the requests whose
+  prefix the LRU held, 451 against
   1,332: the engine had evicted more than an LRU of prompts sized to its KV says), so a busy replica's
   prefill looks slow: the work is now counted by an LRU of what each replica was sent (``work_by="sent"``,
-  :data:`WORK_BY`). (2) Moving a document the model declares evicted
-  (correctly: the owner's engine held 4-7 of 64-78 per seed) to the least loaded replica pays at load 0.8
-  and costs at 1, where that replica is barely less loaded and the document displaces its own: a
+  :data:`WORK_BY`). (2) Moving a document the model declares evicted (correctly: the owner's engine held
+  half of it in 1-7 of 59-78 per seed, ``benchmarks.cache_model_reading``) to the least loaded replica
+  pays at load 0.8 and costs at 1, where that replica is barely less loaded and the document displaces
+  its own: a
   document now moves only to a replica with at most ``move_room`` (2) requests in flight, and otherwise is
   prefilled again on its owner (:meth:`LearnedRouter._keep`). Relative rules lost there (moving only to a
   replica predicted to finish sooner, or at least as large and fast as the owner; a room in predicted

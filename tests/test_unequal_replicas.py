@@ -662,6 +662,23 @@ def test_the_knob_study_runs_ours_variants_beside_today_s_default(tmp_path, data
         study.main(["--variant", "learned, no such knob"])
 
 
+def test_the_cache_model_reading_asks_the_engines_what_they_held(tmp_path, data_dir):
+    """``benchmarks.cache_model_reading``: at load 1 on the speed fleet ours' cache model declares documents
+    evicted, the owner's engine held some of them at most, and every request's uncached tokens are read by
+    the model, by what was sent and by the engine, split by where the model's holding came from."""
+    from benchmarks import cache_model_reading
+
+    out = cache_model_reading.main(["--seeds", "1", "--fleets", "speed", "--json", str(tmp_path / "c.json")])
+    assert (tmp_path / "c.json").exists()
+    (cell,) = out["cells"]
+    assert cell["evictions_per_seed"][0] > 0
+    assert 0 <= cell["owner_held_per_seed"][0] <= cell["evictions_per_seed"][0]
+    rows = cell["uncached_tokens"]
+    assert sum(rows[s]["requests"] for s in cache_model_reading.SOURCES) == rows["all"]["requests"] > 0
+    assert rows["none"]["model"] > rows["model"]["model"]  # a prefix held nowhere is counted uncached
+    assert all(rows["all"][k] > 0 for k in ("model", "sent", "engine"))
+
+
 def test_the_equal_replica_check_runs_both_routers_on_router_peers_runs(tmp_path, data_dir):
     """``benchmarks.equal_learned --quick``: today's default and ours learned on the same run, the ratio of
     ours learned over today's default taken from those runs, and the table says how many cells meet 0.98x."""
