@@ -113,7 +113,8 @@ class RoomRule(LearnedRouter):
     it has at most ``value`` x the fleet's mean requests in flight; ``"up"``, its KV is at least the owner's
     and its weight at most the owner's; ``"sooner"``, its predicted completion of the whole prompt is earlier
     than the owner's; ``"floor"``, as ``move_room`` but it also moves where the owner is past the imbalance
-    bound of a hot prefix. Otherwise it stays while the owner is under the load bound."""
+    bound of a hot prefix. Otherwise it stays while the owner is under the load bound (the learned router's
+    ``_keep``, of which this overrides ``_moves`` only)."""
 
     def __init__(self, rule: str, value: float = 0.0, **kwargs: Any) -> None:
         self.rule, self.value = rule, float(value)
@@ -142,19 +143,8 @@ class RoomRule(LearnedRouter):
             c, o = self.predicted_completion(choice, n, now), self.predicted_completion(owner, n, now)
             return c is None or o is None or c <= o
         least = min(requests.values())  # "floor"
-        return (requests[choice] <= (self.move_room or 0)
+        return (super()._moves(hashes, requests, choice, owner)
                 or requests[owner] > max(least + self.balance_abs, self.balance_rel * least))
-
-    def _keep(self, hashes: np.ndarray, requests: Mapping[str, int], avoid: Collection[str],
-              choice: str) -> str | None:
-        _, owner = self.owner(hashes)
-        if owner is None or owner not in requests or owner in avoid or self._moves(hashes, requests, choice,
-                                                                                   owner):
-            return None
-        if requests[owner] >= self.bound(sum(requests.values()), len(requests)):
-            return None
-        self.counts["kept"] += 1
-        return owner
 
 
 #: How the cache model counted the speeds' work and moved documents before the twelfth session (2026-12-07):

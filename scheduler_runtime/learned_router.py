@@ -694,18 +694,22 @@ class LearnedRouter(PrefixAffinityRouter):
 
     def _keep(self, hashes: np.ndarray, requests: Mapping[str, int], avoid: Collection[str],
               choice: str) -> str | None:
-        """The owner of a document the cache model declared evicted, where it stays (``move_room``): when
-        ``choice``, where it would go, has more than ``move_room`` requests in flight and the owner is under
-        the load bound (``requests``: each replica's requests in flight). ``None``: it goes to ``choice``."""
-        if self.move_room is None or requests[choice] <= self.move_room:
-            return None
+        """The owner of a document the cache model declared evicted, where it stays: unless it moves to
+        ``choice``, where a new prefix goes (:meth:`_moves`), while the owner is under the load bound
+        (``requests``: each replica's requests in flight). ``None``: it goes to ``choice``."""
         _, owner = self.owner(hashes)
-        if owner is None or owner not in requests or owner in avoid:
+        if owner is None or owner not in requests or owner in avoid or self._moves(hashes, requests, choice,
+                                                                                   owner):
             return None
         if requests[owner] >= self.bound(sum(requests.values()), len(requests)):
             return None
         self.counts["kept"] += 1
         return owner
+
+    def _moves(self, hashes: np.ndarray, requests: Mapping[str, int], choice: str, owner: str) -> bool:
+        """Whether a document the cache model declared evicted from ``owner`` moves to ``choice``: ``choice``
+        has at most ``move_room`` requests in flight (always, with ``move_room=None``)."""
+        return self.move_room is None or requests[choice] <= self.move_room
 
     def routing_cache(self, loads: Mapping[str, float]) -> PrefixHistory | None:
         """Ours' cache model, or with ``homogeneous_cache`` none (it only counts) unless the fleet looks
