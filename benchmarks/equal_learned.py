@@ -7,7 +7,10 @@ replicas are alike. The cells and seeds are :mod:`benchmarks.router_peers`' eval
 (:func:`~benchmarks.router_peers.cell_runs`): L-Eval at 4, 16 and 64 replicas (loads 0.8, 1 and 1.5; 0.8
 and 1 at 64, with 8 documents per replica there), its Zipf variant at 16 and the Mooncake synthetic
 trace at 4 and 16 replicas, arrival seeds 0-2, each load a multiple of the workload's saturation rate
-measured with router_peers' fixed reference router. Two routers on each run:
+measured with router_peers' fixed reference router. Those seeds share one L-Eval document set per
+replica count and vary the arrivals only; ``--first-seed 20000 --seeds N`` (:data:`HELD_OUT_DRAWS`)
+runs the grid on N held-out draws instead, each its own documents and arrivals (and Mooncake window),
+drawn as router_peers draws its tuning workloads. Two routers on each run:
 
 * ``prefix`` (today's default): :class:`~scheduler_runtime.router.PrefixAffinityRouter` at its
   defaults (the knobs router_peers tuned), told each replica's KV for its cache model, as router_peers
@@ -41,11 +44,13 @@ from benchmarks import knob_values, measured
 from benchmarks.router_peers import (
     DOCS_PER_REPLICA,
     DOCS_PER_REPLICA_LARGE,
+    HELD_OUT_DRAWS,
     LARGE_REPLICAS,
     MOONCAKE_WINDOW_S,
     OURS,
     PEERS,
     TARGET_REPLICAS,
+    TUNE_SEED_BASE,
     ZIPF_S,
     cell_runs,
     kv_tokens,
@@ -142,7 +147,7 @@ def render(res: dict[str, Any]) -> str:
     pair = " ".join(f"{k}:{v:g}" for k, v in slo2.items())
     knobs = "".join(f", {k}={v}" for k, v in res.get("learned", {}).items())
     head = (f"Ours learned (`prefix-learned`{knobs}, told nothing) beside today's default (`prefix`, "
-            f"told each replica's KV) on `benchmarks.router_peers`' grid, arrival seeds {res['seeds']}; "
+            f"told each replica's KV) on `benchmarks.router_peers`' grid, {_seeds_text(res['seeds'])}; "
             f"SLO TTFT <= {slo['ttft'] / 1000:g} s and TPOT <= {slo['tpot']:g} ms; ratios are medians of "
             f"per-seed ratios (range) ({measured(res)}; `{res['command']}`: {res['wall_s'] / 60:.1f} min "
             "wall on one core):")
@@ -152,6 +157,12 @@ def render(res: dict[str, Any]) -> str:
                             "learned / today tok/s"], rows)
             + f"\n\nCells where ours learned is >= {TARGET}x today's default in attainment: {met} of "
             f"{len(res['cells'])}." + _peers_text(res))
+
+
+def _seeds_text(seeds: Sequence[int]) -> str:
+    if seeds[0] < TUNE_SEED_BASE:
+        return f"its one document set, arrival seeds {seeds[0]}-{seeds[-1]}"
+    return f"{len(seeds)} draws of their own documents and arrivals, seeds {seeds[0]:,}-{seeds[-1]:,}"
 
 
 def _peers_text(res: dict[str, Any]) -> str:
@@ -166,7 +177,10 @@ def _peers_text(res: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seeds", type=int, default=3, help="arrival seeds 0..N-1 (router_peers': 3)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds FIRST..FIRST+N-1 (router_peers': 3)")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help=f"the first seed: below {TUNE_SEED_BASE:,}, the evaluation's one document set with "
+                        f"those arrivals; {HELD_OUT_DRAWS:,} on, held-out draws (each its own documents)")
     p.add_argument("--slo", default="ttft:5000 tpot:50", help="SLOs in ms, vLLM's --goodput pairs")
     p.add_argument("--slo2", default="ttft:2000 tpot:30", help="a tighter pair, counted on the same runs")
     p.add_argument("--quick", action="store_true", help="L-Eval at 4 replicas, load 1, one seed")
@@ -179,7 +193,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     start = time.perf_counter()
     grid = (("uniform", 4, (1.0,)),) if args.quick else GRID
-    seeds = list(range(1 if args.quick else args.seeds))
+    if args.first_seed < 0 or args.seeds < 1:
+        p.error("--first-seed must be >= 0 and --seeds >= 1")
+    seeds = list(range(args.first_seed, args.first_seed + (1 if args.quick else args.seeds)))
     slo, slo2 = parse_goodput(args.slo), parse_goodput(args.slo2)
     try:
         learned = knob_values(args.learned)

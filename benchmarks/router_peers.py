@@ -96,6 +96,10 @@ TARGET_REPLICAS = 16
 #: Seeds from here draw workloads of their own (the tuning's, and ``benchmarks.router_variants``'
 #: held-out ones); the evaluation's are below.
 TUNE_SEED_BASE = 10_000
+#: Held-out draws (``--first-seed`` of ``benchmarks.equal_learned`` and ``benchmarks.unequal_replicas``)
+#: start here: seeds that no tuning (from :data:`TUNE_SEED_BASE`, at most a few dozen) or study saw, each
+#: drawing its own workload as a tuning seed does.
+HELD_OUT_DRAWS = 20_000
 #: L-Eval documents per replica, and from :data:`LARGE_REPLICAS` replicas on.
 DOCS_PER_REPLICA, DOCS_PER_REPLICA_LARGE, LARGE_REPLICAS = 16, 8, 64
 #: The Zipf variant's popularity exponent.

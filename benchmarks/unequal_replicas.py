@@ -103,6 +103,7 @@ from typing import Any
 
 from benchmarks import knob_values, measured
 from benchmarks.router_peers import (
+    HELD_OUT_DRAWS,
     REFERENCE,
     TUNE_SEED_BASE,
     ZIPF_S,
@@ -227,10 +228,15 @@ class FleetDraws:
 
     def held_out(self, fleet: str, specs: Sequence[ReplicaSpec],
                  seeds: Sequence[int]) -> list[tuple[int, Workload, dict[str, Any]]]:
-        """``(seed, workload, capacity)`` of the evaluation: a window of the trace per seed, or one workload
-        (documents drawn with seed ``replicas``) that each seed gives its own Poisson arrivals."""
+        """``(seed, workload, capacity)`` of the evaluation: a window of the trace per seed; for seeds below
+        :data:`~benchmarks.router_peers.TUNE_SEED_BASE`, one workload (documents drawn with seed
+        ``replicas``) that each seed gives its own Poisson arrivals; from there on (held-out draws,
+        :data:`~benchmarks.router_peers.HELD_OUT_DRAWS`), a workload of each seed's own, drawn as a tuning
+        seed's is."""
         if self.trace(fleet):
             return [(seed, *self.draw(fleet, specs, seed)) for seed in seeds]
+        if own_draws(seeds):
+            return [(seed, *self.draw(fleet, specs, seed + 100 * self.replicas)) for seed in seeds]
         workload, cap = self.draw(fleet, specs, self.replicas)
         return [(seed, workload, cap) for seed in seeds]
 
@@ -241,6 +247,17 @@ class FleetDraws:
         :mod:`benchmarks.router_peers` draws its tuning's)."""
         seeds = [TUNE_SEED_BASE + s for s in range(count)]
         return [(seed, *self.draw(fleet, specs, seed + 100 * self.replicas)) for seed in seeds]
+
+
+def own_draws(seeds: Sequence[int]) -> bool:
+    """Whether the evaluation's ``seeds`` each draw a workload of their own (all from
+    :data:`~benchmarks.router_peers.TUNE_SEED_BASE` on) rather than share the evaluation's one (all below
+    it); a mix raises."""
+    own = [s >= TUNE_SEED_BASE for s in seeds]
+    if any(own) and not all(own):
+        raise ValueError(f"seeds {list(seeds)} mix the evaluation's workload (below {TUNE_SEED_BASE}) with "
+                         "draws of their own")
+    return bool(own) and all(own)
 
 
 def own_kind(spec: ReplicaSpec) -> ReplicaSpec:
@@ -840,8 +857,11 @@ def breakdown_rows(res: dict[str, Any], names: Sequence[str] | None = None) -> l
 
 
 def _workload_text(res: dict[str, Any]) -> str:
+    seeds = res["seeds"]
     leval = (f"L-Eval ({res['docs_per_replica']} documents per replica; drift: {res['drift_blocks']} such "
-             f"blocks), arrival seeds {res['seeds']}")
+             f"blocks), "
+             + (f"{len(seeds)} held-out draws of their own documents and arrivals, seeds {seeds[0]:,}-"
+                f"{seeds[-1]:,}" if own_draws(seeds) else f"arrival seeds {seeds}"))
     if res.get("workload") != "mooncake":
         return leval
     return (f"the Mooncake synthetic trace (64 tokens per hash id, prompts cut at "
@@ -981,6 +1001,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--drift-until", type=float, default=100.0, help="seconds: it recovers")
     p.add_argument("--loads", default="0.8,1.0")
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--first-seed", type=int, default=0,
+                   help=f"the evaluation's first seed: below {TUNE_SEED_BASE:,}, its one L-Eval workload "
+                        f"with those arrivals; {HELD_OUT_DRAWS:,} on, held-out draws (each its own workload)")
     p.add_argument("--fleets", default=",".join(FLEETS),
                    help="comma-separated; '' measures only the routers' cost (--cost-replicas)")
     p.add_argument("--slo", default="ttft:5000 tpot:50", help="SLOs in ms, vLLM's --goodput pairs")
@@ -1044,7 +1067,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     slo2 = {k: float(v) for k, v in (x.split(":") for x in args.slo2.split())} or None
     engine = load_scenario(args.scenario).engine_config()
     pool = load_workload(WorkloadConfig(kind="leval", max_prompt_tokens=8192))
-    n, seeds = args.replicas, list(range(args.seeds))
+    last = args.first_seed + args.seeds - 1
+    if args.first_seed < 0 or args.seeds < 1 or (last >= TUNE_SEED_BASE and args.first_seed < HELD_OUT_DRAWS):
+        p.error(f"--first-seed must be 0 or more with every seed below {TUNE_SEED_BASE:,} (the evaluation's "
+                f"workload), or {HELD_OUT_DRAWS:,} or more (held-out draws); --seeds 1 or more")
+    n, seeds = args.replicas, list(range(args.first_seed, args.first_seed + args.seeds))
     if args.drift_share:
         try:
             learned = knob_values(args.share_learned)
@@ -1113,14 +1140,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             return fleet_bound(engine, specs, timed, floors)
 
         caps = [c for _, _, c in evaluated]
-        if trace:  # each window's own capacity: the cell's means, and each window's
+        if trace or own_draws(seeds):  # each window's or draw's own capacity: the cell's means, and each's
             per_replica = zip(*(c["per_replica_req_s"] for c in caps), strict=True)
             cap = {"req_s": statistics.fmean(c["req_s"] for c in caps),
                    "per_replica_req_s": [statistics.fmean(x) for x in per_replica]}
         else:  # one workload for every seed
             cap = caps[0]
         windows = ({"requests_per_seed": [len(w) for _, w, _ in evaluated],
-                    "capacity_per_seed_req_s": [c["req_s"] for c in caps]} if trace else {})
+                    "capacity_per_seed_req_s": [c["req_s"] for c in caps]} if trace or own_draws(seeds)
+                   else {})
         for load in loads:
             t0 = time.perf_counter()
             runs = timed_runs([(seed, w, c["req_s"]) for seed, w, c in evaluated], load, trace)

@@ -853,3 +853,45 @@ def test_the_drift_share_takes_ours_learned_knobs_and_refuses_unknown_ones(data_
         unequal_replicas.main([*args, "--share-learned", "no_such_knob=1"])
     with pytest.raises(SystemExit):
         unequal_replicas.main([*args, "--share-learned", "tau_s"])
+
+
+def test_held_out_draws_give_each_seed_its_own_documents(data_dir):
+    """``--first-seed 20000``: each held-out seed draws a workload of its own (as a tuning seed does), not
+    the evaluation's one document set; seeds below 10,000 share that set; a mix is refused."""
+    from benchmarks.router_peers import HELD_OUT_DRAWS, TUNE_SEED_BASE
+    from benchmarks.unequal_replicas import FleetDraws, fleets, own_draws
+    from feather_env.workloads import WorkloadConfig, load_workload
+
+    engine = load_scenario("leval-kv-pressure").engine_config()
+    pool = load_workload(WorkloadConfig(kind="leval", max_prompt_tokens=8192))
+    draws = FleetDraws(engine, pool, 4, docs_per_replica=4)
+    specs = fleets(4, 40.0, 100.0)["kv"]
+    assert not own_draws([0, 1]) and own_draws([HELD_OUT_DRAWS, HELD_OUT_DRAWS + 1])
+    with pytest.raises(ValueError, match="mix"):
+        own_draws([0, TUNE_SEED_BASE])
+    shared = draws.held_out("kv", specs, [0, 1])
+    assert shared[0][1] is shared[1][1]  # one document set, each seed its arrivals
+    own = draws.held_out("kv", specs, [HELD_OUT_DRAWS, HELD_OUT_DRAWS + 1])
+
+    def heads(w: Workload) -> list[tuple[int, ...]]:
+        return [tuple(r.prompt_token_ids[:64]) for r in w]
+
+    docs = [set(heads(w)) for _, w, _ in own]
+    assert docs[0] != docs[1] and docs[0] != set(heads(shared[0][1]))
+    # drawn as a tuning seed's workload is: with seed + 100 x replicas
+    assert heads(own[0][1]) == heads(draws.draw("kv", specs, HELD_OUT_DRAWS + 400)[0])
+    for _, w, cap in own:
+        assert len(w) > 0 and cap["req_s"] > 0
+
+
+def test_the_equal_grid_on_held_out_draws(tmp_path, data_dir):
+    """``benchmarks.equal_learned --quick --first-seed 20000``: the grid's cell on a held-out draw, said so in
+    the table's head; the evaluation's seeds say theirs."""
+    from benchmarks import equal_learned
+    from benchmarks.router_peers import HELD_OUT_DRAWS
+
+    out = equal_learned.main(["--quick", "--first-seed", str(HELD_OUT_DRAWS)])
+    assert out["seeds"] == [HELD_OUT_DRAWS]
+    assert "1 draws of their own documents and arrivals, seeds 20,000-20,000" in equal_learned.render(out)
+    with pytest.raises(SystemExit):
+        equal_learned.main(["--quick", "--first-seed", "-1"])
