@@ -40,6 +40,11 @@ Every figure is SLO attainment (good requests over submitted):
   candidate of highest predicted probability when it is over a threshold, chosen of
   ``--imitation-thresholds`` (0.5, 0.3, 0.2, 0.1: moves are about 10% of the examples) by mean
   attainment on the training seeds;
+- with the imitation on two training seeds or more, how predictable the oracle's moves are from what a
+  router sees (:func:`move_predictability`): each training seed held out in turn, the imitation's
+  logistic regression and a 64x64 MLP fitted on the others' examples, their AUC on its examples, and the
+  oracle's attainment over ours' on the training seeds: whether the oracle's headroom is one a router
+  could learn, or comes from the arrivals it looks ahead at;
 - ``placebo``: ours, moving off ours' choice as often as the best learned agent that moves at all
   did on the held-out seeds (its share of decisions), at random decisions, to a random other observed
   candidate (:func:`random_moves`; median of 3 draws): whether *which* moves the agent makes matters,
@@ -74,7 +79,8 @@ from benchmarks.admission_agents import PPOTrainingEnv
 from feather_env.reporting import format_table, machine_info, write_json
 from feather_env.routing_env import FEATURES, RoutingEnv, rule_action
 
-__all__ = ["ARMS", "ScoreRule", "UCBRules", "main", "play", "render", "run", "train_ppo"]
+__all__ = ["ARMS", "ScoreRule", "UCBRules", "auc", "main", "move_predictability", "play", "render", "run",
+           "train_ppo"]
 
 Policy = Callable[[np.ndarray], int]
 TRAIN_SEEDS = (10_000, 10_001, 10_002)
@@ -307,6 +313,69 @@ class Imitation:
                 "weights": dict(zip(names, map(float, self.w if self.w is not None else []), strict=False))}
 
 
+def auc(scores: Sequence[float], labels: Sequence[float]) -> float:
+    """The area under the ROC curve of ``scores`` for binary ``labels`` (the chance that a positive
+    scores above a negative, ties half): 0.5 is chance; ``nan`` without both classes."""
+    s, y = np.asarray(scores, dtype=np.float64), np.asarray(labels) > 0.5
+    pos, neg = int(y.sum()), int((~y).sum())
+    if not pos or not neg:
+        return math.nan
+    order = np.argsort(s, kind="stable")
+    ranks = np.empty(len(s))
+    ranks[order] = np.arange(1, len(s) + 1)
+    for v in np.unique(s):  # ties share their mean rank
+        tied = s == v
+        ranks[tied] = ranks[tied].mean()
+    return float((ranks[y].sum() - pos * (pos + 1) / 2) / (pos * neg))
+
+
+def _mlp_scores(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, epochs: int = 300,
+                seed: int = 0) -> np.ndarray:
+    """A 64x64 MLP's move probability for ``x_test``, fitted to ``(x_train, y_train)`` (standardized
+    features, binary cross-entropy, Adam 1e-3, weight decay 1e-4, full batch)."""
+    import torch
+
+    torch.manual_seed(seed)
+    mu, sd = x_train.mean(axis=0), x_train.std(axis=0) + 1e-9
+    x = torch.as_tensor((x_train - mu) / sd, dtype=torch.float32)
+    y = torch.as_tensor(y_train, dtype=torch.float32)
+    net = torch.nn.Sequential(torch.nn.Linear(x.shape[1], 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                              torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3, weight_decay=1e-4)
+    for _ in range(epochs):
+        opt.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(net(x).squeeze(1), y)
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        return torch.sigmoid(net(torch.as_tensor((x_test - mu) / sd, dtype=torch.float32)).squeeze(1)).numpy()
+
+
+def move_predictability(examples: dict[int, tuple[Sequence[np.ndarray], Sequence[float]]]) -> dict[str, Any]:
+    """How well the oracle's moves can be told from what a router sees: for each training seed, the
+    imitation's logistic regression and a 64x64 MLP fitted on the other seeds' examples, their AUC on
+    that seed's (0.5: chance), and the MLP's precision among its ``k`` most confident examples (``k``:
+    the seed's moves; the base rate is the seed's share of moves)."""
+    per_seed = {}
+    for s, (xs, ys) in examples.items():
+        rest = [t for t in examples if t != s]
+        x_tr = np.concatenate([np.asarray(examples[t][0]) for t in rest])
+        y_tr = np.concatenate([np.asarray(examples[t][1]) for t in rest])
+        x_te, y_te = np.asarray(xs), np.asarray(ys)
+        logistic = Imitation()
+        logistic.fit(list(x_tr), list(y_tr))
+        mlp = _mlp_scores(x_tr, y_tr, x_te)
+        k = int(y_te.sum())
+        top = np.argsort(-mlp, kind="stable")[:k]
+        per_seed[str(s)] = {"examples": len(y_te), "moves": k, "base_rate": k / len(y_te),
+                            "logistic_auc": auc([logistic.prob(x) for x in x_te], y_te),
+                            "mlp_auc": auc(mlp, y_te),
+                            "mlp_precision_at_moves": float(y_te[top].mean()) if k else math.nan}
+    return {"per_seed": per_seed, **{f"{m}_median": statistics.median(v[m] for v in per_seed.values())
+                                      for m in ("logistic_auc", "mlp_auc", "mlp_precision_at_moves",
+                                                "base_rate")}}
+
+
 def _load_examples(path: str | None, seeds: Sequence[int], horizon: int,
                    others: int) -> dict[int, tuple[list[np.ndarray], list[float], float]] | None:
     """The oracle's examples per training seed from ``path`` (an ``.npz`` of :func:`_save_examples`),
@@ -472,6 +541,7 @@ def run(fleet: str = "speed", load: float = 0.8, train_seeds: Sequence[int] = TR
         xs: list[np.ndarray] = []
         ys: list[float] = []
         oracle_train = []
+        per_seed: dict[int, tuple[Sequence[np.ndarray], Sequence[float]]] = {}
         cached = _load_examples(imitation_cache, train_seeds, horizon, others)
         for s in train_seeds:
             if cached is not None:
@@ -481,6 +551,7 @@ def run(fleet: str = "speed", load: float = 0.8, train_seeds: Sequence[int] = TR
                 _save_examples(imitation_cache, s, x, y, att, horizon, others)
             xs += x
             ys += y
+            per_seed[s] = (x, y)
             oracle_train.append(att)
         imitation.fit(xs, ys)
         # the threshold: of imitation_thresholds, the highest mean attainment on the training seeds
@@ -495,7 +566,11 @@ def run(fleet: str = "speed", load: float = 0.8, train_seeds: Sequence[int] = TR
                                  "oracle_train_attainment": oracle_train, "wall_s": time.perf_counter() - t0,
                                  "train_attainment_by_threshold": {str(k): v
                                                                    for k, v in by_threshold.items()},
-                                 "train_attainment": by_threshold[imitation.threshold]}
+                                 "train_attainment": by_threshold[imitation.threshold],
+                                 "ours_train_attainment": [play(env, lambda o: rule_action(o, env.n), s)[
+                                     "attainment"] for s in train_seeds]}
+        if len(train_seeds) > 1:
+            training["imitation"]["predictability"] = move_predictability(per_seed)
         log(f"  imitation: {len(ys)} examples, threshold {imitation.threshold:g}, in "
             f"{time.perf_counter() - t0:.0f} s")
         rows["imitation"] = [play(env, lambda o: imitation.act(o, env), s) for s in eval_seeds]
@@ -538,6 +613,21 @@ def _r(x: dict[str, float]) -> str:
     return f"{x['median']:.3f} ({x['min']:.3f}-{x['max']:.3f})"
 
 
+def _predictability_text(c: dict[str, Any]) -> list[str]:
+    im = c["training"].get("imitation", {})
+    pred = im.get("predictability")
+    if not pred:
+        return []
+    gain = [a / b for a, b in zip(im["oracle_train_attainment"], im["ours_train_attainment"], strict=True)]
+    return ["", f"What the imitation learns from: the oracle is {statistics.median(gain):.3f}x ours on the "
+            f"training seeds (median per seed, {min(gain):.3f}-{max(gain):.3f}); its moves told from what a "
+            f"router sees, each training seed held out in turn: AUC {pred['logistic_auc_median']:.3f} "
+            f"(logistic) and {pred['mlp_auc_median']:.3f} (64x64 MLP), median per seed (0.5: chance); the "
+            f"MLP's most confident examples, as many as the seed's moves, are moves in "
+            f"{100 * pred['mlp_precision_at_moves_median']:.0f}% (the base rate: "
+            f"{100 * pred['base_rate_median']:.0f}%)."]
+
+
 def render(payload: dict[str, Any]) -> str:
     """The figures in markdown."""
     c = payload["cell"]
@@ -555,6 +645,7 @@ def render(payload: dict[str, Any]) -> str:
                         rows), "",
            f"Best learned: `{c['best_learned']}`, {c['ship']['best_learned_over_ours_median']:.3f}x ours "
            f"(ships at >= {SHIP_RATIO}x on every seed: {'yes' if c['ship']['ships'] else 'no'}).",
+           *_predictability_text(c),
            "", f"{measured(payload)}; `{payload['command']}`: {payload['wall_s'] / 60:.1f} min wall on one "
            "core."]
     return "\n".join(out)
