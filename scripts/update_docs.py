@@ -261,7 +261,8 @@ BLOCKS: dict[str, Block] = {
         *(f"unequal_replicas_{w}seeds12_clock" for w in ("", "zipf_", "mooncake_", "mooncake16_")),
         "unequal_router_cost_clock",
         *(f"unequal_replicas_{w}seeds12_room" for w in ("", "zipf_", "mooncake_", "mooncake16_")),
-        "unequal_router_cost_room")},
+        "unequal_router_cost_room", "unequal_replicas_draws12", "unequal_replicas_zipf_draws12",
+        "unequal_replicas_draws12_variants_speed", "unequal_replicas_draws12_variants_kv")},
     **{name: _result(name) for name in ("routing_headroom", "routing_agents", "unequal_loopback",
                                         "drift_loopback")},
     **{name: _result(name, "frontend_overhead") for name in (
@@ -273,18 +274,19 @@ BLOCKS: dict[str, Block] = {
         "equal_learned_cache125", "equal_learned_band10", "equal_learned_fleet_z",
         "equal_learned_queue_time", "equal_learned_queue_service",
         "equal_learned_queue_fleet_z_homogeneous", "equal_learned_cache_clock", "equal_learned_peers",
-        "equal_learned_room")},
+        "equal_learned_room", "equal_learned_seeds10", "equal_learned_draws10")},
     **{name: _result(name, "routing_headroom") for name in (
         "routing_headroom_load1", "routing_headroom_kv",
         *(f"routing_headroom{c}_{v}" for c in ("", "_load1", "_kv") for v in ("clock", "room")))},
-    "routing_agents_clock": _result("routing_agents_clock", "routing_agents"),
+    **{name: _result(name, "routing_agents") for name in (
+        "routing_agents_clock", "routing_agents_room", "routing_agents_room_train8")},
     "drift_loopback_fresh": _result("drift_loopback_fresh", "drift_loopback"),
     **{name: _result(name, "unequal_loopback") for name in (
         "unequal_loopback_seed1", "unequal_loopback_seed2",
         *(f"unequal_loopback_worklru_seed{s}" for s in range(4)),
         *(f"unequal_loopback_service_seed{s}" for s in range(4)),
         *(f"unequal_loopback_clock_seed{s}" for s in range(4)),
-        *(f"unequal_loopback_room_seed{s}" for s in range(4)))},
+        *(f"unequal_loopback_room_seed{s}" for s in range(8)))},
     **{name: Block("docs/results.md", from_json(f"{name}.json", "benchmarks.unequal_replicas",
                                                 "render_drift_share"))
        for name in ("unequal_drift_share", "unequal_drift_share_seeds24",
