@@ -262,7 +262,7 @@ BLOCKS: dict[str, Block] = {
         "unequal_router_cost_clock",
         *(f"unequal_replicas_{w}seeds12_room" for w in ("", "zipf_", "mooncake_", "mooncake16_")),
         "unequal_router_cost_room", "unequal_replicas_draws12", "unequal_replicas_zipf_draws12",
-        "unequal_replicas_draws12_variants_speed", "unequal_replicas_draws12_variants_kv")},
+        *(f"unequal_replicas_{r}_variants_{f}" for r in ("draws12", "seeds12") for f in ("speed", "kv")))},
     **{name: _result(name) for name in ("routing_headroom", "routing_agents", "unequal_loopback",
                                         "drift_loopback")},
     **{name: _result(name, "frontend_overhead") for name in (
