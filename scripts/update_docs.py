@@ -286,7 +286,7 @@ BLOCKS: dict[str, Block] = {
         *(f"unequal_loopback_worklru_seed{s}" for s in range(4)),
         *(f"unequal_loopback_service_seed{s}" for s in range(4)),
         *(f"unequal_loopback_clock_seed{s}" for s in range(4)),
-        *(f"unequal_loopback_room_seed{s}" for s in range(8)))},
+        *(f"unequal_loopback_room_seed{s}" for s in range(12)))},
     **{name: Block("docs/results.md", from_json(f"{name}.json", "benchmarks.unequal_replicas",
                                                 "render_drift_share"))
        for name in ("unequal_drift_share", "unequal_drift_share_seeds24",
