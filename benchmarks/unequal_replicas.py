@@ -1072,6 +1072,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         p.error(f"--first-seed must be 0 or more with every seed below {TUNE_SEED_BASE:,} (the evaluation's "
                 f"workload), or {HELD_OUT_DRAWS:,} or more (held-out draws); --seeds 1 or more")
     n, seeds = args.replicas, list(range(args.first_seed, args.first_seed + args.seeds))
+    own = own_draws(seeds)  # held-out draws: each seed a workload and capacity of its own
     if args.drift_share:
         try:
             learned = knob_values(args.share_learned)
@@ -1140,15 +1141,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             return fleet_bound(engine, specs, timed, floors)
 
         caps = [c for _, _, c in evaluated]
-        if trace or own_draws(seeds):  # each window's or draw's own capacity: the cell's means, and each's
+        if trace or own:  # each window's or draw's own capacity: the cell's means, and each's
             per_replica = zip(*(c["per_replica_req_s"] for c in caps), strict=True)
             cap = {"req_s": statistics.fmean(c["req_s"] for c in caps),
                    "per_replica_req_s": [statistics.fmean(x) for x in per_replica]}
         else:  # one workload for every seed
             cap = caps[0]
         windows = ({"requests_per_seed": [len(w) for _, w, _ in evaluated],
-                    "capacity_per_seed_req_s": [c["req_s"] for c in caps]} if trace or own_draws(seeds)
-                   else {})
+                    "capacity_per_seed_req_s": [c["req_s"] for c in caps]} if trace or own else {})
         for load in loads:
             t0 = time.perf_counter()
             runs = timed_runs([(seed, w, c["req_s"]) for seed, w, c in evaluated], load, trace)
