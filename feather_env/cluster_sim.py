@@ -25,6 +25,18 @@ the finish, how long the request waited at its replica before its first step
 (:meth:`~scheduler_runtime.router.ReplicaRouter.scheduled`), where vLLM reports it: on a stream's final
 chunk.
 
+Under an admission rule (the scheduler's ``~RULE``, e.g. ``feather-heuristic~slo``, with
+``admission_slos``: :mod:`scheduler_runtime.admission`), each replica decides at the arrival, as
+``feather-serve``'s replicas do, with its own controller fed by its own service (the ``slo`` rule's
+pace included, so a slower replica learns its own). A request that a replica sheds is routed again
+among the replicas not yet tried, as the proxy does with an admission rejection
+(:mod:`scheduler_runtime.serving.proxy`): the router is told that attempt's finish (no output), and
+:meth:`ClusterRun.next_arrival` returns the same request with those replicas avoided and left out of
+its loads (``reroute_shed=True``, ``feather-serve --reroute-shed``). Only when every replica has shed it
+is it rejected, a request that met no SLO. By default, as ``feather-serve`` now serves, the first
+replica's rejection is the answer. The result counts each request
+once: where it was served, or its last rejection.
+
 Every request is checked to be served exactly once with its tokens
 (:meth:`~feather_env.serving.ServingBackend.check_complete`, per replica).
 
@@ -59,6 +71,7 @@ from feather_env.records import RequestTimeline
 from feather_env.serving import env_scheduler_config
 from feather_env.serving_metrics import meets_slos, serving_metrics
 from feather_env.workloads import Request, Workload
+from scheduler_runtime.admission import AdmissionRule, check_slos
 from scheduler_runtime.prefix_index import DEFAULT_CHUNK_SIZE
 from scheduler_runtime.router import PrefixHasher, ReplicaRouter
 from scheduler_runtime.schedulers import SchedulerConfig
@@ -128,11 +141,13 @@ class ReplicaSim(SimBackend):
     """
 
     def __init__(self, name: str, engine: EngineConfig, config: SchedulerConfig,
-                 profile: str | Path | None = None, spec: ReplicaSpec | None = None) -> None:
+                 profile: str | Path | None = None, spec: ReplicaSpec | None = None,
+                 admission_slos: Mapping[str, float] | None = None) -> None:
         self.spec = spec or ReplicaSpec()
         super().__init__(self.spec.engine(engine), profile)
         self.name = name
         self.config = config
+        self.admission_slos = dict(admission_slos or {})
         #: The cluster's next event: the engine runs no further than the first step that reaches it.
         self.horizon = math.inf
         self.opened = False
@@ -178,10 +193,25 @@ class ReplicaSim(SimBackend):
         """``request`` arrives now (its ``arrival_time``, the cluster's clock); the first one routed
         here starts the replica (an empty engine, a new core and policy)."""
         if self.opened:
+            self._catch_up(request)
             super().submit(request)
             return
         self.start(Workload(f"replica-{self.name}", (request,)), self.config)
         self.opened = True
+        if self.admission is not None:  # a new replica: idle until this arrival
+            self.clock = max(self.clock, float(request.arrival_time))
+            self._admit_arrivals()
+
+    def _catch_up(self, request: Request) -> None:
+        """Under an admission rule the replica decides at the arrival: an idle replica whose clock is
+        behind it moves to it (as its next step would), so that :meth:`rejected` answers at once."""
+        if self.admission is not None and self.clock < request.arrival_time and not self.has_work:
+            self.clock = float(request.arrival_time)
+
+    def rejected(self, request_id: str) -> bool:
+        """Whether this replica's admission rule rejected ``request_id`` at its arrival."""
+        t = self._timelines.get(request_id)
+        return t is not None and t.outcome == "rejected"
 
     def run_until(self, t: float) -> None:
         """Serve until the clock reaches ``t`` (the step that crosses it included) or nothing is left:
@@ -293,16 +323,29 @@ class ClusterSim:
             (``chunk_size``, ``max_wait``, ...).
         profiles: one :class:`ReplicaSpec` per replica (an unequal fleet; default: every replica
             ``engine`` at the calibrated speed).
+        admission_slos: the SLOs (ms, vLLM's ``--goodput`` names) each replica's admission rule reads,
+            when ``scheduler`` names one (``~RULE``; module docstring).
+        reroute_shed: route a request that a replica's rule shed to another replica (``feather-serve
+            --reroute-shed``); False (the default): the rejection stands.
+
+    Raises:
+        ValueError: a bad count of replicas or profiles, or a rule that reads SLOs without them.
     """
 
     def __init__(self, replicas: int, engine: EngineConfig, *, scheduler: str = "feather-heuristic",
                  profile: str | Path | None = None, profiles: Sequence[ReplicaSpec] | None = None,
+                 admission_slos: Mapping[str, float] | None = None, reroute_shed: bool = False,
                  **scheduler_overrides: Any) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
         if profiles is not None and len(profiles) != replicas:
             raise ValueError(f"{len(profiles)} replica profiles for {replicas} replicas")
         config = env_scheduler_config(scheduler, **scheduler_overrides)
+        rule = AdmissionRule.parse(config.admission_rule)
+        if rule.needs_slos and "ttft" not in (admission_slos or {}):
+            raise ValueError(f"the admission rule {rule} reads the TTFT SLO: give admission_slos")
+        self.admission_slos = check_slos(admission_slos or {})
+        self.reroute_shed = reroute_shed
         self.engine = engine
         self.config = config
         self.scheduler = scheduler
@@ -313,7 +356,7 @@ class ClusterSim:
 
     def _replicas(self) -> list[ReplicaSim]:
         # each replica's runtime builds its own policy (a stateful one sees only its replica)
-        return [ReplicaSim(name, self.engine, self.config, self.profile, spec)
+        return [ReplicaSim(name, self.engine, self.config, self.profile, spec, self.admission_slos)
                 for name, spec in zip(self.names, self.specs, strict=True)]
 
     def run(self, workload: Workload | Sequence[Request], router: ReplicaRouter,
@@ -334,7 +377,7 @@ class ClusterSim:
         """
         run = self.serve(workload, router, hasher, goodput=goodput, scrape_s=scrape_s, also_slos=also_slos)
         while (arrival := run.next_arrival()) is not None:
-            run.route(router.choose(arrival.hashes, arrival.loads, tokens=arrival.tokens))
+            run.route(router.choose(arrival.hashes, arrival.loads, arrival.avoid, tokens=arrival.tokens))
         return run.finish()
 
     def serve(self, workload: Workload | Sequence[Request], router: ReplicaRouter,
@@ -356,7 +399,9 @@ class Arrival:
     Attributes:
         index: its position in arrival order; ``request``: the request; ``clock``: its arrival time.
         hashes: its chunk hashes (``None`` for a router that does not read them); ``tokens``: its
-            prompt's length; ``loads``: each replica's requests in flight (replica name -> count).
+            prompt's length; ``loads``: each replica's requests in flight (replica name -> count), of
+            the replicas it may go to; ``avoid``: the replicas whose admission rule shed it already
+            (left out of ``loads``).
     """
 
     index: int
@@ -365,6 +410,7 @@ class Arrival:
     hashes: np.ndarray | None
     tokens: int
     loads: dict[str, int]
+    avoid: tuple[str, ...] = ()
 
 
 class ClusterRun:
@@ -408,6 +454,9 @@ class ClusterRun:
                 replica.events = []
                 replica.event_times = [] if self.observes else None
         self.next_scrape = -math.inf
+        #: ``(replica, request id)`` of each attempt a replica shed and another replica was tried after.
+        self.rerouted: set[tuple[str, str]] = set()
+        self.reroute_shed = sim.reroute_shed
         self.i = 0  # the next request to arrive
         self.pending: Arrival | None = None
         self.result: ClusterResult | None = None
@@ -468,19 +517,36 @@ class ClusterRun:
         self.pending = Arrival(self.i, request, t, hashes, n, loads)
         return self.pending
 
-    def route(self, name: str) -> None:
-        """Send the pending arrival to replica ``name``."""
+    def route(self, name: str) -> bool:
+        """Send the pending arrival to replica ``name``. Returns False when that replica's admission rule
+        shed it and another is left to try: the arrival stays pending, ``name`` avoided (module
+        docstring); True when it is done with (served there, or shed by every replica)."""
         arrival = self.pending
         if arrival is None:
             raise RuntimeError("no arrival to route: call next_arrival() first")
         if name not in self.by_name:
             raise ValueError(f"no replica {name!r}")
+        if name in arrival.avoid:
+            raise ValueError(f"replica {name!r} shed this request already")
+        rid = arrival.request.request_id
         self.router.routed(arrival.hashes, name, tokens=arrival.tokens,
-                           request_id=arrival.request.request_id if self.tracks else None)
-        self.by_name[name].submit(arrival.request)
+                           request_id=rid if self.tracks else None)
+        replica = self.by_name[name]
+        replica.submit(arrival.request)
+        if replica.rejected(rid):
+            if self.tracks:  # the attempt is over, as the proxy tells it: no output
+                self.router.finished(rid, output_tokens=None)
+            avoid = (*arrival.avoid, name)
+            left = {k: v for k, v in arrival.loads.items() if k not in avoid}
+            if left and self.reroute_shed:
+                self.rerouted.add((name, rid))
+                loads = {r.name: r.in_flight for r in self.replicas if r.name in left}
+                self.pending = replace(arrival, loads=loads, avoid=avoid)
+                return False
         self.routed.append((arrival.clock, name))
         self.pending = None
         self.i += 1
+        return True
 
     def finish(self) -> ClusterResult:
         """Serve every replica to its end (every request must have been routed) and the result.
@@ -509,10 +575,10 @@ class ClusterRun:
                    for r in self.requests]
         self.result = ClusterResult(router=self.router.name, replicas=len(self.replicas),
                                     metrics=serving_metrics(timelines, goodput=goodput),
-                                    requests_per_replica=[len(r.timelines_if_open()) for r in self.replicas],
+                                    requests_per_replica=[len(self._kept(r)) for r in self.replicas],
                                     router_state=self.router.state(),
                                     wall_s=time.perf_counter() - self.started,
-                                    per_replica=[replica_breakdown(r.timelines_if_open(), goodput)
+                                    per_replica=[replica_breakdown(self._kept(r), goodput)
                                                  for r in self.replicas],
                                     routed=list(self.routed),
                                     good_by_slo=[sum(1 for t in timelines
@@ -528,8 +594,15 @@ class ClusterRun:
         self.pending = None
 
     def timelines(self) -> list[RequestTimeline]:
-        """Every routed request's timeline so far, replica by replica."""
-        return [t for r in self.replicas for t in r.timelines_if_open()]
+        """Every routed request's timeline so far, replica by replica: one per request (an attempt a
+        replica shed before another replica was tried is left out)."""
+        return [t for r in self.replicas for t in self._kept(r)]
+
+    def _kept(self, replica: ReplicaSim) -> list[RequestTimeline]:
+        timelines = replica.timelines_if_open()
+        if not self.rerouted:
+            return timelines
+        return [t for t in timelines if (replica.name, t.request_id) not in self.rerouted]
 
     def fork(self) -> ClusterRun:
         """A deep copy of this run (replicas, router, clock, what is pending) sharing only what never

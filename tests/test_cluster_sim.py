@@ -10,7 +10,8 @@ import pytest
 from feather_env.cluster_sim import ClusterSim, distinct_documents
 from feather_env.env import FeatherEnv, play_episode
 from feather_env.scenarios import load_scenario
-from scheduler_runtime.router import ROUTERS, make_router
+from feather_env.workloads import Workload
+from scheduler_runtime.router import ROUTERS, RoundRobinRouter, make_router
 
 # leval-kv-pressure, small: 6 documents x <= 4 questions cut at 2K tokens, on a KV cache of a few of them
 OVERRIDES = {"episode": {"groups": 6, "max_per_group": 4}, "workload": {"max_prompt_tokens": 2048},
@@ -75,3 +76,70 @@ def test_bad_arguments():
     engine = load_scenario("leval-kv-pressure").engine_config()
     with pytest.raises(ValueError, match="replicas"):
         ClusterSim(0, engine)
+
+
+class _FirstAllowed(RoundRobinRouter):
+    """The first replica by name that is not avoided, recording what it is told (a tracking router)."""
+
+    tracks_requests = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.finishes: list[tuple[str, int | None]] = []
+        self.routings: list[tuple[str, str | None]] = []
+
+    def choose(self, hashes, loads, avoid=(), *, tokens=None):
+        return sorted(self._allowed(loads, avoid))[0]
+
+    def routed(self, hashes, replica, *, tokens=None, request_id=None):
+        self.routings.append((replica, request_id))
+
+    def finished(self, request_id, *, output_tokens=None):
+        self.finishes.append((request_id, output_tokens))
+
+
+def test_a_request_one_replica_sheds_goes_to_another_and_is_rejected_only_by_all(scenario):
+    """Under vLLM's ``queued-reqs:1`` every replica takes one request at a time: of three arriving at
+    once, the first is served by replica 0, the second shed there and served by replica 1, the third
+    shed by both (the router told of each shed attempt's end, with no output), each counted once."""
+    workload = scenario.episode_workload(0)
+    burst = Workload("burst", tuple(workload)[:3]).with_arrivals("burst")
+    sim = ClusterSim(2, scenario.engine_config(), scheduler="feather-heuristic~queued-reqs:1",
+                     reroute_shed=True)
+    router = _FirstAllowed()
+    run = sim.serve(burst, router)
+    ids = [r.request_id for r in sorted(burst, key=lambda r: r.arrival_time)]
+    outcomes = []
+    while (arrival := run.next_arrival()) is not None:
+        assert arrival.loads.keys().isdisjoint(arrival.avoid)
+        outcomes.append((arrival.request.request_id, arrival.avoid,
+                         run.route(router.choose(arrival.hashes, arrival.loads, arrival.avoid))))
+    assert outcomes == [(ids[0], (), True), (ids[1], (), False), (ids[1], ("0",), True),
+                        (ids[2], (), False), (ids[2], ("0",), True)]
+    # all arrive at once, so nothing was served yet: the finishes so far are the shed attempts'
+    assert router.finishes == [(ids[1], None), (ids[2], None), (ids[2], None)]
+    result = run.finish()
+    assert result.metrics["completed"] == 2 and result.metrics["rejected"] == 1
+    assert sorted(t.request_id for t in run.timelines()) == sorted(ids)
+    assert result.requests_per_replica == [1, 2]  # replica 1: one served, the last rejection
+    assert run.rerouted == {("0", ids[1]), ("0", ids[2])}
+    assert [r for r, _ in router.routings] == ["0", "0", "1", "0", "1"]
+    with pytest.raises(RuntimeError, match="no arrival"):
+        run.route("0")
+
+
+def test_admission_in_the_fleet_sheds_past_capacity_and_serves_every_admitted_request(scenario):
+    """Ours' ``slo`` rule on every replica, a burst past the fleet's capacity: some requests are rejected,
+    every other one served once; without a rule every request is served; a rule that reads the TTFT SLO
+    without one given is refused."""
+    workload = scenario.episode_workload(2).with_arrivals("burst")
+    slo = {"ttft": 300.0, "tpot": 1000.0}
+    ruled = ClusterSim(2, scenario.engine_config(), scheduler="feather-heuristic~slo", admission_slos=slo)
+    got = ruled.run(workload, make_router("prefix"), goodput=slo)
+    m = got.metrics
+    assert m["rejected"] > 0 and m["completed"] + m["rejected"] == len(workload) and m["failed"] == 0
+    assert sum(got.requests_per_replica) == len(workload)
+    plain = ClusterSim(2, scenario.engine_config()).run(workload, make_router("prefix"), goodput=slo)
+    assert plain.metrics["completed"] == len(workload) and plain.metrics["rejected"] == 0
+    with pytest.raises(ValueError, match="TTFT SLO"):
+        ClusterSim(2, scenario.engine_config(), scheduler="feather-heuristic~slo")
