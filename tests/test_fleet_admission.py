@@ -1,0 +1,45 @@
+"""benchmarks/fleet_admission.py: admission on every replica of an unequal fleet, under every router."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import fleet_admission
+from benchmarks.unequal_replicas import OURS_LEARNED, PEERS
+
+
+def test_the_quick_run_measures_every_router_with_each_rule_and_the_placebo(tmp_path, data_dir):
+    out = tmp_path / "fa.json"
+    res = fleet_admission.main(["--quick", "--fleets", "speed", "--slo", "ttft:1000 tpot:50",
+                                   "--json", str(out)])
+    assert json.loads(out.read_text())["benchmark"] == "fleet_admission"
+    (cell,) = res["cells"]
+    routers = cell["routers"]
+    assert set(routers) == {OURS_LEARNED, *PEERS}
+    tuning = res["tuning"]["speed"]
+    for name, by_rule in routers.items():
+        assert set(by_rule) == {"none", "slo", "slo tuned", "vllm caps"}
+        assert by_rule["none"]["rejected"] == 0.0
+        best = tuning[name]["best"]
+        assert by_rule["slo tuned"]["rules"] == [best["slo"]]
+        assert by_rule["vllm caps"]["rules"] == [tuning[name]["vllm_caps"]]
+        assert tuning[name]["vllm_caps"] in (best["queued-tokens"], best["queued-reqs"])
+        # the tuned rule is the family's best on the tuning draws
+        means = tuning[name]["means"]
+        assert means[best["slo"]] == max(means[r] for r in fleet_admission.FAMILIES["slo"])
+        for r in by_rule.values():
+            assert 0.0 <= r["attainment"] <= 1.0 - r["rejected"] + 1e-12
+    # at three times the capacity and a 1-s TTFT ours' rule sheds; the placebo removes as many at random
+    ours = routers[OURS_LEARNED]["slo"]
+    assert ours["rejected"] > 0
+    assert cell["placebo"]["rejected"] == pytest.approx(ours["rejected"], abs=1.0 / cell["requests"])
+    text = fleet_admission.render(res)
+    assert "/ best peer, vLLM caps tuned" in text and "placebo (ours learned)" in text
+
+
+def test_unknown_fleets_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        fleet_admission.main(["--quick", "--fleets", "drift"])
+    assert "unknown fleets" in capsys.readouterr().err
