@@ -445,8 +445,9 @@ def server(replicas: int, args: argparse.Namespace, log_dir: Path) -> Iterator[t
         return
     from benchmarks.cluster_server import ClusterServer
 
-    with ClusterServer(replicas, "prefix", [*server_args(args), "--scheduler", args.scheduler, *admission],
-                       log_path=log_dir / "server.log") as s:
+    reroute = {None: [], True: ["--reroute-shed"], False: ["--no-reroute-shed"]}[args.reroute_shed]
+    with ClusterServer(replicas, "prefix", [*server_args(args), "--scheduler", args.scheduler, *admission,
+                                            *reroute], log_path=log_dir / "server.log") as s:
         assert s.proc is not None
         yield s.url, s.proc.pid, [r["url"] for r in sorted(s.replica_info(), key=lambda r: r["rank"])]
 
@@ -574,7 +575,8 @@ def render(res: Mapping[str, Any]) -> str:
     lines = [f"{res['bursts']} bursts of {res['burst_seconds']:g} s at {res['rate']:g} req/s, "
              f"{res['prompt_tokens']:,}-token prompts, {res['max_tokens']} output tokens, streamed, "
              f"{res['quiet_seconds']:g} s quiet after each; `feather-serve --scheduler {res['scheduler']} "
-             f"--admission {res['admission']} --slo \"{res['slo']}\"` ({measured(res)}; "
+             f"--admission {res['admission']} --slo \"{res['slo']}\""
+             f"{' --reroute-shed' if res.get('reroute_shed') else ''}` ({measured(res)}; "
              f"`{res['command']}`):", "",
              format_table(head, rows), ""]
     for r in runs:
@@ -598,6 +600,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--admission-profile", default=None, metavar="PATH",
                    help="feather-serve --admission-profile (default: feather-serve's)")
     p.add_argument("--scheduler", default="fcfs")
+    p.add_argument("--reroute-shed", action=argparse.BooleanOptionalAction, default=None,
+                   help="--replicas 2: feather-serve --reroute-shed (a request one replica sheds is tried on "
+                        "the other) or --no-reroute-shed (its default: that rejection is the answer)")
     p.add_argument("--max-num-batched-tokens", type=int, default=4096,
                    help="the engine's token budget per step (the admission rule's too)")
     p.add_argument("--cpu-cores", default="1", help="--replicas 1: the engine threads' core(s)")
@@ -641,6 +646,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
            "slo": args.slo, "admission": args.admission, "admission_profile": args.admission_profile,
            "scheduler": args.scheduler, "timeout_s": args.timeout_s, "wall_s": time.monotonic() - t0,
+           "reroute_shed": bool(args.reroute_shed),
            "targets": {"p99_503_ms": TARGET_P99_503_MS, "ttft_met": TARGET_TTFT_MET,
                        "admitted_work": TARGET_ADMITTED_WORK, "rss_drift": TARGET_RSS_DRIFT},
            "runs": runs}

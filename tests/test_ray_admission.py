@@ -145,21 +145,21 @@ def _shed(retry_after: int) -> dict[str, Any]:
             "headers": {"retry-after": str(retry_after), ADMISSION_HEADER: "slo"}}
 
 
-def _ingress(answers: list[dict[str, Any]], replicas: int) -> Any:
+def _ingress(answers: list[dict[str, Any]], replicas: int, reroute_shed: bool = False) -> Any:
     async def render_completion(request: Any) -> Any:
         return [{"prompt_token_ids": [5] * 64}]
 
     ingress = SimpleNamespace(state=SimpleNamespace(online_renderer=SimpleNamespace(
         render_completion=render_completion)), hasher=cluster.PrefixHasher(16), learns=False,
         reads_wait=False, router_name="prefix", engine=_Handle(answers), stats=cluster_base.FrontEndStats(),
-        replicas=replicas, ttft_slo_ms=2000.0)
+        replicas=replicas, ttft_slo_ms=2000.0, reroute_shed=reroute_shed)
     ingress._shed_answer = lambda shed, attempts: cluster.FeatherIngress._shed_answer(ingress, shed, attempts)
     return ingress
 
 
-def test_the_ingress_sends_a_shed_request_to_another_replica_with_what_is_left_of_its_ttft():
+def test_with_reroute_shed_the_ingress_sends_a_shed_request_to_another_replica_with_what_is_left_of_ttft():
     ok = {"status": 200, "json": {"choices": [{"text": "hi"}]}}
-    ingress = _ingress([_shed(3), ok], replicas=2)
+    ingress = _ingress([_shed(3), ok], replicas=2, reroute_shed=True)
     body = {"model": "tiny-llama", "prompt": "x", "max_tokens": 1}
     answer = asyncio.run(cluster.FeatherIngress.serve_request(ingress, "completion", body, {"ttft": 1500.0}))
     assert answer.status_code == 200 and answer.headers["x-feather-attempts"] == "2"
@@ -170,12 +170,22 @@ def test_the_ingress_sends_a_shed_request_to_another_replica_with_what_is_left_o
     assert not ingress.stats.errors  # a shed is not an error
 
     # every replica sheds it: the rejection that lets it retry soonest, once
-    ingress = _ingress([_shed(5), _shed(2)], replicas=2)
+    ingress = _ingress([_shed(5), _shed(2)], replicas=2, reroute_shed=True)
     answer = asyncio.run(cluster.FeatherIngress.serve_request(ingress, "completion", body))
     assert answer.status_code == 503 and answer.headers["retry-after"] == "2"
     assert answer.headers["x-feather-attempts"] == "2"
     assert json.loads(answer.body)["error"]["message"] == "retry 2"
     assert ingress.stats.shed == {"rejected": 1} and not ingress.stats.errors
+
+
+def test_by_default_the_first_replicas_rejection_is_the_answer():
+    ok = {"status": 200, "json": {"choices": [{"text": "hi"}]}}
+    ingress = _ingress([_shed(3), ok], replicas=2)  # the default
+    body = {"model": "tiny-llama", "prompt": "x", "max_tokens": 1}
+    answer = asyncio.run(cluster.FeatherIngress.serve_request(ingress, "completion", body))
+    assert answer.status_code == 503 and answer.headers["retry-after"] == "3"
+    assert answer.headers["x-feather-attempts"] == "1" and len(ingress.engine.calls) == 1
+    assert ingress.stats.shed == {"rejected": 1} and ingress.stats.counts[("0", "shed")] == 1
 
 
 def test_the_settings_reach_every_deployment_through_the_environment():

@@ -449,7 +449,7 @@ class InRankOrder(ReplicaRouter):
         return min(self._allowed(loads, avoid), key=int)
 
 
-async def _proxy_post(answers: list[str], headers: dict[str, str] | None = None
+async def _proxy_post(answers: list[str], headers: dict[str, str] | None = None, reroute_shed: bool = False
                       ) -> tuple[int, dict[str, str], dict, list[list[dict[str, str]]], ReplicaProxy, str]:
     """Start stand-ins answering ``answers`` and the proxy over them (tried in rank order), send one
     request; its answer, the headers each stand-in saw, the proxy and its ``/metrics``."""
@@ -462,7 +462,7 @@ async def _proxy_post(answers: list[str], headers: dict[str, str] | None = None
         await web.TCPSite(runner, "127.0.0.1", port).start()
         runners.append(runner)
         replicas.append(Replica(rank=k, url=f"http://127.0.0.1:{port}"))
-    proxy = ReplicaProxy(replicas, InRankOrder(), ttft_slo_ms=2000.0)
+    proxy = ReplicaProxy(replicas, InRankOrder(), ttft_slo_ms=2000.0, reroute_shed=reroute_shed)
     port = free_port()
     stop = asyncio.Event()
     serving = asyncio.ensure_future(proxy.serve("127.0.0.1", port, stop))
@@ -483,8 +483,9 @@ async def _proxy_post(answers: list[str], headers: dict[str, str] | None = None
     return status, out, body, seen, proxy, metrics
 
 
-def test_the_proxy_sends_a_shed_request_to_another_replica_with_the_deadline_left():
-    status, headers, body, seen, proxy, metrics = run(_proxy_post(["shed", "ok"], {"X-SLO-TTFT-MS": "1500"}))
+def test_with_reroute_shed_the_proxy_sends_a_shed_request_to_another_replica_with_the_deadline_left():
+    status, headers, body, seen, proxy, metrics = run(_proxy_post(["shed", "ok"], {"X-SLO-TTFT-MS": "1500"},
+                                                                  reroute_shed=True))
     assert status == 200 and body == {"choices": [{"text": "hi"}]} and headers["x-feather-attempts"] == "2"
     assert [len(s) for s in seen] == [1, 1]
     assert seen[0][0]["X-SLO-TTFT-MS"] == "1500"  # the client's, as it sent it
@@ -495,8 +496,8 @@ def test_the_proxy_sends_a_shed_request_to_another_replica_with_the_deadline_lef
     assert metric(metrics, "feather_cluster_shed_total", outcome="rerouted") == 1
 
 
-def test_the_proxy_rejects_only_when_every_replica_sheds():
-    status, headers, body, seen, proxy, metrics = run(_proxy_post(["never", "shed"]))
+def test_with_reroute_shed_the_proxy_rejects_only_when_every_replica_sheds():
+    status, headers, body, seen, proxy, metrics = run(_proxy_post(["never", "shed"], reroute_shed=True))
     assert status == 503 and headers["Retry-After"] == "4" and headers["x-feather-attempts"] == "2"
     assert body["error"]["type"] == "overloaded" and body["error"]["message"] == "shed"
     assert [len(s) for s in seen] == [1, 1] and "x-slo-ttft-ms" not in {k.lower() for k in seen[0][0]}
@@ -505,6 +506,14 @@ def test_the_proxy_rejects_only_when_every_replica_sheds():
     assert proxy.stats.counts == {("0", "shed"): 1, ("1", "shed"): 1} and proxy.stats.shed == {"rejected": 1}
     assert metric(metrics, "feather_cluster_shed_total", outcome="rejected") == 1
     assert metric(metrics, "feather_cluster_errors_total") == 0
+
+
+def test_by_default_the_proxy_answers_the_first_replicas_rejection():
+    status, headers, body, seen, proxy, metrics = run(_proxy_post(["shed", "ok"]))  # the default
+    assert status == 503 and headers["x-feather-attempts"] == "1" and body["error"]["type"] == "overloaded"
+    assert [len(s) for s in seen] == [1, 0]  # the second replica never saw it
+    assert proxy.stats.shed == {"rejected": 1} and proxy.stats.counts == {("0", "shed"): 1}
+    assert metric(metrics, "feather_cluster_shed_total", outcome="rejected") == 1
 
 
 # ------------------------------------------------------------------------------------ end to end

@@ -431,7 +431,7 @@ class FeatherIngress:
     """The HTTP API (the ``FeatherIngress`` deployment's class; see the module docstring)."""
 
     async def __init__(self, engine: Any, vllm_args: Sequence[str], chunk_size: int, router: str,
-                       replicas: int = 1, reads_wait: bool = False) -> None:
+                       replicas: int = 1, reads_wait: bool = False, reroute_shed: bool = False) -> None:
         from starlette.datastructures import State
         from vllm import AsyncEngineArgs, envs
         from vllm.config import VllmConfig
@@ -460,6 +460,7 @@ class FeatherIngress:
         admission = AdmissionSettings.from_env()
         self.admits = admission is not None
         self.ttft_slo_ms = admission.slos.get("ttft") if admission is not None else None
+        self.reroute_shed = reroute_shed  # else a replica's rejection is the answer
 
     # -- the API ----------------------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -597,7 +598,7 @@ class FeatherIngress:
                 self.stats.counts[(str(header["rank"]), "shed")] += 1
                 shed.append((first["status"], first["headers"], first["json"]))
                 avoid.append(header["replica"])
-                if len(set(avoid)) >= self.replicas:
+                if len(set(avoid)) >= self.replicas or not self.reroute_shed:
                     return self._shed_answer(shed, attempt)
                 continue
             if shed:
@@ -741,7 +742,8 @@ def build_app(config: ClusterConfig, engine_cls: type = EngineReplica) -> Any:
     # the engine replicas' arguments: the common ones, with --enable-per-request-metrics where the
     # learned router reads each stream's wait (ClusterConfig.replica_vllm_args)
     return ingress.bind(engine.bind(list(config.replica_vllm_args(0)), cores), list(config.vllm_args),
-                        config.chunk_size, config.router, config.replicas, config.reads_queue_time)
+                        config.chunk_size, config.router, config.replicas, config.reads_queue_time,
+                        config.reroute_shed)
 
 
 def _start_ray(config: ClusterConfig) -> None:

@@ -87,6 +87,11 @@ class ClusterConfig:
         replica_args: each replica's own engine arguments, over ``vllm_args`` (``--replica-args 'K:
             ARGS'``, :mod:`scheduler_runtime.serving.replica_args`; ``proxy`` only), one tuple per
             replica (``()``: the common ones alone); ``None``: every replica alike.
+        reroute_shed: a request that a replica's admission rule shed is tried on a replica not tried yet
+            (``--reroute-shed``); ``False`` (the default): that rejection is the client's answer. Past
+            capacity a rerouted request is a cold prefill at a replica near its own limit: rerouting cost
+            attainment on real engines and in the simulator (``docs/results.md``, "Admission across a
+            fleet").
         admission: the settings of the ``slo`` / ``deadline`` admission middleware
             (:class:`~scheduler_runtime.serving.admission_http.AdmissionSettings`) from the common
             arguments (``None``: no middleware); each replica is started with its own,
@@ -113,6 +118,7 @@ class ClusterConfig:
     kv_guard: bool = False
     queue_time: str = LEARNED_QUEUE_TIME
     replica_args: tuple[tuple[str, ...], ...] | None = None
+    reroute_shed: bool = False
     admission: AdmissionSettings | None = None
 
     def __post_init__(self) -> None:

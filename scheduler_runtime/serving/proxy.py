@@ -229,6 +229,8 @@ class ReplicaProxy:
         ttft_slo_ms: the replicas' admission TTFT SLO (``--slo ttft:MS``), lowered by the time spent
             when a request shed by one replica goes to another (``None``: only a client's
             ``x-slo-ttft-ms`` is carried so).
+        reroute_shed: a request one replica's admission rule shed goes to another (``--reroute-shed``;
+            ``False``, the default: that rejection is the answer).
         replica_weights: the learned router told each replica's relative speed (one per replica, 2.0:
             twice as fast as 1.0), instead of learning it (``--replica-weights``).
         scrape_period_s, scrape_timeout_s: how often each replica's ``/metrics`` is read for a router
@@ -246,7 +248,7 @@ class ReplicaProxy:
                  ttft_slo_ms: float | None = None, replica_weights: Sequence[float] | None = None,
                  scrape_period_s: float = SCRAPE_PERIOD_S,
                  scrape_timeout_s: float = SCRAPE_TIMEOUT_S, kv_guard: bool = False,
-                 queue_time: str = LEARNED_QUEUE_TIME) -> None:
+                 queue_time: str = LEARNED_QUEUE_TIME, reroute_shed: bool = False) -> None:
         if not replicas:
             raise ValueError("the proxy needs at least one replica")
         if max_ongoing_requests < 1:
@@ -299,6 +301,7 @@ class ReplicaProxy:
         self.max_ongoing = int(max_ongoing_requests)
         self.stats = FrontEndStats()
         self.ttft_slo_ms = ttft_slo_ms
+        self.reroute_shed = bool(reroute_shed)
         self.decision_seconds = 0.0
         self.decisions = 0
         self.dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0")
@@ -646,6 +649,8 @@ class ReplicaProxy:
                 self.stats.counts[(replica.name, "shed")] += 1
                 shed.append((upstream.status, upstream.headers, first))
                 avoid.append(replica.name)
+                if not self.reroute_shed:
+                    return self._shed_answer(shed, attempt)
                 continue
             if shed:
                 self.stats.shed["rerouted"] += 1
@@ -868,7 +873,7 @@ def proxy_for(config: ClusterConfig, replicas: Sequence[Replica]) -> ReplicaProx
     return ReplicaProxy(replicas, config.router, max_ongoing_requests=config.max_ongoing_requests,
                         ttft_slo_ms=admission.slos.get("ttft") if admission is not None else None,
                         replica_weights=config.replica_weights, scrape_period_s=config.scrape_period_s,
-                        **knobs)
+                        reroute_shed=config.reroute_shed, **knobs)
 
 
 def run_proxy(config: ClusterConfig) -> int:
@@ -925,6 +930,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m scheduler_run
                              "first step; off: not read). Unless off "
                              "the workers need --enable-per-request-metrics, and a stream is asked for its "
                              "usage chunk, which its client gets only if it asked (default: %(default)s)")
+    parser.add_argument("--reroute-shed", action=argparse.BooleanOptionalAction, default=False,
+                        help="a request one worker's admission rule sheds (its answer carries "
+                             "x-feather-admission) is tried on another worker (default: no, that rejection "
+                             "is the answer)")
     args = parser.parse_args(argv)
     for url in args.worker_urls:
         if not url.startswith(("http://", "https://")):
@@ -938,7 +947,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m scheduler_run
                              kv_tokens=kv[0] if kv is not None and len(kv) == 1 else kv,
                              replica_weights=weights[0] if weights and len(weights) == 1 else weights,
                              scrape_period_s=args.scrape_period, kv_guard=args.kv_guard,
-                             queue_time=args.queue_time)
+                             queue_time=args.queue_time, reroute_shed=args.reroute_shed)
     except ValueError as exc:
         message = str(exc)
         for name in ("kv_tokens", "replica_weights", "kv_guard"):

@@ -165,6 +165,9 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], Clust
                            help="the SLOs the slo and deadline rules read (vLLM's --goodput pairs)")
     admission.add_argument("--admission-status", type=int, choices=(503, 429), default=503,
                            help="the HTTP status of a rejected request (default 503)")
+    admission.add_argument("--reroute-shed", action=argparse.BooleanOptionalAction, default=False,
+                           help="--replicas N: a request one replica's rule sheds is tried on another "
+                                "(default: no, that rejection is the answer)")
     admission.add_argument("--admission-profile", default=None, metavar="PATH",
                            help="the step-time profile (JSON with a step_model) the slo and deadline rules "
                                 "predict with (default: the shipped profile of this kind of machine)")
@@ -398,7 +401,7 @@ def _cluster_config(parser: argparse.ArgumentParser, ours: argparse.Namespace, a
             replica_gpus=ours.replica_gpus if ours.replica_gpus is not None else (1.0 if cuda else 0.0),
             ray_address=ours.ray_address, max_ongoing_requests=ours.max_ongoing_requests,
             replica_weights=weights, scrape_period_s=ours.scrape_period, kv_guard=ours.kv_guard,
-            queue_time=ours.queue_time, replica_args=own,
+            queue_time=ours.queue_time, replica_args=own, reroute_shed=ours.reroute_shed,
             admission=admission)
     except ValueError as exc:
         parser.error(str(exc))
