@@ -252,7 +252,12 @@ BLOCKS: dict[str, Block] = {
                                         "unequal_replicas")},
     **{name: _result(name, "admission_burst") for name in ("admission_burst_replicas2_quiet",
                                                            "admission_burst_slo0.8_quiet",
-                                                           "admission_burst_pace")},
+                                                           "admission_burst_pace",
+                                                           "admission_burst_replicas2_reroute",
+                                                           "admission_burst_replicas2_no_reroute")},
+    **{name: _result(name, "fleet_admission")
+       for name in (f"fleet_admission_{f}_draws12{m}" for f in ("speed", "kv") for m in ("", "_noreroute"))},
+    "shed_reroute_loopback": _result("shed_reroute_loopback"),
     **{name: _result(name, "unequal_replicas") for name in (
         "unequal_router", "unequal_replicas_mooncake", "unequal_replicas_mooncake16",
         "unequal_replicas_seeds12", "unequal_replicas_zipf_seeds12", "unequal_replicas_mooncake_seeds12",
