@@ -298,9 +298,9 @@ def test_metrics_are_every_replicas_and_evaluate_reads_them(server):
 
 @pytest.mark.engine
 def test_on_ray_a_request_every_replica_sheds_is_one_clear_rejection(server):
-    """A client's 1-µs TPOT SLO: each replica's rule refuses it (it could never fit), the ingress tries
-    the other one (its TTFT SLO leaves time), then answers 503 once, with x-should-retry: false; sheds
-    are not errors."""
+    """A client's 1-µs TPOT SLO: the replica's rule refuses it (it could never fit), and the ingress
+    answers that rejection once (it does not try the other replica: ``--reroute-shed`` is off), 503
+    with x-should-retry: false; sheds are not errors."""
     if server.data_plane != "ray":
         pytest.skip("the proxy's admission is tests/test_serve_admission.py's")
     body = {"model": "tiny-llama", "prompt": documents(1, tokens=64, seed=9)[0], "max_tokens": 2}
@@ -311,13 +311,13 @@ def test_on_ray_a_request_every_replica_sheds_is_one_clear_rejection(server):
         urllib.request.urlopen(request, timeout=60)
     error = refused.value
     assert error.code == 503 and error.headers["x-feather-admission"] == "never-fits"
-    assert error.headers["x-should-retry"] == "false" and error.headers["x-feather-attempts"] == "2"
+    assert error.headers["x-should-retry"] == "false" and error.headers["x-feather-attempts"] == "1"
     assert json.loads(error.read())["error"]["type"] == "overloaded"
     assert complete(server, body["prompt"], max_tokens=2)[0] == 200  # without the header: served
     samples = parse_prometheus(server.metrics())
     assert _total(samples, "feather_cluster_shed_total", outcome="rejected") == 1
-    assert _total(samples, "feather_cluster_requests_total", outcome="shed") == 2
-    assert _total(samples, "feather_admission_rejected_total", reason="never-fits") == 2
+    assert _total(samples, "feather_cluster_requests_total", outcome="shed") == 1
+    assert _total(samples, "feather_admission_rejected_total", reason="never-fits") == 1
     assert _total(samples, "feather_cluster_errors_total") == errors
 
 

@@ -149,7 +149,8 @@ def test_the_ingress_reads_a_streams_reported_wait_and_strips_the_usage_it_asked
         app = cluster.build_app(config)  # nothing started
         engine_args = app._bound_deployment.init_args[0]._bound_deployment.init_args[0]
         assert ("--enable-per-request-metrics" in engine_args) is on
-        assert app._bound_deployment.init_args[-1] is on  # the ingress reads the waits
+        *_, reads_wait, reroute_shed = app._bound_deployment.init_args
+        assert reads_wait is on and reroute_shed is False  # the ingress reads the waits; no reroute
     told: list[tuple[str, dict[str, Any]]] = []
     relayed = router.relayed
     router.relayed = lambda rid, **what: (told.append((rid, what)), relayed(rid, **what))  # type: ignore
