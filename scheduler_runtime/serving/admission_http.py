@@ -18,7 +18,8 @@ before any byte of the response:
 * rejects with HTTP 503 (or ``--admission-status 429``), ``Retry-After: SECONDS`` and an OpenAI-style
   body of type ``overloaded`` saying why; a request that can never meet its SLOs gets
   ``x-should-retry: false`` and no ``Retry-After``; both carry ``x-feather-admission: REASON``, which
-  the proxy of ``--replicas N`` reads to try another replica;
+  the proxy of ``--replicas N`` reads to answer it as a shed (with ``--reroute-shed``: to try another
+  replica);
 * lets a client tighten (never loosen) the SLOs of its request with ``x-slo-ttft-ms`` /
   ``x-slo-tpot-ms`` (a malformed value is an HTTP 400);
 * tracks each admitted request: its first body chunk sent is its first token (``started``; for a

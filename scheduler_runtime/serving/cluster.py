@@ -50,8 +50,9 @@ Admission (``--admission slo|deadline``, :mod:`scheduler_runtime.admission`): ea
 an :class:`~scheduler_runtime.serving.admission_http.AdmissionGate` of the settings ``feather-serve`` puts
 in ``FEATHER_ADMISSION`` (forwarded to the deployments), and decides before its engine sees the request,
 on the token ids the ingress rendered; a rejection comes back as the replica's whole answer with its
-``x-feather-admission`` header, and the ingress tries a replica it has not tried yet, with what is left of
-the request's TTFT SLO (``slos``), answering the soonest-retry rejection when every replica shed it. The
+``x-feather-admission`` header, which the ingress answers (``--reroute-shed``: it tries a replica it has
+not tried yet, with what is left of the request's TTFT SLO, ``slos``, answering the soonest-retry rejection
+when every replica shed it). The
 ``deadline`` rule aborts a request whose first token has not come in time: an SSE error event, or an HTTP
 504. Sheds count as ``feather_cluster_shed_total``, not as errors.
 

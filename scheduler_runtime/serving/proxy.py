@@ -53,11 +53,12 @@ the request. A replica's own answer (an HTTP 400, say) is the client's answer, n
 
 Admission (``feather-serve --replicas N --admission RULE``, each replica's rule:
 :mod:`scheduler_runtime.serving.admission_http`). A request a replica's rule sheds (its answer carries
-``x-feather-admission``) goes to another replica it has not tried, with ``x-slo-ttft-ms`` set to what is
-left of its TTFT SLO (the client's header or the replicas' ``--slo ttft``, less the time spent since it
-arrived); only when every healthy replica sheds it, or no time is left, is the client answered with a
-rejection: the one that lets it retry soonest, in the replicas' 503/429 form. Sheds are not replica
-errors: they count as the outcome ``shed`` of ``feather_cluster_requests_total`` and in
+``x-feather-admission``) gets that replica's rejection. With ``--reroute-shed`` (``reroute_shed``) it goes
+instead to another replica it has not tried, with ``x-slo-ttft-ms`` set to what is left of its TTFT SLO
+(the client's header or the replicas' ``--slo ttft``, less the time spent since it arrived); only when
+every healthy replica sheds it, or no time is left, is the client answered with a rejection: the one that
+lets it retry soonest, in the replicas' 503/429 form. Sheds are not replica errors: they count as the
+outcome ``shed`` of ``feather_cluster_requests_total`` and in
 ``feather_cluster_shed_total{outcome="rerouted"|"rejected"}``. vLLM's own caps (``queued-reqs``,
 ``queued-tokens``) answer with vLLM's 503, which the proxy relays as it is.
 
@@ -585,8 +586,9 @@ class ReplicaProxy:
     async def forward(self, request: web.Request, raw: bytes, hashes: np.ndarray | None, tokens: int | None,
                       stream: bool, chat: bool = False, choices: int = 1,
                       strip_usage: bool = False) -> web.StreamResponse:
-        """Send ``raw`` to a replica (one retry if it is lost before answering; another replica after one
-        that sheds it, with what is left of its TTFT SLO) and relay its answer (module docstring).
+        """Send ``raw`` to a replica (one retry if it is lost before answering; with ``reroute_shed``, another
+        replica after one that sheds it, with what is left of its TTFT SLO) and relay its answer (module
+        docstring).
         ``chat`` and ``choices`` (the body's ``n``) say how a stream's events count its output tokens;
         ``strip_usage``: the proxy asked for the stream's usage chunk, which the client does not get."""
         assert self.session is not None
