@@ -39,6 +39,7 @@ attainment (output tok/s).
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import shlex
 import statistics
@@ -94,9 +95,8 @@ def serve(sim: ClusterSim, timed: Workload, router: ReplicaRouter, slo: dict[str
     r = sim.run(timed, router, goodput=slo, scrape_s=0.0)
     m = r.metrics
     total = submitted if submitted is not None else len(timed)
-    served = m["completed"] > 0  # else every request was rejected: nothing met, nothing output
-    good = (m.get("request_goodput") or 0.0) * m["duration"] if served else 0.0
-    return {"attainment": good / total, "output_throughput": m["output_throughput"] if served else 0.0,
+    served = m["completed"] > 0  # else every request was rejected: nothing output
+    return {"attainment": sum(r.met) / total, "output_throughput": m["output_throughput"] if served else 0.0,
             "rejected": (m.get("rejected", 0) + total - len(timed)) / total,
             "mean_ttft_ms": m["mean_ttft_ms"], "p99_ttft_ms": m["p99_ttft_ms"]}
 
@@ -290,8 +290,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         p.error(str(exc))
     peer_tuning: dict[str, Any] = {}
     if args.tuning_from:
-        import json
-
         with open(args.tuning_from) as f:
             peer_tuning = json.load(f).get("tuning") or {}
     loads = [float(x) for x in args.loads.split(",")]

@@ -537,10 +537,9 @@ class ClusterRun:
             if self.tracks:  # the attempt is over, as the proxy tells it: no output
                 self.router.finished(rid, output_tokens=None)
             avoid = (*arrival.avoid, name)
-            left = {k: v for k, v in arrival.loads.items() if k not in avoid}
-            if left and self.reroute_shed:
+            loads = {r.name: r.in_flight for r in self.replicas if r.name not in avoid}
+            if loads and self.reroute_shed:
                 self.rerouted.add((name, rid))
-                loads = {r.name: r.in_flight for r in self.replicas if r.name in left}
                 self.pending = replace(arrival, loads=loads, avoid=avoid)
                 return False
         self.routed.append((arrival.clock, name))
