@@ -55,6 +55,7 @@ from benchmarks.unequal_replicas import (
     OURS_LEARNED,
     PEERS,
     FleetDraws,
+    fleet_mooncake_pool,
     fleets,
     own_draws,
     router_factories,
@@ -224,7 +225,8 @@ def render(res: dict[str, Any]) -> str:
     reading = (f"{len(seeds)} held-out draws, seeds {seeds[0]:,}-{seeds[-1]:,}" if own_draws(seeds)
                else f"the evaluation's document set, arrival seeds {seeds}")
     shed = "is tried on the others" if res.get("reroute_shed", True) else "is rejected at once"
-    names = {"leval": "L-Eval", "zipf": "L-Eval's Zipf-popularity variant"}
+    names = {"leval": "L-Eval", "zipf": "L-Eval's Zipf-popularity variant",
+             "mooncake": "windows of the Mooncake trace"}
     workload = names.get(res["workload"], res["workload"])
     out = [f"{res['replicas']} simulated `{res['scenario_engine']}` replicas per fleet, {workload}, "
            f"{reading}; SLO TTFT <= {slo['ttft'] / 1000:g} s and TPOT <= {slo['tpot']:g} ms; attainment over "
@@ -256,7 +258,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                    help=f"below {TUNE_SEED_BASE:,}: the evaluation's document set; from {HELD_OUT_DRAWS:,}: "
                         "held-out draws")
     p.add_argument("--fleets", default=",".join(FLEETS))
-    p.add_argument("--workload", choices=("leval", "zipf"), default="leval")
+    p.add_argument("--workload", choices=("leval", "zipf", "mooncake"), default="leval",
+                   help="mooncake: windows of the trace at its own timestamps scaled to the load "
+                        "(benchmarks.unequal_replicas --workload mooncake's)")
     p.add_argument("--slo", default="ttft:5000 tpot:50", help="SLOs in ms, vLLM's --goodput pairs")
     p.add_argument("--scenario", default="leval-kv-pressure")
     p.add_argument("--tune-seeds", type=int, default=3, help="tuning draws for the rules (0: no tuning)")
@@ -293,24 +297,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         with open(args.tuning_from) as f:
             peer_tuning = json.load(f).get("tuning") or {}
     loads = [float(x) for x in args.loads.split(",")]
-    draws = FleetDraws(engine, pool, n, args.docs_per_replica, workload=args.workload)
+    moon = fleet_mooncake_pool(args.scenario, engine) if args.workload == "mooncake" else None
+    draws = FleetDraws(engine, pool, n, args.docs_per_replica, workload=args.workload, moon=moon)
     specs_by_fleet = fleets(n, 0.0, 0.0)
     cells, tuning = [], {}
     for fleet in [f for f in args.fleets.split(",") if f]:
-        specs = specs_by_fleet[fleet]
+        specs, trace = specs_by_fleet[fleet], draws.trace(fleet)
         every = router_factories(specs, engine, slo, peer_tuning.get(fleet))
         factories = {OURS_LEARNED: every[OURS_LEARNED],
                      **{p: every[tuned_label(p) if tuned_label(p) in every else p] for p in PEERS}}
         if args.tune_seeds > 0:
             runs = [run for seed, w, c in draws.tuning(fleet, specs, args.tune_seeds)
-                    for load in loads for run in timed_runs([(seed, w, c["req_s"])], load)]
+                    for load in loads for run in timed_runs([(seed, w, c["req_s"])], load, trace)]
             log(f"{fleet}: tuning the rules on {len(runs)} runs")
             tuning[fleet] = tune_rules(n, engine, specs, runs, factories, slo, log, not args.no_reroute)
         evaluated = draws.held_out(fleet, specs, seeds)
         caps = [c["req_s"] for _, _, c in evaluated]
         for load in loads:
             t0 = time.perf_counter()
-            runs = timed_runs([(seed, w, c["req_s"]) for seed, w, c in evaluated], load)
+            runs = timed_runs([(seed, w, c["req_s"]) for seed, w, c in evaluated], load, trace)
             cell = run_cell(n, engine, specs, runs, factories, tuning.get(fleet), slo, not args.no_reroute)
             cells.append({"fleet": fleet, "load": load,
                           "requests": round(statistics.fmean(len(w) for _, w in runs)),

@@ -249,6 +249,18 @@ class FleetDraws:
         return [(seed, *self.draw(fleet, specs, seed + 100 * self.replicas)) for seed in seeds]
 
 
+def fleet_mooncake_pool(scenario: str, engine: EngineConfig) -> Workload:
+    """``--workload mooncake``'s pool: the trace with each prompt cut as ``scenario``'s L-Eval pool's are
+    (8,192 tokens for ``leval-kv-pressure``); raises when a request would not fit ``engine``'s
+    ``max_model_len``."""
+    moon = mooncake_pool(load_scenario(scenario).workload.max_prompt_tokens)
+    longest = max(r.prompt_len + r.output_len for r in moon)
+    if longest > engine.max_model_len:
+        raise ValueError(f"a Mooncake request of {longest} tokens exceeds {scenario}'s "
+                         f"max_model_len {engine.max_model_len}")
+    return moon
+
+
 def own_draws(seeds: Sequence[int]) -> bool:
     """Whether the evaluation's ``seeds`` each draw a workload of their own (all from
     :data:`~benchmarks.router_peers.TUNE_SEED_BASE` on) rather than share the evaluation's one (all below
@@ -1098,13 +1110,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         with open(args.tuning_from) as f:
             reused = json.load(f).get("tuning") or {}
     cells, tuning, variant_tuning = [], {}, {}
-    moon = None
-    if args.workload == "mooncake":  # prompts cut as the scenario's L-Eval pool's are (8,192 tokens)
-        moon = mooncake_pool(load_scenario(args.scenario).workload.max_prompt_tokens)
-        longest = max(r.prompt_len + r.output_len for r in moon)
-        if longest > engine.max_model_len:
-            raise ValueError(f"a Mooncake request of {longest} tokens exceeds {args.scenario}'s "
-                             f"max_model_len {engine.max_model_len}")
+    moon = fleet_mooncake_pool(args.scenario, engine) if args.workload == "mooncake" else None
 
     draws = FleetDraws(engine, pool, n, args.docs_per_replica, args.drift_blocks, args.workload, args.zipf_s,
                        moon, args.mooncake_window)

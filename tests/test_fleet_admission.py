@@ -43,3 +43,21 @@ def test_unknown_fleets_are_refused(capsys):
     with pytest.raises(SystemExit):
         fleet_admission.main(["--quick", "--fleets", "drift"])
     assert "unknown fleets" in capsys.readouterr().err
+
+
+def test_the_mooncake_workload_runs_windows_of_the_trace_at_the_load(data_dir):
+    """``--workload mooncake``: each held-out run is a window of the trace (as ``benchmarks.unequal_replicas
+    --workload mooncake`` draws it), its timestamps scaled to the load, not Poisson arrivals."""
+    from benchmarks.unequal_replicas import fleet_mooncake_pool, mooncake_workload
+    from feather_env.scenarios import load_scenario
+
+    res = fleet_admission.main(["--quick", "--workload", "mooncake", "--fleets", "kv", "--no-reroute",
+                                "--loads", "2"])
+    assert res["workload"] == "mooncake" and not res["reroute_shed"]
+    (cell,) = res["cells"]
+    window = mooncake_workload(fleet_mooncake_pool("leval-kv-pressure",
+                                                   load_scenario("leval-kv-pressure").engine_config()),
+                               res["replicas"], seed=res["seeds"][0])
+    assert cell["requests"] == len(window)
+    assert cell["routers"][OURS_LEARNED]["none"]["rejected"] == 0.0
+    assert "windows of the Mooncake trace" in fleet_admission.render(res)
