@@ -22,6 +22,15 @@ by itself:
 - ``deadline``: admit, then abort a waiting request once it can no longer meet its TTFT SLO: when
   even its own prefill on an idle engine would end past its deadline (at the latest when the
   deadline passes).
+- ``tpot`` (with ``slo``: ``slo+tpot``): also reject while the prefill admitted over the last
+  :data:`TPOT_WINDOW_S` seconds would slow the running decodes past the TPOT SLO. A step that carries
+  a prefill chunk is slower than a decode step (on a CPU, several times slower): past capacity a queue
+  that always holds a prompt makes every step such a step, and the requests already decoding miss
+  their TPOT while every first token is on time, which the TTFT rule cannot see. Over a window of
+  ``H`` seconds and ``n`` steps, each a decode step ``d`` (the running batch's, by the model) plus its
+  prefill's extra time, the mean step ``H / n`` stays within the TPOT SLO while that extra time stays
+  within ``H * (1 - d / TPOT)``: the term admits a request while the window's extra time, its own
+  included (its prefill's steps by the model, times the pace, less as many decode steps), fits.
 
 The model is fitted on one engine alone on its machine; served beside other engines, or on a busier
 or slower machine, the same steps take longer. The ``slo`` rule therefore corrects its prediction by
@@ -81,7 +90,7 @@ __all__ = [
 #: The SLOs a rule and ``--goodput`` take (vLLM's names), each in milliseconds.
 SLO_NAMES = ("ttft", "tpot", "e2el")
 #: The rule kinds, in the order the docs list them.
-ADMISSION_KINDS = ("none", "queued-reqs", "queued-tokens", "slo", "deadline")
+ADMISSION_KINDS = ("none", "queued-reqs", "queued-tokens", "slo", "deadline", "tpot")
 #: ``slo`` without a factor: reject when the predicted TTFT exceeds this x the TTFT SLO.
 DEFAULT_SLO_FACTOR = 1.0
 #: The separator of a setting's admission rule (``NAME~RULE``); ``/`` would clash with ``feather:PATH``.
@@ -95,8 +104,10 @@ PACE_MIN_SHARE = 0.25
 PACE_MIN_SAMPLES = 8
 #: ... clipped to [1, PACE_MAX].
 PACE_MAX = 4.0
+#: The ``tpot`` term (module docstring): the window, in seconds, over which it bounds the prefill steps
+TPOT_WINDOW_S = 2.0
 #: Reasons a request is refused or aborted (the counters' labels).
-REASONS = ("queued-reqs", "queued-tokens", "slo", "never-fits", "deadline")
+REASONS = ("queued-reqs", "queued-tokens", "slo", "tpot", "never-fits", "deadline")
 
 
 # ---------------------------------------------------------------------------------------- SLOs
@@ -161,12 +172,14 @@ class AdmissionRule:
         queued_tokens: vLLM's token cap (``None``: none).
         slo_factor: ``slo:F``'s F (``None``: the rule is off).
         deadline: abort waiting requests that can no longer meet their TTFT.
+        tpot: bound the share of steps that carry prefill so that decodes keep their TPOT SLO.
     """
 
     queued_reqs: int | None = None
     queued_tokens: int | None = None
     slo_factor: float | None = None
     deadline: bool = False
+    tpot: bool = False
 
     def __post_init__(self) -> None:
         for name in ("queued_reqs", "queued_tokens"):
@@ -178,6 +191,9 @@ class AdmissionRule:
         if f is not None and (isinstance(f, bool) or not isinstance(f, int | float)
                               or not (0 < f < math.inf)):
             raise ConfigError(f"admission slo factor must be a finite number > 0, got {f!r}")
+        if self.tpot and f is None:
+            raise ConfigError("admission term 'tpot' scales the 'slo' rule's limit: give it with slo "
+                              "(e.g. slo+tpot)")
 
     @classmethod
     def parse(cls, text: str | None) -> AdmissionRule:
@@ -196,18 +212,18 @@ class AdmissionRule:
             kind, sep, arg = term.partition(":")
             if kind not in ADMISSION_KINDS:
                 raise ConfigError(f"unknown admission rule {term!r} in {text!r}; valid: none, queued-reqs:N, "
-                                  f"queued-tokens:N, slo[:F], deadline (joined by '+')")
+                                  f"queued-tokens:N, slo[:F], deadline, tpot (with slo; joined by '+')")
             if kind == "none":
                 if sep or text.strip() != "none":
                     raise ConfigError(f"admission rule 'none' takes no value and no other term, got {text!r}")
                 return cls()
             key = {"queued-reqs": "queued_reqs", "queued-tokens": "queued_tokens", "slo": "slo_factor",
-                   "deadline": "deadline"}[kind]
+                   "deadline": "deadline", "tpot": "tpot"}[kind]
             if key in fields_:
                 raise ConfigError(f"admission rule {text!r} names {kind!r} twice")
-            if kind == "deadline":
+            if kind in ("deadline", "tpot"):
                 if sep:
-                    raise ConfigError(f"admission rule 'deadline' takes no value, got {term!r}")
+                    raise ConfigError(f"admission rule {kind!r} takes no value, got {term!r}")
                 fields_[key] = True
             elif kind == "slo":
                 fields_[key] = _number(term, arg, float) if sep else DEFAULT_SLO_FACTOR
@@ -247,6 +263,8 @@ class AdmissionRule:
             terms.append(f"slo:{self.slo_factor:g}")
         if self.deadline:
             terms.append("deadline")
+        if self.tpot:
+            terms.append("tpot")
         return "+".join(terms) or "none"
 
 
@@ -489,6 +507,8 @@ class AdmissionController:
             raise ConfigError(str(exc)) from None
         if self.rule.needs_slos and "ttft" not in self.slos:
             raise ConfigError(f"admission rule {str(self.rule)!r} needs a TTFT SLO (--slo ttft:MS)")
+        if self.rule.tpot and "tpot" not in self.slos:
+            raise ConfigError(f"admission rule {str(self.rule)!r} needs a TPOT SLO (--slo tpot:MS)")
         for name, value in (("token_budget", token_budget), ("max_num_seqs", max_num_seqs),
                             ("block_size", block_size)):
             if not isinstance(value, int) or value < 1:
@@ -506,6 +526,8 @@ class AdmissionController:
         self._queued = 0
         self._running_kv = 0
         self._ratios: deque[float] = deque(maxlen=PACE_WINDOW)  # measured / predicted TTFT
+        self._prefill_admitted: deque[tuple[float, float]] = deque()  # the tpot term's (time, seconds)
+        self._prefill_window_s = 0.0
 
     # -- the state ------------------------------------------------------------------------------
     @property
@@ -599,6 +621,9 @@ class AdmissionController:
                                             wait=predicted - limit, predicted=predicted)
                 else:
                     decision = Decision(True, predicted_ttft_s=predicted)
+            if decision.admit and rule.tpot:
+                room = self._decode_room(prompt_len - cached, cached, now, tpot)
+                decision = decision if room.admit else room
         if decision.admit:
             self.prefix.touch(block_hashes)
             sample = model if model >= PACE_MIN_SHARE * slo else math.nan
@@ -610,6 +635,30 @@ class AdmissionController:
             self._queued_attention += entry.attention
             self.stats.admitted += 1
         return decision
+
+    def _decode_room(self, uncached: int, cached: int, now: float, tpot: float) -> Decision:
+        """The ``tpot`` term: admit while the prefill time admitted over the last :data:`TPOT_WINDOW_S`
+        seconds, this request's included, leaves the running decodes a mean step within ``tpot``. Over
+        a window of ``H`` seconds of ``n`` steps, each a decode step ``d`` plus its prefill's extra
+        time, the mean step ``H / n`` stays within ``tpot`` while the extra time stays within
+        ``H * (1 - d / tpot)``; a request's extra time is its prefill's steps (the model's, times the
+        pace) less as many decode steps. The first request of a window always fits."""
+        window = self._prefill_admitted
+        while window and window[0][0] <= now - TPOT_WINDOW_S:
+            self._prefill_window_s -= window.popleft()[1]
+        running = min(self.num_running, self.max_num_seqs)
+        chunk = max(16, self.token_budget - running)
+        decode = self.model.step(running, running, self._running_kv)
+        steps = math.ceil(uncached / chunk)
+        prefill = self.model.prefill_seconds(uncached, cached, self.token_budget, running, self._running_kv)
+        cost = max(0.0, prefill * self.pace - steps * decode)
+        room = max(0.0, 1.0 - decode / tpot) * TPOT_WINDOW_S
+        if window and self._prefill_window_s + cost > room:
+            return self._reject("tpot", f"the prefill admitted over the last {TPOT_WINDOW_S:g} s would "
+                                f"slow the running requests past the TPOT SLO of {1000 * tpot:g} ms")
+        window.append((now, cost))
+        self._prefill_window_s += cost
+        return Decision(True)
 
     def _reject(self, reason: str, message: str, *, retry: bool = True, wait: float = 1.0,
                 predicted: float = math.nan) -> Decision:
@@ -687,5 +736,7 @@ class AdmissionController:
         self.prefix.clear()
         self._ratios.clear()
         self.stats.ttft_pace = 1.0
+        self._prefill_admitted.clear()
+        self._prefill_window_s = 0.0
         self._queued = self._queued_tokens = self._queued_uncached = self._running_kv = 0
         self._queued_attention = 0.0

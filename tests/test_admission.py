@@ -37,6 +37,7 @@ SLOS = {"ttft": 5000.0, "tpot": 50.0}
     ("queued-reqs:64", "queued-reqs:64"), ("queued-tokens:12000", "queued-tokens:12000"),
     ("deadline+slo:0.7", "slo:0.7+deadline"),
     ("queued-tokens:10+queued-reqs:3", "queued-reqs:3+queued-tokens:10"),
+    ("slo+tpot", "slo:1+tpot"), ("tpot+slo:0.5+deadline", "slo:0.5+deadline+tpot"),
 ])
 def test_rules_parse_to_one_canonical_text(text, canonical):
     rule = AdmissionRule.parse(text)
@@ -46,7 +47,8 @@ def test_rules_parse_to_one_canonical_text(text, canonical):
 
 @pytest.mark.parametrize("text", ["", "slo:0", "slo:-1", "slo:nan", "slo:inf", "slo:x", "queued-reqs",
                                   "queued-reqs:1.5", "queued-tokens:-3", "deadline:3", "none+slo", "none:1",
-                                  "slo+slo:2", "bogus", "slo:0.5+"])
+                                  "slo+slo:2", "bogus", "slo:0.5+", "tpot", "tpot:2+slo",
+                                  "slo+tpot+tpot", "deadline+tpot"])
 def test_bad_rules_are_one_clear_error(text):
     with pytest.raises(ConfigError, match="admission"):
         AdmissionRule.parse(text)
@@ -77,6 +79,8 @@ def test_rules_that_read_the_ttft_slo_refuse_to_start_without_it():
         with pytest.raises(ConfigError, match="TTFT SLO"):
             AdmissionController(rule, {"tpot": 50})
     AdmissionController("queued-reqs:4", {})  # vLLM's caps need none
+    with pytest.raises(ConfigError, match="TPOT SLO"):
+        AdmissionController("slo+tpot", {"ttft": 5000})
 
 
 # ------------------------------------------------------------------------------ vLLM's caps
@@ -161,6 +165,50 @@ def test_slo_rule_rejects_when_the_predicted_ttft_exceeds_f_times_the_slo_and_sa
     # a looser factor admits more of the same backlog
     loose = AdmissionController("slo:4", {"ttft": 1000}, model=model, token_budget=1000, block_size=16)
     assert sum(loose.offer(f"r{i}", 900, [], 0.0).admit for i in range(100)) > admitted
+
+
+def _tpot_controller(tpot_ms: float) -> AdmissionController:
+    model = StepTimeModel(const=0.01, per_request=0.0, per_token=1e-4, per_decode_kv=0.0,
+                          per_prefill_attn=0.0)
+    return AdmissionController("slo:100+tpot", {"ttft": 1000, "tpot": tpot_ms}, model=model,
+                               token_budget=1000, block_size=16)
+
+
+def test_the_tpot_term_bounds_the_prefill_admitted_per_window_by_the_tpot_slo():
+    """With nothing running a decode step takes 10 ms: a 50-ms TPOT leaves 1 - 10/50 of the 2-s window
+    to prefill, 1.6 s. A prompt of 900 tokens is one step of 100 ms, 90 ms more than a decode step: 17
+    fit (the TTFT rule, at 100 x the SLO, would take them all), the 18th is refused for the TPOT; once
+    the window has passed, requests fit again. A tighter TPOT leaves less room."""
+    from scheduler_runtime.admission import TPOT_WINDOW_S
+
+    c = _tpot_controller(50)
+    decisions = [c.offer(f"r{i}", 900, [], 0.0) for i in range(30)]
+    assert [d.admit for d in decisions] == [True] * 17 + [False] * 13
+    refused = decisions[17]
+    assert refused.reason == "tpot" and refused.retry and "TPOT SLO of 50 ms" in refused.message
+    assert decisions[0].predicted_ttft_s > 0  # the TTFT rule's prediction is kept on an admitted request
+    assert c.stats.rejected["tpot"] == 13
+    assert c.offer("later", 900, [], TPOT_WINDOW_S + 0.01).admit
+    tight = _tpot_controller(20)  # 1 - 10/20: 1.0 s of the window, 11 prompts
+    assert sum(tight.offer(f"r{i}", 900, [], 0.0).admit for i in range(30)) == 11
+    c.reset()
+    assert sum(c.offer(f"s{i}", 900, [], 0.0).admit for i in range(30)) == 17
+
+
+def test_the_tpot_term_admits_one_prefill_per_window_when_the_decodes_alone_miss_the_tpot():
+    """200 running requests make a decode step of 10 ms + 200 x 0.1 ms = 30 ms: within a 50-ms TPOT
+    there is room for several prompts, over a 25-ms TPOT none, and only each window's first request
+    fits (a decode-bound engine still takes work, one prompt at a time)."""
+    fits = []
+    for tpot_ms in (50, 25):
+        c = _tpot_controller(tpot_ms)
+        for i in range(200):  # each in a window of its own
+            assert c.offer(f"run{i}", 1, [], -1000.0 + 3 * i).admit
+            c.started(f"run{i}", -1000.0 + 3 * i)
+        assert c.num_running == 200
+        fits.append([c.offer(f"r{i}", 900, [], 0.0).admit for i in range(6)])
+    assert sum(fits[0]) > 2
+    assert fits[1] == [True, False, False, False, False, False]
 
 
 def _paced(pace_ratio: float, n: int = 40) -> AdmissionController:
@@ -248,7 +296,7 @@ _EVENTS = st.lists(st.tuples(st.sampled_from(["offer", "start", "finish", "abort
 
 @settings(max_examples=200, deadline=None)
 @given(events=_EVENTS, rule=st.sampled_from(["queued-reqs:5", "queued-tokens:6000", "slo:0.5",
-                                             "slo+deadline", "deadline"]))
+                                             "slo+deadline", "deadline", "slo+tpot"]))
 def test_the_controllers_counts_always_match_its_requests(events, rule):
     """Whatever the order of events (repeats, unknown ids included), the queue, the running batch
     and vLLM's token count are exactly those of the requests it tracks, and every decision counts once."""

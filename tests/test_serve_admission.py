@@ -339,6 +339,7 @@ def test_settings_travel_in_the_environment():
 @pytest.mark.parametrize("args, message", [
     (["--admission", "slo"], "needs a TTFT SLO"),
     (["--admission", "deadline", "--slo", "tpot:50"], "needs a TTFT SLO"),
+    (["--admission", "slo+tpot", "--slo", "ttft:5000"], "needs a TPOT SLO"),
     (["--admission", "bogus"], "--admission: unknown admission rule 'bogus'"),
     (["--admission", "slo:0"], "slo factor must be a finite number > 0"),
     (["--admission", "queued-reqs:x"], "'x' is not an integer"),

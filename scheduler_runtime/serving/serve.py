@@ -160,7 +160,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[list[str], dict[str, Any], Clust
     admission = parser.add_argument_group("admission past capacity")
     admission.add_argument("--admission", default=None, metavar="RULE",
                            help="none (default), queued-reqs:N, queued-tokens:N, slo[:F], deadline, joined "
-                                "by '+' (the same as --scheduler NAME~RULE)")
+                                "by '+', and tpot with slo (the same as --scheduler NAME~RULE)")
     admission.add_argument("--slo", default=None, metavar='"ttft:MS tpot:MS"',
                            help="the SLOs the slo and deadline rules read (vLLM's --goodput pairs)")
     admission.add_argument("--admission-status", type=int, choices=(503, 429), default=503,
@@ -309,6 +309,8 @@ def _admission(parser: argparse.ArgumentParser, ours: argparse.Namespace, args: 
         parser.error(f"--slo: {exc}")
     if rule.needs_slos and "ttft" not in slos:
         parser.error(f"the admission rule {str(rule)!r} needs a TTFT SLO: --slo \"ttft:MS [tpot:MS]\"")
+    if rule.tpot and "tpot" not in slos:
+        parser.error(f"the admission rule {str(rule)!r} needs a TPOT SLO: --slo \"ttft:MS tpot:MS\"")
     if ours.slo is not None and not rule.needs_slos:
         parser.error(f"--slo is read by the slo and deadline admission rules only; the rule is {str(rule)!r}")
     if ours.admission_profile is not None and not rule.needs_slos:
