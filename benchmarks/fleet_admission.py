@@ -121,9 +121,14 @@ def tune_rules(n: int, engine: EngineConfig, specs: Sequence[ReplicaSpec],
     return out
 
 
+#: The rules measured at their defaults, told nothing (each with its placebo): ``slo`` alone, and with
+#: its ``tpot`` term (:mod:`scheduler_runtime.admission`).
+DEFAULT_RULES = ("slo", "slo+tpot")
+
+
 def rules_of(name: str, tuning: dict[str, dict[str, Any]] | None) -> dict[str, str]:
     """The rules a router is measured with: label -> rule."""
-    rules = {"none": "none", "slo": "slo"}
+    rules = {"none": "none", **{r: r for r in DEFAULT_RULES}}
     t = (tuning or {}).get(name)
     if t is not None:
         rules["slo tuned"] = t["best"]["slo"]
@@ -149,23 +154,24 @@ def run_cell(n: int, engine: EngineConfig, specs: Sequence[ReplicaSpec], runs: S
     """Every router with each of its rules, and the placebo, on each run ``(seed, timed workload)``."""
     sims: dict[str, ClusterSim] = {}
     rows: dict[str, dict[str, list[dict[str, float]]]] = {}
-    placebos: list[dict[str, float]] = []
+    placebos: dict[str, list[dict[str, float]]] = {label: [] for label in DEFAULT_RULES}
     for seed, timed in runs:
         for name, factory in factories.items():
             for label, rule in rules_of(name, tuning).items():
                 sim = sims.setdefault(rule, cluster(n, engine, specs, rule, slo, reroute))
                 run = serve(sim, timed, factory(seed), slo)
                 rows.setdefault(name, {}).setdefault(label, []).append({**run, "rule": rule})
-        ours = rows[OURS_LEARNED]["slo"][-1]
-        k = round(ours["rejected"] * len(timed))
-        placebos.append(placebo(sims["none"], timed, lambda seed=seed: factories[OURS_LEARNED](seed), k, slo))
+        for label, runs_ in placebos.items():
+            k = round(rows[OURS_LEARNED][label][-1]["rejected"] * len(timed))
+            ours = lambda seed=seed: factories[OURS_LEARNED](seed)  # noqa: E731
+            runs_.append(placebo(sims["none"], timed, ours, k, slo))
     routers = {name: {label: {**{key: statistics.fmean(r[key] for r in rs) for key in rs[0] if key != "rule"},
                               "rules": sorted({r["rule"] for r in rs}), "runs": rs}
                       for label, rs in by_rule.items()}
                for name, by_rule in rows.items()}
-    return {"routers": routers,
-            "placebo": {**{k: statistics.fmean(p[k] for p in placebos) for k in placebos[0]},
-                        "runs": placebos}}
+    means = {label: {**{k: statistics.fmean(p[k] for p in ps) for k in ps[0]}, "runs": ps}
+             for label, ps in placebos.items()}
+    return {"routers": routers, "placebo": means["slo"], "placebos": means}
 
 
 def best_peer(routers: dict[str, Any], label: str) -> str | None:
@@ -186,9 +192,9 @@ def headline(res: dict[str, Any]) -> list[list[Any]]:
     ``slo:F``)."""
     rows = []
     for c in res["cells"]:
-        routers = c["routers"]
+        routers, placebos = c["routers"], placebos_of(c)
         ours = routers[OURS_LEARNED]
-        for label in ("slo", "slo tuned"):
+        for label in (*DEFAULT_RULES, "slo tuned"):
             if label not in ours:
                 continue
             mine = ours[label]["runs"]
@@ -199,7 +205,7 @@ def headline(res: dict[str, Any]) -> list[list[Any]]:
             rows.append([c["fleet"], f"{c['load']:g}", f"{label} ({', '.join(ours[label]['rules'])})",
                          f"{100 * ours[label]['attainment']:.1f}%", f"{ours[label]['output_throughput']:.0f}",
                          f"{100 * ours[label]['rejected']:.1f}%", *cols, _ratio(mine, ours["none"]["runs"]),
-                         _ratio(mine, c["placebo"]["runs"]) if label == "slo" else "-"])
+                         _ratio(mine, placebos[label]["runs"]) if label in placebos else "-"])
     return rows
 
 
@@ -211,11 +217,17 @@ def cell_rows(c: dict[str, Any]) -> list[list[Any]]:
             out.append([name, label, ", ".join(r["rules"]), f"{100 * r['attainment']:.1f}%",
                         f"{r['output_throughput']:.0f}", f"{100 * r['rejected']:.1f}%",
                         f"{r['p99_ttft_ms'] / 1000:.1f}"])
-    p = c["placebo"]
-    out.append(["placebo (ours learned)", "random", "-", f"{100 * p['attainment']:.1f}%",
-                f"{p['output_throughput']:.0f}", f"{100 * p['rejected']:.1f}%",
-                f"{p['p99_ttft_ms'] / 1000:.1f}"])
+    for label, p in placebos_of(c).items():
+        out.append(["placebo (ours learned)", "random" if label == "slo" else f"random, as {label}", "-",
+                    f"{100 * p['attainment']:.1f}%", f"{p['output_throughput']:.0f}",
+                    f"{100 * p['rejected']:.1f}%", f"{p['p99_ttft_ms'] / 1000:.1f}"])
     return out
+
+
+def placebos_of(c: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A cell's placebos by the default rule whose rejections they match (a run from before the ``tpot``
+    term has ``slo``'s alone)."""
+    return c.get("placebos", {"slo": c["placebo"]})
 
 
 def render(res: dict[str, Any]) -> str:
