@@ -257,7 +257,8 @@ BLOCKS: dict[str, Block] = {
                                                            "admission_burst_replicas2_no_reroute")},
     **{name: _result(name, "fleet_admission")
        for name in (*(f"fleet_admission_{f}_draws12{m}" for f in ("speed", "kv") for m in ("", "_noreroute")),
-                    *(f"fleet_admission_zipf_{f}_draws12_noreroute" for f in ("speed", "kv")))},
+                    *(f"fleet_admission_{w}{f}_draws12_noreroute{t}" for f in ("speed", "kv")
+                      for w, t in (("zipf_", ""), ("mooncake_", ""), ("", "_tpot"))))},
     "shed_reroute_loopback": _result("shed_reroute_loopback"),
     **{name: _result(name, "unequal_replicas") for name in (
         "unequal_router", "unequal_replicas_mooncake", "unequal_replicas_mooncake16",
