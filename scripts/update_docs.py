@@ -260,6 +260,7 @@ BLOCKS: dict[str, Block] = {
                     *(f"fleet_admission_{w}{f}_draws12_noreroute{t}" for f in ("speed", "kv")
                       for w, t in (("zipf_", ""), ("mooncake_", ""), ("", "_tpot"))))},
     "shed_reroute_loopback": _result("shed_reroute_loopback"),
+    "tpot_term": _result("tpot_term"),
     **{name: _result(name, "unequal_replicas") for name in (
         "unequal_router", "unequal_replicas_mooncake", "unequal_replicas_mooncake16",
         "unequal_replicas_seeds12", "unequal_replicas_zipf_seeds12", "unequal_replicas_mooncake_seeds12",
