@@ -104,7 +104,8 @@ PACE_MIN_SHARE = 0.25
 PACE_MIN_SAMPLES = 8
 #: ... clipped to [1, PACE_MAX].
 PACE_MAX = 4.0
-#: The ``tpot`` term (module docstring): the window, in seconds, over which it bounds the prefill steps
+#: The ``tpot`` term (module docstring): the window, in seconds, over which it bounds the prefill admitted
+#: (the best of 0.5, 2 and 10 s in ``benchmarks.tpot_term``).
 TPOT_WINDOW_S = 2.0
 #: Reasons a request is refused or aborted (the counters' labels).
 REASONS = ("queued-reqs", "queued-tokens", "slo", "tpot", "never-fits", "deadline")
@@ -172,7 +173,7 @@ class AdmissionRule:
         queued_tokens: vLLM's token cap (``None``: none).
         slo_factor: ``slo:F``'s F (``None``: the rule is off).
         deadline: abort waiting requests that can no longer meet their TTFT.
-        tpot: bound the share of steps that carry prefill so that decodes keep their TPOT SLO.
+        tpot: also bound the prefill admitted per window so that the decodes keep their TPOT SLO.
     """
 
     queued_reqs: int | None = None
@@ -192,7 +193,7 @@ class AdmissionRule:
                               or not (0 < f < math.inf)):
             raise ConfigError(f"admission slo factor must be a finite number > 0, got {f!r}")
         if self.tpot and f is None:
-            raise ConfigError("admission term 'tpot' scales the 'slo' rule's limit: give it with slo "
+            raise ConfigError("admission term 'tpot' is a bound added to the 'slo' rule: give it with slo "
                               "(e.g. slo+tpot)")
 
     @classmethod
