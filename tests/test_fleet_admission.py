@@ -20,7 +20,7 @@ def test_the_quick_run_measures_every_router_with_each_rule_and_the_placebo(tmp_
     assert set(routers) == {OURS_LEARNED, *PEERS}
     tuning = res["tuning"]["speed"]
     for name, by_rule in routers.items():
-        assert set(by_rule) == {"none", "slo", "slo tuned", "vllm caps"}
+        assert set(by_rule) == {"none", *fleet_admission.DEFAULT_RULES, "slo tuned", "vllm caps"}
         assert by_rule["none"]["rejected"] == 0.0
         best = tuning[name]["best"]
         assert by_rule["slo tuned"]["rules"] == [best["slo"]]
@@ -31,10 +31,13 @@ def test_the_quick_run_measures_every_router_with_each_rule_and_the_placebo(tmp_
         assert means[best["slo"]] == max(means[r] for r in fleet_admission.FAMILIES["slo"])
         for r in by_rule.values():
             assert 0.0 <= r["attainment"] <= 1.0 - r["rejected"] + 1e-12
-    # at three times the capacity and a 1-s TTFT ours' rule sheds; the placebo removes as many at random
-    ours = routers[OURS_LEARNED]["slo"]
-    assert ours["rejected"] > 0
-    assert cell["placebo"]["rejected"] == pytest.approx(ours["rejected"], abs=1.0 / cell["requests"])
+    # at three times the capacity and a 1-s TTFT ours' rules shed; each placebo removes as many at random
+    for label in fleet_admission.DEFAULT_RULES:
+        ours = routers[OURS_LEARNED][label]
+        assert ours["rejected"] > 0
+        one = 1.0 / cell["requests"]
+        assert cell["placebos"][label]["rejected"] == pytest.approx(ours["rejected"], abs=one)
+    assert cell["placebo"] == cell["placebos"]["slo"]
     text = fleet_admission.render(res)
     assert "/ best peer, vLLM caps tuned" in text and "placebo (ours learned)" in text
 
