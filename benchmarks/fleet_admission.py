@@ -161,9 +161,9 @@ def run_cell(n: int, engine: EngineConfig, specs: Sequence[ReplicaSpec], runs: S
                 sim = sims.setdefault(rule, cluster(n, engine, specs, rule, slo, reroute))
                 run = serve(sim, timed, factory(seed), slo)
                 rows.setdefault(name, {}).setdefault(label, []).append({**run, "rule": rule})
+        ours = lambda seed=seed: factories[OURS_LEARNED](seed)  # noqa: E731
         for label, runs_ in placebos.items():
             k = round(rows[OURS_LEARNED][label][-1]["rejected"] * len(timed))
-            ours = lambda seed=seed: factories[OURS_LEARNED](seed)  # noqa: E731
             runs_.append(placebo(sims["none"], timed, ours, k, slo))
     routers = {name: {label: {**{key: statistics.fmean(r[key] for r in rs) for key in rs[0] if key != "rule"},
                               "rules": sorted({r["rule"] for r in rs}), "runs": rs}

@@ -27,15 +27,18 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from benchmarks import fleet_admission, measured
 from benchmarks.admission_headroom import Server
 from benchmarks.unequal_replicas import FleetDraws, fleet_mooncake_pool, fleets, timed_runs
+from feather_env.cluster_sim import ReplicaSpec
+from feather_env.engines.vllm_engine import EngineConfig
 from feather_env.reporting import format_table, machine_info, write_json
 from feather_env.scenarios import load_scenario
 from feather_env.serving_metrics import serving_metrics
-from feather_env.workloads import WorkloadConfig, load_workload
+from feather_env.workloads import Workload, WorkloadConfig, load_workload
 from scheduler_runtime import admission
 from scheduler_runtime.learned_router import LearnedRouter
 
@@ -47,11 +50,13 @@ def rules(tuned: str) -> list[str]:
     return ["slo", "slo+tpot", tuned, f"{tuned}+tpot"]
 
 
-def single_engine(headroom: dict[str, Any], window: float) -> list[dict[str, Any]]:
-    """Each load's held-out windows of ``admission_headroom``, each rule on its best constant."""
+def single_engine(headroom: dict[str, Any], servers: dict[str, Server],
+                  window: float) -> list[dict[str, Any]]:
+    """Each load's held-out windows of ``admission_headroom`` (served by ``servers``, one per load), each
+    rule on its best constant."""
     out = []
     for rate, load in headroom["loads"].items():
-        server = Server(float(rate))
+        server = servers[rate]
         base, tuned = load["best_constant"], load["slo_rule"].split("~", 1)[1]
         for seed in headroom["eval_seeds"]:
             for rule in rules(tuned):
@@ -62,16 +67,32 @@ def single_engine(headroom: dict[str, Any], window: float) -> list[dict[str, Any
     return out
 
 
-def fleet(tuned: str, seeds: Sequence[int], window: float, load: float = 1.5) -> list[dict[str, Any]]:
-    """The speed fleet on Mooncake windows at ``load``, ours learned, each rule on every replica."""
-    engine = load_scenario("leval-kv-pressure").engine_config()
-    pool = load_workload(WorkloadConfig(kind="leval", max_prompt_tokens=8192))
-    draws = FleetDraws(engine, pool, 8, workload="mooncake",
-                       moon=fleet_mooncake_pool("leval-kv-pressure", engine))
-    specs = fleets(8, 0.0, 0.0)["speed"]
+@dataclass(frozen=True)
+class FleetRuns:
+    """The speed fleet of 8 replicas and its held-out Mooncake windows with arrivals at ``load``."""
+
+    engine: EngineConfig
+    specs: Sequence[ReplicaSpec]
+    runs: Sequence[tuple[int, Workload]]
+    load: float
+
+    @classmethod
+    def draw(cls, seeds: Sequence[int], load: float = 1.5) -> FleetRuns:
+        engine = load_scenario("leval-kv-pressure").engine_config()
+        pool = load_workload(WorkloadConfig(kind="leval", max_prompt_tokens=8192))
+        draws = FleetDraws(engine, pool, 8, workload="mooncake",
+                           moon=fleet_mooncake_pool("leval-kv-pressure", engine))
+        specs = fleets(8, 0.0, 0.0)["speed"]
+        runs = timed_runs([(seed, w, cap["req_s"]) for seed, w, cap in draws.held_out("speed", specs, seeds)],
+                          load, True)
+        return cls(engine, specs, runs, load)
+
+
+def fleet(runs: FleetRuns, tuned: str, window: float) -> list[dict[str, Any]]:
+    """``runs``' fleet, ours learned, each rule on every replica."""
+    engine, specs, load = runs.engine, runs.specs, runs.load
     out = []
-    for seed, w, cap in draws.held_out("speed", specs, seeds):
-        ((_, timed),) = timed_runs([(seed, w, cap["req_s"])], load, True)
+    for seed, timed in runs.runs:
         for rule in rules(tuned):
             r = fleet_admission.cluster(8, engine, specs, rule, FLEET_SLOS, False).run(
                 timed, LearnedRouter(), goodput=FLEET_SLOS, scrape_s=0.0)
@@ -121,12 +142,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         fleet_tuned = json.load(f)["tuning"]["speed"][fleet_admission.OURS_LEARNED]["best"]["slo"]
     windows = [float(w) for w in args.windows.split(",")]
     seeds = [int(s) for s in args.fleet_seeds.split(",")]
+    servers = {rate: Server(float(rate)) for rate in headroom["loads"]}
+    fleet_runs = FleetRuns.draw(seeds)
     default = admission.TPOT_WINDOW_S
     runs: list[dict[str, Any]] = []
     try:
         for w in windows:
             admission.TPOT_WINDOW_S = w
-            runs += single_engine(headroom, w) + fleet(fleet_tuned, seeds, w)
+            runs += single_engine(headroom, servers, w) + fleet(fleet_runs, fleet_tuned, w)
             print(f"[{time.perf_counter() - start:5.0f} s] window {w:g} s", file=sys.stderr, flush=True)
     finally:
         admission.TPOT_WINDOW_S = default

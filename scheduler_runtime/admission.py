@@ -345,6 +345,11 @@ class StepTimeModel:
         return (self.const + self.per_request * requests + self.per_token * tokens
                 + self.per_decode_kv * decode_kv + self.per_prefill_attn * prefill_attn)
 
+    @staticmethod
+    def prefill_chunk(budget: int, running: int) -> int:
+        """The prompt tokens one step computes beside ``running`` decodes (at least 16)."""
+        return max(16, budget - running)
+
     def prefill_seconds(self, tokens: float, cached: float, budget: int, running: int,
                         running_kv: float, attention: float | None = None) -> float:
         """Seconds to prefill ``tokens`` on top of ``cached`` in chunks of the budget left by ``running``
@@ -354,7 +359,7 @@ class StepTimeModel:
         each one's :func:`attention_work`); by default that of one prompt."""
         if tokens <= 0:
             return 0.0
-        chunk = max(16, budget - running)
+        chunk = self.prefill_chunk(budget, running)
         steps = math.ceil(tokens / chunk)
         per_step = self.step(running + 1, running + min(chunk, tokens), running_kv)
         if attention is None:
@@ -648,9 +653,8 @@ class AdmissionController:
         while window and window[0][0] <= now - TPOT_WINDOW_S:
             self._prefill_window_s -= window.popleft()[1]
         running = min(self.num_running, self.max_num_seqs)
-        chunk = max(16, self.token_budget - running)
         decode = self.model.step(running, running, self._running_kv)
-        steps = math.ceil(uncached / chunk)
+        steps = math.ceil(uncached / self.model.prefill_chunk(self.token_budget, running))
         prefill = self.model.prefill_seconds(uncached, cached, self.token_budget, running, self._running_kv)
         cost = max(0.0, prefill * self.pace - steps * decode)
         room = max(0.0, 1.0 - decode / tpot) * TPOT_WINDOW_S
