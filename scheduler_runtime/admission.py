@@ -30,7 +30,9 @@ by itself:
   ``H`` seconds and ``n`` steps, each a decode step ``d`` (the running batch's, by the model) plus its
   prefill's extra time, the mean step ``H / n`` stays within the TPOT SLO while that extra time stays
   within ``H * (1 - d / TPOT)``: the term admits a request while the window's extra time, its own
-  included (its prefill's steps by the model, times the pace, less as many decode steps), fits.
+  included (its prefill's steps by the model, times the pace, less as many decode steps), fits. A
+  prefill slows only the requests decoding while it runs, those running and those queued ahead of it
+  (decoding by then): with neither it slows nobody, and it is admitted without a charge to the window.
 
 The model is fitted on one engine alone on its machine; served beside other engines, or on a busier
 or slower machine, the same steps take longer. The ``slo`` rule therefore corrects its prediction by
@@ -648,10 +650,13 @@ class AdmissionController:
         a window of ``H`` seconds of ``n`` steps, each a decode step ``d`` plus its prefill's extra
         time, the mean step ``H / n`` stays within ``tpot`` while the extra time stays within
         ``H * (1 - d / tpot)``; a request's extra time is its prefill's steps (the model's, times the
-        pace) less as many decode steps. The first request of a window always fits."""
+        pace) less as many decode steps. The first request of a window always fits, and one with no
+        request running or queued ahead (no decode to slow) fits without a charge."""
         window = self._prefill_admitted
         while window and window[0][0] <= now - TPOT_WINDOW_S:
             self._prefill_window_s -= window.popleft()[1]
+        if not self._entries:
+            return Decision(True)
         running = min(self.num_running, self.max_num_seqs)
         decode = self.model.step(running, running, self._running_kv)
         steps = math.ceil(uncached / self.model.prefill_chunk(self.token_budget, running))

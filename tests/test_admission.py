@@ -176,23 +176,42 @@ def _tpot_controller(tpot_ms: float) -> AdmissionController:
 
 def test_the_tpot_term_bounds_the_prefill_admitted_per_window_by_the_tpot_slo():
     """With nothing running a decode step takes 10 ms: a 50-ms TPOT leaves 1 - 10/50 of the 2-s window
-    to prefill, 1.6 s. A prompt of 900 tokens is one step of 100 ms, 90 ms more than a decode step: 17
-    fit (the TTFT rule, at 100 x the SLO, would take them all), the 18th is refused for the TPOT; once
-    the window has passed, requests fit again. A tighter TPOT leaves less room."""
+    to prefill, 1.6 s. A prompt of 900 tokens is one step of 100 ms, 90 ms more than a decode step. The
+    first request slows nobody (nothing runs or waits ahead of it) and is not charged; 17 more fit (the
+    TTFT rule, at 100 x the SLO, would take them all), the 19th is refused for the TPOT; once the window
+    has passed, requests fit again. A tighter TPOT leaves less room."""
     from scheduler_runtime.admission import TPOT_WINDOW_S
 
     c = _tpot_controller(50)
     decisions = [c.offer(f"r{i}", 900, [], 0.0) for i in range(30)]
-    assert [d.admit for d in decisions] == [True] * 17 + [False] * 13
-    refused = decisions[17]
+    assert [d.admit for d in decisions] == [True] * 18 + [False] * 12
+    refused = decisions[18]
     assert refused.reason == "tpot" and refused.retry and "TPOT SLO of 50 ms" in refused.message
     assert decisions[0].predicted_ttft_s > 0  # the TTFT rule's prediction is kept on an admitted request
-    assert c.stats.rejected["tpot"] == 13
+    assert c.stats.rejected["tpot"] == 12
     assert c.offer("later", 900, [], TPOT_WINDOW_S + 0.01).admit
-    tight = _tpot_controller(20)  # 1 - 10/20: 1.0 s of the window, 11 prompts
-    assert sum(tight.offer(f"r{i}", 900, [], 0.0).admit for i in range(30)) == 11
+    tight = _tpot_controller(20)  # 1 - 10/20: 1.0 s of the window, 11 prompts after the first
+    assert sum(tight.offer(f"r{i}", 900, [], 0.0).admit for i in range(30)) == 12
     c.reset()
-    assert sum(c.offer(f"s{i}", 900, [], 0.0).admit for i in range(30)) == 17
+    assert sum(c.offer(f"s{i}", 900, [], 0.0).admit for i in range(30)) == 18
+
+
+def test_the_tpot_term_charges_a_prefill_only_when_a_request_is_running_or_queued_ahead():
+    """A prefill slows the decodes running while it runs: an arrival to an empty engine is admitted
+    without a charge, however long its prefill, so the next arrival still finds the window's whole room;
+    once the first has left, the engine is empty again and the next is free too."""
+    c = _tpot_controller(50)
+    assert c.offer("long", 990, [], 0.0).admit  # 100 ms over a decode step, 0 charged
+    c.started("long", 0.1)
+    assert sum(c.offer(f"r{i}", 900, [], 0.2).admit for i in range(30)) == 17  # 1.6 s / 90 ms
+    refused = _tpot_controller(50)
+    assert refused.offer("first", 900, [], 0.0).admit
+    for i in range(18):
+        refused.offer(f"r{i}", 900, [], 0.0)
+    assert not refused.offer("late", 900, [], 0.0).admit  # the window is full
+    for rid in ("first", *(f"r{i}" for i in range(18))):
+        refused.finished(rid)
+    assert len(refused) == 0 and refused.offer("alone", 900, [], 0.0).admit  # nobody to slow
 
 
 def test_the_tpot_term_admits_one_prefill_per_window_when_the_decodes_alone_miss_the_tpot():
