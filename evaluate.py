@@ -537,7 +537,8 @@ def run_advise(argv: Sequence[str], backend: Any = None) -> int:
                    help="search admission rules with the schedulers, caps and budgets, ranked by SLO "
                    "attainment (default: on when --goodput has a ttft SLO)")
     p.add_argument("--admission-rules", default=None, help=f"the rules searched (default "
-                   f"{','.join(ADMISSION_RULES)}; slo and deadline need a ttft SLO)")
+                   f"{','.join(ADMISSION_RULES)}; slo and deadline need a ttft SLO, slo+tpot a tpot "
+                   "SLO too)")
     p.add_argument("--admission-bases", type=int, default=3, help="the best settings without a rule the "
                    "rules are searched on, beside fcfs at each budget (default 3)")
     p.add_argument("--thresholds", type=int, default=8,

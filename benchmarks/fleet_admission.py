@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import shlex
 import statistics
@@ -202,11 +203,20 @@ def headline(res: dict[str, Any]) -> list[list[Any]]:
             for other in ("none", "vllm caps", label):
                 peer = best_peer(routers, other)
                 cols.append(f"{peer}: {_ratio(mine, routers[peer][other]['runs'])}" if peer else "-")
+                if other == "none":
+                    cols.append(ceiling(routers[peer][other]["runs"]) if peer else "-")
             rows.append([c["fleet"], f"{c['load']:g}", f"{label} ({', '.join(ours[label]['rules'])})",
                          f"{100 * ours[label]['attainment']:.1f}%", f"{ours[label]['output_throughput']:.0f}",
                          f"{100 * ours[label]['rejected']:.1f}%", *cols, _ratio(mine, ours["none"]["runs"]),
                          _ratio(mine, placebos[label]["runs"]) if label in placebos else "-"])
     return rows
+
+
+def ceiling(runs: Sequence[dict[str, float]]) -> str:
+    """The largest attainment ratio any rule could reach over ``runs`` (all requests good over theirs):
+    the median over seeds of ``1 / attainment``."""
+    inverse = [1.0 / r["attainment"] if r["attainment"] > 0 else math.inf for r in runs]
+    return f"{statistics.median(inverse):.2f}x"
 
 
 def cell_rows(c: dict[str, Any]) -> list[list[Any]]:
@@ -248,10 +258,11 @@ def render(res: dict[str, Any]) -> str:
            "`slo:F` tuned, its attainment, output tok/s and share rejected; over the best peer with no "
            "admission, with vLLM's caps tuned, and with the same rule as ours (`slo`, or its own tuned "
            "`slo:F`); over ours learned with no admission, and (the default) over the placebo: attainment "
-           "(output tok/s), median over seeds of the per-seed ratio.", "",
+           "(output tok/s), median over seeds of the per-seed ratio; the ceiling is the ratio any rule would "
+           "reach over the best peer with no admission by meeting the SLO for every request.", "",
            format_table(["fleet", "load", "ours' rule", "attain.", "tok/s", "rejected", "/ best peer, none",
-                         "/ best peer, vLLM caps tuned", "/ best peer, same rule", "/ ours, none",
-                         "/ placebo"],
+                         "ceiling over it", "/ best peer, vLLM caps tuned", "/ best peer, same rule",
+                         "/ ours, none", "/ placebo"],
                         headline(res))]
     for c in res["cells"]:
         out += ["", f"{c['fleet']} fleet, load {c['load']:g} ({c['rate_req_s']:.2f} req/s):", "",

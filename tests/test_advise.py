@@ -213,7 +213,8 @@ def test_check_prints_the_plan_and_starts_no_probe(tmp_path, capsys, monkeypatch
             "group-cap-8@256)") in text
     assert "settings: 2 schedulers (fcfs, group-cap-2) x 2 per-step token budgets (512, 8192" in text
     assert "confirm: on the real engine, window 102: the default and the simulator's best 2" in text
-    assert "admission: queued-tokens, queued-reqs, slo, deadline, slo+deadline over 8 thresholds" in text
+    assert ("admission: queued-tokens, queued-reqs, slo, deadline, slo+deadline, slo+tpot over 8 "
+            "thresholds") in text
     assert text.rstrip().endswith("nothing served") and not out.exists()
 
 

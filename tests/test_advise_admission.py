@@ -62,7 +62,7 @@ def test_each_rule_has_at_least_8_log_spaced_thresholds_around_its_centre(small)
     reqs = threshold_ladder(small, config, PROFILE, "queued-reqs")
     seqs = small.engine.max_num_seqs
     assert len(reqs) >= 8 and reqs[0] == seqs // 4 and reqs[-1] == 16 * seqs and _log_spaced(reqs)
-    for rule in ("slo", "slo+deadline"):
+    for rule in ("slo", "slo+deadline", "slo+tpot"):
         factors = threshold_ladder(small, config, PROFILE, rule)
         assert len(factors) >= 8 and factors[0] == 0.125 and factors[-1] == 4.0 and _log_spaced(factors)
     assert threshold_ladder(small, config, PROFILE, "deadline") == [None]
@@ -70,7 +70,11 @@ def test_each_rule_has_at_least_8_log_spaced_thresholds_around_its_centre(small)
 
 
 def test_admission_is_searched_by_default_with_a_ttft_slo_and_ranked_by_attainment():
-    assert AdviseConfig(SLOS).rules == ("queued-tokens", "queued-reqs", "slo", "deadline", "slo+deadline")
+    assert AdviseConfig(SLOS).rules == ("queued-tokens", "queued-reqs", "slo", "deadline", "slo+deadline",
+                                        "slo+tpot")
+    # the tpot term needs a TPOT SLO beside the TTFT one
+    assert AdviseConfig({"ttft": 5000.0}).rules == ("queued-tokens", "queued-reqs", "slo", "deadline",
+                                                    "slo+deadline")
     assert AdviseConfig(SLOS).rank_by == "slo_attainment"
     assert AdviseConfig(SLOS, admission=False).rules == () and AdviseConfig(
         SLOS, admission=False).rank_by == "request_goodput"
@@ -160,6 +164,7 @@ def test_equal_attainment_goes_to_the_simpler_rule():
     rows.update({n: _row(n, [0.9, 0.9]) for n in names[:4]})
     assert _recommend(rows)["scheduler"] == "fcfs@512~queued-tokens:8192"
     assert [rule_kind(n) for n in names] == ["slo+deadline", "slo", "queued-tokens", "queued-tokens", "none"]
+    assert rule_kind("fcfs@512~slo:0.5+tpot") == "slo+tpot"
 
 
 def test_roles_name_the_best_vllm_caps_of_fcfs_and_of_ours():

@@ -140,10 +140,10 @@ DEFAULT_BUDGETS = (256, 512, 1024, 2048, 4096, 8192)
 #: vLLM's default on a scenario's engine: its own fcfs scheduler at the engine's token budget.
 DEFAULT_SCHEDULER = "fcfs"
 #: The admission rules the search tries (:mod:`scheduler_runtime.admission`), each over its thresholds.
-ADMISSION_RULES = ("queued-tokens", "queued-reqs", "slo", "deadline", "slo+deadline")
+ADMISSION_RULES = ("queued-tokens", "queued-reqs", "slo", "deadline", "slo+deadline", "slo+tpot")
 #: Each thresholded rule's range, as factors of its centre (:func:`threshold_ladder`).
 THRESHOLD_SPAN = {"queued-tokens": (1 / 8, 8.0), "queued-reqs": (1 / 4, 16.0), "slo": (1 / 8, 4.0),
-                  "slo+deadline": (1 / 8, 4.0)}
+                  "slo+deadline": (1 / 8, 4.0), "slo+tpot": (1 / 8, 4.0)}
 #: At most this many values are added beyond an edge of a rule's thresholds.
 MAX_EXTENSIONS = 3
 #: The metrics a candidate's row reports (``vllm bench serve``'s names), averaged over windows.
@@ -195,7 +195,7 @@ class AdviseConfig:
             recommend the engine's pick among them (:func:`engine_choice`); 1: the simulator's pick.
         admission: search admission rules; ``None``: when the SLOs have a TTFT.
         admission_rules: the rules searched (of :data:`ADMISSION_RULES`; those that read the TTFT SLO
-            only with one).
+            only with one, ``slo+tpot`` only with a TPOT SLO too).
         admission_bases: the best settings without a rule the rules are searched on (beside fcfs at
             each budget).
         thresholds: log-spaced thresholds of each rule (at least 8 for a search worth the name).
@@ -256,10 +256,11 @@ class AdviseConfig:
     @property
     def rules(self) -> tuple[str, ...]:
         """The admission rules the search tries: none without admission; those reading the TTFT SLO
-        (``slo``, ``deadline``) only with one."""
+        (``slo``, ``deadline``) only with one, and ``slo+tpot`` only with a TPOT SLO as well."""
         if not (self.admission if self.admission is not None else "ttft" in self.slos):
             return ()
-        return tuple(r for r in self.admission_rules if "ttft" in self.slos or r.startswith("queued"))
+        return tuple(r for r in self.admission_rules if ("ttft" in self.slos or r.startswith("queued"))
+                     and ("tpot" in self.slos or "tpot" not in r.split("+")))
 
     @property
     def rank_by(self) -> str:
@@ -448,6 +449,8 @@ def rule_kind(name: str) -> str:
     parsed = AdmissionRule.parse(split_setting(name)[2])
     if parsed.slo_factor is not None and parsed.deadline:
         return "slo+deadline"
+    if parsed.slo_factor is not None and parsed.tpot:
+        return "slo+tpot"
     for kind, on in (("queued-tokens", parsed.queued_tokens is not None),
                      ("queued-reqs", parsed.queued_reqs is not None),
                      ("slo", parsed.slo_factor is not None), ("deadline", parsed.deadline)):
