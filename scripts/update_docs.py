@@ -263,7 +263,7 @@ BLOCKS: dict[str, Block] = {
     "tpot_term": _result("tpot_term"),
     **{name: _result(name, "fleet_admission")
        for name in (f"fleet_admission_{v}_{f}_draws6_noreroute"
-                    for v in ("16", "tight") for f in ("speed", "kv"))},
+                    for v in ("16", "tight", "16_mooncake", "16_zipf") for f in ("speed", "kv"))},
     **{name: _result(name, "unequal_replicas") for name in (
         "unequal_router", "unequal_replicas_mooncake", "unequal_replicas_mooncake16",
         "unequal_replicas_seeds12", "unequal_replicas_zipf_seeds12", "unequal_replicas_mooncake_seeds12",
